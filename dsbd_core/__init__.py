@@ -1,0 +1,26 @@
+"""dsbd_core: exact beam sampling, speculative sampling and DSBD on any causal LM.
+
+Pure torch (+ transformers for real models); knows nothing of Ray.
+"""
+
+from dsbd_core.config import SamplingConfig, config_error_message
+from dsbd_core.decoders import METHODS, generate, generate_batch
+from dsbd_core.result import Beam, DecodeResult, DecodeStats
+from dsbd_core.scorer import ForestLayer, ForestLogprobs, ForestScorer, Origin
+from dsbd_core.table_scorer import TableScorer
+
+__all__ = [
+    "METHODS",
+    "Beam",
+    "DecodeResult",
+    "DecodeStats",
+    "ForestLayer",
+    "ForestLogprobs",
+    "ForestScorer",
+    "Origin",
+    "SamplingConfig",
+    "TableScorer",
+    "config_error_message",
+    "generate",
+    "generate_batch",
+]

@@ -1,0 +1,84 @@
+"""One sampling configuration for every decoder.
+
+Every decoder (multinomial sampling, SpS, beam sampling, DSBD) reads the same fields so that
+"DSBD follows beam sampling" is a statement about two runs with the *same* config. Invalid values
+are rejected by pydantic; `config_error_message` turns its error into one line per field that
+names the field, the value given and what is allowed (used by the CLI and, later, HTTP).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+Mode = Literal["with_replacement", "distinct"]
+
+
+class SamplingConfig(BaseModel):
+    """Sampling knobs shared by all decoders.
+
+    Filtering (temperature, top-k, top-p) is applied *jointly* over the table of candidates
+    (beams x vocabulary) in beam sampling and in DSBD's target distributions (spec §1, §11.2);
+    with one beam this is ordinary per-token filtering.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    temperature: float = Field(1.0, gt=0.0, le=100.0, description="Softmax temperature (> 0).")
+    top_k: int = Field(0, ge=0, description="Keep the k most likely candidates; 0 disables.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus mass in (0, 1]; 1 disables.")
+    width: int = Field(3, ge=1, le=64, description="Beam width W (target beams per step).")
+    draft_width: int | None = Field(
+        None, ge=1, le=64, description="Draft beams per draft layer W_S (default: width)."
+    )
+    gamma: int = Field(3, ge=1, le=32, description="Draft depth: layers drafted per iteration.")
+    threshold: float | None = Field(
+        0.7,
+        ge=0.0,
+        le=1.0,
+        description="Width threshold t of the dynamic-width rule; None = fixed width W.",
+    )
+    w_min: int = Field(1, ge=1, le=64, description="Smallest width a verified layer may get.")
+    max_new_tokens: int = Field(64, ge=1, le=32768, description="Tokens to generate at most.")
+    eos_token_ids: tuple[int, ...] = Field((), description="Token ids that finish a beam.")
+    seed: int | None = Field(None, ge=0, description="Seed of the sampler's random generator.")
+    length_penalty: float = Field(
+        1.0, ge=0.0, le=10.0, description="Final ranking: log-likelihood / length**penalty."
+    )
+    mode: Mode = Field(
+        "distinct",
+        description="with_replacement: W i.i.d. candidates per step; distinct: W distinct ones.",
+    )
+    lean_memory: bool = Field(
+        False, description="DSBD keeps one beam (one KV row) between iterations (spec §7)."
+    )
+
+    @model_validator(mode="after")
+    def _w_min_within_width(self) -> SamplingConfig:
+        if self.w_min > self.width:
+            raise ValueError(
+                f"w_min={self.w_min} is larger than width={self.width}; allowed: 1 <= w_min <= width"
+            )
+        return self
+
+    @property
+    def draft_beams(self) -> int:
+        """Draft width W_S actually used."""
+        return self.draft_width if self.draft_width is not None else self.width
+
+    @property
+    def fixed_width(self) -> bool:
+        """True when every verified layer must keep the full width (no dynamic-width rule)."""
+        return self.threshold is None
+
+
+def config_error_message(error: ValidationError) -> str:
+    """One line per invalid field: `field=value: what is allowed`."""
+    lines = []
+    for item in error.errors():
+        field = ".".join(str(part) for part in item["loc"]) or "config"
+        value = item.get("input")
+        shown = "" if isinstance(value, dict) else f"={value!r}"
+        lines.append(f"{field}{shown}: {item['msg']}")
+    return "\n".join(lines)

@@ -1,0 +1,112 @@
+"""Candidate distributions and exact draws, batched over sessions.
+
+A *candidate table* is a [B, N] tensor over N = (#parent beams x |V|) candidates, flattened
+row-major (`parent * V + token`, spec §0.2). Beam sampling, the draft's proposals and DSBD's
+target layer distributions are all built by `joint_filter`, so the three agree whenever the
+models agree (spec §11.2).
+"""
+
+from __future__ import annotations
+
+import torch
+
+NEG_INF = float("-inf")
+# Below this mass a residual is treated as empty: a rejection that needs it happens with
+# probability < 1e-12, so any finite fallback keeps the sampler exact to that precision.
+RESIDUAL_EPS = 1e-12
+
+
+def joint_filter(
+    log_weights: torch.Tensor, temperature: float, top_k: int, top_p: float
+) -> torch.Tensor:
+    """Probabilities of the joint beam distribution over a candidate table (spec §1.1 step 3).
+
+    log_weights: [B, N] log-weights (`-inf` excludes a candidate). Temperature divides them;
+    top-k keeps the k largest of the whole row (ties with the k-th kept); top-p keeps the
+    smallest prefix (by descending probability, ties by index) whose mass reaches `top_p`,
+    including the entry that crosses it. Rows without any finite entry come back all zero.
+    """
+    x = log_weights / temperature
+    n = x.shape[-1]
+    if 0 < top_k < n:
+        kth = x.topk(top_k, dim=-1).values[..., -1:]
+        x = x.masked_fill(x < kth, NEG_INF)
+    if top_p < 1.0:
+        sorted_x, order = x.sort(dim=-1, descending=True, stable=True)
+        sorted_p = _safe_softmax(sorted_x)
+        mass_before = sorted_p.cumsum(dim=-1) - sorted_p
+        drop_sorted = mass_before >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        x = x.masked_fill(drop, NEG_INF)
+    return _safe_softmax(x)
+
+
+def _safe_softmax(x: torch.Tensor) -> torch.Tensor:
+    """Softmax that maps an all `-inf` row to zeros instead of NaN."""
+    has_mass = torch.isfinite(x).any(dim=-1, keepdim=True)
+    probs = torch.softmax(torch.where(has_mass, x, torch.zeros_like(x)), dim=-1)
+    return probs * has_mass
+
+
+def normalise(weights: torch.Tensor) -> torch.Tensor:
+    """Rows divided by their sums; rows without mass stay zero."""
+    total = weights.sum(dim=-1, keepdim=True)
+    return torch.where(total > 0, weights / total.clamp_min(1e-300), torch.zeros_like(weights))
+
+
+def residual(chain: torch.Tensor, proposal: torch.Tensor) -> torch.Tensor:
+    """norm((chain - proposal)_+): the chain's distribution after a rejection (spec §4.2).
+
+    `proposal` may be sub-stochastic (rows of rejected parents removed). When the residual has
+    no mass the chain is returned unchanged (spec §11.15): that branch has probability ~0.
+    """
+    rest = (chain - proposal).clamp_min(0.0)
+    total = rest.sum(dim=-1, keepdim=True)
+    return torch.where(total > RESIDUAL_EPS, rest / total.clamp_min(1e-300), chain)
+
+
+def draw_with_replacement(
+    probs: torch.Tensor, n: int, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`n` i.i.d. draws per row. Returns (index [B, n], exists [B, n]); rows without mass
+    give exists=False."""
+    has_mass = probs.sum(dim=-1) > 0
+    safe = torch.where(has_mass[:, None], probs, torch.ones_like(probs))
+    index = torch.multinomial(safe, n, replacement=True, generator=generator)
+    return index, has_mass[:, None].expand(-1, n).clone()
+
+
+def draw_distinct(
+    probs: torch.Tensor, n: int, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`n` draws per row sequentially without replacement (Gumbel top-k).
+
+    The order of the Gumbel top-k is distributed as sequential sampling without replacement, so
+    draw j has the conditional probability `p(d_j) / (1 - sum_{i<j} p(d_i))`, returned as the
+    exact proposal probability DSBD's distinct-beam verification needs (spec §4.5). Draws past
+    the number of candidates with mass get exists=False.
+    Returns (index [B, n], conditional probability [B, n], exists [B, n]).
+    """
+    batch, size = probs.shape
+    take = min(n, size)
+    uniform = torch.rand(probs.shape, generator=generator, dtype=probs.dtype)
+    exponential = -torch.log(uniform.clamp_min(1e-300))
+    gumbel = -torch.log(exponential.clamp_min(1e-300))
+    keys = torch.log(probs) + gumbel
+    index = keys.topk(take, dim=-1).indices
+    p = probs.gather(1, index)
+    mass_before = p.cumsum(dim=-1) - p
+    conditional = p / (1.0 - mass_before).clamp_min(1e-300)
+    exists = p > 0
+    if take < n:
+        pad = n - take
+        index = torch.cat([index, index.new_zeros(batch, pad)], dim=1)
+        conditional = torch.cat([conditional, conditional.new_zeros(batch, pad)], dim=1)
+        exists = torch.cat([exists, exists.new_zeros(batch, pad)], dim=1)
+    return index, conditional, exists
+
+
+def draw_one(probs: torch.Tensor, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """One draw per row: (index [B], exists [B])."""
+    index, exists = draw_with_replacement(probs, 1, generator)
+    return index[:, 0], exists[:, 0]
