@@ -58,7 +58,8 @@ class SamplingConfig(BaseModel):
     def _w_min_within_width(self) -> SamplingConfig:
         if self.w_min > self.width:
             raise ValueError(
-                f"w_min={self.w_min} is larger than width={self.width}; allowed: 1 <= w_min <= width"
+                f"w_min={self.w_min} is larger than width={self.width}; "
+                "allowed: 1 <= w_min <= width"
             )
         return self
 

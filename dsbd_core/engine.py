@@ -91,9 +91,10 @@ class Engine:
         gamma = cfg.gamma if self.draft is not None else 0
         prompt_len = torch.tensor([len(p) for p in prompts], dtype=torch.long)
         capacity = int(prompt_len.max()) + cfg.max_new_tokens + gamma + 2
+        longest = int(prompt_len.max())
+        padded = torch.tensor([p + [0] * (longest - len(p)) for p in prompts], dtype=torch.long)
         tokens = torch.zeros(batch, width, capacity, dtype=torch.long)
-        for b, prompt in enumerate(prompts):
-            tokens[b, :, : len(prompt)] = torch.tensor(prompt, dtype=torch.long)
+        tokens[:, :, :longest] = padded[:, None, :]
         length = prompt_len.clone()
         score = torch.zeros(batch, width, dtype=torch.float64)
         alive = torch.zeros(batch, width, dtype=torch.bool)
@@ -119,7 +120,15 @@ class Engine:
                     break
                 depth = torch.where(live, (budget - 1).clamp(max=gamma), torch.zeros_like(budget))
                 record = self._iteration(
-                    tokens, length, prompt_len, score, alive, remaining, depth, origin, pool,
+                    tokens,
+                    length,
+                    prompt_len,
+                    score,
+                    alive,
+                    remaining,
+                    depth,
+                    origin,
+                    pool,
                     counters,
                 )
                 (tokens, length, score, alive, remaining, origin, emitted) = record.pop("state")
@@ -219,8 +228,7 @@ class Engine:
                     torch.arange(layer.token.shape[1]).expand_as(layer.token),
                 )  # fmt: skip
                 self._pool_add(pool, seq, seq_len, prompt_len, node_score, finished_here, True)
-                if not cfg.lean_memory:
-                    remaining = remaining - finished_here.sum(dim=1)
+                remaining = remaining - finished_here.sum(dim=1)
             valid = accepted & ~finished_here
             parent_score = node_score
             # Every accepted beam of the layer finished. With width left (dynamic width: K < R)
@@ -382,14 +390,17 @@ class Engine:
             order = torch.where(order == 0, best[:, None], order)
             keep = torch.zeros_like(keep)
             keep[:, 0] = best_alive
-            remaining = torch.where(live & ~best_alive, 0, remaining)
+            # Within an iteration finished beams spend width as in full mode; the one kept beam
+            # starts the next iteration with the full width again.
+            remaining = torch.where(live, torch.where(best_alive, width, 0), remaining)
         else:
             order = keep.long().argsort(dim=1, descending=True, stable=True)
             keep = keep.gather(1, order)
             remaining = remaining - finished.sum(dim=1)
         seq = seq.gather(1, order[:, :, None].expand_as(seq))
         new_score = out.score.gather(1, order)
-        origin = Origin(root=root.gather(1, order), path=path.gather(1, order[:, :, None].expand_as(path)))
+        path = path.gather(1, order[:, :, None].expand_as(path))
+        origin = Origin(root=root.gather(1, order), path=path)
         untouched = ~live
         seq = torch.where(untouched[:, None, None], tokens, seq)
         new_score = torch.where(keep, new_score, 0.0)

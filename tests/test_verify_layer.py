@@ -76,14 +76,6 @@ def without_replacement(seq: tuple[int, ...]) -> float:
     return out
 
 
-@pytest.mark.parametrize(("drafts_n", "k"), [(2, 2), (3, 3), (3, 2), (4, 2), (1, 1), (4, 1)])
-def test_iid_slots_are_iid_target_draws(drafts_n: int, k: int) -> None:
-    samples, passed = run_layer(drafts_n, k, slots=max(k, drafts_n), distinct=False, seed=k)
-    assert 0.01 < float(passed.double().mean()) < 0.99, "both branches must be exercised"
-    exact = {s: iid(s) for s in itertools.product(range(len(P)), repeat=k) if iid(s) > 0}
-    assert_matches(samples, exact, f"iid W_S={drafts_n} K={k}")
-
-
 def assert_both_branches(passed: torch.Tensor) -> None:
     n_pass = int(passed.sum())
     assert 100 <= n_pass <= RUNS - 100, f"both branches must be exercised ({n_pass} passed)"
