@@ -177,6 +177,8 @@ class Engine:
         passed_layers = torch.zeros(batch, dtype=torch.long)
         widths = []
         for level in range(1, depth_max + 2):
+            if not bool(pending.any()):
+                break
             logp = node_logp[level - 1]
             candidates = (parent_score[:, :, None] + logp).masked_fill(~valid[:, :, None], NEG_INF)
             candidates = candidates.reshape(batch, -1)
@@ -188,8 +190,7 @@ class Engine:
                 pending &= ~bonus
             verifying = pending & (depth >= level)
             if not bool(verifying.any()):
-                widths.append(torch.full((batch,), -1, dtype=torch.long))
-                continue
+                break  # every pending session took its bonus layer here
             layer = layers[level - 1]
             drafts = layer.parent * vocab + layer.token
             valid_rows = valid.repeat_interleave(vocab, dim=1)
