@@ -188,9 +188,17 @@ class TransformerScorer:
             for x in layers
         ]
         with torch.inference_mode():
+            work = []
             for b, session in enumerate(self._sessions):
-                if session is not None:
-                    self._forward_session(b, session, layers, roots, outs)
+                if session is None:
+                    continue
+                plan = _plan_forward(b, session, layers, self._root_count)
+                if plan.input_ids.shape[1] > 0:  # else: roots fed already and no existing node
+                    work.append((b, session, plan))
+            if len(work) == 1:
+                self._forward_session(*work[0], roots, outs)
+            elif work:
+                self._forward_sessions(work, roots, outs)
         self._roots_pending = False
         to_out = self._out_device
         return ForestLogprobs(
@@ -258,35 +266,132 @@ class TransformerScorer:
         self,
         b: int,
         session: _Session,
-        layers: Sequence[ForestLayer],
+        plan: _Plan,
         roots: torch.Tensor | None,
         outs: list[torch.Tensor],
     ) -> None:
-        """Run the session's one forward and write its log-probs into `roots` / `outs`."""
-        plan = _plan_forward(b, session, layers, self._root_count)
-        if plan.input_ids.shape[1] == 0:
-            return  # roots already fed and no existing node: nothing to compute
+        """One session alone: run its forward on its own cache (no copies)."""
         cache = session.cache if session.cache is not None else DynamicCache()
-        mask = _additive_mask(plan.allowed, self._model_dtype)
+        logprobs, cache = self._run(plan.input_ids, plan.position_ids, plan.allowed, plan.keep,
+                                    cache)  # fmt: skip
+        rank = plan.keep.flatten().cumsum(0).view_as(plan.keep) - 1  # row-major order of kept
+        _scatter_outputs(b, session, plan, logprobs, rank, roots, outs)
+        _record(session, cache, plan)
+
+    def _forward_sessions(
+        self,
+        work: list[tuple[int, _Session, _Plan]],
+        roots: torch.Tensor | None,
+        outs: list[torch.Tensor],
+    ) -> None:
+        """Several sessions in ONE model forward (batching across requests).
+
+        Each session's rows keep their own cache columns, left-aligned in a shared cache of the
+        longest session's width; the columns a shorter session does not have are masked out.
+        New tokens go after that shared width and are split back per session afterwards, so
+        every session ends with exactly the cache a forward of its own would have produced.
+        Positions are explicit, so where a column sits does not change its rotary encoding.
+        """
+        device = self._device
+        width = max(s.cached_cols for _, s, _ in work)
+        q_len = max(p.input_ids.shape[1] for _, _, p in work)
+        rows = sum(s.rows.numel() for _, s, _ in work)
+        input_ids = torch.zeros(rows, q_len, dtype=torch.long, device=device)
+        position_ids = torch.zeros(rows, q_len, dtype=torch.long, device=device)
+        keep = torch.zeros(rows, q_len, dtype=torch.bool, device=device)
+        allowed = _padding_allowed(rows, q_len, width, device)
+        starts = []
+        start = 0
+        for _, session, plan in work:
+            n, q, c = session.rows.numel(), plan.input_ids.shape[1], session.cached_cols
+            block = slice(start, start + n)
+            input_ids[block, :q] = plan.input_ids
+            position_ids[block, :q] = plan.position_ids
+            keep[block, :q] = plan.keep
+            allowed[block, :q, :c] = plan.allowed[:, :, :c]
+            allowed[block, :q, width : width + q] = plan.allowed[:, :, c:]
+            starts.append(start)
+            start += n
+        cache = _stack_caches([(s, st) for (_, s, _), st in zip(work, starts, strict=True)],
+                              rows, width)  # fmt: skip
+        logprobs, cache = self._run(input_ids, position_ids, allowed, keep, cache)
+        rank = keep.flatten().cumsum(0).view_as(keep) - 1
+        for (b, session, plan), first in zip(work, starts, strict=True):
+            n, q, c = session.rows.numel(), plan.input_ids.shape[1], session.cached_cols
+            block = slice(first, first + n)
+            _scatter_outputs(b, session, plan, logprobs, rank[block], roots, outs)
+            own = [
+                (
+                    torch.cat(
+                        [layer.keys[block, :, :c], layer.keys[block, :, width : width + q]], 2
+                    ),
+                    torch.cat(
+                        [layer.values[block, :, :c], layer.values[block, :, width : width + q]], 2
+                    ),
+                )
+                for layer in cache.layers
+            ]
+            _record(session, DynamicCache(ddp_cache_data=own), plan)
+
+    def _run(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        allowed: torch.Tensor,
+        keep: torch.Tensor,
+        cache: DynamicCache,
+    ) -> tuple[torch.Tensor, DynamicCache]:
+        """The model forward: log-probs at the kept positions (row-major) and the grown cache."""
         output = self.model(
-            input_ids=plan.input_ids,
-            attention_mask=mask,
-            position_ids=plan.position_ids,
+            input_ids=input_ids,
+            attention_mask=_additive_mask(allowed, self._model_dtype),
+            position_ids=position_ids,
             past_key_values=cache,
             use_cache=True,
-            logits_to_keep=plan.keep,
+            logits_to_keep=keep,
         )
         self.forward_calls += 1
-        logprobs = output.logits.to(self._out_dtype).log_softmax(-1)  # [kept positions, V]
-        rank = plan.keep.flatten().cumsum(0).view_as(plan.keep) - 1  # row-major order of kept
-        if plan.uncached > 0 and roots is not None:
-            roots[b, session.rows] = logprobs[rank[:, plan.uncached - 1]]
-        for out, placement, index in zip(outs, plan.placements, plan.node_index, strict=True):
-            if index.numel() > 0:
-                row = placement.row[index]
-                query = placement.column[index] - session.cached_cols
-                out[b, index] = logprobs[rank[row, query]]
-        _record(session, output.past_key_values, plan)
+        return output.logits.to(self._out_dtype).log_softmax(-1), output.past_key_values
+
+
+def _scatter_outputs(
+    b: int,
+    session: _Session,
+    plan: _Plan,
+    logprobs: torch.Tensor,
+    rank: torch.Tensor,
+    roots: torch.Tensor | None,
+    outs: list[torch.Tensor],
+) -> None:
+    """Write one session's root and node log-probs; `rank` maps its (row, query) to kept rows."""
+    if plan.uncached > 0 and roots is not None:
+        roots[b, session.rows] = logprobs[rank[:, plan.uncached - 1]]
+    for out, placement, index in zip(outs, plan.placements, plan.node_index, strict=True):
+        if index.numel() > 0:
+            row = placement.row[index]
+            query = placement.column[index] - session.cached_cols
+            out[b, index] = logprobs[rank[row, query]]
+
+
+def _stack_caches(sessions: list[tuple[_Session, int]], rows: int, width: int) -> DynamicCache:
+    """One cache for several sessions: session rows at their offsets, columns left-aligned."""
+    template = next((s.cache for s, _ in sessions if s.cache is not None), None)
+    if template is None or width == 0:
+        return DynamicCache()
+    data = []
+    for index, layer in enumerate(template.layers):
+        heads, dim = layer.keys.shape[1], layer.keys.shape[3]
+        keys = layer.keys.new_zeros(rows, heads, width, dim)
+        values = layer.values.new_zeros(rows, heads, width, dim)
+        for session, start in sessions:
+            if session.cache is None or session.cached_cols == 0:
+                continue
+            own = session.cache.layers[index]
+            block = slice(start, start + session.rows.numel())
+            keys[block, :, : session.cached_cols] = own.keys
+            values[block, :, : session.cached_cols] = own.values
+        data.append((keys, values))
+    return DynamicCache(ddp_cache_data=data)
 
 
 def _plan_forward(

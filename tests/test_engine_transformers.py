@@ -95,7 +95,7 @@ CASES = [
 @pytest.mark.parametrize(("method", "extra"), CASES)
 def test_cached_decoding_equals_cache_free_decoding(arch: str, method: str, extra: dict) -> None:
     target_model, draft_model = tiny(arch, 1), tiny(arch, 2)
-    prompts = [[1, 2, 3, 4], [5, 6]]
+    prompts = [[1, 2, 3, 4], [5, 6], [7], [8, 9, 10, 11, 12, 13]]  # ragged, finish apart
     cfg = SamplingConfig(max_new_tokens=10, eos_token_ids=(0,), seed=7, **extra)
     cached_target = TransformerScorer(target_model)
     cached = generate_batch(method, cached_target, prompts, cfg, TransformerScorer(draft_model))
@@ -107,5 +107,5 @@ def test_cached_decoding_equals_cache_free_decoding(arch: str, method: str, extr
         for a, b in zip(got.beams, want.beams, strict=True):
             assert abs(a.log_likelihood - b.log_likelihood) < 1e-9
         assert got.stats.as_dict() == want.stats.as_dict()
-    # one model forward per session per iteration for the target
-    assert cached_target.forward_calls == sum(r.stats.target_forward_passes for r in cached)
+    # one target forward per iteration, shared by every live session of the batch
+    assert cached_target.forward_calls == max(r.stats.target_forward_passes for r in cached)

@@ -208,7 +208,7 @@ def test_forest_pass_equals_each_path(arch: str, attn: str) -> None:
     out = scorer.forward(layers)
     assert out.roots is not None and out.roots.dtype == torch.float64
     assert [x.shape for x in out.layers] == [(2, 5, VOCAB)] * 3
-    assert scorer.forward_calls == 2  # one model forward per session
+    assert scorer.forward_calls == 1  # one model forward for all sessions together
     assert check_forest(model, roots, layers, out.roots, out.layers) < TOL
     # Dead rows and padding nodes are zeros (finite), as the contract allows.
     assert torch.all(out.roots[~roots.alive] == 0)
@@ -263,7 +263,7 @@ def test_draft_style_equals_target_style(arch: str) -> None:
         step = draft.forward([layer])
         assert step.roots is None  # roots were fed by the first call
         assert (step.layers[0] - want).abs().max() < TOL
-    assert draft.forward_calls == 2 * (1 + len(layers))
+    assert draft.forward_calls == 1 + len(layers)  # each call: one forward, both sessions
 
 
 # ----------------------------------------------------------------------------- compaction
@@ -402,7 +402,7 @@ def test_compaction_keeps_accepted_paths(style: str) -> None:
 
     calls = scorer.forward_calls
     out = scorer.forward([])
-    assert scorer.forward_calls == calls + 3
+    assert scorer.forward_calls == calls + 1  # the three sessions share one forward
     assert check_forest(model, new_roots, [], out.roots, []) < TOL
 
 
@@ -536,7 +536,8 @@ def test_several_iterations_stay_exact(style: str) -> None:
         layers = random_forest(rng, roots, depth=depth, max_nodes=4)
         root_lp, outs = feed(scorer, layers, style)
         per_session = 1 if style == "target" else depth
-        assert scorer.forward_calls - calls == live * per_session  # dead sessions cost nothing
+        # sessions share each forward; when every session is dead nothing runs at all
+        assert scorer.forward_calls - calls == (per_session if live else 0)
         worst = max(worst, check_forest(model, roots, layers, root_lp, outs))
         picks, accepted = random_picks(rng, roots, layers)
         expect_kept = [int(roots.lengths[b]) + min(accepted[b], fed_depth) for b in range(2)]
