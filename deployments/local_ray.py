@@ -1,0 +1,83 @@
+"""Start (and stop) a local Ray that only ever talks over loopback.
+
+Ray started plainly reaches outside even with the dashboard off and usage stats disabled: its
+usage-stats code probes cloud metadata (HTTP to 169.254.169.254, DNS for
+metadata.google.internal) when `~/ray_bootstrap_config.yaml` is missing, and its processes talk
+to each other over the machine's own non-loopback address (ENVIRONMENT.md, measured). The checked
+fix, applied here: point HOME at a folder whose `ray_bootstrap_config.yaml` says
+`provider: {type: local}`, disable usage stats, and bind the node to 127.0.0.1.
+
+Binding alone is not enough in Ray 2.60 (seen in tests/test_local_ray.py's syscall
+trace): `ray.init` passes the requested node address through `resolve_ip_for_localhost`, which
+replaces any loopback address by the machine's routable one (found by a UDP "connect" to
+8.8.8.8), so the GCS, the raylet and every worker talked gRPC over 192.0.2.2.
+`RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0` turns Ray's multi-node mode off, and with it that
+replacement: every process then uses 127.0.0.1. A single-node Ray is what a local `dsbd serve`
+needs; clusters (KubeRay) start Ray their own way.
+
+Every dsbd entry point that starts Ray (tests, `dsbd serve`, batch jobs) goes through
+`start_local_ray`.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+LOOPBACK = "127.0.0.1"
+BOOTSTRAP_CONFIG = "provider: {type: local}\n"
+
+
+def loopback_environment(home: Path | None = None) -> dict[str, str]:
+    """Environment variables that keep Ray (and its child processes) on loopback.
+
+    Ray keeps its auth token under `$HOME/.ray` and `serve run --address` needs the same HOME,
+    so callers that start Ray in one process and talk to it from another pass this HOME on.
+    """
+    home = home or Path(tempfile.mkdtemp(prefix="dsbd-ray-home-"))
+    home.mkdir(parents=True, exist_ok=True)
+    (home / "ray_bootstrap_config.yaml").write_text(BOOTSTRAP_CONFIG)
+    return {
+        "HOME": str(home),
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "RAY_USAGE_STATS_PROMPT_ENABLED": "0",
+        "RAY_DISABLE_DOCKER_CPU_WARNING": "1",
+        # Single-node mode: keeps Ray from swapping 127.0.0.1 for the routable address.
+        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+    }
+
+
+def start_local_ray(*, num_cpus: int | None = None, home: Path | None = None, **init: Any) -> Any:
+    """`ray.init` on this machine with loopback-only networking; returns Ray's context.
+
+    The environment is set in this process before Ray starts, so every Ray process inherits it.
+    """
+    os.environ.update(loopback_environment(home))
+    import ray  # imported late: child processes read the environment when they start
+    from ray._private import ray_constants
+
+    # This process may have imported ray before the environment was set; the constant is read
+    # at call time by `services.get_node_ip_address`, so align it with the environment.
+    ray_constants.ENABLE_RAY_CLUSTER = False
+
+    return ray.init(
+        _node_ip_address=LOOPBACK,
+        include_dashboard=False,
+        num_cpus=num_cpus,
+        configure_logging=False,
+        **init,
+    )
+
+
+def stop_local_ray() -> None:
+    """Shut Serve (if running) and Ray down; leaves no Ray process behind."""
+    import ray
+    from ray import serve
+
+    if ray.is_initialized():
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()

@@ -1,0 +1,77 @@
+"""Ray started by dsbd opens no connection to anything but loopback.
+
+The whole process tree (driver, GCS, raylet, workers, Serve proxy and replicas) runs under
+`strace -f`, which records every connect()/sendto()/sendmsg() with its address, including the
+short-lived DNS and metadata probes a socket-table poll would miss. A real Serve deployment is
+deployed and called over HTTP on loopback while it is traced.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+SCRIPT = textwrap.dedent(
+    """
+    import json, urllib.request
+    from ray import serve
+    from deployments.local_ray import start_local_ray, stop_local_ray
+
+    start_local_ray(num_cpus=2)
+    try:
+        @serve.deployment
+        class Echo:
+            async def __call__(self, request):
+                return {"ok": True, "body": (await request.json())}
+
+        serve.run(Echo.bind(), route_prefix="/echo")
+        req = urllib.request.Request("http://127.0.0.1:8000/echo", data=b'{"x": 1}',
+                                     headers={"Content-Type": "application/json"})
+        print("RESPONSE", urllib.request.urlopen(req, timeout=60).read().decode())
+    finally:
+        stop_local_ray()
+    """
+)
+
+ADDRESS = re.compile(r'inet_(?:addr|pton)\((?:AF_INET6?, )?"([^"]+)"')
+
+
+def peers(trace_dir: Path) -> set[str]:
+    """Every IP address any traced process tried to reach."""
+    found: set[str] = set()
+    for path in trace_dir.iterdir():
+        for line in path.read_text(errors="replace").splitlines():
+            found.update(ADDRESS.findall(line))
+    return found
+
+
+def is_loopback(address: str) -> bool:
+    ip = ipaddress.ip_address(address)
+    mapped = getattr(ip, "ipv4_mapped", None)  # ::ffff:127.0.0.1 is loopback over IPv6 sockets
+    return ip.is_loopback or (mapped is not None and mapped.is_loopback)
+
+
+@pytest.mark.skipif(shutil.which("strace") is None, reason="strace not installed")
+def test_ray_serve_round_trip_touches_only_loopback(tmp_path: Path) -> None:
+    trace_dir = tmp_path / "trace"
+    trace_dir.mkdir()
+    completed = subprocess.run(
+        ["strace", "-f", "-ff", "-qq", "-e", "trace=connect,sendto,sendmsg", "-o",
+         str(trace_dir / "t"), sys.executable, "-c", SCRIPT],
+        capture_output=True, text=True, timeout=300, cwd=Path(__file__).parent.parent,
+    )  # fmt: skip
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    response = next(x for x in completed.stdout.splitlines() if x.startswith("RESPONSE "))
+    assert json.loads(response.removeprefix("RESPONSE ")) == {"ok": True, "body": {"x": 1}}
+    addresses = peers(trace_dir)
+    assert addresses, "the trace saw no network address at all: is strace recording?"
+    outside = sorted(a for a in addresses if not is_loopback(a))
+    assert not outside, f"non-loopback connections attempted: {outside}"
