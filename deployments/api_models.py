@@ -1,0 +1,253 @@
+"""HTTP request/response models: OpenAI-compatible completions and chat, plus the native API.
+
+The DSBD knobs (width, gamma, threshold, ...) are accepted as extra body fields, which is where
+the `openai` client's `extra_body=` puts them. They are not declared twice: `DecodingKnobs` is
+built from `SamplingConfig`'s own fields, so limits, defaults and descriptions stay in one place
+and the HTTP API rejects exactly what the CLI rejects. OpenAI options dsbd cannot honour
+(penalties, logprobs, tools, ...) are refused with a message naming the field, not ignored.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
+
+from dsbd_core.config import SamplingConfig
+from dsbd_core.decoders import METHODS
+
+# SamplingConfig fields that OpenAI requests carry under their own names, or that the server fills.
+_OPENAI_NAMED = {"temperature", "top_p", "seed", "max_new_tokens", "eos_token_ids"}
+Method = Literal["dsbd", "beam", "sps", "sample"]
+assert set(Method.__args__) == set(METHODS)  # type: ignore[attr-defined]
+
+DecodingKnobs: type[BaseModel] = create_model(  # type: ignore[call-overload]
+    "DecodingKnobs",
+    __config__=ConfigDict(extra="forbid"),
+    method=(Method, Field("dsbd", description="Decoder: dsbd, beam, sps or sample.")),
+    **{
+        name: (field.annotation, field)
+        for name, field in SamplingConfig.model_fields.items()
+        if name not in _OPENAI_NAMED
+    },
+)
+DecodingKnobs.__doc__ = "DSBD knobs as extra body fields (see SamplingConfig for each one)."
+
+# OpenAI fields that are accepted only at their neutral value (anything else is refused).
+_NEUTRAL: dict[str, Any] = {
+    "best_of": 1,
+    "echo": False,
+    "frequency_penalty": 0.0,
+    "presence_penalty": 0.0,
+    "logit_bias": None,
+    "logprobs": None,
+    "top_logprobs": None,
+    "suffix": None,
+    "tools": None,
+    "tool_choice": None,
+    "functions": None,
+    "function_call": None,
+    "response_format": None,
+}
+
+
+class _OpenAIRequest(DecodingKnobs):  # type: ignore[misc, valid-type]
+    """Fields shared by completions and chat."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(..., description="A name from /v1/models.")
+    max_tokens: int | None = Field(None, ge=1, le=32768, description="Tokens to generate at most.")
+    temperature: float = Field(1.0, gt=0.0, le=100.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    n: int = Field(1, ge=1, le=64, description="How many beams to return, best first (<= width).")
+    stream: bool = Field(False, description="Stream the current best beam as server-sent events.")
+    stream_options: dict[str, Any] | None = None
+    stop: str | list[str] | None = Field(None, description="Stop strings (each one token).")
+    seed: int | None = Field(None, ge=0)
+    user: str | None = None
+    best_of: int | None = None
+    echo: bool = False
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    logprobs: Any = None
+    suffix: str | None = None
+
+    @model_validator(mode="after")
+    def _refuse_what_dsbd_cannot_do(self) -> _OpenAIRequest:
+        for name, neutral in _NEUTRAL.items():
+            value = getattr(self, name, None)
+            if value is not None and value is not False and value != neutral:
+                raise ValueError(
+                    f"{name}={value!r} is not supported by dsbd; allowed: {neutral!r} (omit it)"
+                )
+        width = self.width  # type: ignore[attr-defined]
+        if self.method in ("dsbd", "beam") and self.n > width:
+            raise ValueError(f"n={self.n} is larger than width={width}; allowed: 1 <= n <= width")
+        if self.method in ("sample", "sps") and self.n > 1:
+            raise ValueError(f"n={self.n} needs a beam method (dsbd or beam); {self.method} has 1")
+        return self
+
+    @property
+    def stop_strings(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    def sampling_config(
+        self, eos_token_ids: tuple[int, ...], max_new_tokens: int
+    ) -> SamplingConfig:
+        """The SamplingConfig this request asks for (validated once more by SamplingConfig)."""
+        knobs = {
+            name: getattr(self, name) for name in DecodingKnobs.model_fields if name != "method"
+        }
+        return SamplingConfig(
+            **knobs,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            seed=self.seed,
+            max_new_tokens=self.max_tokens or max_new_tokens,
+            eos_token_ids=eos_token_ids,
+        )
+
+
+class CompletionRequest(_OpenAIRequest):
+    """POST /v1/completions."""
+
+    prompt: str = Field(..., min_length=1, description="The prompt text.")
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "user", "assistant", "developer"]
+    content: str
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts(cls, value: Any) -> Any:
+        """OpenAI allows content as a list of parts; only text parts can be decoded."""
+        if isinstance(value, list):
+            texts = []
+            for part in value:
+                if not isinstance(part, dict) or part.get("type") != "text":
+                    raise ValueError("only text content parts are supported")
+                texts.append(str(part.get("text", "")))
+            return "".join(texts)
+        return value
+
+
+class ChatCompletionRequest(_OpenAIRequest):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1, le=32768)
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    response_format: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _one_limit(self) -> ChatCompletionRequest:
+        if self.max_completion_tokens is not None:
+            if self.max_tokens is not None and self.max_tokens != self.max_completion_tokens:
+                raise ValueError(
+                    f"max_tokens={self.max_tokens} and max_completion_tokens="
+                    f"{self.max_completion_tokens} disagree; give one of them"
+                )
+            self.max_tokens = self.max_completion_tokens
+        return self
+
+
+class GenerateRequest(DecodingKnobs):  # type: ignore[misc, valid-type]
+    """POST /v1/dsbd/generate: one prompt, all beams and full statistics back."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prompt: str | None = Field(None, min_length=1, description="Prompt text (or prompt_ids).")
+    prompt_ids: list[int] | None = Field(None, min_length=1, description="Prompt token ids.")
+    chat: bool = Field(True, description="Wrap `prompt` in the model's chat template.")
+    temperature: float = Field(1.0, gt=0.0, le=100.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    seed: int | None = Field(None, ge=0)
+    max_new_tokens: int = Field(64, ge=1, le=32768)
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> GenerateRequest:
+        if (self.prompt is None) == (self.prompt_ids is None):
+            raise ValueError("give exactly one of prompt and prompt_ids")
+        return self
+
+    def sampling_config(self, eos_token_ids: tuple[int, ...]) -> SamplingConfig:
+        knobs = {
+            name: getattr(self, name) for name in DecodingKnobs.model_fields if name != "method"
+        }
+        return SamplingConfig(
+            **knobs,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            seed=self.seed,
+            max_new_tokens=self.max_new_tokens,
+            eos_token_ids=eos_token_ids,
+        )
+
+
+# ------------------------------------------------------------------------- responses
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: None = None
+    finish_reason: Literal["stop", "length"] | None
+
+
+class CompletionResponse(BaseModel):
+    id: str = Field(default_factory=lambda: f"cmpl-{uuid.uuid4().hex}")
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: None = None
+    finish_reason: Literal["stop", "length"] | None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str = Field(default_factory=lambda: f"chatcmpl-{uuid.uuid4().hex}")
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "dsbd"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
