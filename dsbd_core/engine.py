@@ -108,6 +108,7 @@ class Engine:
             name: torch.zeros(batch, dtype=torch.long)
             for name in ("target", "draft", "drafted", "accepted")
         }
+        counters["epsilon_bias"] = torch.zeros(batch, dtype=torch.float64)
         try:
             while True:
                 budget = cfg.max_new_tokens - (length - prompt_len)
@@ -175,7 +176,7 @@ class Engine:
         valid, parent_score = alive.clone(), score.clone()
         pending = live.clone()
         passed_layers = torch.zeros(batch, dtype=torch.long)
-        widths = []
+        widths, alphas = [], []
         for level in range(1, depth_max + 2):
             if not bool(pending.any()):
                 break
@@ -205,11 +206,15 @@ class Engine:
                     cfg.threshold, cfg.w_min, remaining,
                 )  # fmt: skip
             widths.append(torch.where(verifying, k, -1))
+            # alpha_1 = sum min(P_l, Q_l) = 1 - TV: first-draft acceptance (theory predictor)
+            alpha = torch.minimum(target, tables[level - 1]).sum(dim=1)
+            alphas.append(torch.where(verifying, alpha, -1.0))
             verdict = verify_layer(
                 target, tables[level - 1], valid_rows, drafts, probs[level - 1], layer.exists,
-                parent_valid, k, verifying, self.distinct, self.generator,
+                parent_valid, k, verifying, self.distinct, self.generator, epsilon=cfg.epsilon,
             )  # fmt: skip
             counters["accepted"] += verdict.count * verifying
+            counters["epsilon_bias"] += torch.where(verifying, verdict.bias, 0.0)
             passed = verifying & (verdict.count == k)
             failed = verifying & ~passed
             if bool(failed.any()):
@@ -248,6 +253,7 @@ class Engine:
             "state": (*state, emitted),
             "accepted_layers": passed_layers,
             "widths": torch.stack(widths, dim=1) if widths else torch.empty(batch, 0),
+            "alphas": torch.stack(alphas, dim=1) if alphas else torch.empty(batch, 0),
         }
 
     def _draft_forest(
@@ -453,20 +459,24 @@ class Engine:
         drafted = counters["drafted"].tolist()
         accepted = counters["accepted"].tolist()
         emitted = steps.tolist()
+        bias = counters["epsilon_bias"].tolist()
         for b in range(batch):
             st = stats[b]
             st.target_forward_passes, st.draft_forward_passes = target[b], draft[b]
             st.drafted_tokens, st.accepted_tokens = drafted[b], accepted[b]
             st.tokens_emitted = emitted[b]
+            st.epsilon_bias_bound = bias[b]
         for record in history:
             live = record["live"].nonzero(as_tuple=True)[0].tolist()
             layers = record["accepted_layers"].tolist()
             widths = record["widths"].tolist()
+            alphas = record["alphas"].tolist()
             for b in live:
                 st = stats[b]
                 st.iterations += 1
                 st.accepted_layers.append(layers[b])
                 st.widths.append([w for w in widths[b] if w >= 0])
+                st.layer_alphas.append([a for a in alphas[b] if a >= 0])
         results = []
         for b in range(batch):
             ranked = sorted(beams[b], key=lambda beam: (-beam.score, beam.token_ids))

@@ -32,6 +32,15 @@ class DecodeStats:
     accepted_tokens: int = 0  # draft nodes accepted by the target
     accepted_layers: list[int] = field(default_factory=list)  # per iteration
     widths: list[list[int]] = field(default_factory=list)  # per iteration, per verified layer
+    # alpha_1 = sum_x min(P_l, Q_l) = 1 - TV(P_l, Q_l) per iteration per verified layer: the
+    # first draft's acceptance probability, input of dsbd_core.theory.predictor. Kept out of
+    # as_dict (floats that differ in the last bits between equivalent scorers).
+    layer_alphas: list[list[float]] = field(default_factory=list)
+    # epsilon > 0 only: sum over the verification stages this request executed of
+    # beta = sum_x min(eps * [P(x) > 0], (q(x) - c(x))_+), the probability that the stage's
+    # decision differs from the exact rule's. Its mean over requests bounds the TV distance
+    # between this decoder's output law and the exact one (docs/THEORY.md). 0 when eps = 0.
+    epsilon_bias_bound: float = 0.0
 
     @property
     def acceptance_rate(self) -> float:
@@ -59,6 +68,7 @@ class DecodeStats:
             "mean_accepted_length": self.mean_accepted_length,
             "accepted_layers": self.accepted_layers,
             "widths": self.widths,
+            "epsilon_bias_bound": self.epsilon_bias_bound,
         }
 
 

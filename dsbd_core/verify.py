@@ -12,6 +12,14 @@ is over the (at most W_S) drafts of the layer, in draw order. Two exact rules:
 
 Drafts whose parent was rejected are auto-rejected with a residual update against Q~, the
 proposal restricted to valid parents (not renormalised); that keeps both rules exact (§4.2).
+
+Opt-in lossy mode (`epsilon` > 0, SamplingConfig.epsilon; sd-theory spec §5.4, §9.3 item 6):
+a draft d is accepted w.p. min(1, (c(d) + ε·[P(d) > 0]) / q(d)) — over-acceptance only inside
+the support of the layer's target P, so filtered-out candidates are never emitted — and the
+chain still moves to the ordinary residual on rejection (Decoding-OPT, Pareto-optimal). Each
+executed stage then differs from the exact decision with probability
+beta = Σ_x min(ε·[P(x) > 0], (q(x) - c(x))_+); `LayerVerdict.bias` sums it (docs/THEORY.md).
+With ε = 0 nothing of this runs and the random draws are exactly those of the exact verifier.
 """
 
 from __future__ import annotations
@@ -38,12 +46,14 @@ class LayerVerdict:
     chain: [B, N] the chain state after the last processed draft (P after an acceptance, a
            residual after a rejection): the fallback distribution of the first open slot.
     chosen: [B, N] bool — candidates taken so far (distinct mode excludes them from later draws).
+    bias: [B] sum over the executed stages of the ε rule's decision bias beta (0 when ε = 0).
     """
 
     accepted: torch.Tensor
     count: torch.Tensor
     chain: torch.Tensor
     chosen: torch.Tensor
+    bias: torch.Tensor
 
 
 def verify_layer(
@@ -58,6 +68,7 @@ def verify_layer(
     active: torch.Tensor,
     distinct: bool,
     generator: torch.Generator,
+    epsilon: float = 0.0,
 ) -> LayerVerdict:
     """Run the acceptance chain of one layer.
 
@@ -67,6 +78,7 @@ def verify_layer(
     probability (conditional on the earlier drafts in distinct mode); draft_exists /
     parent_valid: [B, m] bool; width: [B] K, the acceptances needed; active: [B] sessions that
     verify this layer. Uniforms are drawn before the loop so K cannot depend on them.
+    epsilon: over-acceptance ε >= 0 (module doc); 0 = exact.
     """
     batch, m = drafts.shape
     restricted = proposal * valid_rows  # Q~: mass of rejected parents dropped, not renormalised
@@ -78,6 +90,8 @@ def verify_layer(
     drafted = torch.zeros_like(target, dtype=torch.bool)
     drafted_mass = torch.zeros(batch, dtype=target.dtype)
     uniforms = torch.rand(batch, m, generator=generator, dtype=target.dtype)
+    bias = torch.zeros(batch, dtype=target.dtype)
+    bonus = epsilon * (target > 0).to(target.dtype) if epsilon > 0 else None
     for j in range(m):
         d = drafts[:, j : j + 1]
         live = active & draft_exists[:, j] & (count < width)
@@ -85,7 +99,12 @@ def verify_layer(
             step_proposal = restricted * ~drafted / (1.0 - drafted_mass).clamp_min(1e-300)[:, None]
         else:
             step_proposal = restricted
-        ratio = chain.gather(1, d)[:, 0] / draft_prob[:, j].clamp_min(1e-300)
+        numerator = chain.gather(1, d)[:, 0]
+        if bonus is not None:
+            numerator = numerator + bonus.gather(1, d)[:, 0]
+            beta = torch.minimum(bonus, (step_proposal - chain).clamp_min(0.0)).sum(dim=1)
+            bias = bias + torch.where(live, beta, torch.zeros_like(beta))
+        ratio = numerator / draft_prob[:, j].clamp_min(1e-300)
         ok = live & parent_valid[:, j] & (uniforms[:, j] < ratio)
         rejected = live & ~ok
         accepted[:, j] = ok
@@ -101,7 +120,7 @@ def verify_layer(
             drafted = drafted | (hit & was_drafted[:, None])
         after_reject = residual(chain, step_proposal)
         chain = torch.where(ok[:, None], reset, torch.where(rejected[:, None], after_reject, chain))
-    return LayerVerdict(accepted=accepted, count=count, chain=chain, chosen=chosen)
+    return LayerVerdict(accepted=accepted, count=count, chain=chain, chosen=chosen, bias=bias)
 
 
 def fill_failed_layer(

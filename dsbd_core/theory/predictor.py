@@ -24,7 +24,8 @@ and take the (γ, W_S) with the most predicted tokens per unit cost. If that is 
 without the draft. The beam width W itself is never changed — it is part of what the user asked
 to sample (beam sampling of width W); γ and W_S are pure speed knobs (fixed-width DSBD is exact
 for every γ and W_S). Since a γ = 0 request observes nothing, `PairTracker` re-probes with γ = 1
-every `probe_every` requests so the estimate can recover if the pair's acceptance changes.
+after `probe_every` such requests so the estimate can recover if the pair's acceptance changes,
+backing off (4, 8, 16, ... 64 requests) while the probes confirm that speculation does not pay.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
+
+from dsbd_core.config import SamplingConfig
 
 
 @dataclass(frozen=True)
@@ -222,6 +225,8 @@ class PairTracker:
 
     Keys are any hashable, e.g. `(target_name, draft_name, width)` (α_1 of a W-beam layer is
     measured on the joint beams x tokens table, so different widths are best kept apart).
+    Probing backs off: after a probe the next one waits twice as long (up to `max_probe_every`
+    requests); a plan that speculates on its own merits resets the interval to `probe_every`.
     """
 
     def __init__(
@@ -229,9 +234,12 @@ class PairTracker:
         prior: AcceptanceEstimate = AcceptanceEstimate(),
         probe_every: int = 4,
         memory: float = 256.0,
+        max_probe_every: int = 64,
     ) -> None:
         self.prior, self.probe_every, self.memory = prior, probe_every, memory
+        self.max_probe_every = max_probe_every
         self._estimates: dict[Hashable, AcceptanceEstimate] = {}
+        self._intervals: dict[Hashable, int] = {}
 
     def estimate(self, pair: Hashable) -> AcceptanceEstimate:
         return self._estimates.get(pair, self.prior)
@@ -254,10 +262,27 @@ class PairTracker:
         gamma_max: int = 8,
     ) -> Plan:
         """`choose_plan` on the pair's estimate; a γ = 0 plan becomes a γ = 1 probe at width W
-        once `probe_every` requests in a row decoded without speculation."""
+        once the current probe interval of requests in a row decoded without speculation."""
         estimate = self.estimate(pair)
         plan = choose_plan(estimate.alpha, width, cost, threshold, w_min, gamma_max)
-        if plan.gamma == 0 and estimate.since_probe >= self.probe_every:
+        interval = self._intervals.get(pair, self.probe_every)
+        if plan.gamma > 0:
+            self._intervals[pair] = self.probe_every
+        elif estimate.since_probe >= interval:
             a = layer_pass_probability(estimate.alpha, width, width, threshold, w_min)
             plan = Plan(1, width, a, tokens_per_iteration(a, 1), cost.iteration(1, width, width))
+            self._intervals[pair] = min(2 * interval, self.max_probe_every)
         return plan
+
+
+def plan_config(plan: Plan, config: SamplingConfig) -> tuple[str, SamplingConfig]:
+    """The decoder method and config that run `plan` for a request asking for `config`.
+
+    γ = 0: target-only decoding with the same width (`sample` for W = 1, `beam` otherwise), the
+    exact law DSBD with fixed width also has. Otherwise DSBD with the plan's γ and W_S; every
+    other field (width, threshold, filters, seed, ε) is the request's own.
+    """
+    if plan.gamma == 0:
+        return ("sample" if config.width == 1 else "beam"), config
+    update = {"gamma": plan.gamma, "draft_width": plan.draft_width}
+    return "dsbd", config.model_copy(update=update)
