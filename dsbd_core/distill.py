@@ -674,6 +674,22 @@ def train(
     return status
 
 
+def export_checkpoint(target, run_dir: Path, out_dir: Path) -> dict:
+    """Write the draft of a run's latest checkpoint (`run_dir/state.pt`) to `out_dir`, without
+    training: a snapshot of a run still going. Returns the checkpoint's step and last held-out
+    figures."""
+    state = torch.load(run_dir / "state.pt", weights_only=False)
+    spec = DraftSpec(**state["settings"]["spec"])
+    draft = make_draft(target.model, spec, state["settings"]["train"]["seed"])
+    with torch.no_grad():
+        for name, param in draft.named_parameters():
+            if param.requires_grad:
+                param.copy_(state["trainable"][name])
+    save_draft(draft, target.tokenizer, out_dir)
+    last = state["history"][-1] if state["history"] else {}
+    return {"step": state["step"], "elapsed_s": state["elapsed_s"], "last_eval": last}
+
+
 def save_draft(draft, tokenizer, out_dir: Path) -> None:
     """Write the draft as a standard transformers directory (config, safetensors, tokenizer)."""
     import copy

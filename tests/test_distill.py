@@ -241,6 +241,12 @@ def test_distill_cli_end_to_end(teacher, tmp_path: Path, capsys) -> None:
     out = capsys.readouterr().out
     assert "step 6/6 finished" in out and "held-out acceptance" in out
     assert (tmp_path / "draft" / "config.json").is_file()
+    # A snapshot of the latest checkpoint (as of a run still going) is the same draft.
+    assert main([*argv, "--export-checkpoint", "--out", str(tmp_path / "snapshot")]) == 0
+    assert "wrote the draft of step 6" in capsys.readouterr().out
+    a = load_causal_lm(str(tmp_path / "draft")).model.state_dict()
+    b = load_causal_lm(str(tmp_path / "snapshot")).model.state_dict()
+    assert all(torch.equal(a[name], b[name]) for name in a)
     assert (
         main(
             [
