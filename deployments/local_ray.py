@@ -46,6 +46,10 @@ def loopback_environment(home: Path | None = None) -> dict[str, str]:
         "RAY_DISABLE_DOCKER_CPU_WARNING": "1",
         # Single-node mode: keeps Ray from swapping 127.0.0.1 for the routable address.
         "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+        # Serve gives its HTTP proxy 5 s to report ready, then kills and restarts it; on a busy
+        # 2-core machine (measured: under strace and a parallel job) the proxy needs longer.
+        "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60",
+        "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "60",
     }
 
 

@@ -33,6 +33,8 @@ from dsbd_core.verify import draw_slots, fill_failed_layer, verify_layer
 from dsbd_core.width import layer_width
 
 NEG_INF = float("-inf")
+_COUNTERS = ("target", "draft", "drafted", "accepted")  # per-session integer counters
+_DRAFT_STREAM, _VERIFY_STREAM = 1, 2  # random streams of the two sides of an iteration
 
 
 @dataclass
@@ -45,6 +47,14 @@ class _Pool:
     score: list[torch.Tensor] = field(default_factory=list)
     finished: list[torch.Tensor] = field(default_factory=list)
 
+    def extend(self, other: _Pool) -> None:
+        """Append another pool's beams (an iteration's finished beams to the session's pool)."""
+        self.session += other.session
+        self.tokens += other.tokens
+        self.length += other.length
+        self.score += other.score
+        self.finished += other.finished
+
 
 @dataclass
 class _Outputs:
@@ -56,11 +66,68 @@ class _Outputs:
     score: torch.Tensor  # [B, W] true log-likelihood of the output beam
 
 
+@dataclass
+class DecodeState:
+    """What a batch of sessions carries between iterations: token ids, scores, flags, counters.
+
+    Small by design: it is what the serving router keeps per request; the models' KV caches live
+    with the scorers, the forest only between `propose` and `verify`.
+    """
+
+    tokens: torch.Tensor  # [B, W, L] prompt + generated tokens of every input beam
+    length: torch.Tensor  # [B]
+    prompt_len: torch.Tensor  # [B]
+    score: torch.Tensor  # [B, W] true log-likelihood of the generated tokens
+    alive: torch.Tensor  # [B, W]
+    remaining: torch.Tensor  # [B] width left (W minus finished beams)
+    steps: torch.Tensor  # [B] tokens emitted so far
+    origin: Origin | None
+    pool: _Pool
+    counters: dict[str, torch.Tensor]
+    seed: int = 0  # base of every random stream (config.seed, or drawn once at start)
+    iteration: int = 0  # iterations advanced so far
+    history: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    live: torch.Tensor | None = None  # [B] sessions decoding in the current iteration
+    depth: torch.Tensor | None = None  # [B] layers drafted in the current iteration
+
+
+@dataclass
+class Forest:
+    """The draft's proposal for one iteration (spec §3): travels from draft to verifier."""
+
+    layers: list[ForestLayer]
+    tables: list[torch.Tensor]  # per layer: the full draft table Q_l [B, parents x V]
+    probs: list[torch.Tensor]  # per layer: exact draw probability of every draft [B, W_S]
+
+
+@dataclass
+class Outcome:
+    """What verification of one iteration returns: the next input beams and what to count.
+
+    Computed on the verifier's side (it holds the forest), so the caller never needs the forest.
+    """
+
+    tokens: torch.Tensor
+    length: torch.Tensor
+    score: torch.Tensor
+    alive: torch.Tensor
+    remaining: torch.Tensor
+    origin: Origin
+    emitted: torch.Tensor  # [B] tokens each session's beams grew by
+    finished: _Pool  # beams that left decoding this iteration
+    record: dict[str, torch.Tensor]  # accepted_layers, widths, alphas (per session)
+    counters: dict[str, torch.Tensor]  # increments: target, drafted, accepted, epsilon_bias
+
+
 class Engine:
     """Decode a batch of prompts with one configuration.
 
     `draft=None` runs target beam sampling (gamma = 0). With a draft, DSBD. The sampling config
     is used as given; `dsbd_core.decoders` maps method names (sample, beam, sps, dsbd) to configs.
+
+    `run` decodes to the end. The same iteration is also available as steps, which is how the
+    serving layer distributes it: `start`, then while `next_iteration`: `propose` (draft side)
+    -> `verify` (target side) -> `advance` (the caller); `finish` builds the results.
     """
 
     def __init__(
@@ -75,16 +142,24 @@ class Engine:
         self.draft = draft
         self.config = config
         self.vocab = target.vocab_size
-        self.generator = torch.Generator()
-        if config.seed is not None:
-            self.generator.manual_seed(config.seed)
-        else:
-            self.generator.seed()
+        self.generator = torch.Generator()  # reseeded per iteration and side, see _reseed
         self.eos = torch.tensor(sorted(set(config.eos_token_ids)), dtype=torch.long)
 
     # ------------------------------------------------------------------ public
     def run(self, prompts: list[list[int]]) -> list[DecodeResult]:
         """Decode every prompt (an independent session); returns one result per prompt."""
+        state = self.start(prompts)
+        try:
+            while self.next_iteration(state):
+                self.advance(state, self.verify(state, self.propose(state)))
+        finally:
+            self.target.release()
+            if self.draft is not None:
+                self.draft.release()
+        return self.finish(state)
+
+    def start(self, prompts: list[list[int]]) -> DecodeState:
+        """The state before the first iteration: one input beam per session, the prompt."""
         self._check_prompts(prompts)
         cfg = self.config
         batch, width = len(prompts), cfg.width
@@ -95,73 +170,92 @@ class Engine:
         padded = torch.tensor([p + [0] * (longest - len(p)) for p in prompts], dtype=torch.long)
         tokens = torch.zeros(batch, width, capacity, dtype=torch.long)
         tokens[:, :, :longest] = padded[:, None, :]
-        length = prompt_len.clone()
-        score = torch.zeros(batch, width, dtype=torch.float64)
         alive = torch.zeros(batch, width, dtype=torch.bool)
         alive[:, 0] = True  # one input beam at the start (spec §11.6: no replicated prompt rows)
-        remaining = torch.full((batch,), width, dtype=torch.long)
-        steps = torch.zeros(batch, dtype=torch.long)
-        pool = _Pool()
-        history: list[dict[str, torch.Tensor]] = []
-        origin: Origin | None = None
-        counters = {
-            name: torch.zeros(batch, dtype=torch.long)
-            for name in ("target", "draft", "drafted", "accepted")
-        }
+        counters = {name: torch.zeros(batch, dtype=torch.long) for name in _COUNTERS}
         counters["epsilon_bias"] = torch.zeros(batch, dtype=torch.float64)
-        try:
-            while True:
-                budget = cfg.max_new_tokens - (length - prompt_len)
-                live = (remaining > 0) & (budget > 0) & alive.any(dim=1)
-                retired = alive & ~live[:, None]  # budget spent: the beams leave unfinished
-                if bool(retired.any()):
-                    self._pool_add(pool, tokens, length, prompt_len, score, retired, False)
-                    alive = alive & live[:, None]
-                if not bool(live.any()):
-                    break
-                depth = torch.where(live, (budget - 1).clamp(max=gamma), torch.zeros_like(budget))
-                record = self._iteration(
-                    tokens,
-                    length,
-                    prompt_len,
-                    score,
-                    alive,
-                    remaining,
-                    depth,
-                    origin,
-                    pool,
-                    counters,
-                )
-                (tokens, length, score, alive, remaining, origin, emitted) = record.pop("state")
-                steps += emitted
-                history.append({"live": live, **record})
-        finally:
-            self.target.release()
-            if self.draft is not None:
-                self.draft.release()
-        return self._results(batch, pool, steps, counters, history)
+        return DecodeState(
+            tokens=tokens,
+            length=prompt_len.clone(),
+            prompt_len=prompt_len,
+            score=torch.zeros(batch, width, dtype=torch.float64),
+            alive=alive,
+            remaining=torch.full((batch,), width, dtype=torch.long),
+            steps=torch.zeros(batch, dtype=torch.long),
+            origin=None,
+            pool=_Pool(),
+            counters=counters,
+            seed=cfg.seed if cfg.seed is not None else int(torch.randint(0, 2**62, ()).item()),
+        )
+
+    def next_iteration(self, state: DecodeState) -> bool:
+        """Retire beams whose budget is spent and plan the next iteration's depth per session.
+
+        Returns False when no session has anything left to decode.
+        """
+        gamma = self.config.gamma if self.draft is not None else 0
+        budget = self.config.max_new_tokens - (state.length - state.prompt_len)
+        live = (state.remaining > 0) & (budget > 0) & state.alive.any(dim=1)
+        retired = state.alive & ~live[:, None]  # budget spent: the beams leave unfinished
+        if bool(retired.any()):
+            self._pool_add(state.pool, state.tokens, state.length, state.prompt_len, state.score,
+                           retired, False)  # fmt: skip
+            state.alive = state.alive & live[:, None]
+        state.live = live
+        # never overshoot the budget: an iteration emits at most depth + 1 tokens
+        state.depth = torch.where(live, (budget - 1).clamp(max=gamma), torch.zeros_like(budget))
+        return bool(live.any())
+
+    def propose(self, state: DecodeState) -> Forest:
+        """Draft side: beam-sample the forest from the current input beams (spec §3)."""
+        assert state.depth is not None, "call next_iteration first"
+        self._reseed(state, _DRAFT_STREAM)
+        layers, tables, probs = self._draft_forest(
+            state.tokens, state.length, state.score, state.alive, state.depth, state.origin
+        )
+        return Forest(layers=layers, tables=tables, probs=probs)
+
+    def verify(self, state: DecodeState, forest: Forest) -> Outcome:
+        """Target side: one forward over the forest, layer-by-layer verification (spec §4)."""
+        assert state.depth is not None, "call next_iteration first"
+        self._reseed(state, _VERIFY_STREAM)
+        return self._iteration(state, forest)
+
+    def advance(self, state: DecodeState, outcome: Outcome) -> None:
+        """Take the verified outcome as the next iteration's input beams."""
+        assert state.live is not None and state.depth is not None
+        if self.draft is not None:
+            state.counters["draft"] += torch.where(state.live, state.depth, 0)
+        for name, increment in outcome.counters.items():
+            state.counters[name] += increment
+        state.pool.extend(outcome.finished)
+        state.history.append({"live": state.live, **outcome.record})
+        state.iteration += 1
+        state.steps += outcome.emitted
+        state.tokens, state.length, state.score = outcome.tokens, outcome.length, outcome.score
+        state.alive, state.remaining, state.origin = (
+            outcome.alive, outcome.remaining, outcome.origin
+        )  # fmt: skip
+
+    def finish(self, state: DecodeState) -> list[DecodeResult]:
+        """Every session's beams best-first and its statistics."""
+        batch = state.tokens.shape[0]
+        return self._results(batch, state.pool, state.steps, state.counters, state.history)
 
     # ------------------------------------------------------------------ one iteration
-    def _iteration(
-        self,
-        tokens: torch.Tensor,
-        length: torch.Tensor,
-        prompt_len: torch.Tensor,
-        score: torch.Tensor,
-        alive: torch.Tensor,
-        remaining: torch.Tensor,
-        depth: torch.Tensor,
-        origin: Origin | None,
-        pool: _Pool,
-        counters: dict[str, torch.Tensor],
-    ) -> dict:
+    def _iteration(self, state: DecodeState, forest: Forest) -> Outcome:
         cfg, vocab = self.config, self.vocab
+        tokens, length, prompt_len = state.tokens, state.length, state.prompt_len
+        score, alive, remaining, depth = state.score, state.alive, state.remaining, state.depth
+        assert depth is not None
+        layers, tables, probs = forest.layers, forest.tables, forest.probs
         batch, width = alive.shape
         live = alive.any(dim=1)
         depth_max = int(depth.max())
-        layers, tables, probs = self._draft_forest(tokens, length, score, alive, depth, origin)
-        counters["draft"] += torch.where(live, depth, 0)
-        self.target.set_roots(tokens, length, alive, origin)
+        finished = _Pool()
+        counters = {name: torch.zeros(batch, dtype=torch.long) for name in _COUNTERS}
+        counters["epsilon_bias"] = torch.zeros(batch, dtype=torch.float64)
+        self.target.set_roots(tokens, length, alive, state.origin)
         scored = self.target.forward(layers)
         counters["target"] += live.long()
         assert scored.roots is not None
@@ -233,7 +327,7 @@ class Engine:
                     tokens, length, layers, torch.full_like(depth, level),
                     torch.arange(layer.token.shape[1]).expand_as(layer.token),
                 )  # fmt: skip
-                self._pool_add(pool, seq, seq_len, prompt_len, node_score, finished_here, True)
+                self._pool_add(finished, seq, seq_len, prompt_len, node_score, finished_here, True)
                 remaining = remaining - finished_here.sum(dim=1)
             valid = accepted & ~finished_here
             parent_score = node_score
@@ -248,13 +342,25 @@ class Engine:
             pending &= ~emptied
         produced = out.exists.any(dim=1)
         emitted = torch.where(produced, out.layer + 1, passed_layers) * live
-        state = self._advance(tokens, length, prompt_len, layers, out, remaining, live, pool)
-        return {
-            "state": (*state, emitted),
-            "accepted_layers": passed_layers,
-            "widths": torch.stack(widths, dim=1) if widths else torch.empty(batch, 0),
-            "alphas": torch.stack(alphas, dim=1) if alphas else torch.empty(batch, 0),
-        }
+        next_tokens, next_length, next_score, next_alive, next_remaining, origin = self._advance(
+            tokens, length, prompt_len, layers, out, remaining, live, finished
+        )
+        return Outcome(
+            tokens=next_tokens,
+            length=next_length,
+            score=next_score,
+            alive=next_alive,
+            remaining=next_remaining,
+            origin=origin,
+            emitted=emitted,
+            finished=finished,
+            record={
+                "accepted_layers": passed_layers,
+                "widths": torch.stack(widths, dim=1) if widths else torch.empty(batch, 0),
+                "alphas": torch.stack(alphas, dim=1) if alphas else torch.empty(batch, 0),
+            },
+            counters=counters,
+        )
 
     def _draft_forest(
         self,
@@ -302,6 +408,16 @@ class Engine:
         return layers, tables, probs
 
     # ------------------------------------------------------------------ helpers
+    def _reseed(self, state: DecodeState, stream: int) -> None:
+        """Seed the generator from (seed, iteration, side).
+
+        Draft and verifier may live in different processes; deriving each side's stream from the
+        state (instead of sharing one generator) makes a distributed decode draw exactly what the
+        in-process engine draws for the same seed.
+        """
+        mixed = (state.seed * 1_000_003 + state.iteration * 4 + stream) % (2**63 - 1)
+        self.generator.manual_seed(mixed)
+
     @property
     def distinct(self) -> bool:
         return self.config.mode == "distinct"
