@@ -101,17 +101,7 @@ class _OpenAIRequest(DecodingKnobs):  # type: ignore[misc, valid-type]
         self, eos_token_ids: tuple[int, ...], max_new_tokens: int
     ) -> SamplingConfig:
         """The SamplingConfig this request asks for (validated once more by SamplingConfig)."""
-        knobs = {
-            name: getattr(self, name) for name in DecodingKnobs.model_fields if name != "method"
-        }
-        return SamplingConfig(
-            **knobs,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            seed=self.seed,
-            max_new_tokens=self.max_tokens or max_new_tokens,
-            eos_token_ids=eos_token_ids,
-        )
+        return _sampling_config(self, self.max_tokens or max_new_tokens, eos_token_ids)
 
 
 class CompletionRequest(_OpenAIRequest):
@@ -184,17 +174,24 @@ class GenerateRequest(DecodingKnobs):  # type: ignore[misc, valid-type]
         return self
 
     def sampling_config(self, eos_token_ids: tuple[int, ...]) -> SamplingConfig:
-        knobs = {
-            name: getattr(self, name) for name in DecodingKnobs.model_fields if name != "method"
-        }
-        return SamplingConfig(
-            **knobs,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            seed=self.seed,
-            max_new_tokens=self.max_new_tokens,
-            eos_token_ids=eos_token_ids,
-        )
+        return _sampling_config(self, self.max_new_tokens, eos_token_ids)
+
+
+def _sampling_config(
+    request: BaseModel, max_new_tokens: int, eos_token_ids: tuple[int, ...]
+) -> SamplingConfig:
+    """SamplingConfig from a request's knobs plus the fields OpenAI names its own way."""
+    knobs = {
+        name: getattr(request, name) for name in DecodingKnobs.model_fields if name != "method"
+    }
+    return SamplingConfig(
+        **knobs,
+        temperature=request.temperature,  # type: ignore[attr-defined]
+        top_p=request.top_p,  # type: ignore[attr-defined]
+        seed=request.seed,  # type: ignore[attr-defined]
+        max_new_tokens=max_new_tokens,
+        eos_token_ids=eos_token_ids,
+    )
 
 
 # ------------------------------------------------------------------------- responses
@@ -211,13 +208,18 @@ class CompletionChoice(BaseModel):
     finish_reason: Literal["stop", "length"] | None
 
 
-class CompletionResponse(BaseModel):
-    id: str = Field(default_factory=lambda: f"cmpl-{uuid.uuid4().hex}")
-    object: Literal["text_completion"] = "text_completion"
+class _Response(BaseModel):
+    """What every OpenAI response object carries besides its id, kind and choices."""
+
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
-    choices: list[CompletionChoice]
     usage: Usage | None = None
+
+
+class CompletionResponse(_Response):
+    id: str = Field(default_factory=lambda: f"cmpl-{uuid.uuid4().hex}")
+    object: Literal["text_completion"] = "text_completion"
+    choices: list[CompletionChoice]
 
 
 class AssistantMessage(BaseModel):
@@ -232,13 +234,10 @@ class ChatChoice(BaseModel):
     finish_reason: Literal["stop", "length"] | None
 
 
-class ChatCompletionResponse(BaseModel):
+class ChatCompletionResponse(_Response):
     id: str = Field(default_factory=lambda: f"chatcmpl-{uuid.uuid4().hex}")
     object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
     choices: list[ChatChoice]
-    usage: Usage | None = None
 
 
 class ModelCard(BaseModel):

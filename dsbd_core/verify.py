@@ -150,9 +150,8 @@ def fill_failed_layer(
     fallback, fallback_exists = draw_one(verdict.chain, generator)
     if distinct:
         taken = verdict.chosen.scatter(1, fallback[:, None], fallback_exists[:, None])
-        fresh, _, fresh_exists = draw_distinct(target * ~taken, slots, generator)
-    else:
-        fresh, fresh_exists = draw_with_replacement(target, slots, generator)
+        target = target * ~taken
+    fresh, fresh_exists = _draw(target, slots, distinct, generator)
     k = torch.arange(slots).expand(batch, slots)
     shift = (k - n[:, None] - 1).clamp(min=0)
     fresh = fresh.gather(1, shift)
@@ -171,9 +170,16 @@ def draw_slots(
     generator: torch.Generator,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`slots` beams from P (beam sampling step / DSBD bonus layer): (index, exists)."""
-    if distinct:
-        index, _, exists = draw_distinct(target, slots, generator)
-    else:
-        index, exists = draw_with_replacement(target, slots, generator)
+    index, exists = _draw(target, slots, distinct, generator)
     k = torch.arange(slots).expand(target.shape[0], slots)
     return index, exists & (k < remaining[:, None])
+
+
+def _draw(
+    weights: torch.Tensor, slots: int, distinct: bool, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`slots` draws per row, distinct (sequential without replacement) or i.i.d."""
+    if distinct:
+        index, _, exists = draw_distinct(weights, slots, generator)
+        return index, exists
+    return draw_with_replacement(weights, slots, generator)
