@@ -77,7 +77,7 @@ def plot(summary: dict, png: Path, title: str) -> None:
                 lambda h: _interp(h, [c["train_hours"] for c in curve], steps),
             ),
         )
-        hours.set_xlabel("training time (hours, 1 CPU thread)")
+        hours.set_xlabel("training wall time (hours; 1 thread on a shared 2-core CPU)")
     loss = summary["loss"]
     bottom.plot([r["step"] for r in loss], [r["kl"] for r in loss], lw=0.8)
     bottom.set_yscale("log")

@@ -356,8 +356,9 @@ class TrainConfig:
 
 # Settings that may change between a run and its resumption: the first three do not alter the
 # weights; a new `steps` re-plans the learning-rate schedule from the current step on (extend a
-# run, or end it sooner with an annealed draft). Resuming with the same settings is bit-exact.
-_RESUMABLE_CHANGES = ("eval_every", "checkpoint_every", "log_every", "steps")
+# run, or end it sooner with an annealed draft) and a new `tv_weight` changes the objective from
+# the current step on. Resuming with the same settings is bit-exact.
+_RESUMABLE_CHANGES = ("eval_every", "checkpoint_every", "log_every", "steps", "tv_weight")
 
 
 def make_draft(target_model, spec: DraftSpec, seed: int):
@@ -518,11 +519,10 @@ def train(
     state = torch.load(state_path, weights_only=False) if state_path.exists() else None
     if state is not None:
         _check_resumable(state["settings"], settings)
-        if state["settings"]["train"]["steps"] != config.steps:
-            _append_jsonl(
-                log_path,
-                {"step": state["step"], "schedule": {"steps": config.steps, "lr": config.lr}},
-            )
+        saved = state["settings"]["train"]
+        if (saved["steps"], saved["tv_weight"]) != (config.steps, config.tv_weight):
+            change = {"steps": config.steps, "lr": config.lr, "tv_weight": config.tv_weight}
+            _append_jsonl(log_path, {"step": state["step"], "schedule": change})
         data = TeacherData(cache_dir, state["shards"])
     else:
         data = TeacherData(cache_dir)

@@ -183,8 +183,8 @@ def test_resume_is_exact(teacher, tmp_path: Path) -> None:
         {**h, "elapsed_s": a["history"][i]["elapsed_s"]} for i, h in enumerate(b["history"])
     ]
     assert whole["loss"] == last["loss"]
-    # A new number of steps re-plans the schedule and extends the run.
-    longer = TrainConfig(**{**asdict(config), "steps": 18})
+    # A new number of steps re-plans the schedule (and a new TV weight the objective) from here.
+    longer = TrainConfig(**{**asdict(config), "steps": 18, "tv_weight": 0.5})
     extended = train(target, root / "cache", tmp_path / "parts", spec, longer, progress_bar=False)
     assert extended["finished"] and extended["step"] == 18
     assert extended["lr"] == pytest.approx(longer.lr_at(17))
