@@ -21,14 +21,23 @@ sequence distribution (spec §11.3, §11.7).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Generator
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from dsbd_core.config import SamplingConfig
 from dsbd_core.distributions import draw_distinct, draw_with_replacement, joint_filter
 from dsbd_core.result import Beam, DecodeResult, DecodeStats
-from dsbd_core.scorer import ForestLayer, ForestScorer, Origin
+from dsbd_core.scorer import (
+    ForestLayer,
+    ForestLogprobs,
+    ForestScorer,
+    Origin,
+    Roots,
+    ScoreCall,
+    drive,
+)
 from dsbd_core.verify import draw_slots, fill_failed_layer, verify_layer
 from dsbd_core.width import layer_width
 
@@ -90,6 +99,14 @@ class DecodeState:
     live: torch.Tensor | None = None  # [B] sessions decoding in the current iteration
     depth: torch.Tensor | None = None  # [B] layers drafted in the current iteration
 
+    def for_models(self) -> DecodeState:
+        """What the draft and the verifier need of the state: no pool, history or counters.
+
+        This is the message a serving router sends each iteration (a few KiB): the beams'
+        tokens, scores and flags, the planned depth, and the `Origin` the caches compact from.
+        """
+        return replace(self, pool=_Pool(), counters={}, history=[])
+
 
 @dataclass
 class Forest:
@@ -128,6 +145,8 @@ class Engine:
     `run` decodes to the end. The same iteration is also available as steps, which is how the
     serving layer distributes it: `start`, then while `next_iteration`: `propose` (draft side)
     -> `verify` (target side) -> `advance` (the caller); `finish` builds the results.
+    `propose_steps` / `verify_steps` are the same two sides as generators of `ScoreCall`s, so a
+    replica can answer the model calls of many requests with one batched forward.
     """
 
     def __init__(
@@ -188,12 +207,15 @@ class Engine:
             seed=cfg.seed if cfg.seed is not None else int(torch.randint(0, 2**62, ()).item()),
         )
 
-    def next_iteration(self, state: DecodeState) -> bool:
+    def next_iteration(self, state: DecodeState, gamma: int | None = None) -> bool:
         """Retire beams whose budget is spent and plan the next iteration's depth per session.
 
-        Returns False when no session has anything left to decode.
+        `gamma` overrides the config's draft depth for this iteration only (0 = no draft, a plain
+        beam-sampling step; any depth keeps fixed-width DSBD exact), which is how a width
+        controller adapts speculation per iteration. Returns False when nothing is left to decode.
         """
-        gamma = self.config.gamma if self.draft is not None else 0
+        if gamma is None or self.draft is None:
+            gamma = self.config.gamma if self.draft is not None else 0
         budget = self.config.max_new_tokens - (state.length - state.prompt_len)
         live = (state.remaining > 0) & (budget > 0) & state.alive.any(dim=1)
         retired = state.alive & ~live[:, None]  # budget spent: the beams leave unfinished
@@ -208,18 +230,29 @@ class Engine:
 
     def propose(self, state: DecodeState) -> Forest:
         """Draft side: beam-sample the forest from the current input beams (spec §3)."""
+        # Without a draft the generator yields nothing and returns the empty forest.
+        return drive(self.draft or self.target, self.propose_steps(state))
+
+    def verify(self, state: DecodeState, forest: Forest) -> Outcome:
+        """Target side: one forward over the forest, layer-by-layer verification (spec §4)."""
+        return drive(self.target, self.verify_steps(state, forest))
+
+    def propose_steps(self, state: DecodeState) -> Generator[ScoreCall, ForestLogprobs, Forest]:
+        """`propose` as a generator of draft-model calls (one per draft layer)."""
         assert state.depth is not None, "call next_iteration first"
         self._reseed(state, _DRAFT_STREAM)
-        layers, tables, probs = self._draft_forest(
+        layers, tables, probs = yield from self._draft_forest(
             state.tokens, state.length, state.score, state.alive, state.depth, state.origin
         )
         return Forest(layers=layers, tables=tables, probs=probs)
 
-    def verify(self, state: DecodeState, forest: Forest) -> Outcome:
-        """Target side: one forward over the forest, layer-by-layer verification (spec §4)."""
+    def verify_steps(
+        self, state: DecodeState, forest: Forest
+    ) -> Generator[ScoreCall, ForestLogprobs, Outcome]:
+        """`verify` as a generator of its one target-model call."""
         assert state.depth is not None, "call next_iteration first"
         self._reseed(state, _VERIFY_STREAM)
-        return self._iteration(state, forest)
+        return (yield from self._iteration(state, forest))
 
     def advance(self, state: DecodeState, outcome: Outcome) -> None:
         """Take the verified outcome as the next iteration's input beams."""
@@ -243,7 +276,9 @@ class Engine:
         return self._results(batch, state.pool, state.steps, state.counters, state.history)
 
     # ------------------------------------------------------------------ one iteration
-    def _iteration(self, state: DecodeState, forest: Forest) -> Outcome:
+    def _iteration(
+        self, state: DecodeState, forest: Forest
+    ) -> Generator[ScoreCall, ForestLogprobs, Outcome]:
         cfg, vocab = self.config, self.vocab
         tokens, length, prompt_len = state.tokens, state.length, state.prompt_len
         score, alive, remaining, depth = state.score, state.alive, state.remaining, state.depth
@@ -255,8 +290,7 @@ class Engine:
         finished = _Pool()
         counters = {name: torch.zeros(batch, dtype=torch.long) for name in _COUNTERS}
         counters["epsilon_bias"] = torch.zeros(batch, dtype=torch.float64)
-        self.target.set_roots(tokens, length, alive, state.origin)
-        scored = self.target.forward(layers)
+        scored = yield ScoreCall(Roots(tokens, length, alive, state.origin), list(layers))
         counters["target"] += live.long()
         assert scored.roots is not None
         node_logp = [scored.roots.double()] + [lp.double() for lp in scored.layers]
@@ -370,7 +404,9 @@ class Engine:
         alive: torch.Tensor,
         depth: torch.Tensor,
         origin: Origin | None,
-    ) -> tuple[list[ForestLayer], list[torch.Tensor], list[torch.Tensor]]:
+    ) -> Generator[
+        ScoreCall, ForestLogprobs, tuple[list[ForestLayer], list[torch.Tensor], list[torch.Tensor]]
+    ]:
         """Draft beam sampling for up to `depth[b]` layers (spec §3).
 
         Returns the forest layers, each layer's full draft table Q_l ([B, parents x V]) and the
@@ -381,8 +417,7 @@ class Engine:
             return [], [], []
         cfg, vocab, batch = self.config, self.vocab, alive.shape[0]
         width_s = cfg.draft_beams
-        self.draft.set_roots(tokens, length, alive, origin)
-        logq = self.draft.forward([]).roots
+        logq = (yield ScoreCall(Roots(tokens, length, alive, origin), [])).roots
         assert logq is not None
         parent_ok, sigma = alive, score
         layers, tables, probs = [], [], []
@@ -404,7 +439,7 @@ class Engine:
             sigma = torch.where(exists, sigma, torch.zeros_like(sigma))
             parent_ok = exists & ~self._is_eos(layer.token)
             if level < depth_max:
-                logq = self.draft.forward([layer]).layers[0]
+                logq = (yield ScoreCall(None, [layer])).layers[0]
         return layers, tables, probs
 
     # ------------------------------------------------------------------ helpers

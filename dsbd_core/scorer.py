@@ -22,9 +22,9 @@ Layer `l` nodes are children of layer `l-1` nodes; layer 0 are the root rows.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Protocol, TypeVar, runtime_checkable
 
 import torch
 
@@ -104,3 +104,67 @@ class ForestScorer(Protocol):
     def release(self) -> None:
         """Drop every cache (end of the decode call)."""
         ...
+
+
+@dataclass
+class Roots:
+    """The arguments of `ForestScorer.set_roots`, as data (see there)."""
+
+    tokens: torch.Tensor
+    lengths: torch.Tensor
+    alive: torch.Tensor
+    origin: Origin | None
+
+
+@dataclass
+class ScoreCall:
+    """One model step a decode asks for: new roots (first step of an iteration), then a forward.
+
+    The engine's iterations are written as generators that yield `ScoreCall`s and receive the
+    `ForestLogprobs`. In-process, `drive` answers them from one scorer; a serving replica answers
+    the calls of many concurrent requests with ONE batched forward (dsbd_core/session_batch.py)
+    without a second implementation of the algorithm.
+    """
+
+    roots: Roots | None
+    layers: list[ForestLayer]
+
+
+T = TypeVar("T")
+
+
+def drive(scorer: ForestScorer, steps: Generator[ScoreCall, ForestLogprobs, T]) -> T:
+    """Run a decode step generator to its end against one scorer; returns its value."""
+    try:
+        call = next(steps)
+        while True:
+            if call.roots is not None:
+                roots = call.roots
+                scorer.set_roots(roots.tokens, roots.lengths, roots.alive, roots.origin)
+            call = steps.send(scorer.forward(call.layers))
+    except StopIteration as stop:
+        return stop.value
+
+
+class RemoteModel:
+    """A model that lives in another process: only its vocabulary is known here.
+
+    The serving router and the replicas build an `Engine` per request for its bookkeeping and
+    step generators; scoring happens where the weights are, so calling this is a bug.
+    """
+
+    def __init__(self, vocab_size: int) -> None:
+        self._vocab_size = vocab_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    def set_roots(self, *args: object) -> None:
+        raise RuntimeError("RemoteModel cannot score: drive the step generator where the model is")
+
+    def forward(self, layers: Sequence[ForestLayer]) -> ForestLogprobs:
+        raise RuntimeError("RemoteModel cannot score: drive the step generator where the model is")
+
+    def release(self) -> None:
+        """Nothing is held here."""

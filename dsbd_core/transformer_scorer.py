@@ -87,6 +87,9 @@ class _Session:
         return self.prefix_cols == self.length
 
 
+SessionCache = _Session  # public name: what export_sessions / import_sessions carry
+
+
 @dataclass
 class _Plan:
     """The padded model input of one session forward and where to read its outputs."""
@@ -209,6 +212,25 @@ class TransformerScorer:
     def release(self) -> None:
         """Drop every cache."""
         self._sessions = []
+        self._roots_pending = False
+
+    def export_sessions(self) -> list[SessionCache | None]:
+        """Hand every session's cache to the caller, in batch order; the scorer keeps none.
+
+        A serving replica keys them by request id between iterations and gives them back with
+        `import_sessions` in whatever batch order its next forward has.
+        """
+        sessions, self._sessions = self._sessions, []
+        self._roots_pending = False
+        return sessions
+
+    def import_sessions(self, sessions: list[SessionCache | None]) -> None:
+        """Caches (batch order; None = nothing cached) that the next `set_roots` compacts from.
+
+        `set_roots` checks every kept column's token id, so a stale or foreign cache costs a
+        re-prefill, never a wrong distribution.
+        """
+        self._sessions = list(sessions)
         self._roots_pending = False
 
     # ------------------------------------------------------------------ introspection
