@@ -27,6 +27,17 @@ DecodingKnobs: type[BaseModel] = create_model(  # type: ignore[call-overload]
     "DecodingKnobs",
     __config__=ConfigDict(extra="forbid"),
     method=(Method, Field("dsbd", description="Decoder: dsbd, beam, sps or sample.")),
+    adaptive=(
+        bool,
+        Field(
+            True,
+            description=(
+                "Let the width controller pick the draft depth and draft width per iteration "
+                "(request values are maxima; output law unchanged). false: use them as given, "
+                "which with a seed makes the decode reproducible."
+            ),
+        ),
+    ),
     **{
         name: (field.annotation, field)
         for name, field in SamplingConfig.model_fields.items()
@@ -182,7 +193,9 @@ def _sampling_config(
 ) -> SamplingConfig:
     """SamplingConfig from a request's knobs plus the fields OpenAI names its own way."""
     knobs = {
-        name: getattr(request, name) for name in DecodingKnobs.model_fields if name != "method"
+        name: getattr(request, name)
+        for name in DecodingKnobs.model_fields
+        if name not in ("method", "adaptive")
     }
     return SamplingConfig(
         **knobs,

@@ -146,6 +146,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_eval_acceptance(commands)
     _add_distill(commands)
+    serve = commands.add_parser(
+        "serve",
+        help="serve the HTTP API (OpenAI-compatible + native) on a local, loopback-only Ray",
+        description="Start Ray on loopback, deploy router, draft, verifier and width controller "
+        "(Ray Serve), print the URL and serve until Ctrl-C.",
+    )
+    from deployments.serve_cli import add_arguments  # argparse only: Ray loads when serving
+
+    add_arguments(serve)
     return parser
 
 
@@ -268,6 +277,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _distill(args)
     if args.command == "theory":
         return _theory_simulate(args)
+    if args.command == "serve":
+        from deployments.serve_cli import main as serve_main
+
+        return serve_main(args)
     try:
         config = config_from_args(args)
     except ValidationError as error:

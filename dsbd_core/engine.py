@@ -578,7 +578,9 @@ class Engine:
         b, j = mask.nonzero(as_tuple=True)
         if b.numel() == 0:
             return
-        span = self.config.max_new_tokens + (self.config.gamma if self.draft else 0) + 1
+        # Independent of gamma (a controller may change it per iteration): no beam grows past
+        # the budget, since an iteration's depth is capped at the budget left minus one.
+        span = self.config.max_new_tokens + 1
         offset = (prompt_len[b][:, None] + torch.arange(span)).clamp(max=seq.shape[2] - 1)
         pool.session.append(b)
         pool.tokens.append(seq[b, j].gather(1, offset))

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -156,17 +156,29 @@ def smollm2_gguf_path() -> Path:
 
 def load_causal_lm(source: str, *, dtype: torch.dtype = torch.float32) -> LoadedModel:
     """Load `source` (preset, local directory, `.gguf` file or hub id) in eval mode."""
+    resolved = resolve_source(source)
+    if isinstance(resolved, Path):
+        return _load_directory(resolved, source, dtype)
+    return _load_hub_id(resolved, dtype)
+
+
+def resolve_source(source: str) -> Path | str:
+    """What `from_pretrained` should read for `source`: a directory, or a hub id (a str).
+
+    Presets are prepared (converted once into the cache), `.gguf` files converted; anything
+    else that is not an existing directory or a hub id is refused with what is accepted.
+    """
     if (
         source in (TARGET_PRESET, DRAFT_PRESET, DISTILLED_PRESET)
         or source in _INSTALLED_PRESETS
         or _DRAFT_K.match(source)
     ):
-        return _load_directory(prepare_preset(source), source, dtype)
+        return prepare_preset(source)
     path = Path(source).expanduser()
     if path.is_dir():
         ggufs = sorted(path.glob("*.gguf"))
         if (path / "config.json").is_file() or not ggufs:
-            return _load_directory(path, source, dtype)
+            return path
         if len(ggufs) > 1:
             raise ModelSourceError(
                 f"{source!r} holds {len(ggufs)} .gguf files; pass the path of the one to load"
@@ -178,15 +190,30 @@ def load_causal_lm(source: str, *, dtype: torch.dtype = torch.float32) -> Loaded
                 f"{source!r} is a file but not a .gguf file; pass a .gguf file, a transformers "
                 "directory, a hub id or a preset"
             )
-        return _load_directory(_converted_gguf(path), source, dtype)
+        return _converted_gguf(path)
     if source.endswith(".gguf"):
         raise ModelSourceError(f"GGUF file not found: {source!r}")
     if _HUB_ID.match(source):
-        return _load_hub_id(source, dtype)
+        return source
     raise ModelSourceError(
         f"unknown model source {source!r}: not a preset ({', '.join(PRESETS)}), not an existing "
         "directory or .gguf file, and not a hub id of the form owner/name"
     )
+
+
+def load_tokenizer(source: str) -> tuple[PreTrainedTokenizerBase, tuple[int, ...]]:
+    """The tokenizer of `source` and its stop ids, without loading the weights (the router)."""
+    resolved = resolve_source(source)
+    offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(resolved, local_files_only=offline)
+    except (OSError, ValueError) as error:
+        raise ModelSourceError(f"cannot load the tokenizer of {source!r}: {error}") from error
+    try:
+        eos = GenerationConfig.from_pretrained(resolved, local_files_only=offline).eos_token_id
+    except OSError:  # no generation_config.json: the tokenizer's eos only
+        eos = None
+    return tokenizer, _stop_ids(tokenizer, eos)
 
 
 def prepare_preset(name: str) -> Path:
@@ -260,14 +287,18 @@ def check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:
 
 def stop_token_ids(loaded: LoadedModel) -> tuple[int, ...]:
     """Ids that end a reply: eos of tokenizer and generation config, plus end-of-turn markers."""
+    return _stop_ids(loaded.tokenizer, loaded.model.generation_config.eos_token_id)
+
+
+def _stop_ids(tokenizer: PreTrainedTokenizerBase, generation_eos: int | list | None) -> tuple:
     ids: set[int] = set()
-    for eos in (loaded.tokenizer.eos_token_id, loaded.model.generation_config.eos_token_id):
+    for eos in (tokenizer.eos_token_id, generation_eos):
         if isinstance(eos, int):
             ids.add(eos)
         elif eos:
             ids.update(eos)
-    special = set(loaded.tokenizer.all_special_tokens)
-    vocab = loaded.tokenizer.get_vocab()
+    special = set(tokenizer.all_special_tokens)
+    vocab = tokenizer.get_vocab()
     ids.update(vocab[t] for t in _END_OF_TURN_TOKENS if t in special and t in vocab)
     return tuple(sorted(ids))
 

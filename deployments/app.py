@@ -1,0 +1,96 @@
+"""The application: router, draft, verifier and width controller, from one pydantic config.
+
+`build_app(args)` is the Ray Serve application builder that `serve_config.yaml` names
+(`import_path: deployments.app:build_app`); `dsbd serve` deploys the same config. Every
+deployment gets its own resources and autoscaling from `AppArgs`, and a `deployments:` section
+of a Serve config file can still override them by name (Router, Draft, Verifier,
+WidthController), as with any Serve application.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+from ray.serve import Application
+from ray.serve.config import RequestRouterConfig
+
+from deployments.affinity import ROUTER_CLASS
+from deployments.draft import Draft
+from deployments.model_replica import ModelOptions
+from deployments.router import Router, RouterOptions
+from deployments.verifier import Verifier
+from deployments.width_controller import WidthController
+from deployments.width_policy import PolicyConfig
+
+
+class Resources(BaseModel):
+    """Replicas and resources of one deployment."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    num_cpus: float = Field(1.0, ge=0)
+    num_gpus: float = Field(0.0, ge=0)
+    min_replicas: int = Field(1, ge=0)
+    max_replicas: int = Field(1, ge=1)
+    target_ongoing_requests: float = Field(
+        16.0, gt=0, description="Autoscaling target per replica."
+    )
+    max_ongoing_requests: int = Field(64, ge=1)
+
+    def options(self) -> dict[str, Any]:
+        actor: dict[str, Any] = {"num_cpus": self.num_cpus}
+        if self.num_gpus:
+            actor["num_gpus"] = self.num_gpus
+        scaling: dict[str, Any]
+        if self.min_replicas == self.max_replicas:
+            scaling = {"num_replicas": self.max_replicas}
+        else:
+            scaling = {
+                "autoscaling_config": {
+                    "min_replicas": self.min_replicas,
+                    "max_replicas": self.max_replicas,
+                    "target_ongoing_requests": self.target_ongoing_requests,
+                }
+            }
+        return {"ray_actor_options": actor, "max_ongoing_requests": self.max_ongoing_requests,
+                **scaling}  # fmt: skip
+
+
+class AppArgs(BaseModel):
+    """Everything `build_app` needs; the defaults serve the embedded SmolLM2 pair."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model_name: str = "smollm2"
+    target: ModelOptions = ModelOptions(source="smollm2")
+    draft: ModelOptions = ModelOptions(source="smollm2-draft")
+    default_max_tokens: int = Field(64, ge=1, le=32768)
+    session_affinity: bool = Field(True, description="Route a session's calls to its cache.")
+    policy: PolicyConfig = PolicyConfig()
+    router_resources: Resources = Resources(num_cpus=0.1, max_replicas=4, max_ongoing_requests=256)
+    draft_resources: Resources = Resources(num_cpus=0.5)
+    verifier_resources: Resources = Resources(num_cpus=1.0)
+
+
+def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
+    """The Serve application for `args` (a dict as given in a Serve config file)."""
+    config = AppArgs.model_validate(args or {})
+    routing: dict[str, Any] = {}
+    if config.session_affinity:
+        routing["request_router_config"] = RequestRouterConfig(request_router_class=ROUTER_CLASS)
+    draft = Draft.options(**config.draft_resources.options(), **routing).bind(
+        config.draft.model_dump()
+    )
+    verifier = Verifier.options(**config.verifier_resources.options(), **routing).bind(
+        config.target.model_dump()
+    )
+    controller = WidthController.bind(config.policy.model_dump(), config.target.session_ttl_s)
+    router_options = RouterOptions(
+        model_name=config.model_name,
+        tokenizer=config.target.source,
+        default_max_tokens=config.default_max_tokens,
+    )
+    return Router.options(**config.router_resources.options()).bind(
+        draft, verifier, controller, router_options.model_dump()
+    )

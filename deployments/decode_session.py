@@ -1,0 +1,208 @@
+"""One request's decode, driven from the router: the iteration loop over the deployments.
+
+Per iteration: `Engine.next_iteration` (router) -> `Draft.propose` -> `Verifier.verify` ->
+`Engine.advance` (router). The router holds only the small `DecodeState`; the forest goes from
+the draft to the verifier as the draft's `DeploymentResponse`, passed into the verifier call
+without being awaited here, so it travels through the object store and never through this
+process. The verifier's reply carries the next beams and their `Origin` (the accepted paths),
+which the next `IterationCall` brings to the draft for its cache compaction.
+
+The width controller is asked for the next iteration's knobs after each iteration without
+waiting for the answer: the iteration after uses it (one iteration of lag, no latency).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections import Counter
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from deployments.messages import IterationCall, VerifyReply
+from deployments.width_policy import Knobs
+from dsbd_core.config import SamplingConfig
+from dsbd_core.engine import DecodeState, Engine
+from dsbd_core.result import DecodeResult
+from dsbd_core.scorer import RemoteModel
+
+
+@dataclass
+class Handles:
+    """The deployments a router drives (Ray Serve `DeploymentHandle`s)."""
+
+    draft: Any
+    verifier: Any
+    controller: Any
+
+
+@dataclass
+class ServingStats:
+    """What the distributed path adds to `DecodeStats`, per iteration."""
+
+    session: str
+    gamma: list[int] = field(default_factory=list)  # depth planned (0 = no draft)
+    draft_width: list[int] = field(default_factory=list)
+    verify_batch_requests: list[int] = field(default_factory=list)  # requests in the forward
+    verify_batch_sessions: list[int] = field(default_factory=list)
+    verify_cache_hit: list[bool] = field(default_factory=list)
+    verify_replica: list[str] = field(default_factory=list)
+    verify_seconds: list[float] = field(default_factory=list)
+    draft_batch_requests: list[int] = field(default_factory=list)
+    draft_forwards: list[int] = field(default_factory=list)
+    draft_replica: list[str] = field(default_factory=list)
+    draft_seconds: list[float] = field(default_factory=list)
+    router_received: Counter = field(default_factory=Counter)  # type names awaited by the router
+    wall_seconds: float = 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        out = {k: v for k, v in self.__dict__.items() if k != "router_received"}
+        out["router_received"] = dict(self.router_received)
+        return out
+
+
+class DecodeSession:
+    """Decode one prompt across the deployments; iterate to follow it, then take `result`."""
+
+    def __init__(
+        self,
+        handles: Handles,
+        vocab_size: int,
+        config: SamplingConfig,
+        *,
+        uses_draft: bool,
+        adaptive: bool = True,
+    ) -> None:
+        remote = RemoteModel(vocab_size)
+        self.handles = handles
+        self.config = config
+        self.uses_draft = uses_draft
+        self.adaptive = adaptive
+        self.engine = Engine(remote, config, remote if uses_draft else None)
+        self.session = uuid.uuid4().hex
+        self.stats = ServingStats(self.session)
+        self.state: DecodeState | None = None
+
+    async def iterations(self, prompt_ids: list[int]) -> AsyncIterator[DecodeState]:
+        """Run the decode; yields the state after every iteration (for streaming)."""
+        start = time.perf_counter()
+        state = self.state = self.engine.start([prompt_ids])
+        limits = Knobs(
+            gamma=self.config.gamma if self.uses_draft else 0,
+            draft_width=self.config.draft_beams,
+        )
+        knobs = await self._receive(
+            self.handles.controller.open.remote(self.session, limits, self.adaptive)
+        )
+        plan: asyncio.Task | None = None
+        try:
+            while True:
+                if plan is not None and plan.done():
+                    with contextlib.suppress(Exception):  # no new knobs: keep the last ones
+                        knobs = plan.result()
+                    plan = None
+                if not self.engine.next_iteration(state, gamma=knobs.gamma):
+                    break
+                assert state.depth is not None
+                depth = int(state.depth.max())
+                config = self.config.model_copy(
+                    update={"gamma": knobs.gamma, "draft_width": knobs.draft_width}
+                )
+                call = IterationCall(state.for_models(), config, self.uses_draft)
+                forest = (
+                    self.handles.draft.propose.remote(self.session, call)
+                    if self.uses_draft and depth > 0
+                    else None
+                )  # a DeploymentResponse: handed on, never awaited here
+                reply = await self._receive(
+                    self.handles.verifier.verify.remote(self.session, call, forest)
+                )
+                self.engine.advance(state, reply.outcome)
+                self._record(reply, knobs)
+                if self.uses_draft and plan is None:
+                    accepted = int(reply.outcome.record["accepted_layers"][0])
+                    plan = asyncio.ensure_future(
+                        self._receive(
+                            self.handles.controller.plan.remote(self.session, accepted, depth)
+                        )
+                    )
+                yield state
+        finally:
+            if plan is not None:
+                plan.cancel()
+            self.stats.wall_seconds = time.perf_counter() - start
+            self._release()
+
+    async def run(self, prompt_ids: list[int]) -> DecodeResult:
+        """Decode to the end and return the result."""
+        async for _ in self.iterations(prompt_ids):
+            pass
+        return self.result()
+
+    def result(self) -> DecodeResult:
+        assert self.state is not None, "run the decode first"
+        return self.engine.finish(self.state)[0]
+
+    async def _receive(self, response: Any) -> Any:
+        value = await response
+        self.stats.router_received[type(value).__name__] += 1
+        return value
+
+    def _record(self, reply: VerifyReply, knobs: Knobs) -> None:
+        s = self.stats
+        s.gamma.append(knobs.gamma)
+        s.draft_width.append(knobs.draft_width)
+        s.verify_batch_requests.append(reply.report.batch.requests)
+        s.verify_batch_sessions.append(reply.report.batch.sessions)
+        s.verify_cache_hit.append(bool(reply.report.batch.reused))
+        s.verify_replica.append(reply.report.replica)
+        s.verify_seconds.append(reply.report.seconds)
+        if reply.draft is not None:
+            s.draft_batch_requests.append(reply.draft.batch.requests)
+            s.draft_forwards.append(reply.draft.batch.forwards)
+            s.draft_replica.append(reply.draft.replica)
+            s.draft_seconds.append(reply.draft.seconds)
+
+    def _release(self) -> None:
+        """Free the session everywhere (fire and forget; TTLs catch what this misses)."""
+        for call in (
+            lambda: self.handles.controller.close.remote(self.session),
+            lambda: self.handles.verifier.release.remote(self.session),
+            lambda: self.handles.draft.release.remote(self.session) if self.uses_draft else None,
+        ):
+            with contextlib.suppress(Exception):
+                call()
+
+
+def committed_tokens(state: DecodeState) -> list[int]:
+    """Generated tokens every current candidate (live beam or finished one) starts with.
+
+    Every final beam extends one of today's candidates, so this prefix is final: it is what a
+    stream can send without ever taking text back.
+    """
+    start, end = int(state.prompt_len[0]), int(state.length[0])
+    candidates = [
+        state.tokens[0, j, start:end].tolist() for j in state.alive[0].nonzero().squeeze(1).tolist()
+    ]
+    for tokens, lengths in zip(state.pool.tokens, state.pool.length, strict=True):
+        for row, n in zip(tokens.tolist(), lengths.tolist(), strict=True):
+            candidates.append(row[:n])
+    if not candidates:
+        return []
+    prefix = candidates[0]
+    for other in candidates[1:]:
+        n = 0
+        while n < min(len(prefix), len(other)) and prefix[n] == other[n]:
+            n += 1
+        prefix = prefix[:n]
+    return prefix
+
+
+def accepted_per_position(result: DecodeResult) -> list[int]:
+    """Iterations whose position i (1-based) draft layer was accepted (vLLM's per-pos metric)."""
+    layers = result.stats.accepted_layers
+    deepest = max(layers, default=0)
+    return [sum(1 for a in layers if a >= i) for i in range(1, deepest + 1)]

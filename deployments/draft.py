@@ -1,0 +1,46 @@
+"""The draft deployment: proposes each request's forest; its layer steps batched across requests.
+
+`propose` runs `Engine.propose_steps` (dsbd_core: the same draft beam sampling as in-process) for
+every call of a batch, in lockstep: one draft forward per forest layer for all of them. It
+returns a `DraftReply` the router never opens; it hands the reference on to the verifier.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ray import serve
+
+from deployments.messages import DraftReply, IterationCall
+from deployments.model_replica import ModelReplica, raise_if_error
+from dsbd_core.engine import Engine, Forest
+from dsbd_core.scorer import RemoteModel
+from dsbd_core.session_batch import Job
+
+
+@serve.deployment(name="Draft", max_ongoing_requests=64)
+class Draft(ModelReplica):
+    """Holds the draft model; one replica per accelerator in production."""
+
+    def __init__(self, options: dict[str, Any]) -> None:
+        super().__init__(options)
+        self._propose_batch.set_max_batch_size(self.options.max_batch_size)
+
+    async def propose(self, session: str, call: IterationCall) -> DraftReply:
+        """The forest of one request's iteration (drafted together with concurrent ones)."""
+        self.note_call(session, self._propose_batch)
+        return raise_if_error(await self._propose_batch(session, call))
+
+    @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.0)
+    async def _propose_batch(
+        self, sessions: list[str], calls: list[IterationCall]
+    ) -> list[DraftReply | BaseException]:
+        remote = RemoteModel(self.vocab_size)
+        jobs = [
+            Job(session, Engine(remote, call.config, remote).propose_steps(call.state))
+            for session, call in zip(sessions, calls, strict=True)
+        ]
+        results, report = await self.run_jobs(jobs)
+        return [
+            DraftReply(value, report) if isinstance(value, Forest) else value for value in results
+        ]

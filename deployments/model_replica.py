@@ -1,0 +1,121 @@
+"""What the draft and the verifier replicas share: one model, session caches, batched calls.
+
+A replica loads its model once, keeps every decode session's KV cache in a `SessionBatcher`
+(keyed by session id, freed on release, after a TTL, least-recently-used beyond a cap), and
+answers the calls of concurrent requests in batches: Ray Serve's `@serve.batch` collects the
+calls that arrive together, and the batcher runs them with ONE model forward per lockstep round.
+The forward runs in a worker thread so the replica keeps accepting (and queueing) calls
+meanwhile; batches run one at a time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from typing import Any
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from deployments.messages import SideReport
+from dsbd_core.models import load_causal_lm
+from dsbd_core.session_batch import Job, SessionBatcher
+from dsbd_core.transformer_scorer import TransformerScorer
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+
+
+class ModelOptions(BaseModel):
+    """How a model replica loads and runs its model."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    source: str = Field(..., description="Preset, transformers directory, .gguf file or hub id.")
+    dtype: str = Field("float32", pattern="^(float32|bfloat16|float64)$")
+    threads: int = Field(1, ge=1, le=256, description="torch intra-op threads of the replica.")
+    session_ttl_s: float = Field(300.0, gt=0, description="Free a session's cache after this.")
+    max_sessions: int = Field(256, ge=1, description="Caches kept at most (LRU beyond).")
+    batch_wait_s: float = Field(
+        0.002, ge=0, le=1, description="How long a batch waits for more calls (concurrent load)."
+    )
+    max_batch_size: int = Field(32, ge=1, le=1024)
+
+
+class ModelReplica:
+    """Base of `Draft` and `Verifier`."""
+
+    def __init__(self, options: dict[str, Any] | ModelOptions) -> None:
+        self.options = ModelOptions.model_validate(options)
+        torch.set_num_threads(self.options.threads)
+        loaded = load_causal_lm(self.options.source, dtype=DTYPES[self.options.dtype])
+        self.vocab_size = loaded.vocab_size
+        self.max_positions = int(
+            getattr(loaded.model.config, "max_position_embeddings", 0) or 1 << 20
+        )
+        self.scorer = TransformerScorer(loaded.model)
+        self.batcher = SessionBatcher(
+            self.scorer, ttl_s=self.options.session_ttl_s, max_sessions=self.options.max_sessions
+        )
+        self.replica_id = _replica_id()
+        self._lock = asyncio.Lock()
+        self._sweeper: asyncio.Task | None = None
+        self._recent: dict[str, float] = {}  # session -> last call time (batch-wait policy)
+
+    async def run_jobs(self, jobs: list[Job]) -> tuple[list[Any], SideReport]:
+        """Run one batch (one at a time) in a worker thread; returns values and the report."""
+        if self._sweeper is None:
+            self._sweeper = asyncio.get_running_loop().create_task(self._sweep_forever())
+        async with self._lock:
+            start = time.perf_counter()
+            results, report = await asyncio.to_thread(self.batcher.run, jobs)
+            seconds = time.perf_counter() - start
+        return results, SideReport(report, self.replica_id, seconds)
+
+    def note_call(self, session: str, batched_method: Any) -> None:
+        """Wait for companions only when other sessions are active: a lone request pays nothing."""
+        now = time.monotonic()
+        self._recent[session] = now
+        if len(self._recent) > 4 * self.options.max_batch_size:
+            self._recent = {k: t for k, t in self._recent.items() if now - t < 1.0}
+        active = sum(1 for t in self._recent.values() if now - t < 1.0)
+        batched_method.set_batch_wait_timeout_s(self.options.batch_wait_s if active > 1 else 0.0)
+
+    async def release(self, session: str) -> bool:
+        """Free a session's cache (request done, failed or cancelled)."""
+        self._recent.pop(session, None)
+        async with self._lock:
+            return self.batcher.release(session)
+
+    async def info(self) -> dict[str, Any]:
+        """What the router needs to know about this model, and what this replica holds."""
+        return {
+            "vocab_size": self.vocab_size,
+            "max_positions": self.max_positions,
+            "replica": self.replica_id,
+            "cached_sessions": self.batcher.cached,
+        }
+
+    async def _sweep_forever(self) -> None:
+        """Free caches past their TTL even when no call comes (an idle replica)."""
+        period = min(30.0, self.options.session_ttl_s / 2)
+        while True:
+            await asyncio.sleep(period)
+            async with self._lock:
+                self.batcher.expire()
+
+
+def _replica_id() -> str:
+    try:
+        from ray import serve
+
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # outside a Serve replica (tests of the class itself)
+        return f"pid-{os.getpid()}"
+
+
+def raise_if_error(value: Any) -> Any:
+    """`@serve.batch` returns per-call values; a failed call's exception is raised here."""
+    if isinstance(value, BaseException):
+        raise value
+    return value

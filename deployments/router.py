@@ -1,0 +1,342 @@
+"""The ingress: OpenAI-compatible and native HTTP API over the draft/verifier deployments.
+
+Routes: `POST /v1/completions`, `POST /v1/chat/completions` (the `openai` client works as is;
+DSBD knobs go in `extra_body`; `n` returns the top-n beams; `stream: true` streams SSE),
+`GET /v1/models`, `POST /v1/dsbd/generate` (all beams and the full speculative-decoding
+statistics), `GET /healthz`; FastAPI serves the OpenAPI schema at `/openapi.json` and `/docs`.
+
+Streaming sends the *committed* prefix of the best beam: the tokens every current candidate
+starts with, which no later iteration can change (`decode_session.committed_tokens`). Beams of a
+beam search can disagree for a while, so text arrives in steps; with one beam (`sample`, `sps`)
+it is every token as it is accepted. A client that disconnects cancels the decode and frees its
+caches.
+
+Bad input is answered with HTTP 400 and an OpenAI-style error naming the field, the value given
+and what is allowed; an unknown model with 404.
+"""
+
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+from ray import serve
+
+from deployments.api_models import (
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    GenerateRequest,
+    ModelCard,
+    ModelList,
+    Usage,
+)
+from deployments.decode_session import (
+    DecodeSession,
+    Handles,
+    accepted_per_position,
+    committed_tokens,
+)
+from dsbd_core.config import SamplingConfig
+from dsbd_core.decoders import METHODS_WITH_DRAFT, method_config
+from dsbd_core.models import load_tokenizer
+from dsbd_core.result import Beam, DecodeResult
+
+
+class RouterOptions(BaseModel):
+    """What the router needs besides the handles."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model_name: str = Field("smollm2", description="The id /v1/models lists and requests name.")
+    tokenizer: str = Field("smollm2", description="Where the target's tokenizer is read from.")
+    default_max_tokens: int = Field(64, ge=1, le=32768)
+
+
+class APIError(Exception):
+    """An error a client can act on: HTTP status, message, offending parameter."""
+
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+
+
+app = FastAPI(
+    title="dsbd",
+    summary="Dynamic-Width Speculative Beam Decoding: beam sampling at speculative speed.",
+    version="0.1.0",
+)
+
+
+@app.exception_handler(APIError)
+async def _api_error(request: Request, error: APIError) -> JSONResponse:
+    return _error(error.status, error.message, error.param)
+
+
+@app.exception_handler(RequestValidationError)
+async def _validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
+    lines, param = [], None
+    for item in error.errors():
+        loc = [str(p) for p in item.get("loc", ()) if p != "body"]
+        field = ".".join(loc) or "body"
+        param = param or field
+        value = item.get("input")
+        message = str(item.get("msg", "invalid")).removeprefix("Value error, ")
+        if not loc:  # a model-level rule: its message names the fields itself
+            lines.append(message)
+            continue
+        shown = "" if isinstance(value, dict) else f"={value!r}"
+        lines.append(f"{field}{shown}: {message}")
+    return _error(400, "; ".join(lines), param)
+
+
+def _error(status: int, message: str, param: str | None) -> JSONResponse:
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    body = {"error": {"message": message, "type": kind, "param": param, "code": None}}
+    return JSONResponse(body, status_code=status)
+
+
+# Module helpers stay above the class: Serve pickles the ingress class when it is decorated.
+def _finish(beam: Beam) -> str:
+    return "stop" if beam.finished else "length"
+
+
+def _usage(prompt_ids: list[int], beams: list[Beam]) -> Usage:
+    completion = sum(len(b.token_ids) for b in beams)
+    return Usage(prompt_tokens=len(prompt_ids), completion_tokens=completion,
+                 total_tokens=len(prompt_ids) + completion)  # fmt: skip
+
+
+@serve.deployment(name="Router", max_ongoing_requests=256)
+@serve.ingress(app)
+class Router:
+    """Autoscaled ingress; one decode loop per request, all requests concurrent."""
+
+    def __init__(self, draft: Any, verifier: Any, controller: Any, options: dict[str, Any]) -> None:
+        self.options = RouterOptions.model_validate(options)
+        self.handles = Handles(draft=draft, verifier=verifier, controller=controller)
+        self.tokenizer, self.stop_ids = load_tokenizer(self.options.tokenizer)
+        self._info: dict[str, Any] | None = None
+
+    # ----------------------------------------------------------------- routes
+    @app.get("/healthz")
+    async def healthz(self) -> dict[str, Any]:
+        """Liveness and readiness: the router is up and the verifier answers."""
+        info = await self._model_info()
+        return {"status": "ok", "model": self.options.model_name, "vocab_size": info["vocab_size"]}
+
+    @app.get("/v1/models")
+    async def models(self) -> ModelList:
+        return ModelList(data=[ModelCard(id=self.options.model_name)])
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(self, request: CompletionRequest) -> Any:
+        self._check_model(request.model)
+        prompt_ids = self.tokenizer.encode(request.prompt)
+        return await self._openai(request, prompt_ids, chat=False)
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat_completions(self, request: ChatCompletionRequest) -> Any:
+        self._check_model(request.model)
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise APIError(400, f"model {request.model!r} has no chat template; use "
+                           "/v1/completions", "messages")  # fmt: skip
+        text = self.tokenizer.apply_chat_template(
+            [m.model_dump() for m in request.messages], tokenize=False, add_generation_prompt=True
+        )
+        prompt_ids = self.tokenizer.encode(text, add_special_tokens=False)
+        return await self._openai(request, prompt_ids, chat=True)
+
+    @app.post("/v1/dsbd/generate")
+    async def generate(self, request: GenerateRequest) -> dict[str, Any]:
+        """One prompt; every beam with its log-likelihood, and the decode's statistics."""
+        if request.prompt_ids is not None:
+            prompt_ids = list(request.prompt_ids)
+        elif request.chat and getattr(self.tokenizer, "chat_template", None):
+            text = self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": request.prompt}], tokenize=False,
+                add_generation_prompt=True,
+            )  # fmt: skip
+            prompt_ids = self.tokenizer.encode(text, add_special_tokens=False)
+        else:
+            prompt_ids = self.tokenizer.encode(request.prompt)
+        config = await self._config(request.sampling_config(self.stop_ids), request.method,
+                                    prompt_ids)  # fmt: skip
+        session = self._session(config, request.method, request.adaptive)
+        result = await session.run(prompt_ids)
+        stats = result.stats.as_dict()
+        stats["accepted_per_position"] = accepted_per_position(result)
+        stats["serving"] = session.stats.as_dict()
+        return {
+            "model": self.options.model_name,
+            "method": request.method,
+            "prompt_tokens": len(prompt_ids),
+            "beams": [
+                {
+                    "text": self._text(beam),
+                    "token_ids": beam.token_ids,
+                    "log_likelihood": beam.log_likelihood,
+                    "score": beam.score,
+                    "finished": beam.finished,
+                }
+                for beam in result.beams
+            ],
+            "stats": stats,
+        }
+
+    # ----------------------------------------------------------------- helpers
+    async def _openai(self, request: Any, prompt_ids: list[int], *, chat: bool) -> Any:
+        stop_ids = self._stop_token_ids(request.stop_strings)
+        config = request.sampling_config(
+            tuple(sorted(set(self.stop_ids) | set(stop_ids))), self.options.default_max_tokens
+        )
+        config = await self._config(config, request.method, prompt_ids)
+        session = self._session(config, request.method, request.adaptive)
+        if request.stream:
+            stream = self._stream(session, request, prompt_ids, chat=chat)
+            return StreamingResponse(stream, media_type="text/event-stream")
+        result = await session.run(prompt_ids)
+        beams = result.beams[: request.n]
+        usage = _usage(prompt_ids, beams)
+        if chat:
+            return ChatCompletionResponse(
+                model=self.options.model_name,
+                usage=usage,
+                choices=[
+                    ChatChoice(
+                        index=i,
+                        message=AssistantMessage(content=self._text(b)),
+                        finish_reason=_finish(b),
+                    )  # fmt: skip
+                    for i, b in enumerate(beams)
+                ],
+            )
+        return CompletionResponse(
+            model=self.options.model_name,
+            usage=usage,
+            choices=[
+                CompletionChoice(index=i, text=self._text(b), finish_reason=_finish(b))
+                for i, b in enumerate(beams)
+            ],
+        )
+
+    async def _stream(
+        self, session: DecodeSession, request: Any, prompt_ids: list[int], *, chat: bool
+    ) -> AsyncIterator[str]:
+        """SSE chunks: committed text of the best beam as it grows, then the final beams."""
+        created = int(time.time())
+        ident = f"{'chatcmpl' if chat else 'cmpl'}-{session.session}"
+
+        def chunk(index: int, text: str | None, finish: str | None, first: bool = False) -> str:
+            if chat:
+                delta: dict[str, Any] = {}
+                if first:
+                    delta["role"] = "assistant"
+                if text:
+                    delta["content"] = text
+                choice = {"index": index, "delta": delta, "logprobs": None,
+                          "finish_reason": finish}  # fmt: skip
+                kind = "chat.completion.chunk"
+            else:
+                choice = {"index": index, "text": text or "", "logprobs": None,
+                          "finish_reason": finish}  # fmt: skip
+                kind = "text_completion"
+            body = {"id": ident, "object": kind, "created": created,
+                    "model": self.options.model_name, "choices": [choice]}  # fmt: skip
+            return f"data: {json.dumps(body)}\n\n"
+
+        sent = ""
+        if chat:
+            yield chunk(0, None, None, first=True)
+        async for state in session.iterations(prompt_ids):
+            text = self._decode(committed_tokens(state))
+            if text.startswith(sent) and len(text) > len(sent) and not text.endswith("\ufffd"):
+                yield chunk(0, text[len(sent) :], None)
+                sent = text
+        beams = session.result().beams[: request.n]
+        for index, beam in enumerate(beams):
+            text = self._text(beam)
+            rest = text[len(sent) :] if index == 0 and text.startswith(sent) else text
+            if index > 0 and chat:
+                yield chunk(index, None, None, first=True)
+            yield chunk(index, rest, _finish(beam))
+        options = request.stream_options or {}
+        if options.get("include_usage"):
+            usage = _usage(prompt_ids, beams).model_dump()
+            body = {"id": ident, "object": "chat.completion.chunk" if chat else "text_completion",
+                    "created": created, "model": self.options.model_name, "choices": [],
+                    "usage": usage}  # fmt: skip
+            yield f"data: {json.dumps(body)}\n\n"
+        yield "data: [DONE]\n\n"
+
+    def _session(self, config: SamplingConfig, method: str, adaptive: bool) -> DecodeSession:
+        assert self._info is not None
+        return DecodeSession(
+            self.handles, int(self._info["vocab_size"]), config,
+            uses_draft=method in METHODS_WITH_DRAFT, adaptive=adaptive,
+        )  # fmt: skip
+
+    async def _config(
+        self, config: SamplingConfig, method: str, prompt_ids: list[int]
+    ) -> SamplingConfig:
+        """The method's config, checked against what the model can hold."""
+        info = await self._model_info()
+        vocab = int(info["vocab_size"])
+        bad = [t for t in prompt_ids if not 0 <= t < vocab]
+        if bad:
+            raise APIError(400, f"prompt_ids: token id {bad[0]} out of range; allowed "
+                           f"0..{vocab - 1}", "prompt_ids")  # fmt: skip
+        config = method_config(method, config)
+        gamma = config.gamma if method in METHODS_WITH_DRAFT else 0
+        needed = len(prompt_ids) + config.max_new_tokens + gamma + 1
+        limit = int(info["max_positions"])
+        if needed > limit:
+            raise APIError(
+                400,
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({config.max_new_tokens}) + gamma "
+                f"({gamma}) + 1 = {needed} exceeds the model's {limit} positions; allowed: a "
+                "shorter prompt or a smaller max_tokens",
+                "max_tokens",
+            )
+        return config
+
+    async def _model_info(self) -> dict[str, Any]:
+        if self._info is None:
+            self._info = await self.handles.verifier.info.remote()
+        return self._info
+
+    def _check_model(self, model: str) -> None:
+        if model != self.options.model_name:
+            raise APIError(404, f"model={model!r} does not exist; available: "
+                           f"{self.options.model_name!r}", "model")  # fmt: skip
+
+    def _stop_token_ids(self, stops: list[str]) -> list[int]:
+        ids = []
+        for stop in stops:
+            encoded = self.tokenizer.encode(stop, add_special_tokens=False)
+            if len(encoded) != 1:
+                raise APIError(400, f"stop={stop!r} is {len(encoded)} tokens; allowed: stop "
+                               "strings that are exactly one token", "stop")  # fmt: skip
+            ids.append(encoded[0])
+        return ids
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def _text(self, beam: Beam) -> str:
+        """The beam's text without its stop token (OpenAI leaves the stop sequence out)."""
+        ids = beam.token_ids
+        if beam.finished and ids:
+            ids = ids[:-1]
+        return self._decode(ids)
+
+
+__all__ = ["Router", "RouterOptions", "DecodeResult", "app"]

@@ -1,0 +1,58 @@
+"""The verifier deployment: one target forward verifies the forests of concurrent requests.
+
+`verify` runs `Engine.verify_steps` (dsbd_core: the exact layer-by-layer verification and the
+per-layer width rule) for every call of a batch; the target scores all of their forests in ONE
+forward (continuous batching at iteration granularity: whoever is at this step joins). The
+forest arrives as an object-store reference resolved here; what goes back is the outcome only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ray import serve
+
+from deployments.messages import DraftReply, IterationCall, VerifyReply
+from deployments.model_replica import ModelReplica, raise_if_error
+from dsbd_core.engine import Engine, Forest, Outcome
+from dsbd_core.scorer import RemoteModel
+from dsbd_core.session_batch import Job
+
+_NO_FOREST = Forest([], [], [])
+
+
+@serve.deployment(name="Verifier", max_ongoing_requests=64)
+class Verifier(ModelReplica):
+    """Holds the target model (tensor-parallel groups arrive with issue 5)."""
+
+    def __init__(self, options: dict[str, Any]) -> None:
+        super().__init__(options)
+        self._verify_batch.set_max_batch_size(self.options.max_batch_size)
+
+    async def verify(
+        self, session: str, call: IterationCall, draft: DraftReply | None
+    ) -> VerifyReply:
+        """Verify one request's forest (`draft=None`: a plain beam-sampling step)."""
+        self.note_call(session, self._verify_batch)
+        return raise_if_error(await self._verify_batch(session, call, draft))
+
+    @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.0)
+    async def _verify_batch(
+        self,
+        sessions: list[str],
+        calls: list[IterationCall],
+        drafts: list[DraftReply | None],
+    ) -> list[VerifyReply | BaseException]:
+        remote = RemoteModel(self.vocab_size)
+        jobs = []
+        for session, call, draft in zip(sessions, calls, drafts, strict=True):
+            engine = Engine(remote, call.config, remote if call.uses_draft else None)
+            forest = draft.forest if draft is not None else _NO_FOREST
+            jobs.append(Job(session, engine.verify_steps(call.state, forest)))
+        results, report = await self.run_jobs(jobs)
+        return [
+            VerifyReply(value, report, draft.report if draft is not None else None)
+            if isinstance(value, Outcome)
+            else value
+            for value, draft in zip(results, drafts, strict=True)
+        ]

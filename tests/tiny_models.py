@@ -1,0 +1,79 @@
+"""Tiny real models for serving tests: a byte-level BPE tokenizer with a chat template, and a
+target/draft pair of 2-layer Llamas saved as ordinary transformers directories.
+
+Everything is built in the test (seconds, no download): the serving stack loads them exactly
+as it loads SmolLM2 (`load_causal_lm` on a directory), so HTTP, tokenization, chat templates,
+stop tokens and the KV-cache paths are the real ones. The draft is the target with a little
+noise on its weights, so acceptance is high but not 1.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+from tokenizers import decoders as tok_decoders
+from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog. " * 4,
+    "What is the capital of France? Paris is the capital of France.",
+    "def add(a, b):\n    return a + b\n",
+    "Beam search keeps the best sequences; speculative decoding drafts and verifies.",
+    "one two three four five six seven eight nine ten",
+]
+
+
+def build_tokenizer(out: Path) -> PreTrainedTokenizerFast:
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = tok_decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=320, special_tokens=SPECIAL,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )  # fmt: skip
+    tokenizer.train_from_iterator(CORPUS, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, eos_token="<|im_end|>", bos_token="<|endoftext|>",
+        pad_token="<|endoftext|>", additional_special_tokens=["<|im_start|>"],
+    )  # fmt: skip
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(out)
+    return fast
+
+
+def build_pair(root: Path, *, seed: int = 0) -> tuple[Path, Path]:
+    """Write `root/target` and `root/draft` (same tokenizer); returns their paths."""
+    target_dir, draft_dir = root / "target", root / "draft"
+    for path in (target_dir, draft_dir):
+        path.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(target_dir)
+    tokenizer.save_pretrained(draft_dir)
+    vocab = len(tokenizer)
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        bos_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
+    )  # fmt: skip
+    target = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        target.lm_head.weight.mul_(4.0)  # peakier than the default init: beams differ
+    generation = GenerationConfig(eos_token_id=config.eos_token_id)
+    target.generation_config = generation
+    target.save_pretrained(target_dir)
+    draft = LlamaForCausalLM(config).eval()
+    draft.load_state_dict(target.state_dict())
+    with torch.no_grad():
+        for parameter in draft.parameters():
+            parameter.add_(0.05 * torch.randn_like(parameter) * parameter.std())
+    draft.generation_config = generation
+    draft.save_pretrained(draft_dir)
+    return target_dir, draft_dir
