@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import time
 import uuid
 from collections import Counter
@@ -167,14 +168,29 @@ class DecodeSession:
             s.draft_seconds.append(reply.draft.seconds)
 
     def _release(self) -> None:
-        """Free the session everywhere (fire and forget; TTLs catch what this misses)."""
-        for call in (
-            lambda: self.handles.controller.close.remote(self.session),
-            lambda: self.handles.verifier.release.remote(self.session),
-            lambda: self.handles.draft.release.remote(self.session) if self.uses_draft else None,
-        ):
-            with contextlib.suppress(Exception):
-                call()
+        """Free the session everywhere; TTLs catch what this misses.
+
+        Runs as its own task in an empty context: Serve cancels the child calls of a cancelled
+        request (a client that went away), and these calls must outlive it.
+        """
+        handles, session, uses_draft = self.handles, self.session, self.uses_draft
+
+        async def release() -> None:
+            calls = [handles.controller.close.remote(session),
+                     handles.verifier.release.remote(session)]  # fmt: skip
+            if uses_draft:
+                calls.append(handles.draft.release.remote(session))
+            for call in calls:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(call, timeout=30)
+
+        with contextlib.suppress(RuntimeError):  # no running loop: nothing to release from
+            task = asyncio.get_running_loop().create_task(release(), context=contextvars.Context())
+            _RELEASING.add(task)
+            task.add_done_callback(_RELEASING.discard)
+
+
+_RELEASING: set[asyncio.Task] = set()  # keeps release tasks referenced until they finish
 
 
 def committed_tokens(state: DecodeState) -> list[int]:

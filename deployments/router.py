@@ -133,6 +133,15 @@ class Router:
         info = await self._model_info()
         return {"status": "ok", "model": self.options.model_name, "vocab_size": info["vocab_size"]}
 
+    @app.get("/v1/dsbd/status")
+    async def status(self) -> dict[str, Any]:
+        """Load as the width controller sees it, and one verifier replica's cached sessions."""
+        load = await self.handles.controller.load.remote()
+        verifier = await self.handles.verifier.info.remote()
+        return {"model": self.options.model_name, **load,
+                "verifier": {"replica": verifier["replica"],
+                             "cached_sessions": len(verifier["cached_sessions"])}}  # fmt: skip
+
     @app.get("/v1/models")
     async def models(self) -> ModelList:
         return ModelList(data=[ModelCard(id=self.options.model_name)])

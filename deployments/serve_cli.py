@@ -10,6 +10,8 @@ the replicas load them, and Ctrl-C / SIGTERM shut Serve and Ray down, leaving no
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import signal
 import sys
 import time
@@ -30,7 +32,9 @@ def add_arguments(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--port", type=int, default=8000, help="HTTP port (default: 8000)")
     serve.add_argument("--num-cpus", type=float, default=None, help="CPUs Ray may schedule on")
     serve.add_argument(
-        "--ready-file", type=Path, help="write the URL here once every application is running"
+        "--ready-file",
+        type=Path,
+        help='once every application runs, write {"url": ..., "pid": ...} (JSON) here',
     )
     serve.add_argument(
         "--timeout", type=float, default=600.0, help="seconds to wait for the deployments"
@@ -109,8 +113,8 @@ def main(args: argparse.Namespace) -> int:
         for app in schema.applications:
             print(f"dsbd: application {app.name!r} ready at {url}{app.route_prefix or ''}",
                   flush=True)  # fmt: skip
-        if args.ready_file is not None:
-            args.ready_file.write_text(url)
+        if args.ready_file is not None:  # for scripts: where to connect, whom to signal
+            args.ready_file.write_text(json.dumps({"url": url, "pid": os.getpid()}))
         print("dsbd: serving; Ctrl-C stops it", flush=True)
         while not stopping:
             time.sleep(0.5)

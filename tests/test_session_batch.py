@@ -57,8 +57,10 @@ def decode_together(
         )
         reports.append(("draft", report))
         outcomes, report = target.run(
-            [Job(f"r{i}", engines[i].verify_steps(messages[i], f))
-             for i, f in zip(live, forests, strict=True)]  # fmt: skip
+            [
+                Job(f"r{i}", engines[i].verify_steps(messages[i], f))
+                for i, f in zip(live, forests, strict=True)
+            ]  # fmt: skip
         )
         reports.append(("target", report))
         for i, outcome in zip(live, outcomes, strict=True):

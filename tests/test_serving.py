@@ -1,0 +1,346 @@
+"""End to end over HTTP: `dsbd serve` on real Ray with tiny real models, the real openai client.
+
+One server for the module, started the way users start it (`dsbd serve --config FILE`), under
+`strace -f` (the whole Ray tree) so the last test can check that nothing but loopback was ever
+contacted; this process's own sockets are watched by an audit hook. Two applications:
+
+* `/`        session affinity on, one draft and one verifier replica;
+* `/spread`  affinity off, two draft and two verifier replicas: sessions land on replicas
+             without their cache and must re-prefill.
+
+The models run in float64, so a batched forward equals a lone one to ~1e-16 and "the
+distributed path returns the same beams as the in-process engine" can be checked draw for draw
+even for concurrent requests.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+import requests
+import torch
+import yaml
+
+from dsbd_core import SamplingConfig
+from dsbd_core.decoders import METHODS_WITH_DRAFT, generate
+from dsbd_core.models import load_causal_lm, load_tokenizer
+from dsbd_core.transformer_scorer import TransformerScorer
+
+from .test_local_ray import is_loopback, peers
+from .tiny_models import build_pair
+
+REPO = Path(__file__).parent.parent
+MODEL = "tiny"
+_connections: list[Any] = []
+
+
+def _audit(event: str, args: tuple) -> None:
+    if event == "socket.connect":
+        _connections.append(args[1])
+
+
+sys.addaudithook(_audit)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory):
+    root = tmp_path_factory.mktemp("serving")
+    external = os.environ.get("DSBD_TEST_SERVER")  # "URL MODELS_DIR": reuse a running server
+    if external:  # (development only: a server started by hand with this module's config)
+        url, models_dir = external.split()
+        yield {"url": url, "target": Path(models_dir) / "target",
+               "draft": Path(models_dir) / "draft", "trace": None, "log": None}  # fmt: skip
+        return
+    target, draft = build_pair(root / "models")
+    models = {"target": {"source": str(target), "dtype": "float64"},
+              "draft": {"source": str(draft), "dtype": "float64"}}  # fmt: skip
+    small = {"num_cpus": 0.1}
+    config = {
+        "applications": [
+            {"name": "dsbd", "route_prefix": "/", "import_path": "deployments.app:build_app",
+             "args": {"model_name": MODEL, **models, "router_resources": small,
+                      "draft_resources": small, "verifier_resources": small}},
+            {"name": "spread", "route_prefix": "/spread",
+             "import_path": "deployments.app:build_app",
+             "args": {"model_name": MODEL, **models, "session_affinity": False,
+                      "router_resources": small,
+                      "draft_resources": {**small, "min_replicas": 2, "max_replicas": 2},
+                      "verifier_resources": {**small, "min_replicas": 2, "max_replicas": 2}}},
+        ]
+    }  # fmt: skip
+    (root / "serve.yaml").write_text(yaml.safe_dump(config))
+    port, ready = _free_port(), root / "ready"
+    command = [str(REPO / ".venv/bin/dsbd"), "serve", "--config", str(root / "serve.yaml"),
+               "--port", str(port), "--num-cpus", "8", "--ready-file", str(ready)]  # fmt: skip
+    if not Path(command[0]).exists():
+        command[0:1] = [sys.executable, "-m", "dsbd_core.cli"]
+    trace = root / "trace"
+    trace.mkdir()
+    traced = shutil.which("strace") is not None
+    if traced:
+        command = ["strace", "-f", "-ff", "-qq", "--seccomp-bpf", "-e",
+                   "trace=connect,sendto,sendmsg", "-o", str(trace / "t"), *command]  # fmt: skip
+    log = (root / "server.log").open("w")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env,
+                               start_new_session=True)  # fmt: skip
+    deadline = time.monotonic() + 420
+    while not ready.exists():
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            pytest.fail(f"dsbd serve did not start:\n{(root / 'server.log').read_text()[-4000:]}")
+        time.sleep(1)
+    while True:  # the file may be seen before it is fully written
+        try:
+            info = json.loads(ready.read_text())
+            break
+        except json.JSONDecodeError:
+            time.sleep(0.2)
+    url = info["url"]
+    assert url == f"http://127.0.0.1:{port}"
+    try:
+        yield {"url": url, "target": target, "draft": draft, "trace": trace if traced else None,
+               "log": root / "server.log"}  # fmt: skip
+    finally:
+        os.kill(info["pid"], signal.SIGINT)  # dsbd serve itself (strace would only detach)
+        try:
+            process.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+
+@pytest.fixture(scope="module")
+def reference(server):
+    """In-process decoding of the same models: what every distributed decode must equal."""
+    target = load_causal_lm(str(server["target"]), dtype=torch.float64)
+    draft = load_causal_lm(str(server["draft"]), dtype=torch.float64)
+    _, stop_ids = load_tokenizer(str(server["target"]))
+
+    def decode(method: str, prompt_ids: list[int], **knobs: Any):
+        config = SamplingConfig(eos_token_ids=stop_ids, **knobs)
+        return generate(
+            method, TransformerScorer(target.model), prompt_ids, config,
+            draft=TransformerScorer(draft.model) if method in METHODS_WITH_DRAFT else None,
+        )  # fmt: skip
+
+    return decode
+
+
+def client(server, prefix: str = "") -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server['url']}{prefix}/v1", api_key="unused", max_retries=0)
+
+
+def native(server, body: dict, prefix: str = "") -> dict:
+    response = requests.post(f"{server['url']}{prefix}/v1/dsbd/generate", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+CASES = [
+    ("dsbd", {"width": 3, "gamma": 3, "threshold": 0.6}),
+    ("dsbd", {"width": 2, "draft_width": 3, "gamma": 2, "threshold": None,
+              "mode": "with_replacement"}),
+    ("dsbd", {"width": 3, "gamma": 2, "lean_memory": True}),
+    ("beam", {"width": 3}),
+    ("sps", {"gamma": 4}),
+]  # fmt: skip
+
+
+def assert_same(got: dict, want) -> None:
+    assert [b["token_ids"] for b in got["beams"]] == [b.token_ids for b in want.beams]
+    for a, b in zip(got["beams"], want.beams, strict=True):
+        assert abs(a["log_likelihood"] - b.log_likelihood) < 1e-9
+    stats = {k: v for k, v in got["stats"].items() if k not in ("serving", "accepted_per_position")}
+    assert stats == json.loads(json.dumps(want.stats.as_dict()))
+
+
+# ------------------------------------------------------------------------------- OpenAI API
+def test_completion_and_chat_with_the_openai_client(server) -> None:
+    api = client(server)
+    assert [m.id for m in api.models.list().data] == [MODEL]
+    completion = api.completions.create(
+        model=MODEL, prompt="one two three", max_tokens=8, n=2, seed=3,
+        extra_body={"width": 3, "gamma": 2},
+    )  # fmt: skip
+    assert len(completion.choices) == 2 and all(isinstance(c.text, str) for c in completion.choices)
+    assert completion.usage.prompt_tokens > 0 and completion.usage.completion_tokens > 0
+    assert {c.finish_reason for c in completion.choices} <= {"stop", "length"}
+    chat = api.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "What is the capital of France?"}],
+        max_tokens=8, n=3, extra_body={"method": "beam", "width": 3},
+    )  # fmt: skip
+    assert [c.index for c in chat.choices] == [0, 1, 2]
+    assert all(c.message.role == "assistant" for c in chat.choices)
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_streaming_ends_with_the_text_of_the_same_request_unstreamed(server, chat: bool) -> None:
+    api = client(server)
+    knobs = {"model": MODEL, "max_tokens": 12, "seed": 5,
+             "extra_body": {"adaptive": False, "width": 2, "gamma": 2}}  # fmt: skip
+    if chat:
+        messages = [{"role": "user", "content": "Say something."}]
+        whole = api.chat.completions.create(messages=messages, **knobs).choices[0]
+        chunks = list(api.chat.completions.create(messages=messages, stream=True, **knobs))
+        streamed = "".join(c.choices[0].delta.content or "" for c in chunks)
+        expected = whole.message.content
+    else:
+        whole = api.completions.create(prompt="one two", **knobs).choices[0]
+        chunks = list(api.completions.create(prompt="one two", stream=True, **knobs))
+        streamed = "".join(c.choices[0].text for c in chunks)
+        expected = whole.text
+    assert streamed == expected
+    assert chunks[-1].choices[0].finish_reason == whole.finish_reason
+    assert len(chunks) >= 2
+
+
+def test_streaming_one_beam_sends_tokens_as_they_are_accepted(server) -> None:
+    stream = client(server).completions.create(
+        model=MODEL, prompt="one", max_tokens=16, stream=True, seed=1,
+        extra_body={"method": "sps", "gamma": 2}, stream_options={"include_usage": True},
+    )  # fmt: skip
+    events = list(stream)
+    assert events[-1].usage is not None and events[-1].choices == []
+    text_events = [e for e in events if e.choices and e.choices[0].text]
+    assert len(text_events) >= 3  # several increments, not one final blob
+
+
+# ------------------------------------------------------------------ the distributed decode
+@pytest.mark.parametrize(("method", "knobs"), CASES)
+def test_distributed_decode_equals_the_in_process_engine(server, reference, method, knobs):
+    prompt_ids = [5, 17, 42, 99, 7]
+    body = {"prompt_ids": prompt_ids, "method": method, "seed": 11, "max_new_tokens": 14,
+            "adaptive": False, **knobs}  # fmt: skip
+    got = native(server, body)
+    want = reference(method, prompt_ids, seed=11, max_new_tokens=14, **knobs)
+    assert_same(got, want)
+    serving = got["stats"]["serving"]
+    # the router awaited verifier replies and controller answers only: never a forest
+    assert set(serving["router_received"]) <= {"VerifyReply", "Knobs"}
+    assert serving["verify_cache_hit"][1:] == [True] * (len(serving["verify_cache_hit"]) - 1)
+
+
+def test_concurrent_requests_share_the_verifier_forward_and_stay_exact(server, reference):
+    bodies = [
+        {"prompt_ids": [3 + i, 8, 13 + i], "seed": i, "max_new_tokens": 24, "width": 2 + i % 2,
+         "gamma": 1 + i % 3, "adaptive": False, "threshold": None if i % 2 else 0.6}
+        for i in range(6)
+    ]  # fmt: skip
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        results = list(pool.map(lambda body: native(server, body), bodies))
+    shared = max(max(r["stats"]["serving"]["verify_batch_requests"]) for r in results)
+    assert shared >= 2, "no verifier forward served two requests at once"
+    assert max(max(r["stats"]["serving"]["draft_batch_requests"]) for r in results) >= 2
+    for body, got in zip(bodies, results, strict=True):
+        knobs = {k: v for k, v in body.items() if k not in ("prompt_ids", "adaptive")}
+        assert_same(got, reference("dsbd", body["prompt_ids"], **knobs))
+
+
+def test_sessions_on_replicas_without_their_cache_reprefill_and_stay_exact(server, reference):
+    bodies = [{"prompt_ids": [20 + i, 21, 22, 23], "seed": 100 + i, "max_new_tokens": 16,
+               "width": 3, "gamma": 2, "adaptive": False} for i in range(4)]  # fmt: skip
+    with ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(lambda body: native(server, body, "/spread"), bodies))
+    hits, replicas = [], set()
+    for body, got in zip(bodies, results, strict=True):
+        knobs = {k: v for k, v in body.items() if k not in ("prompt_ids", "adaptive")}
+        assert_same(got, reference("dsbd", body["prompt_ids"], **knobs))
+        hits += got["stats"]["serving"]["verify_cache_hit"][1:]
+        replicas |= set(got["stats"]["serving"]["verify_replica"])
+    assert len(replicas) == 2
+    assert not all(hits), "every call found its cache: the miss path was not exercised"
+
+
+def test_the_width_controller_adapts_the_depth_within_the_limits(server) -> None:
+    got = native(server, {"prompt": "one two three", "max_new_tokens": 30, "gamma": 4,
+                          "seed": 2})  # fmt: skip
+    gammas = got["stats"]["serving"]["gamma"]
+    assert all(0 <= g <= 4 for g in gammas)
+    assert got["stats"]["accepted_per_position"]  # the per-position metric is reported
+
+
+# ------------------------------------------------------------------------------ bad input
+@pytest.mark.parametrize(
+    ("body", "fragment"),
+    [
+        ({"width": 0}, "width=0"),
+        ({"n": 5, "width": 3}, "n=5 is larger than width=3"),
+        ({"max_tokens": 1000}, "exceeds the model's 256 positions"),
+        ({"stop": ["one two three"]}, "stop="),
+        ({"frequency_penalty": 0.5}, "frequency_penalty=0.5"),
+        ({"unknown_knob": 1}, "unknown_knob"),
+        ({"temperature": 0}, "temperature=0"),
+    ],
+)
+def test_bad_requests_get_400_naming_the_field(server, body: dict, fragment: str) -> None:
+    response = requests.post(f"{server['url']}/v1/completions",
+                             json={"model": MODEL, "prompt": "x", **body}, timeout=60)  # fmt: skip
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert fragment in error["message"] and error["type"] == "invalid_request_error"
+
+
+def test_unknown_model_is_404_and_the_schema_is_served(server) -> None:
+    with pytest.raises(openai.NotFoundError, match="available: 'tiny'"):
+        client(server).completions.create(model="gpt-4", prompt="x")
+    schema = requests.get(f"{server['url']}/openapi.json", timeout=30).json()
+    assert {"/v1/completions", "/v1/chat/completions", "/v1/dsbd/generate", "/v1/models",
+            "/healthz"} <= set(schema["paths"])  # fmt: skip
+    assert requests.get(f"{server['url']}/healthz", timeout=30).json()["status"] == "ok"
+
+
+def test_finished_and_cancelled_requests_free_their_sessions(server) -> None:
+    # a stream the client abandons after its first event
+    with requests.post(f"{server['url']}/v1/completions", stream=True, timeout=60,
+                       json={"model": MODEL, "prompt": "one", "max_tokens": 200, "stream": True,
+                             "method": "sps"}) as response:  # fmt: skip
+        assert response.status_code == 200
+        next(response.iter_lines())
+    deadline = time.monotonic() + 60
+    status = {}
+    while time.monotonic() < deadline:
+        status = requests.get(f"{server['url']}/v1/dsbd/status", timeout=30).json()
+        if status["open_sessions"] == 0 and status["verifier"]["cached_sessions"] == 0:
+            break
+        time.sleep(0.5)
+    assert status["open_sessions"] == 0 and status["verifier"]["cached_sessions"] == 0, status
+
+
+# -------------------------------------------------------------------------------- network
+def test_nothing_but_loopback_was_contacted(server) -> None:
+    if server["trace"] is None:
+        pytest.skip("strace not installed: the server's processes could not be traced")
+    addresses = peers(server["trace"])
+    assert addresses, "the trace saw no address at all: is strace recording?"
+    outside = sorted(a for a in addresses if not is_loopback(a))
+    assert not outside, f"the server tried to reach: {outside}"
+    ours = {a[0] for a in _connections if isinstance(a, tuple) and a}
+    assert ours and all(is_loopback(a) for a in ours if _is_ip(a)), ours
+
+
+def _is_ip(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        return False
+    return True
