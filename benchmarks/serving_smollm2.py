@@ -102,7 +102,7 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--port", type=int, default=8765)
-    parser.add_argument("--batch-wait-s", type=float, default=0.005)
+    parser.add_argument("--batch-wait-s", type=float, default=0.01)
     parser.add_argument("--out", default="benchmarks/results/serving_smollm2.json")
     args = parser.parse_args()
     torch.set_num_threads(1)

@@ -12,7 +12,7 @@ from typing import Any
 from ray import serve
 
 from deployments.messages import DraftReply, IterationCall
-from deployments.model_replica import ModelReplica, raise_if_error
+from deployments.model_replica import ModelReplica
 from dsbd_core.engine import Engine, Forest
 from dsbd_core.scorer import RemoteModel
 from dsbd_core.session_batch import Job
@@ -22,23 +22,15 @@ from dsbd_core.session_batch import Job
 class Draft(ModelReplica):
     """Holds the draft model; one replica per accelerator in production."""
 
-    def __init__(self, options: dict[str, Any]) -> None:
-        super().__init__(options)
-        self._propose_batch.set_max_batch_size(self.options.max_batch_size)
-
     async def propose(self, session: str, call: IterationCall) -> DraftReply:
         """The forest of one request's iteration (drafted together with concurrent ones)."""
-        self.note_call(session, self._propose_batch)
-        return raise_if_error(await self._propose_batch(session, call))
+        return await self.submit(session, call)
 
-    @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.0)
-    async def _propose_batch(
-        self, sessions: list[str], calls: list[IterationCall]
-    ) -> list[DraftReply | BaseException]:
+    async def run_batch(self, items: list[tuple[str, IterationCall]]) -> list[Any]:
         remote = RemoteModel(self.vocab_size)
         jobs = [
             Job(session, Engine(remote, call.config, remote).propose_steps(call.state))
-            for session, call in zip(sessions, calls, strict=True)
+            for session, call in items
         ]
         results, report = await self.run_jobs(jobs)
         return [

@@ -2,8 +2,9 @@
 
 A replica loads its model once, keeps every decode session's KV cache in a `SessionBatcher`
 (keyed by session id, freed on release, after a TTL, least-recently-used beyond a cap), and
-answers the calls of concurrent requests in batches: Ray Serve's `@serve.batch` collects the
-calls that arrive together, and the batcher runs them with ONE model forward per lockstep round.
+answers the calls of concurrent requests in batches: a `ContinuousBatcher` collects the calls
+that arrive while the previous batch runs, and the `SessionBatcher` runs them with ONE model
+forward per lockstep round.
 The forward runs in a worker thread so the replica keeps accepting (and queueing) calls
 meanwhile; batches run one at a time.
 """
@@ -18,11 +19,13 @@ from typing import Any
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+from deployments.continuous_batch import ContinuousBatcher
 from deployments.messages import SideReport
 from dsbd_core.models import load_causal_lm
 from dsbd_core.session_batch import Job, SessionBatcher
 from dsbd_core.transformer_scorer import TransformerScorer
 
+_ACTIVE_S = 1.0  # a session with a call this recent is expected to call again soon
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
 
@@ -37,7 +40,7 @@ class ModelOptions(BaseModel):
     session_ttl_s: float = Field(300.0, gt=0, description="Free a session's cache after this.")
     max_sessions: int = Field(256, ge=1, description="Caches kept at most (LRU beyond).")
     batch_wait_s: float = Field(
-        0.002, ge=0, le=1, description="How long a batch waits for more calls (concurrent load)."
+        0.01, ge=0, le=1, description="How long a batch may wait for calls of active sessions."
     )
     max_batch_size: int = Field(32, ge=1, le=1024)
 
@@ -61,6 +64,7 @@ class ModelReplica:
         self._lock = asyncio.Lock()
         self._sweeper: asyncio.Task | None = None
         self._recent: dict[str, float] = {}  # session -> last call time (batch-wait policy)
+        self._batcher: ContinuousBatcher | None = None
 
     async def run_jobs(self, jobs: list[Job]) -> tuple[list[Any], SideReport]:
         """Run one batch (one at a time) in a worker thread; returns values and the report."""
@@ -72,14 +76,26 @@ class ModelReplica:
             seconds = time.perf_counter() - start
         return results, SideReport(report, self.replica_id, seconds)
 
-    def note_call(self, session: str, batched_method: Any) -> None:
-        """Wait for companions only when other sessions are active: a lone request pays nothing."""
+    async def submit(self, session: str, item: Any) -> Any:
+        """Queue one call for the next batch (continuous batching); raises its error if any."""
         now = time.monotonic()
         self._recent[session] = now
         if len(self._recent) > 4 * self.options.max_batch_size:
-            self._recent = {k: t for k, t in self._recent.items() if now - t < 1.0}
-        active = sum(1 for t in self._recent.values() if now - t < 1.0)
-        batched_method.set_batch_wait_timeout_s(self.options.batch_wait_s if active > 1 else 0.0)
+            self._recent = {k: t for k, t in self._recent.items() if now - t < _ACTIVE_S}
+        if self._batcher is None:
+            self._batcher = ContinuousBatcher(
+                self.run_batch, max_batch_size=self.options.max_batch_size,
+                wait_s=self.options.batch_wait_s, expected=self._active_sessions,
+            )  # fmt: skip
+        return raise_if_error(await self._batcher.submit((session, item)))
+
+    async def run_batch(self, items: list[tuple[str, Any]]) -> list[Any]:
+        """One batch of (session, call) items -> one value or exception per item."""
+        raise NotImplementedError
+
+    def _active_sessions(self) -> int:
+        now = time.monotonic()
+        return sum(1 for t in self._recent.values() if now - t < _ACTIVE_S)
 
     async def release(self, session: str) -> bool:
         """Free a session's cache (request done, failed or cancelled)."""

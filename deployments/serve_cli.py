@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import signal
 import sys
 import time
@@ -39,6 +40,20 @@ def add_arguments(serve: argparse.ArgumentParser) -> None:
     serve.add_argument(
         "--timeout", type=float, default=600.0, help="seconds to wait for the deployments"
     )
+
+
+def print_ray_env() -> int:
+    """`dsbd ray-env`: NAME=value lines that keep a Ray started by someone else on loopback.
+
+    For `serve run serve_config.yaml`, which starts Ray itself with a plain `ray.init()`:
+    `env $(dsbd ray-env) serve run serve_config.yaml` scopes them to that one command (HOME
+    points at a fresh folder holding Ray's bootstrap config, see deployments.local_ray).
+    """
+    from deployments.local_ray import loopback_environment
+
+    for name, value in loopback_environment().items():
+        print(f"{name}={shlex.quote(value)}")
+    return 0
 
 
 def load_config(path: Path | None, host: str, port: int) -> Any:

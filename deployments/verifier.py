@@ -13,7 +13,7 @@ from typing import Any
 from ray import serve
 
 from deployments.messages import DraftReply, IterationCall, VerifyReply
-from deployments.model_replica import ModelReplica, raise_if_error
+from deployments.model_replica import ModelReplica
 from dsbd_core.engine import Engine, Forest, Outcome
 from dsbd_core.scorer import RemoteModel
 from dsbd_core.session_batch import Job
@@ -25,27 +25,18 @@ _NO_FOREST = Forest([], [], [])
 class Verifier(ModelReplica):
     """Holds the target model (tensor-parallel groups arrive with issue 5)."""
 
-    def __init__(self, options: dict[str, Any]) -> None:
-        super().__init__(options)
-        self._verify_batch.set_max_batch_size(self.options.max_batch_size)
-
     async def verify(
         self, session: str, call: IterationCall, draft: DraftReply | None
     ) -> VerifyReply:
         """Verify one request's forest (`draft=None`: a plain beam-sampling step)."""
-        self.note_call(session, self._verify_batch)
-        return raise_if_error(await self._verify_batch(session, call, draft))
+        return await self.submit(session, (call, draft))
 
-    @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.0)
-    async def _verify_batch(
-        self,
-        sessions: list[str],
-        calls: list[IterationCall],
-        drafts: list[DraftReply | None],
-    ) -> list[VerifyReply | BaseException]:
+    async def run_batch(
+        self, items: list[tuple[str, tuple[IterationCall, DraftReply | None]]]
+    ) -> list[Any]:
         remote = RemoteModel(self.vocab_size)
         jobs = []
-        for session, call, draft in zip(sessions, calls, drafts, strict=True):
+        for session, (call, draft) in items:
             engine = Engine(remote, call.config, remote if call.uses_draft else None)
             forest = draft.forest if draft is not None else _NO_FOREST
             jobs.append(Job(session, engine.verify_steps(call.state, forest)))
@@ -54,5 +45,5 @@ class Verifier(ModelReplica):
             VerifyReply(value, report, draft.report if draft is not None else None)
             if isinstance(value, Outcome)
             else value
-            for value, draft in zip(results, drafts, strict=True)
+            for value, (_, (_, draft)) in zip(results, items, strict=True)
         ]

@@ -155,6 +155,11 @@ def build_parser() -> argparse.ArgumentParser:
     from deployments.serve_cli import add_arguments  # argparse only: Ray loads when serving
 
     add_arguments(serve)
+    commands.add_parser(
+        "ray-env",
+        help="print NAME=value settings that keep a Ray you start yourself on loopback "
+        "(env $(dsbd ray-env) serve run serve_config.yaml)",
+    )
     return parser
 
 
@@ -281,6 +286,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from deployments.serve_cli import main as serve_main
 
         return serve_main(args)
+    if args.command == "ray-env":
+        from deployments.serve_cli import print_ray_env
+
+        return print_ray_env()
     try:
         config = config_from_args(args)
     except ValidationError as error:

@@ -15,6 +15,7 @@ even for concurrent requests.
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import json
 import os
@@ -127,6 +128,22 @@ def server(tmp_path_factory: pytest.TempPathFactory):
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
+        assert not leftovers(process.pid), "dsbd serve left processes behind"
+
+
+def leftovers(session: int, wait_s: float = 30.0) -> list[int]:
+    """Processes still alive in a session after its leader exited (killed if any remain)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        found = subprocess.run(["pgrep", "-s", str(session)], capture_output=True, text=True)
+        pids = [int(x) for x in found.stdout.split()]
+        if not pids or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    return pids
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,155 @@
+"""`dsbd serve` configuration handling, and `serve run serve_config.yaml` as Ray users run it.
+
+Config errors must exit 2 naming the field before any Ray process starts; the shipped
+`serve_config.yaml` must validate; and Ray's own `serve run`, given the settings `dsbd ray-env`
+prints, must serve the app while contacting nothing but loopback (traced like test_serving).
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import requests
+import yaml
+
+from deployments.app import AppArgs
+from deployments.serve_cli import load_config
+
+from .test_local_ray import is_loopback, peers
+from .test_serving import _free_port, leftovers
+from .tiny_models import build_pair
+
+REPO = Path(__file__).parent.parent
+DSBD = [sys.executable, "-m", "dsbd_core.cli"]
+
+
+def test_the_shipped_serve_config_is_valid_and_matches_the_defaults() -> None:
+    schema = load_config(REPO / "serve_config.yaml", "127.0.0.1", 8000)
+    (app,) = schema.applications
+    assert app.import_path == "deployments.app:build_app"
+    args = AppArgs.model_validate(app.args)
+    assert (args.target.source, args.draft.source) == (
+        AppArgs().target.source, AppArgs().draft.source,
+    )  # fmt: skip
+    assert args.verifier_resources.max_replicas > args.verifier_resources.min_replicas
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        ({"target": {"source": "smollm2", "dtype": "float8"}}, "target.dtype='float8'"),
+        ({"draft_resources": {"max_replicas": 0}}, "draft_resources.max_replicas=0"),
+        ({"widht": 3}, "widht"),
+        ({"target": {"source": "/no/such/model"}}, "/no/such/model"),
+    ],
+)
+def test_bad_configs_exit_2_naming_the_field(tmp_path: Path, args: dict, fragment: str) -> None:
+    app = {"name": "dsbd", "route_prefix": "/", "import_path": "deployments.app:build_app",
+           "args": args}  # fmt: skip
+    config = {"applications": [app]}
+    path = tmp_path / "serve.yaml"
+    path.write_text(yaml.safe_dump(config))
+    done = subprocess.run([*DSBD, "serve", "--config", str(path)], capture_output=True,
+                          text=True, timeout=120, cwd=REPO)  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert fragment in done.stderr
+    assert "ray" not in done.stdout.lower()  # refused before Ray started
+
+
+def test_ray_env_prints_the_loopback_settings() -> None:
+    done = subprocess.run([*DSBD, "ray-env"], capture_output=True, text=True, timeout=60)
+    settings = dict(line.split("=", 1) for line in done.stdout.split())
+    assert settings["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "0"
+    assert (Path(settings["HOME"]) / "ray_bootstrap_config.yaml").is_file()
+
+
+@pytest.mark.skipif(shutil.which("strace") is None, reason="strace not installed")
+def test_serve_run_with_dsbd_ray_env_serves_on_loopback_only(tmp_path: Path) -> None:
+    target, draft = build_pair(tmp_path / "models")
+    port = _free_port()
+    small = {"num_cpus": 0.1}
+    config = {
+        "http_options": {"host": "127.0.0.1", "port": port},
+        "applications": [{"name": "dsbd", "route_prefix": "/",
+                          "import_path": "deployments.app:build_app",
+                          "args": {"model_name": "tiny", "target": {"source": str(target)},
+                                   "draft": {"source": str(draft)}, "router_resources": small,
+                                   "draft_resources": small, "verifier_resources": small}}],
+    }  # fmt: skip
+    (tmp_path / "serve.yaml").write_text(yaml.safe_dump(config))
+    printed = subprocess.run([*DSBD, "ray-env"], capture_output=True, text=True, timeout=60)
+    env = {**os.environ, **dict(x.split("=", 1) for x in shlex.split(printed.stdout))}
+    serve = Path(sys.executable).parent / "serve"
+    trace = tmp_path / "trace"
+    trace.mkdir()
+    process = subprocess.Popen(
+        ["strace", "-f", "-ff", "-qq", "--seccomp-bpf", "-e", "trace=connect,sendto,sendmsg",
+         "-o", str(trace / "t"), str(serve), "run", str(tmp_path / "serve.yaml")],
+        env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=(tmp_path / "log").open("w"),
+        start_new_session=True,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 420
+        while True:
+            try:
+                if requests.get(f"{url}/healthz", timeout=10).status_code == 200:
+                    break
+            except requests.ConnectionError:
+                pass
+            if process.poll() is not None or time.monotonic() > deadline:
+                pytest.fail((tmp_path / "log").read_text()[-3000:])
+            time.sleep(2)
+        body = {"model": "tiny", "prompt": "one two", "max_tokens": 6}
+        response = requests.post(f"{url}/v1/completions", json=body, timeout=120)
+        assert response.status_code == 200 and response.json()["choices"]
+    finally:
+        os.killpg(process.pid, signal.SIGINT)
+        try:
+            process.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    assert not leftovers(process.pid), "serve run left processes behind"
+    outside = sorted(a for a in peers(trace) if not is_loopback(a))
+    assert not outside, f"serve run tried to reach: {outside}"
+
+
+@pytest.mark.real_model
+def test_the_readme_main_command_serves_the_embedded_models(tmp_path: Path) -> None:
+    """`dsbd serve` with no options: SmolLM2 + its draft, answering the openai client."""
+    import json
+
+    import openai
+
+    port, ready = _free_port(), tmp_path / "ready"
+    process = subprocess.Popen(
+        [*DSBD, "serve", "--port", str(port), "--ready-file", str(ready)], cwd=REPO,
+        stdout=(tmp_path / "log").open("w"), stderr=subprocess.STDOUT, start_new_session=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 600
+        while not ready.exists() or not ready.read_text().endswith("}"):
+            if process.poll() is not None or time.monotonic() > deadline:
+                pytest.fail((tmp_path / "log").read_text()[-3000:])
+            time.sleep(1)
+        info = json.loads(ready.read_text())
+        client = openai.OpenAI(base_url=f"{info['url']}/v1", api_key="unused", max_retries=0)
+        reply = client.chat.completions.create(
+            model="smollm2", messages=[{"role": "user", "content": "What is 2 + 2?"}],
+            max_tokens=12, n=2, seed=0, extra_body={"width": 3, "gamma": 2},
+        )  # fmt: skip
+        assert len(reply.choices) == 2 and reply.choices[0].message.content.strip()
+        assert reply.usage.completion_tokens > 0
+    finally:
+        process.send_signal(signal.SIGINT)
+        process.wait(timeout=120)
+    assert not leftovers(process.pid), "dsbd serve left processes behind"
