@@ -34,6 +34,7 @@ from pathlib import Path
 import requests
 import torch
 import yaml
+from batching_smollm2 import PROMPTS  # benchmarks/ is on sys.path when run as a script
 
 from dsbd_core import SamplingConfig
 from dsbd_core.decoders import generate
@@ -41,16 +42,7 @@ from dsbd_core.models import encode_prompt, load_causal_lm, stop_token_ids
 from dsbd_core.transformer_scorer import TransformerScorer
 
 REPO = Path(__file__).resolve().parent.parent
-PROMPTS = [
-    "Explain why the sky is blue in two sentences.",
-    "Write a haiku about autumn leaves.",
-    "What is the capital of France?",
-    "Give three tips for learning to cook.",
-    "Describe a bicycle to a child.",
-    "Why do we have seasons?",
-    "Name three primary colours.",
-    "What does a compiler do?",
-]
+
 CONFIGS = {
     "dsbd": {"method": "dsbd", "width": 3, "gamma": 2, "threshold": 0.7},
     "beam": {"method": "beam", "width": 3},

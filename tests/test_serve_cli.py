@@ -24,7 +24,7 @@ from deployments.app import AppArgs
 from deployments.serve_cli import load_config
 
 from .test_local_ray import is_loopback, peers
-from .test_serving import _free_port, leftovers
+from .test_serving import _free_port, stop
 from .tiny_models import build_pair
 
 REPO = Path(__file__).parent.parent
@@ -112,13 +112,7 @@ def test_serve_run_with_dsbd_ray_env_serves_on_loopback_only(tmp_path: Path) -> 
         response = requests.post(f"{url}/v1/completions", json=body, timeout=120)
         assert response.status_code == 200 and response.json()["choices"]
     finally:
-        os.killpg(process.pid, signal.SIGINT)
-        try:
-            process.wait(timeout=90)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-    assert not leftovers(process.pid), "serve run left processes behind"
+        stop(process, lambda: os.killpg(process.pid, signal.SIGINT))
     outside = sorted(a for a in peers(trace) if not is_loopback(a))
     assert not outside, f"serve run tried to reach: {outside}"
 
@@ -150,6 +144,4 @@ def test_the_readme_main_command_serves_the_embedded_models(tmp_path: Path) -> N
         assert len(reply.choices) == 2 and reply.choices[0].message.content.strip()
         assert reply.usage.completion_tokens > 0
     finally:
-        process.send_signal(signal.SIGINT)
-        process.wait(timeout=120)
-    assert not leftovers(process.pid), "dsbd serve left processes behind"
+        stop(process, lambda: process.send_signal(signal.SIGINT))

@@ -122,13 +122,19 @@ def server(tmp_path_factory: pytest.TempPathFactory):
         yield {"url": url, "target": target, "draft": draft, "trace": trace if traced else None,
                "log": root / "server.log"}  # fmt: skip
     finally:
-        os.kill(info["pid"], signal.SIGINT)  # dsbd serve itself (strace would only detach)
-        try:
-            process.wait(timeout=90)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-        assert not leftovers(process.pid), "dsbd serve left processes behind"
+        # SIGINT to dsbd serve itself: strace, the session leader, would only detach
+        stop(process, lambda: os.kill(info["pid"], signal.SIGINT))
+
+
+def stop(process: subprocess.Popen, interrupt: Any) -> None:
+    """Interrupt a server, kill its session if it hangs, and check nothing was left running."""
+    interrupt()
+    try:
+        process.wait(timeout=90)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+    assert not leftovers(process.pid), "the server left processes behind"
 
 
 def leftovers(session: int, wait_s: float = 30.0) -> list[int]:
