@@ -103,7 +103,7 @@ def test_serve_run_with_dsbd_ray_env_serves_on_loopback_only(tmp_path: Path) -> 
             try:
                 if requests.get(f"{url}/healthz", timeout=10).status_code == 200:
                     break
-            except requests.ConnectionError:
+            except requests.RequestException:  # not listening yet, or still deploying
                 pass
             if process.poll() is not None or time.monotonic() > deadline:
                 pytest.fail((tmp_path / "log").read_text()[-3000:])
