@@ -49,11 +49,16 @@ CONFIGS = {
 }
 
 
-def start_server(workdir: Path, port: int, batch_wait_s: float) -> tuple[subprocess.Popen, dict]:
+def start_server(
+    workdir: Path, port: int, batch_wait_s: float, target: str = "smollm2",
+    draft: str = "smollm2-draft", model_name: str = "smollm2",
+) -> tuple[subprocess.Popen, dict]:  # fmt: skip
+    """`dsbd serve` on the pair, one torch thread per model; returns the process and ready info."""
     models = {"threads": 1, "batch_wait_s": batch_wait_s}
     args = {
-        "target": {"source": "smollm2", **models},
-        "draft": {"source": "smollm2-draft", **models},
+        "model_name": model_name,
+        "target": {"source": target, **models},
+        "draft": {"source": draft, **models},
         "router_resources": {"num_cpus": 0.1},
         "draft_resources": {"num_cpus": 0.5},
         "verifier_resources": {"num_cpus": 1},

@@ -15,6 +15,10 @@ replaces any loopback address by the machine's routable one (found by a UDP "con
 replacement: every process then uses 127.0.0.1. A single-node Ray is what a local `dsbd serve`
 needs; clusters (KubeRay) start Ray their own way.
 
+Because HOME is replaced, the model caches are passed on explicitly (`DSBD_CACHE_DIR`,
+`HF_HOME`, resolved with the user's HOME): otherwise every replica would look for installed
+presets in the empty temporary HOME (found when serving the Qwen pair).
+
 Every dsbd entry point that starts Ray (tests, `dsbd serve`, batch jobs) goes through
 `start_local_ray`.
 """
@@ -36,11 +40,18 @@ def loopback_environment(home: Path | None = None) -> dict[str, str]:
     Ray keeps its auth token under `$HOME/.ray` and `serve run --address` needs the same HOME,
     so callers that start Ray in one process and talk to it from another pass this HOME on.
     """
+    from dsbd_core.models import cache_root
+
+    # Resolved with the user's HOME, before it is replaced: replicas must find the models that
+    # `dsbd models prepare/install` put there (presets, converted GGUFs, the HF cache).
+    models, hugging_face = cache_root(), Path.home() / ".cache" / "huggingface"
     home = home or Path(tempfile.mkdtemp(prefix="dsbd-ray-home-"))
     home.mkdir(parents=True, exist_ok=True)
     (home / "ray_bootstrap_config.yaml").write_text(BOOTSTRAP_CONFIG)
     return {
         "HOME": str(home),
+        "DSBD_CACHE_DIR": str(models),
+        "HF_HOME": os.environ.get("HF_HOME") or str(hugging_face),
         "RAY_USAGE_STATS_ENABLED": "0",
         "RAY_USAGE_STATS_PROMPT_ENABLED": "0",
         "RAY_DISABLE_DOCKER_CPU_WARNING": "1",

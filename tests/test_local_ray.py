@@ -75,3 +75,16 @@ def test_ray_serve_round_trip_touches_only_loopback(tmp_path: Path) -> None:
     assert addresses, "the trace saw no network address at all: is strace recording?"
     outside = sorted(a for a in addresses if not is_loopback(a))
     assert not outside, f"non-loopback connections attempted: {outside}"
+
+
+def test_ray_processes_keep_the_users_model_caches(tmp_path: Path, monkeypatch) -> None:
+    """Ray's HOME is replaced; the model caches must still be the user's (found by replicas)."""
+    from deployments.local_ray import loopback_environment
+    from dsbd_core.models import cache_root
+
+    monkeypatch.delenv("DSBD_CACHE_DIR", raising=False)
+    monkeypatch.delenv("HF_HOME", raising=False)
+    env = loopback_environment(tmp_path / "ray-home")
+    assert env["HOME"] == str(tmp_path / "ray-home")
+    assert env["DSBD_CACHE_DIR"] == str(cache_root())
+    assert env["HF_HOME"] == str(Path.home() / ".cache" / "huggingface")
