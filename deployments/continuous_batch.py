@@ -36,10 +36,9 @@ class ContinuousBatcher:
         self._pending: list[tuple[Any, asyncio.Future]] = []
         self._arrived = asyncio.Event()
         self._worker: asyncio.Task | None = None
-        self.batch_sizes: list[int] = []  # recent batch sizes (introspection)
 
     async def submit(self, item: Any) -> Any:
-        """Queue one call and wait for its result (an exception value is returned, not raised)."""
+        """Queue one call and wait for its result; a call's exception is raised to its caller."""
         future = asyncio.get_running_loop().create_future()
         self._pending.append((item, future))
         self._arrived.set()
@@ -52,13 +51,16 @@ class ContinuousBatcher:
             await self._gather_companions()
             batch = self._pending[: self.max_batch_size]
             self._pending = self._pending[self.max_batch_size :]
-            self.batch_sizes = (self.batch_sizes + [len(batch)])[-100:]
             try:
                 results = await self._run_batch([item for item, _ in batch])
             except Exception as error:  # the whole batch failed: every caller gets the error
                 results = [error] * len(batch)
             for (_, future), result in zip(batch, results, strict=True):
-                if not future.done():  # a caller that was cancelled no longer waits
+                if future.done():  # a caller that was cancelled no longer waits
+                    continue
+                if isinstance(result, BaseException):
+                    future.set_exception(result)
+                else:
                     future.set_result(result)
 
     async def _gather_companions(self) -> None:

@@ -87,7 +87,7 @@ class ModelReplica:
                 self.run_batch, max_batch_size=self.options.max_batch_size,
                 wait_s=self.options.batch_wait_s, expected=self._active_sessions,
             )  # fmt: skip
-        return raise_if_error(await self._batcher.submit((session, item)))
+        return await self._batcher.submit((session, item))
 
     async def run_batch(self, items: list[tuple[str, Any]]) -> list[Any]:
         """One batch of (session, call) items -> one value or exception per item."""
@@ -128,10 +128,3 @@ def _replica_id() -> str:
         return serve.get_replica_context().replica_id.unique_id
     except Exception:  # outside a Serve replica (tests of the class itself)
         return f"pid-{os.getpid()}"
-
-
-def raise_if_error(value: Any) -> Any:
-    """`@serve.batch` returns per-call values; a failed call's exception is raised here."""
-    if isinstance(value, BaseException):
-        raise value
-    return value

@@ -158,10 +158,7 @@ class Router:
         if not getattr(self.tokenizer, "chat_template", None):
             raise APIError(400, f"model {request.model!r} has no chat template; use "
                            "/v1/completions", "messages")  # fmt: skip
-        text = self.tokenizer.apply_chat_template(
-            [m.model_dump() for m in request.messages], tokenize=False, add_generation_prompt=True
-        )
-        prompt_ids = self.tokenizer.encode(text, add_special_tokens=False)
+        prompt_ids = self._chat_ids([m.model_dump() for m in request.messages])
         return await self._openai(request, prompt_ids, chat=True)
 
     @app.post("/v1/dsbd/generate")
@@ -170,11 +167,7 @@ class Router:
         if request.prompt_ids is not None:
             prompt_ids = list(request.prompt_ids)
         elif request.chat and getattr(self.tokenizer, "chat_template", None):
-            text = self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": request.prompt}], tokenize=False,
-                add_generation_prompt=True,
-            )  # fmt: skip
-            prompt_ids = self.tokenizer.encode(text, add_special_tokens=False)
+            prompt_ids = self._chat_ids([{"role": "user", "content": request.prompt}])
         else:
             prompt_ids = self.tokenizer.encode(request.prompt)
         config = await self._config(request.sampling_config(self.stop_ids), request.method,
@@ -336,6 +329,13 @@ class Router:
                                "strings that are exactly one token", "stop")  # fmt: skip
             ids.append(encoded[0])
         return ids
+
+    def _chat_ids(self, messages: list[dict[str, Any]]) -> list[int]:
+        """Prompt ids of a chat: the template's text, encoded without extra special tokens."""
+        text = self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True
+        )
+        return self.tokenizer.encode(text, add_special_tokens=False)
 
     def _decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)

@@ -214,8 +214,10 @@ class Engine:
         beam-sampling step; any depth keeps fixed-width DSBD exact), which is how a width
         controller adapts speculation per iteration. Returns False when nothing is left to decode.
         """
-        if gamma is None or self.draft is None:
-            gamma = self.config.gamma if self.draft is not None else 0
+        if self.draft is None:
+            gamma = 0
+        elif gamma is None:
+            gamma = self.config.gamma
         budget = self.config.max_new_tokens - (state.length - state.prompt_len)
         live = (state.remaining > 0) & (budget > 0) & state.alive.any(dim=1)
         retired = state.alive & ~live[:, None]  # budget spent: the beams leave unfinished

@@ -201,10 +201,15 @@ def resolve_source(source: str) -> Path | str:
     )
 
 
+def _hub_offline() -> bool:
+    """HF_HUB_OFFLINE read at call time (huggingface_hub reads it once, at import)."""
+    return os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
+
+
 def load_tokenizer(source: str) -> tuple[PreTrainedTokenizerBase, tuple[int, ...]]:
     """The tokenizer of `source` and its stop ids, without loading the weights (the router)."""
     resolved = resolve_source(source)
-    offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
+    offline = _hub_offline()
     try:
         tokenizer = AutoTokenizer.from_pretrained(resolved, local_files_only=offline)
     except (OSError, ValueError) as error:
@@ -344,8 +349,7 @@ def _load_directory(path: Path, name: str, dtype: torch.dtype) -> LoadedModel:
 
 
 def _load_hub_id(hub_id: str, dtype: torch.dtype) -> LoadedModel:
-    # Read the flag at call time (huggingface_hub reads it once, at import).
-    offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
+    offline = _hub_offline()
     try:
         model = AutoModelForCausalLM.from_pretrained(
             hub_id, dtype=dtype, attn_implementation="sdpa", local_files_only=offline

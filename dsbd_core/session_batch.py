@@ -82,15 +82,12 @@ class SessionBatcher:
         calls: dict[int, ScoreCall] = {}
         for i, job in enumerate(jobs):
             self._step(i, job, None, calls, results)
-        members = sorted(calls)  # jobs that need the model, in batch order
-        if not members:
-            return results, report
-        for i in members:
-            if calls[i].roots is None:
+            if i in calls and calls[i].roots is None:
                 calls.pop(i)
                 results[i] = RuntimeError("a step generator's first call must carry roots")
-                self.release(jobs[i].key)
-        members = sorted(calls)
+            if isinstance(results[i], BaseException):
+                self.release(job.key)
+        members = sorted(calls)  # jobs that need the model, in batch order
         if not members:
             return results, report
         sizes = [calls[i].roots.tokens.shape[0] for i in members]  # type: ignore[union-attr]
