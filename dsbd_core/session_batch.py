@@ -13,7 +13,9 @@ KV caches stay here between iterations, keyed by the request's session id, and g
 scorer in the order of the next batch. A missing cache (first iteration, another replica, an
 eviction) costs a re-prefill from the token ids the call carries, never a wrong result. Entries
 are dropped on `release`, when a job fails, after `ttl_s` without use, and least-recently-used
-beyond `max_sessions`.
+beyond `max_sessions`. A scorer that keeps the caches itself and exports only handles (the
+tensor-parallel `ShardedScorer`: the shards stay on the ranks) is told of every dropped entry
+through its optional `discard_sessions`.
 """
 
 from __future__ import annotations
@@ -35,6 +37,13 @@ class SessionScorer(ForestScorer, Protocol):
     def export_sessions(self) -> list[Any]: ...
 
     def import_sessions(self, sessions: list[Any]) -> None: ...
+
+
+def _discard(scorer: Any, sessions: list[Any]) -> None:
+    """Tell a handle-exporting scorer that these sessions are gone (no-op for the others)."""
+    discard = getattr(scorer, "discard_sessions", None)
+    if discard is not None and any(s is not None for s in sessions):
+        discard(sessions)
 
 
 @dataclass
@@ -99,6 +108,8 @@ class SessionBatcher:
             fresh = calls[i].roots.origin is None  # type: ignore[union-attr]
             usable = entry is not None and not fresh and len(entry.sessions) == size
             report.reused += int(usable)
+            if entry is not None and not usable:
+                _discard(self.scorer, entry.sessions)
             cached += entry.sessions if usable else [None] * size  # type: ignore[union-attr]
         report.requests, report.sessions = len(members), sum(sizes)
         failed: set[int] = set()
@@ -132,23 +143,31 @@ class SessionBatcher:
         sessions = self.scorer.export_sessions()
         start = 0
         now = self.clock()
+        complete = len(sessions) == sum(sizes)
         for i, size in zip(members, sizes, strict=True):
-            if i not in failed and len(sessions) == sum(sizes):
+            if i not in failed and complete:
                 self._store[jobs[i].key] = _Entry(sessions[start : start + size], now)
+            elif complete:
+                _discard(self.scorer, sessions[start : start + size])
             start += size
+        if not complete:
+            _discard(self.scorer, sessions)
         self._evict()
         return results, report
 
     def release(self, key: str) -> bool:
         """Free a session's caches (request finished, failed or cancelled)."""
-        return self._store.pop(key, None) is not None
+        entry = self._store.pop(key, None)
+        if entry is not None:
+            _discard(self.scorer, entry.sessions)
+        return entry is not None
 
     def expire(self) -> list[str]:
         """Drop caches unused for `ttl_s`; returns their keys."""
         limit = self.clock() - self.ttl_s
         stale = [key for key, entry in self._store.items() if entry.used < limit]
         for key in stale:
-            del self._store[key]
+            _discard(self.scorer, self._store.pop(key).sessions)
         return stale
 
     @property
@@ -158,7 +177,7 @@ class SessionBatcher:
 
     def _evict(self) -> None:
         while len(self._store) > self.max_sessions:
-            self._store.popitem(last=False)
+            _discard(self.scorer, self._store.popitem(last=False)[1].sessions)
 
     @staticmethod
     def _step(

@@ -1,0 +1,172 @@
+"""Run a recorded scorer script on N local ranks (processes joined by gloo on loopback).
+
+A script is the exact sequence of scorer calls a real decode made on one device (recorded by
+`RecordingScorer`), with the outputs it got. Replaying it on every rank of a tensor-parallel
+group gives each forward exactly the same inputs, so its outputs can be compared with TP=1
+within float tolerance: a replayed comparison cannot drift the way two sampled decodes would
+after one near-tie.
+"""
+
+from __future__ import annotations
+
+import copy
+import socket
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from dsbd_core import SamplingConfig, generate_batch
+from dsbd_core.scorer import ForestLayer, ForestLogprobs, Origin
+from dsbd_core.tensor_parallel import ShardedScorer, init_group, load_sharded
+from dsbd_core.transformer_scorer import TransformerScorer
+
+Script = list[tuple[str, Any]]
+
+
+class RecordingScorer:
+    """Wraps a scorer and records every call (and every forward's output)."""
+
+    def __init__(self, inner: Any, *, round_trip_sessions: bool = True) -> None:
+        self.inner = inner
+        self.script: Script = []
+        self.round_trip = round_trip_sessions
+
+    @property
+    def vocab_size(self) -> int:
+        return self.inner.vocab_size
+
+    def set_roots(
+        self, tokens: torch.Tensor, lengths: torch.Tensor, alive: torch.Tensor,
+        origin: Origin | None,
+    ) -> None:  # fmt: skip
+        if self.round_trip:  # the caches leave the scorer and come back, as in a replica
+            self.script.append(("round_trip", None))
+            self.inner.import_sessions(self.inner.export_sessions())
+        self.script.append(("set_roots", copy.deepcopy((tokens, lengths, alive, origin))))
+        self.inner.set_roots(tokens, lengths, alive, origin)
+
+    def forward(self, layers: Sequence[ForestLayer]) -> ForestLogprobs:
+        out = self.inner.forward(layers)
+        self.script.append(("forward", (copy.deepcopy(list(layers)), copy.deepcopy(out))))
+        return out
+
+    def release(self) -> None:
+        self.inner.release()
+
+
+VOCAB = 48
+
+
+def save_tiny(
+    arch: str, path: Path, *, heads: int = 4, kv_heads: int = 2, seed: int = 3
+) -> Path:
+    """A tiny fp32 Llama (untied head) or Qwen2 (q/k/v biases, tied embeddings), saved."""
+    torch.manual_seed(seed)
+    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=heads, num_key_value_heads=kv_heads,
+                  max_position_embeddings=128)  # fmt: skip
+    if arch == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**common, tie_word_embeddings=False))
+    else:
+        model = Qwen2ForCausalLM(Qwen2Config(**common, tie_word_embeddings=True))
+    with torch.no_grad():  # sharper distributions than the default init, so beams differ
+        model.get_output_embeddings().weight.mul_(6.0)
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                param.normal_(0, 0.5)
+    model.save_pretrained(path)
+    return path
+
+
+def record_decode(model_dir: Path, draft_dir: Path) -> tuple[Script, list[ForestLogprobs]]:
+    """A batched DSBD decode on one device: the target's recorded calls and outputs."""
+    target = RecordingScorer(ShardedScorer(load_sharded(model_dir, dtype=torch.float32)).scorer)
+    draft = TransformerScorer(load_sharded(draft_dir, dtype=torch.float32))
+    prompts = [[1, 2, 3, 4], [5, 6], [7, 8, 9, 10, 11, 12]]
+    cfg = SamplingConfig(max_new_tokens=10, eos_token_ids=(), seed=11, width=3, gamma=3)
+    results = generate_batch("dsbd", target, prompts, cfg, draft)
+    assert max(r.stats.target_forward_passes for r in results) >= 3  # several compactions
+    outputs = [args[1] for kind, args in target.script if kind == "forward"]
+    return target.script, outputs
+
+
+def replay(scorer: ShardedScorer, script: Script) -> list[ForestLogprobs | None]:
+    """Run the script's calls on one rank; returns the forwards' outputs (None off rank 0)."""
+    outputs = []
+    for kind, args in script:
+        if kind == "round_trip":
+            scorer.import_sessions(scorer.export_sessions())
+        elif kind == "set_roots":
+            scorer.set_roots(*args)
+        else:
+            outputs.append(scorer.forward(args[0]))
+    return outputs
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _rank_main(
+    rank: int, world: int, port: int, model_dir: str, dtype: torch.dtype, script: Script,
+    out: str,
+) -> None:  # fmt: skip
+    torch.set_num_threads(1)
+    init_group(rank, world, "127.0.0.1", port, backend="gloo")
+    try:
+        model = load_sharded(model_dir, dtype=dtype)
+        scorer = ShardedScorer(model)
+        outputs = replay(scorer, script)
+        scorer.release()
+        if rank == 0:
+            torch.save({"outputs": outputs, "stored": scorer.stored,
+                        "local_fraction": local_fraction(model)}, out)  # fmt: skip
+    finally:
+        dist.destroy_process_group()
+
+
+def local_fraction(model: torch.nn.Module) -> float:
+    """Share of the attention/MLP projection weights this rank holds (1/world when sharded)."""
+    local = total = 0
+    for name, param in model.named_parameters():
+        if name.endswith(("proj.weight",)):
+            total += param.numel()
+            local += param.to_local().numel() if hasattr(param, "to_local") else param.numel()
+    return local / total
+
+
+def run_on_ranks(
+    world: int, model_dir: Path, script: Script, tmp: Path, dtype: torch.dtype = torch.float32
+) -> list[ForestLogprobs]:
+    """Replay `script` on `world` ranks; rank 0's forward outputs."""
+    out = tmp / f"rank0-tp{world}.pt"
+    mp.spawn(
+        _rank_main, args=(world, free_port(), str(model_dir), dtype, script, str(out)),
+        nprocs=world, join=True,
+    )  # fmt: skip
+    saved = torch.load(out, weights_only=False)
+    assert saved["stored"] == 0  # every cache handed out came back or was freed
+    assert abs(saved["local_fraction"] - 1 / world) < 1e-9  # really sharded
+    return saved["outputs"]
+
+
+def max_difference(got: list[ForestLogprobs], want: list[ForestLogprobs]) -> float:
+    """Largest |difference| over every root and node log-prob of every forward."""
+    assert len(got) == len(want)
+    worst = 0.0
+    for a, b in zip(got, want, strict=True):
+        assert (a.roots is None) == (b.roots is None)
+        pairs = list(zip(a.layers, b.layers, strict=True))
+        if a.roots is not None:
+            pairs.append((a.roots, b.roots))
+        for x, y in pairs:
+            assert x.shape == y.shape
+            worst = max(worst, float((x - y).abs().max()) if x.numel() else 0.0)
+    return worst
