@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
@@ -19,6 +19,7 @@ from deployments.affinity import ROUTER_CLASS
 from deployments.draft import Draft
 from deployments.model_replica import ModelOptions
 from deployments.router import Router, RouterOptions
+from deployments.tensor_parallel import worker_bundle
 from deployments.verifier import Verifier
 from deployments.width_controller import WidthController
 from deployments.width_policy import PolicyConfig
@@ -37,11 +38,25 @@ class Resources(BaseModel):
         16.0, gt=0, description="Autoscaling target per replica."
     )
     max_ongoing_requests: int = Field(64, ge=1)
+    health_check_period_s: float = Field(
+        10.0, gt=0, description="How often Serve checks a replica (a lost TP rank fails it)."
+    )
+    health_check_timeout_s: float = Field(30.0, gt=0)
 
-    def options(self) -> dict[str, Any]:
+    def options(self, model: ModelOptions | None = None) -> dict[str, Any]:
+        """Serve deployment options; a model with `tp_size > 1` adds its placement group: the
+        replica's own bundle first, then one bundle per rank (deployments/tensor_parallel.py)."""
         actor: dict[str, Any] = {"num_cpus": self.num_cpus}
         if self.num_gpus:
             actor["num_gpus"] = self.num_gpus
+        placement: dict[str, Any] = {}
+        if model is not None and model.tp_size > 1:
+            own = {"CPU": self.num_cpus or 0.01}  # a bundle may not be empty
+            rank = worker_bundle(model.threads, model.device)
+            placement = {
+                "placement_group_bundles": [own] + [rank] * model.tp_size,
+                "placement_group_strategy": model.tp_placement,
+            }
         scaling: dict[str, Any]
         if self.min_replicas == self.max_replicas:
             scaling = {"num_replicas": self.max_replicas}
@@ -54,7 +69,9 @@ class Resources(BaseModel):
                 }
             }
         return {"ray_actor_options": actor, "max_ongoing_requests": self.max_ongoing_requests,
-                **scaling}  # fmt: skip
+                "health_check_period_s": self.health_check_period_s,
+                "health_check_timeout_s": self.health_check_timeout_s,
+                **placement, **scaling}  # fmt: skip
 
 
 class AppArgs(BaseModel):
@@ -72,6 +89,27 @@ class AppArgs(BaseModel):
     draft_resources: Resources = Resources(num_cpus=0.5)
     verifier_resources: Resources = Resources(num_cpus=1.0)
 
+    @model_validator(mode="after")
+    def _devices_match_resources(self) -> AppArgs:
+        """A model's device and TP size must agree with its deployment's GPUs."""
+        for model, resources, side in (
+            (self.target, self.verifier_resources, "target"),
+            (self.draft, self.draft_resources, "draft"),
+        ):
+            where = "verifier_resources" if side == "target" else "draft_resources"
+            if model.tp_size > 1 and resources.num_gpus > 0:
+                raise ValueError(
+                    f"{where}.num_gpus={resources.num_gpus} with {side}.tp_size="
+                    f"{model.tp_size}: must be 0 (the replica only coordinates; each TP rank "
+                    f"gets one GPU of its own when {side}.device is cuda)"
+                )
+            if model.tp_size == 1 and model.device == "cuda" and resources.num_gpus <= 0:
+                raise ValueError(
+                    f"{side}.device='cuda' needs {where}.num_gpus > 0 (got "
+                    f"{resources.num_gpus}), or {side}.tp_size > 1"
+                )
+        return self
+
 
 def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
     """The Serve application for `args` (a dict as given in a Serve config file)."""
@@ -79,10 +117,10 @@ def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
     routing: dict[str, Any] = {}
     if config.session_affinity:
         routing["request_router_config"] = RequestRouterConfig(request_router_class=ROUTER_CLASS)
-    draft = Draft.options(**config.draft_resources.options(), **routing).bind(
+    draft = Draft.options(**config.draft_resources.options(config.draft), **routing).bind(
         config.draft.model_dump()
     )
-    verifier = Verifier.options(**config.verifier_resources.options(), **routing).bind(
+    verifier = Verifier.options(**config.verifier_resources.options(config.target), **routing).bind(
         config.target.model_dump()
     )
     controller = WidthController.bind(config.policy.model_dump(), config.target.session_ttl_s)

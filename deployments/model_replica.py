@@ -7,6 +7,10 @@ that arrive while the previous batch runs, and the `SessionBatcher` runs them wi
 forward per lockstep round.
 The forward runs in a worker thread so the replica keeps accepting (and queueing) calls
 meanwhile; batches run one at a time.
+
+With `tp_size > 1` the model lives in a tensor-parallel group of rank actors that the replica
+owns (deployments/tensor_parallel.py); the replica then keeps only session handles, and its
+Serve health check fails as soon as a rank is lost, so that Serve replaces it.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -43,6 +47,17 @@ class ModelOptions(BaseModel):
         0.01, ge=0, le=1, description="How long a batch may wait for calls of active sessions."
     )
     max_batch_size: int = Field(32, ge=1, le=1024)
+    device: Literal["cpu", "cuda"] = Field(
+        "cpu", description="Where the model runs; cuda needs a GPU per replica (per TP rank)."
+    )
+    tp_size: int = Field(
+        1, ge=1, le=64,
+        description="Tensor-parallel ranks the model is sharded over (one GPU each on cuda); "
+        "must divide the model's attention heads, KV heads and MLP width.",
+    )  # fmt: skip
+    tp_placement: Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"] = Field(
+        "STRICT_PACK", description="Placement strategy of the replica and its TP ranks."
+    )
 
 
 class ModelReplica:
@@ -51,12 +66,24 @@ class ModelReplica:
     def __init__(self, options: dict[str, Any] | ModelOptions) -> None:
         self.options = ModelOptions.model_validate(options)
         torch.set_num_threads(self.options.threads)
-        loaded = load_causal_lm(self.options.source, dtype=DTYPES[self.options.dtype])
-        self.vocab_size = loaded.vocab_size
-        self.max_positions = int(
-            getattr(loaded.model.config, "max_position_embeddings", 0) or 1 << 20
-        )
-        self.scorer = TransformerScorer(loaded.model)
+        self.tp_group: Any = None
+        if self.options.tp_size > 1:
+            from deployments.tensor_parallel import TensorParallelScorer
+
+            self.tp_group = TensorParallelScorer(
+                self.options.source, tp_size=self.options.tp_size, dtype=self.options.dtype,
+                device=self.options.device, threads=self.options.threads,
+                placement_strategy=self.options.tp_placement,
+            )  # fmt: skip
+            self.scorer: Any = self.tp_group
+            self.vocab_size = self.tp_group.vocab_size
+            self.max_positions = self.tp_group.max_positions
+        else:
+            loaded = load_causal_lm(self.options.source, dtype=DTYPES[self.options.dtype])
+            model = loaded.model.to(self.options.device)
+            self.vocab_size = loaded.vocab_size
+            self.max_positions = int(getattr(model.config, "max_position_embeddings", 0) or 1 << 20)
+            self.scorer = TransformerScorer(model)
         self.batcher = SessionBatcher(
             self.scorer, ttl_s=self.options.session_ttl_s, max_sessions=self.options.max_sessions
         )
@@ -105,12 +132,27 @@ class ModelReplica:
 
     async def info(self) -> dict[str, Any]:
         """What the router needs to know about this model, and what this replica holds."""
-        return {
+        info = {
             "vocab_size": self.vocab_size,
             "max_positions": self.max_positions,
             "replica": self.replica_id,
             "cached_sessions": self.batcher.cached,
+            "tp_size": self.options.tp_size,
         }
+        if self.tp_group is not None:
+            info["tp_ranks"] = {"pids": self.tp_group.pids, "device": self.tp_group.info["device"]}
+        return info
+
+    async def check_health(self) -> None:
+        """Serve's periodic health check: a lost tensor-parallel rank fails the replica."""
+        if self.tp_group is not None:
+            await asyncio.to_thread(self.tp_group.check)
+
+    def __del__(self) -> None:
+        """Serve calls this when it stops the replica: the ranks go with it."""
+        group = getattr(self, "tp_group", None)
+        if group is not None:
+            group.shutdown()
 
     async def _sweep_forever(self) -> None:
         """Free caches past their TTL even when no call comes (an idle replica)."""

@@ -135,12 +135,16 @@ class Router:
 
     @app.get("/v1/dsbd/status")
     async def status(self) -> dict[str, Any]:
-        """Load as the width controller sees it, and one verifier replica's cached sessions."""
+        """Load as the width controller sees it, and one verifier replica: its cached sessions
+        and, when tensor-parallel, its ranks (pids, device)."""
         load = await self.handles.controller.load.remote()
         verifier = await self.handles.verifier.info.remote()
-        return {"model": self.options.model_name, **load,
-                "verifier": {"replica": verifier["replica"],
-                             "cached_sessions": len(verifier["cached_sessions"])}}  # fmt: skip
+        replica = {"replica": verifier["replica"],
+                   "cached_sessions": len(verifier["cached_sessions"]),
+                   "tp_size": verifier.get("tp_size", 1)}  # fmt: skip
+        if "tp_ranks" in verifier:
+            replica["tp_ranks"] = verifier["tp_ranks"]
+        return {"model": self.options.model_name, **load, "verifier": replica}
 
     @app.get("/v1/models")
     async def models(self) -> ModelList:

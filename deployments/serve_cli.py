@@ -40,6 +40,11 @@ def add_arguments(serve: argparse.ArgumentParser) -> None:
     serve.add_argument(
         "--timeout", type=float, default=600.0, help="seconds to wait for the deployments"
     )
+    serve.add_argument(
+        "--tp-size", type=int, default=None, metavar="N",
+        help="shard every application's target over N tensor-parallel ranks "
+        "(overrides target.tp_size of the config)",
+    )  # fmt: skip
 
 
 def print_ray_env() -> int:
@@ -56,7 +61,7 @@ def print_ray_env() -> int:
     return 0
 
 
-def load_config(path: Path | None, host: str, port: int) -> Any:
+def load_config(path: Path | None, host: str, port: int, tp_size: int | None = None) -> Any:
     """The validated Serve config (ServeDeploySchema); exits with a clear message if bad."""
     from ray.serve.schema import ServeDeploySchema
 
@@ -80,6 +85,10 @@ def load_config(path: Path | None, host: str, port: int) -> Any:
 
     for app in schema.applications:
         if app.import_path == DEFAULT_IMPORT_PATH:
+            if tp_size is not None:  # the flag wins over the file
+                args = dict(app.args or {})
+                target = AppArgs().target.model_dump() | dict(args.get("target") or {})
+                app.args = args | {"target": target | {"tp_size": tp_size}}
             try:
                 AppArgs.model_validate(app.args or {})
             except ValidationError as error:
@@ -92,20 +101,28 @@ def prepare_models(schema: Any) -> None:
     """Convert preset / GGUF models once, here, instead of in every replica at once."""
     from deployments.app import AppArgs
     from dsbd_core.models import ModelSourceError, resolve_source
+    from dsbd_core.tensor_parallel import TensorParallelError, check_split, model_config
 
     for app in schema.applications:
         if app.import_path != DEFAULT_IMPORT_PATH:
             continue
         args = AppArgs.model_validate(app.args or {})
-        for source in {args.target.source, args.draft.source}:
+        for side, model in (("target", args.target), ("draft", args.draft)):
             try:
-                resolve_source(source)
+                resolve_source(model.source)
+                if model.tp_size > 1:  # refused here, before any replica starts
+                    check_split(model_config(model.source), model.tp_size)
             except ModelSourceError as error:
                 raise SystemExit(_fail(f"{app.name}: {error}")) from None
+            except TensorParallelError as error:
+                where = f"{app.name}.args.{side}.tp_size={model.tp_size}"
+                raise SystemExit(_fail(f"{where}: {error}")) from None
 
 
 def main(args: argparse.Namespace) -> int:
-    schema = load_config(args.config, args.host, args.port)
+    if args.tp_size is not None and args.tp_size < 1:
+        raise SystemExit(_fail(f"--tp-size={args.tp_size}: must be >= 1"))
+    schema = load_config(args.config, args.host, args.port, args.tp_size)
     prepare_models(schema)
     from ray import serve
     from ray.serve._private import api as serve_api

@@ -5,7 +5,7 @@ The replica owns the group. Under Ray Serve the replica's placement group (Serve
 one bundle per rank (one GPU each on GPU clusters), `STRICT_PACK` by default so the ranks share
 a node and talk over its fastest links; outside Serve (tests, scripts) the group creates and
 removes its own placement group. Ranks join a `torch.distributed` group (NCCL on GPU, gloo on
-CPU) through a TCP store on rank 0's node.
+CPU) through a store on rank 0's node (a file when all ranks share the node, see `init_group`).
 
 `TensorParallelScorer` is the replica's scorer (what `SessionBatcher` drives): every call goes
 to all ranks in the same order (each actor runs its calls one at a time, in submission order),
@@ -22,13 +22,16 @@ replica with a fresh group.
 from __future__ import annotations
 
 import os
+import shutil
 import socket
+import tempfile
 import threading
 import time
 from typing import Any
 
 import ray
 import torch
+import torch.distributed as dist
 from ray.util.placement_group import (
     PlacementGroup,
     get_current_placement_group,
@@ -71,29 +74,27 @@ class TPWorker:
         self.scorer: ShardedScorer | None = None
         self.info: dict[str, Any] = {}
 
-    def rendezvous(self) -> tuple[str, int]:
-        """(address, port) of the TCP store rank 0 will host (rank 0 only)."""
+    def node(self) -> str:
+        """The Ray node this rank runs on."""
+        return ray.get_runtime_context().get_node_id()
+
+    def rendezvous(self, colocated: bool) -> str:
+        """The store every rank joins through (rank 0 only): a file on this node when all ranks
+        share it, else a TCP port on this node's address."""
+        if colocated:
+            self._store_dir = tempfile.mkdtemp(prefix="dsbd-tp-")
+            return f"file://{self._store_dir}/store"
         address = ray.util.get_node_ip_address()
         with socket.socket() as sock:
             sock.bind((address, 0))
-            return address, sock.getsockname()[1]
+            return f"tcp://{address}:{sock.getsockname()[1]}"
 
-    def setup(self, address: str, port: int, source: str, dtype: str) -> dict[str, Any]:
+    def setup(self, store: str, source: str, dtype: str) -> dict[str, Any]:
         """Join the group and load this rank's shard; returns what the replica needs."""
-        cuda = self.device == "cuda"
-        if cuda:  # Ray made exactly one GPU visible to this actor
-            torch.cuda.set_device(0)
-        init_group(self.rank, self.world_size, address, port,
-                   backend="nccl" if cuda else "gloo", local_rank=0 if cuda else None)  # fmt: skip
-        model = load_sharded(source, dtype=DTYPES[dtype])
-        self.scorer = ShardedScorer(model)
-        config = model.config.get_text_config(decoder=True)
-        self.info = {
-            "vocab_size": self.scorer.vocab_size,
-            "max_positions": int(getattr(config, "max_position_embeddings", 0) or 1 << 20),
-            "pid": os.getpid(),
-            "device": str(next(model.parameters()).device),
-        }
+        self.scorer, self.info = _join_and_load(
+            self.rank, self.world_size, store, source, dtype, self.device,
+            getattr(self, "_store_dir", None),
+        )  # fmt: skip
         return self.info
 
     def call(self, method: str, *args: Any) -> Any:
@@ -110,6 +111,31 @@ class TPWorker:
     def ping(self) -> int:
         """Answered even while a forward runs (its own concurrency group)."""
         return self.rank
+
+
+def _join_and_load(
+    rank: int, world_size: int, store: str, source: str, dtype: str, device: str,
+    store_dir: str | None,
+) -> tuple[ShardedScorer, dict[str, Any]]:  # fmt: skip
+    """A rank's setup. Module-level on purpose: Ray pickles actor methods by value, with their
+    globals, and some torch modules do not pickle; a module function goes by reference."""
+    cuda = device == "cuda"
+    if cuda:  # Ray made exactly one GPU visible to this actor
+        torch.cuda.set_device(0)
+    init_group(rank, world_size, store, backend="nccl" if cuda else "gloo",
+               local_rank=0 if cuda else None)  # fmt: skip
+    model = load_sharded(source, dtype=DTYPES[dtype])
+    dist.barrier()  # every rank has loaded (and made its subgroups): the store is done with
+    if store_dir is not None:
+        shutil.rmtree(store_dir, ignore_errors=True)
+    scorer = ShardedScorer(model)
+    config = model.config.get_text_config(decoder=True)
+    return scorer, {
+        "vocab_size": scorer.vocab_size,
+        "max_positions": int(getattr(config, "max_position_embeddings", 0) or 1 << 20),
+        "pid": os.getpid(),
+        "device": str(next(model.parameters()).device),
+    }
 
 
 class TensorParallelScorer:
@@ -164,11 +190,11 @@ class TensorParallelScorer:
             for rank in range(tp_size)
         ]
         try:
-            address, port = ray.get(self.workers[0].rendezvous.remote(), timeout=setup_timeout_s)
-            infos = self._all(
-                [w.setup.remote(address, port, source, dtype) for w in self.workers],
-                setup_timeout_s, "setup",
-            )  # fmt: skip
+            nodes = self._all([w.node.remote() for w in self.workers], setup_timeout_s, "node")
+            store = ray.get(self.workers[0].rendezvous.remote(len(set(nodes)) == 1),
+                            timeout=setup_timeout_s)  # fmt: skip
+            infos = self._all([w.setup.remote(store, source, dtype) for w in self.workers],
+                              setup_timeout_s, "setup")  # fmt: skip
         except BaseException:
             self.shutdown()
             raise

@@ -91,30 +91,30 @@ def model_config(source: str | Path) -> PretrainedConfig:
 def init_group(
     rank: int,
     world_size: int,
-    master_addr: str,
-    master_port: int,
+    store: str,
     *,
     backend: str,
     local_rank: int | None = None,
     timeout_s: float = 120.0,
 ) -> None:
-    """Join the group (gloo on CPU, NCCL on GPU) through a TCP store at master_addr:port.
+    """Join the group (gloo on CPU, NCCL on GPU) through `store`.
 
-    On loopback, gloo is told to use the loopback interface too: left alone it binds the
-    address the hostname resolves to, which is not loopback on most machines. `local_rank` is
-    the GPU index this process uses (0 where it sees only its own GPU, as a Ray actor does).
+    `store` is `file:///path` when every rank runs on one node (the default placement), else
+    `tcp://host:port` on rank 0's node. A file store is preferred because torch's TCP store
+    reverse-resolves peer addresses for its logs: a DNS query to the resolver even on loopback
+    (seen in tests/test_serving.py's syscall trace). Colocated ranks are told to keep gloo and
+    NCCL on the loopback interface: left alone they bind the address the hostname resolves to.
+    `local_rank` is the GPU index this process uses (0 where it sees only its own GPU, as a Ray
+    actor does).
     """
     local_rank = rank if local_rank is None else local_rank
-    if master_addr in ("127.0.0.1", "localhost"):
+    if store.startswith("file://") or store.startswith(("tcp://127.", "tcp://localhost")):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
-    os.environ.update(
-        MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(rank),
-        WORLD_SIZE=str(world_size), LOCAL_RANK=str(local_rank),
-    )  # fmt: skip
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(local_rank))
     dist.init_process_group(
         backend,
-        init_method=f"tcp://{master_addr}:{master_port}",
+        init_method=store,
         rank=rank,
         world_size=world_size,
         timeout=timedelta(seconds=timeout_s),
@@ -122,9 +122,7 @@ def init_group(
     )
 
 
-def load_sharded(
-    source: str | Path, *, dtype: torch.dtype, device: str = "cpu"
-) -> torch.nn.Module:
+def load_sharded(source: str | Path, *, dtype: torch.dtype, device: str = "cpu") -> torch.nn.Module:
     """This rank's shard of the model (call on every rank of an initialised group, same args)."""
     from transformers.distributed import DistributedConfig
 

@@ -6,7 +6,8 @@ contacted; this process's own sockets are watched by an audit hook. Two applicat
 
 * `/`        session affinity on, one draft and one verifier replica;
 * `/spread`  affinity off, two draft and two verifier replicas: sessions land on replicas
-             without their cache and must re-prefill.
+             without their cache and must re-prefill;
+* `/tp`      the verifier tensor-parallel over 2 ranks (gloo), health-checked every second.
 
 The models run in float64, so a batched forward equals a lone one to ~1e-16 and "the
 distributed path returns the same beams as the in-process engine" can be checked draw for draw
@@ -86,6 +87,12 @@ def server(tmp_path_factory: pytest.TempPathFactory):
                       "router_resources": small,
                       "draft_resources": {**small, "min_replicas": 2, "max_replicas": 2},
                       "verifier_resources": {**small, "min_replicas": 2, "max_replicas": 2}}},
+            {"name": "tp", "route_prefix": "/tp", "import_path": "deployments.app:build_app",
+             "args": {"model_name": MODEL, "target": {**models["target"], "tp_size": 2},
+                      "draft": models["draft"], "router_resources": small,
+                      "draft_resources": small,
+                      "verifier_resources": {**small, "health_check_period_s": 1,
+                                             "health_check_timeout_s": 20}}},
         ]
     }  # fmt: skip
     (root / "serve.yaml").write_text(yaml.safe_dump(config))
@@ -177,6 +184,10 @@ def native(server, body: dict, prefix: str = "") -> dict:
     response = requests.post(f"{server['url']}{prefix}/v1/dsbd/generate", json=body, timeout=120)
     assert response.status_code == 200, response.text
     return response.json()
+
+
+def status(server, prefix: str = "") -> dict:
+    return requests.get(f"{server['url']}{prefix}/v1/dsbd/status", timeout=30).json()
 
 
 CASES = [
@@ -300,6 +311,52 @@ def test_the_width_controller_adapts_the_depth_within_the_limits(server) -> None
     gammas = got["stats"]["serving"]["gamma"]
     assert all(0 <= g <= 4 for g in gammas)
     assert got["stats"]["accepted_per_position"]  # the per-position metric is reported
+
+
+# ----------------------------------------------------------------- tensor-parallel verifier
+@pytest.mark.parametrize(("method", "knobs"), CASES[:1] + CASES[3:4])
+def test_tensor_parallel_verifier_decodes_exactly(server, reference, method, knobs):
+    prompt_ids = [5, 17, 42, 99, 7]
+    body = {"prompt_ids": prompt_ids, "method": method, "seed": 12, "max_new_tokens": 14,
+            "adaptive": False, **knobs}  # fmt: skip
+    assert_same(native(server, body, "/tp"), reference(method, prompt_ids, seed=12,
+                                                       max_new_tokens=14, **knobs))  # fmt: skip
+    verifier = status(server, "/tp")["verifier"]
+    assert verifier["tp_size"] == 2 and len(verifier["tp_ranks"]["pids"]) == 2
+
+
+def test_a_lost_rank_fails_fast_and_serve_replaces_the_replica(server, reference) -> None:
+    old = status(server, "/tp")["verifier"]
+    os.kill(old["tp_ranks"]["pids"][1], signal.SIGKILL)
+    body = {"prompt_ids": [9, 8, 7], "seed": 3, "max_new_tokens": 10, "width": 2, "gamma": 2,
+            "adaptive": False}  # fmt: skip
+    url = f"{server['url']}/tp/v1/dsbd/generate"
+    start = time.monotonic()
+    first = requests.post(url, json=body, timeout=60)  # fails (or meets the new replica)
+    assert time.monotonic() - start < 30, "a request hung on the broken group"
+    assert first.status_code in (200, 500, 503), first.text
+    deadline = time.monotonic() + 180
+    while True:  # Serve's health check replaces the replica with a fresh group
+        try:
+            new = status(server, "/tp")["verifier"]
+            if new["replica"] != old["replica"]:
+                break
+        except (requests.RequestException, ValueError, KeyError):
+            pass
+        assert time.monotonic() < deadline, "the broken replica was not replaced"
+        time.sleep(1)
+    assert not set(new["tp_ranks"]["pids"]) & set(old["tp_ranks"]["pids"])
+    for pid in old["tp_ranks"]["pids"]:  # the surviving rank went with its group
+        assert not Path(f"/proc/{pid}").exists() or "zombie" in _state(pid)
+    knobs = {k: v for k, v in body.items() if k not in ("prompt_ids", "adaptive")}
+    assert_same(native(server, body, "/tp"), reference("dsbd", body["prompt_ids"], **knobs))
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/status").read_text().lower()
+    except OSError:
+        return "zombie"
 
 
 # ------------------------------------------------------------------------------ bad input

@@ -10,7 +10,6 @@ after one near-tie.
 from __future__ import annotations
 
 import copy
-import socket
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -62,9 +61,7 @@ class RecordingScorer:
 VOCAB = 48
 
 
-def save_tiny(
-    arch: str, path: Path, *, heads: int = 4, kv_heads: int = 2, seed: int = 3
-) -> Path:
+def save_tiny(arch: str, path: Path, *, heads: int = 4, kv_heads: int = 2, seed: int = 3) -> Path:
     """A tiny fp32 Llama (untied head) or Qwen2 (q/k/v biases, tied embeddings), saved."""
     torch.manual_seed(seed)
     common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -108,18 +105,12 @@ def replay(scorer: ShardedScorer, script: Script) -> list[ForestLogprobs | None]
     return outputs
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _rank_main(
-    rank: int, world: int, port: int, model_dir: str, dtype: torch.dtype, script: Script,
+    rank: int, world: int, store: str, model_dir: str, dtype: torch.dtype, script: Script,
     out: str,
 ) -> None:  # fmt: skip
     torch.set_num_threads(1)
-    init_group(rank, world, "127.0.0.1", port, backend="gloo")
+    init_group(rank, world, store, backend="gloo")
     try:
         model = load_sharded(model_dir, dtype=dtype)
         scorer = ShardedScorer(model)
@@ -148,7 +139,8 @@ def run_on_ranks(
     """Replay `script` on `world` ranks; rank 0's forward outputs."""
     out = tmp / f"rank0-tp{world}.pt"
     mp.spawn(
-        _rank_main, args=(world, free_port(), str(model_dir), dtype, script, str(out)),
+        _rank_main, args=(world, f"file://{tmp}/store-tp{world}", str(model_dir), dtype, script,
+                          str(out)),
         nprocs=world, join=True,
     )  # fmt: skip
     saved = torch.load(out, weights_only=False)
