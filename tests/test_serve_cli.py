@@ -26,6 +26,7 @@ from deployments.serve_cli import load_config
 from .test_local_ray import is_loopback, peers
 from .test_serving import _free_port, stop
 from .tiny_models import build_pair
+from .tp_harness import save_tiny
 
 REPO = Path(__file__).parent.parent
 DSBD = [sys.executable, "-m", "dsbd_core.cli"]
@@ -62,6 +63,43 @@ def test_bad_configs_exit_2_naming_the_field(tmp_path: Path, args: dict, fragmen
     assert done.returncode == 2, done.stderr
     assert fragment in done.stderr
     assert "ray" not in done.stdout.lower()  # refused before Ray started
+
+
+def test_tp_size_is_checked_against_the_model_before_ray_starts(tmp_path: Path) -> None:
+    model = save_tiny("llama", tmp_path / "m", heads=4, kv_heads=2)
+    app = {"name": "dsbd", "route_prefix": "/", "import_path": "deployments.app:build_app",
+           "args": {"target": {"source": str(model)}, "draft": {"source": str(model)}}}  # fmt: skip
+    path = tmp_path / "serve.yaml"
+    path.write_text(yaml.safe_dump({"applications": [app]}))
+    for flag, fragment in [
+        ("3", "dsbd.args.target.tp_size=3: tp_size=3 does not split llama num_attention_heads=4"),
+        ("0", "--tp-size=0: must be >= 1"),
+    ]:
+        done = subprocess.run([*DSBD, "serve", "--config", str(path), "--tp-size", flag],
+                              capture_output=True, text=True, timeout=120, cwd=REPO)  # fmt: skip
+        assert done.returncode == 2, done.stderr
+        assert fragment in done.stderr
+        assert "ray" not in done.stdout.lower()
+
+
+def test_tp_size_gives_the_verifier_a_placement_group_of_ranks() -> None:
+    schema = load_config(REPO / "serve_config.yaml", "127.0.0.1", 8000, tp_size=2)
+    args = AppArgs.model_validate(schema.applications[0].args)
+    assert args.target.tp_size == 2 and args.draft.tp_size == 1
+    options = args.verifier_resources.options(args.target)
+    assert options["placement_group_bundles"] == [{"CPU": 1.0}, {"CPU": 1.0}, {"CPU": 1.0}]
+    assert options["placement_group_strategy"] == "STRICT_PACK"
+    assert "placement_group_bundles" not in args.draft_resources.options(args.draft)
+    gpu = AppArgs.model_validate(
+        {"target": {"source": "smollm2", "device": "cuda", "tp_size": 4, "threads": 2}}
+    )
+    bundles = gpu.verifier_resources.options(gpu.target)["placement_group_bundles"]
+    assert bundles[1:] == [{"CPU": 2.0, "GPU": 1.0}] * 4
+    with pytest.raises(ValueError, match=r"verifier_resources.num_gpus=1.0 with target.tp_size=2"):
+        AppArgs.model_validate({"target": {"source": "smollm2", "tp_size": 2},
+                                "verifier_resources": {"num_gpus": 1}})  # fmt: skip
+    with pytest.raises(ValueError, match=r"target.device='cuda' needs verifier_resources.num_gpus"):
+        AppArgs.model_validate({"target": {"source": "smollm2", "device": "cuda"}})
 
 
 def test_ray_env_prints_the_loopback_settings() -> None:

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from dsbd_core.models import resolve_source
 from dsbd_core.tensor_parallel import (
     ShardedScorer,
     TensorParallelError,
@@ -22,6 +23,12 @@ from dsbd_core.tensor_parallel import (
     model_config,
 )
 from tests.tp_harness import max_difference, record_decode, run_on_ranks, save_tiny
+
+# "What is the capital of France?" and "def add(a, b): return a + b" in SmolLM2 token ids
+SMOL_PROMPTS = [
+    [1780, 314, 260, 3575, 282, 4649, 47],
+    [1604, 803, 24, 81, 28, 278, 727, 1003, 253, 1232, 278],
+]
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
@@ -65,3 +72,27 @@ def test_handles_keep_caches_on_the_rank_until_discarded(tmp_path: Path) -> None
                      None)  # fmt: skip
     again = scorer.forward([])
     assert torch.allclose(again.roots, first.roots, atol=1e-6)
+
+
+@pytest.mark.real_model
+def test_smollm2_target_at_tp3_equals_tp1(tmp_path: Path) -> None:
+    """SmolLM2-135M: 9 heads and 3 KV heads split over 3 ranks (one KV head each).
+
+    In float64, so that TP's different summation order shows at 1e-12, not at float32's own
+    rounding (measured: fp32 TP=1 and TP=3 both lie ~8e-5 from fp64 in log-prob, 7e-5 apart).
+    """
+    target = resolve_source("smollm2")
+    script, want = record_decode(
+        target, resolve_source("smollm2-draft"), prompts=SMOL_PROMPTS, dtype=torch.float64
+    )
+    got = run_on_ranks(3, target, script, tmp_path, dtype=torch.float64)
+    assert max_difference(got, want) < 1e-5
+
+
+@pytest.mark.real_model
+def test_smollm2_uneven_split_is_refused_naming_the_heads() -> None:
+    config = model_config("smollm2")
+    with pytest.raises(TensorParallelError, match=r"num_attention_heads=9.*one of \[1, 3, 9\]"):
+        check_split(config, 2)
+    with pytest.raises(TensorParallelError, match=r"num_key_value_heads=3.*one of \[1, 3\]"):
+        check_split(config, 9)

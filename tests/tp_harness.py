@@ -80,11 +80,16 @@ def save_tiny(arch: str, path: Path, *, heads: int = 4, kv_heads: int = 2, seed:
     return path
 
 
-def record_decode(model_dir: Path, draft_dir: Path) -> tuple[Script, list[ForestLogprobs]]:
+def record_decode(
+    model_dir: Path,
+    draft_dir: Path,
+    prompts: list[list[int]] | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> tuple[Script, list[ForestLogprobs]]:
     """A batched DSBD decode on one device: the target's recorded calls and outputs."""
-    target = RecordingScorer(ShardedScorer(load_sharded(model_dir, dtype=torch.float32)).scorer)
-    draft = TransformerScorer(load_sharded(draft_dir, dtype=torch.float32))
-    prompts = [[1, 2, 3, 4], [5, 6], [7, 8, 9, 10, 11, 12]]
+    target = RecordingScorer(ShardedScorer(load_sharded(model_dir, dtype=dtype)).scorer)
+    draft = TransformerScorer(load_sharded(draft_dir, dtype=dtype))
+    prompts = prompts or [[1, 2, 3, 4], [5, 6], [7, 8, 9, 10, 11, 12]]
     cfg = SamplingConfig(max_new_tokens=10, eos_token_ids=(), seed=11, width=3, gamma=3)
     results = generate_batch("dsbd", target, prompts, cfg, draft)
     assert max(r.stats.target_forward_passes for r in results) >= 3  # several compactions
