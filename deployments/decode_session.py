@@ -9,6 +9,13 @@ which the next `IterationCall` brings to the draft for its cache compaction.
 
 The width controller is asked for the next iteration's knobs after each iteration without
 waiting for the answer: the iteration after uses it (one iteration of lag, no latency).
+
+A replica lost mid-iteration (its process died, or its tensor-parallel group broke) costs a
+retry of that iteration, not the request: the router's state only changes when a reply is
+applied, every side draws from a random stream seeded by (seed, iteration, side), and a
+replica without the session's cache re-prefills from the token ids the call carries, so the
+retried iteration draws exactly what the lost one would have. Retries back off and stop after
+`retry_window_s` (the time Serve needs to replace a replica); other errors are not retried.
 """
 
 from __future__ import annotations
@@ -23,7 +30,11 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from ray.exceptions import ActorUnavailableError, RayActorError
+from ray.serve.exceptions import DeploymentUnavailableError, ReplicaUnavailableError
+
 from deployments.messages import IterationCall, VerifyReply
+from deployments.tensor_parallel import TensorParallelBroken
 from deployments.width_policy import Knobs
 from dsbd_core.config import SamplingConfig
 from dsbd_core.engine import DecodeState, Engine
@@ -57,6 +68,7 @@ class ServingStats:
     draft_replica: list[str] = field(default_factory=list)
     draft_seconds: list[float] = field(default_factory=list)
     router_received: Counter = field(default_factory=Counter)  # type names awaited by the router
+    retries: list[str] = field(default_factory=list)  # "iteration N: error" per retried call
     wall_seconds: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
@@ -76,12 +88,14 @@ class DecodeSession:
         *,
         uses_draft: bool,
         adaptive: bool = True,
+        retry_window_s: float = 120.0,
     ) -> None:
         remote = RemoteModel(vocab_size)
         self.handles = handles
         self.config = config
         self.uses_draft = uses_draft
         self.adaptive = adaptive
+        self.retry_window_s = retry_window_s
         self.engine = Engine(remote, config, remote if uses_draft else None)
         self.session = uuid.uuid4().hex
         self.stats = ServingStats(self.session)
@@ -113,14 +127,7 @@ class DecodeSession:
                     update={"gamma": knobs.gamma, "draft_width": knobs.draft_width}
                 )
                 call = IterationCall(state.for_models(), config, self.uses_draft)
-                forest = (
-                    self.handles.draft.propose.remote(self.session, call)
-                    if self.uses_draft and depth > 0
-                    else None
-                )  # a DeploymentResponse: handed on, never awaited here
-                reply = await self._receive(
-                    self.handles.verifier.verify.remote(self.session, call, forest)
-                )
+                reply = await self._iteration(call, draft=self.uses_draft and depth > 0)
                 self.engine.advance(state, reply.outcome)
                 self._record(reply, knobs)
                 if self.uses_draft and plan is None:
@@ -146,6 +153,28 @@ class DecodeSession:
     def result(self) -> DecodeResult:
         assert self.state is not None, "run the decode first"
         return self.engine.finish(self.state)[0]
+
+    async def _iteration(self, call: IterationCall, *, draft: bool) -> VerifyReply:
+        """Draft and verify one iteration; retried while replicas are being replaced."""
+        deadline = time.monotonic() + self.retry_window_s
+        delay = 0.2
+        while True:
+            forest = (
+                self.handles.draft.propose.remote(self.session, call) if draft else None
+            )  # a DeploymentResponse: handed on, never awaited here
+            try:
+                return await self._receive(
+                    self.handles.verifier.verify.remote(self.session, call, forest)
+                )
+            except Exception as error:
+                if not replica_lost(error) or time.monotonic() + delay > deadline:
+                    raise
+                first = str(error).strip().splitlines()[0][:200] if str(error) else ""
+                self.stats.retries.append(
+                    f"iteration {call.state.iteration}: {type(error).__name__}: {first}"
+                )
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, 2.0)
 
     async def _receive(self, response: Any) -> Any:
         value = await response
@@ -191,6 +220,28 @@ class DecodeSession:
 
 
 _RELEASING: set[asyncio.Task] = set()  # keeps release tasks referenced until they finish
+_LOST = (RayActorError, ActorUnavailableError, ReplicaUnavailableError,
+         DeploymentUnavailableError, TensorParallelBroken)  # fmt: skip
+
+
+def replica_lost(error: BaseException) -> bool:
+    """Whether an error means a replica went away (retry elsewhere), not a bad request.
+
+    Ray wraps a remote error in a `RayTaskError` that is also an instance of its cause's type,
+    and an error of the draft reaches the router through the verifier call; the whole chain of
+    causes is searched.
+    """
+    seen: set[int] = set()
+    stack: list[BaseException | None] = [error]
+    while stack:
+        current = stack.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        if isinstance(current, _LOST):
+            return True
+        stack += [getattr(current, "cause", None), current.__cause__, current.__context__]
+    return False
 
 
 def committed_tokens(state: DecodeState) -> list[int]:

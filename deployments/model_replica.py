@@ -136,6 +136,7 @@ class ModelReplica:
             "vocab_size": self.vocab_size,
             "max_positions": self.max_positions,
             "replica": self.replica_id,
+            "pid": os.getpid(),
             "cached_sessions": self.batcher.cached,
             "tp_size": self.options.tp_size,
         }

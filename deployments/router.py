@@ -105,6 +105,18 @@ def _error(status: int, message: str, param: str | None) -> JSONResponse:
 
 
 # Module helpers stay above the class: Serve pickles the ingress class when it is decorated.
+def _replica_status(info: dict[str, Any]) -> dict[str, Any]:
+    out = {
+        "replica": info["replica"],
+        "pid": info["pid"],
+        "cached_sessions": len(info["cached_sessions"]),
+        "tp_size": info.get("tp_size", 1),
+    }
+    if "tp_ranks" in info:
+        out["tp_ranks"] = info["tp_ranks"]
+    return out
+
+
 def _finish(beam: Beam) -> str:
     return "stop" if beam.finished else "length"
 
@@ -135,16 +147,17 @@ class Router:
 
     @app.get("/v1/dsbd/status")
     async def status(self) -> dict[str, Any]:
-        """Load as the width controller sees it, and one verifier replica: its cached sessions
-        and, when tensor-parallel, its ranks (pids, device)."""
+        """Load as the width controller sees it, and one verifier and one draft replica: id,
+        pid, cached sessions and, when tensor-parallel, its ranks (pids, device)."""
         load = await self.handles.controller.load.remote()
         verifier = await self.handles.verifier.info.remote()
-        replica = {"replica": verifier["replica"],
-                   "cached_sessions": len(verifier["cached_sessions"]),
-                   "tp_size": verifier.get("tp_size", 1)}  # fmt: skip
-        if "tp_ranks" in verifier:
-            replica["tp_ranks"] = verifier["tp_ranks"]
-        return {"model": self.options.model_name, **load, "verifier": replica}
+        draft = await self.handles.draft.info.remote()
+        return {
+            "model": self.options.model_name,
+            **load,
+            "verifier": _replica_status(verifier),
+            "draft": _replica_status(draft),
+        }
 
     @app.get("/v1/models")
     async def models(self) -> ModelList:

@@ -325,31 +325,42 @@ def test_tensor_parallel_verifier_decodes_exactly(server, reference, method, kno
     assert verifier["tp_size"] == 2 and len(verifier["tp_ranks"]["pids"]) == 2
 
 
-def test_a_lost_rank_fails_fast_and_serve_replaces_the_replica(server, reference) -> None:
+def decode_while_killing(server, reference, prefix: str, pid_of: Any) -> list[dict]:
+    """Run 6 decodes; SIGKILL `pid_of(status)` once they are in flight; all must come back
+    exact (the lost iterations are retried on a live or replacement replica)."""
+    bodies = [{"prompt_ids": [30 + i, 31, 32], "seed": 200 + i, "max_new_tokens": 24,
+               "width": 2 + i % 2, "gamma": 2, "adaptive": False} for i in range(6)]  # fmt: skip
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        futures = [pool.submit(native, server, body, prefix) for body in bodies]
+        deadline = time.monotonic() + 60
+        while (now := status(server, prefix))["open_sessions"] < 3:
+            assert time.monotonic() < deadline and not all(f.done() for f in futures)
+            time.sleep(0.05)
+        os.kill(pid_of(now), signal.SIGKILL)
+        results = [f.result(timeout=240) for f in futures]  # none hangs
+    for body, got in zip(bodies, results, strict=True):
+        knobs = {k: v for k, v in body.items() if k not in ("prompt_ids", "adaptive")}
+        assert_same(got, reference("dsbd", body["prompt_ids"], **knobs))
+    return results
+
+
+def test_a_lost_rank_costs_a_retry_and_serve_replaces_the_replica(server, reference) -> None:
     old = status(server, "/tp")["verifier"]
-    os.kill(old["tp_ranks"]["pids"][1], signal.SIGKILL)
-    body = {"prompt_ids": [9, 8, 7], "seed": 3, "max_new_tokens": 10, "width": 2, "gamma": 2,
-            "adaptive": False}  # fmt: skip
-    url = f"{server['url']}/tp/v1/dsbd/generate"
-    start = time.monotonic()
-    first = requests.post(url, json=body, timeout=60)  # fails (or meets the new replica)
-    assert time.monotonic() - start < 30, "a request hung on the broken group"
-    assert first.status_code in (200, 500, 503), first.text
-    deadline = time.monotonic() + 180
-    while True:  # Serve's health check replaces the replica with a fresh group
-        try:
-            new = status(server, "/tp")["verifier"]
-            if new["replica"] != old["replica"]:
-                break
-        except (requests.RequestException, ValueError, KeyError):
-            pass
-        assert time.monotonic() < deadline, "the broken replica was not replaced"
-        time.sleep(1)
+    results = decode_while_killing(server, reference, "/tp",
+                                   lambda now: now["verifier"]["tp_ranks"]["pids"][1])  # fmt: skip
+    retries = [r for got in results for r in got["stats"]["serving"]["retries"]]
+    assert retries and all("TensorParallelBroken" in r or "ActorDied" in r for r in retries)
+    new = status(server, "/tp")["verifier"]
+    assert new["replica"] != old["replica"]
     assert not set(new["tp_ranks"]["pids"]) & set(old["tp_ranks"]["pids"])
     for pid in old["tp_ranks"]["pids"]:  # the surviving rank went with its group
         assert not Path(f"/proc/{pid}").exists() or "zombie" in _state(pid)
-    knobs = {k: v for k, v in body.items() if k not in ("prompt_ids", "adaptive")}
-    assert_same(native(server, body, "/tp"), reference("dsbd", body["prompt_ids"], **knobs))
+
+
+@pytest.mark.parametrize("side", ["verifier", "draft"])
+def test_a_killed_replica_costs_a_retry_not_a_request(server, reference, side: str) -> None:
+    results = decode_while_killing(server, reference, "/spread", lambda now: now[side]["pid"])
+    assert any(got["stats"]["serving"]["retries"] for got in results)
 
 
 def _state(pid: int) -> str:
