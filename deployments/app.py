@@ -18,7 +18,7 @@ from ray.serve.config import RequestRouterConfig
 from deployments.affinity import ROUTER_CLASS
 from deployments.draft import Draft
 from deployments.model_replica import ModelOptions
-from deployments.router import Router, RouterOptions
+from deployments.router import Limits, Router, RouterOptions
 from deployments.tensor_parallel import worker_bundle
 from deployments.verifier import Verifier
 from deployments.width_controller import WidthController
@@ -84,10 +84,23 @@ class AppArgs(BaseModel):
     draft: ModelOptions = ModelOptions(source="smollm2-draft")
     default_max_tokens: int = Field(64, ge=1, le=32768)
     session_affinity: bool = Field(True, description="Route a session's calls to its cache.")
+    limits: Limits = Limits()
+    api_key_file: str | None = Field(
+        None, description="File holding the API key (else DSBD_API_KEY; neither: no key)."
+    )
     policy: PolicyConfig = PolicyConfig()
     router_resources: Resources = Resources(num_cpus=0.1, max_replicas=4, max_ongoing_requests=256)
     draft_resources: Resources = Resources(num_cpus=0.5)
     verifier_resources: Resources = Resources(num_cpus=1.0)
+
+    @model_validator(mode="after")
+    def _default_within_limits(self) -> AppArgs:
+        if self.default_max_tokens > self.limits.max_new_tokens:
+            raise ValueError(
+                f"default_max_tokens={self.default_max_tokens} exceeds limits.max_new_tokens="
+                f"{self.limits.max_new_tokens}"
+            )
+        return self
 
     @model_validator(mode="after")
     def _devices_match_resources(self) -> AppArgs:
@@ -128,6 +141,8 @@ def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
         model_name=config.model_name,
         tokenizer=config.target.source,
         default_max_tokens=config.default_max_tokens,
+        limits=config.limits,
+        api_key_file=config.api_key_file,
     )
     return Router.options(**config.router_resources.options()).bind(
         draft, verifier, controller, router_options.model_dump()

@@ -12,18 +12,25 @@ it is every token as it is accepted. A client that disconnects cancels the decod
 caches.
 
 Bad input is answered with HTTP 400 and an OpenAI-style error naming the field, the value given
-and what is allowed; an unknown model with 404.
+and what is allowed (including this server's configured `Limits`); an unknown model with 404;
+a missing or wrong API key (when one is configured) with 401; more concurrent decodes than
+`max_concurrent_sessions` with 429; a decode past `request_timeout_s` with 504, its sessions
+freed.
 """
 
+import asyncio
+import hmac
 import json
+import os
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ray import serve
 
 from deployments.api_models import (
@@ -45,10 +52,29 @@ from deployments.decode_session import (
     accepted_per_position,
     committed_tokens,
 )
-from dsbd_core.config import SamplingConfig
+from dsbd_core.config import SamplingConfig, config_error_message
 from dsbd_core.decoders import METHODS_WITH_DRAFT, method_config
 from dsbd_core.models import load_tokenizer
 from dsbd_core.result import Beam, DecodeResult
+
+
+class Limits(BaseModel):
+    """What one request may ask of this server (checked before any model work: HTTP 400/429)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_prompt_tokens: int = Field(4096, ge=1, description="Prompt length in tokens.")
+    max_new_tokens: int = Field(1024, ge=1, description="max_tokens / max_new_tokens.")
+    max_width: int = Field(16, ge=1, description="Beam width W.")
+    max_draft_width: int = Field(32, ge=1, description="Draft beams per layer W_S.")
+    max_gamma: int = Field(8, ge=0, description="Draft depth.")
+    max_n: int = Field(16, ge=1, description="Beams returned (OpenAI n).")
+    max_concurrent_sessions: int = Field(
+        256, ge=1, description="Decodes one router replica runs at once; more get HTTP 429."
+    )
+    request_timeout_s: float = Field(
+        600.0, gt=0, description="A decode still running after this is stopped: HTTP 504."
+    )
 
 
 class RouterOptions(BaseModel):
@@ -59,14 +85,24 @@ class RouterOptions(BaseModel):
     model_name: str = Field("smollm2", description="The id /v1/models lists and requests name.")
     tokenizer: str = Field("smollm2", description="Where the target's tokenizer is read from.")
     default_max_tokens: int = Field(64, ge=1, le=32768)
+    limits: Limits = Limits()
+    api_key_file: str | None = Field(
+        None, description="A file holding the API key clients must send (Bearer); without it, "
+        "the DSBD_API_KEY environment variable; neither: no key. Never the key itself: Serve "
+        "logs its application arguments.",
+    )  # fmt: skip
 
 
 class APIError(Exception):
     """An error a client can act on: HTTP status, message, offending parameter."""
 
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+    def __init__(
+        self, status: int, message: str, param: str | None = None, *,
+        kind: str | None = None, code: str | None = None, headers: dict[str, str] | None = None,
+    ) -> None:  # fmt: skip
         super().__init__(message)
         self.status, self.message, self.param = status, message, param
+        self.kind, self.code, self.headers = kind, code, headers
 
 
 app = FastAPI(
@@ -78,7 +114,18 @@ app = FastAPI(
 
 @app.exception_handler(APIError)
 async def _api_error(request: Request, error: APIError) -> JSONResponse:
-    return _error(error.status, error.message, error.param)
+    response = _error(error.status, error.message, error.param, kind=error.kind, code=error.code)
+    response.headers.update(error.headers or {})
+    return response
+
+
+@app.exception_handler(ValidationError)
+async def _config_error(request: Request, error: ValidationError) -> JSONResponse:
+    """A combination of knobs no decoder accepts (cross-field rules of SamplingConfig)."""
+    message = config_error_message(error).replace("\n", "; ")
+    return _error(
+        400, message, str(error.errors()[0]["loc"][0]) if error.errors()[0]["loc"] else None
+    )
 
 
 @app.exception_handler(RequestValidationError)
@@ -98,13 +145,39 @@ async def _validation_error(request: Request, error: RequestValidationError) -> 
     return _error(400, "; ".join(lines), param)
 
 
-def _error(status: int, message: str, param: str | None) -> JSONResponse:
-    kind = "invalid_request_error" if status < 500 else "server_error"
-    body = {"error": {"message": message, "type": kind, "param": param, "code": None}}
+def _error(
+    status: int, message: str, param: str | None, *, kind: str | None = None,
+    code: str | None = None,
+) -> JSONResponse:  # fmt: skip
+    kind = kind or ("invalid_request_error" if status < 500 else "server_error")
+    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
     return JSONResponse(body, status_code=status)
 
 
 # Module helpers stay above the class: Serve pickles the ingress class when it is decorated.
+def _read_api_key(path: str | None) -> bytes | None:
+    """The API key from `path` (one line) or DSBD_API_KEY; refuses an empty key file."""
+    if path is not None:
+        key = Path(path).expanduser().read_text().strip()
+        if not key:
+            raise ValueError(f"api_key_file={path!r} is empty")
+        return key.encode()
+    key = os.environ.get("DSBD_API_KEY", "").strip()
+    return key.encode() if key else None
+
+
+def _timeout_body(limits: Limits) -> dict[str, Any]:
+    message = (f"the decode did not finish within request_timeout_s={limits.request_timeout_s}; "
+               "it was stopped and its sessions freed; ask for fewer tokens or retry")  # fmt: skip
+    return {"error": {"message": message, "type": "timeout", "param": None, "code": 504}}
+
+
+def _loop_time(deadline: float) -> float:
+    """A time.monotonic() deadline on the running loop's clock."""
+    loop = asyncio.get_running_loop()
+    return loop.time() + (deadline - time.monotonic())
+
+
 def _replica_status(info: dict[str, Any]) -> dict[str, Any]:
     out = {
         "replica": info["replica"],
@@ -137,6 +210,8 @@ class Router:
         self.handles = Handles(draft=draft, verifier=verifier, controller=controller)
         self.tokenizer, self.stop_ids = load_tokenizer(self.options.tokenizer)
         self._info: dict[str, Any] | None = None
+        self._api_key = _read_api_key(self.options.api_key_file)
+        self._running = 0  # decodes in progress here (max_concurrent_sessions)
 
     # ----------------------------------------------------------------- routes
     @app.get("/healthz")
@@ -146,9 +221,10 @@ class Router:
         return {"status": "ok", "model": self.options.model_name, "vocab_size": info["vocab_size"]}
 
     @app.get("/v1/dsbd/status")
-    async def status(self) -> dict[str, Any]:
+    async def status(self, http: Request) -> dict[str, Any]:
         """Load as the width controller sees it, and one verifier and one draft replica: id,
         pid, cached sessions and, when tensor-parallel, its ranks (pids, device)."""
+        self._authorize(http)
         load = await self.handles.controller.load.remote()
         verifier = await self.handles.verifier.info.remote()
         draft = await self.handles.draft.info.remote()
@@ -160,17 +236,20 @@ class Router:
         }
 
     @app.get("/v1/models")
-    async def models(self) -> ModelList:
+    async def models(self, http: Request) -> ModelList:
+        self._authorize(http)
         return ModelList(data=[ModelCard(id=self.options.model_name)])
 
     @app.post("/v1/completions", response_model=None)
-    async def completions(self, request: CompletionRequest) -> Any:
+    async def completions(self, request: CompletionRequest, http: Request) -> Any:
+        self._authorize(http)
         self._check_model(request.model)
         prompt_ids = self.tokenizer.encode(request.prompt)
         return await self._openai(request, prompt_ids, chat=False)
 
     @app.post("/v1/chat/completions", response_model=None)
-    async def chat_completions(self, request: ChatCompletionRequest) -> Any:
+    async def chat_completions(self, request: ChatCompletionRequest, http: Request) -> Any:
+        self._authorize(http)
         self._check_model(request.model)
         if not getattr(self.tokenizer, "chat_template", None):
             raise APIError(400, f"model {request.model!r} has no chat template; use "
@@ -179,8 +258,9 @@ class Router:
         return await self._openai(request, prompt_ids, chat=True)
 
     @app.post("/v1/dsbd/generate")
-    async def generate(self, request: GenerateRequest) -> dict[str, Any]:
+    async def generate(self, request: GenerateRequest, http: Request) -> dict[str, Any]:
         """One prompt; every beam with its log-likelihood, and the decode's statistics."""
+        self._authorize(http)
         if request.prompt_ids is not None:
             prompt_ids = list(request.prompt_ids)
         elif request.chat and getattr(self.tokenizer, "chat_template", None):
@@ -190,7 +270,7 @@ class Router:
         config = await self._config(request.sampling_config(self.stop_ids), request.method,
                                     prompt_ids)  # fmt: skip
         session = self._session(config, request.method, request.adaptive)
-        result = await session.run(prompt_ids)
+        result = await self._run(session, prompt_ids)
         stats = result.stats.as_dict()
         stats["accepted_per_position"] = accepted_per_position(result)
         stats["serving"] = session.stats.as_dict()
@@ -218,11 +298,15 @@ class Router:
             tuple(sorted(set(self.stop_ids) | set(stop_ids))), self.options.default_max_tokens
         )
         config = await self._config(config, request.method, prompt_ids)
+        if request.n > self.options.limits.max_n:
+            raise APIError(400, f"n={request.n} exceeds this server's limit max_n="
+                           f"{self.options.limits.max_n}", "n")  # fmt: skip
         session = self._session(config, request.method, request.adaptive)
         if request.stream:
+            self._admit()
             stream = self._stream(session, request, prompt_ids, chat=chat)
             return StreamingResponse(stream, media_type="text/event-stream")
-        result = await session.run(prompt_ids)
+        result = await self._run(session, prompt_ids)
         beams = result.beams[: request.n]
         usage = _usage(prompt_ids, beams)
         if chat:
@@ -275,11 +359,25 @@ class Router:
         sent = ""
         if chat:
             yield chunk(0, None, None, first=True)
-        async for state in session.iterations(prompt_ids):
-            text = self._decode(committed_tokens(state))
-            if text.startswith(sent) and len(text) > len(sent) and not text.endswith("\ufffd"):
-                yield chunk(0, text[len(sent) :], None)
-                sent = text
+        deadline = time.monotonic() + self.options.limits.request_timeout_s
+        iterations = session.iterations(prompt_ids)
+        try:
+            while True:
+                try:
+                    async with asyncio.timeout_at(_loop_time(deadline)):
+                        state = await anext(iterations)
+                except StopAsyncIteration:
+                    break
+                except TimeoutError:
+                    yield f"data: {json.dumps(_timeout_body(self.options.limits))}\n\n"
+                    return
+                text = self._decode(committed_tokens(state))
+                if text.startswith(sent) and len(text) > len(sent) and not text.endswith("\ufffd"):
+                    yield chunk(0, text[len(sent) :], None)
+                    sent = text
+        finally:
+            self._running -= 1
+            await iterations.aclose()  # frees the sessions (also on a client that went away)
         beams = session.result().beams[: request.n]
         for index, beam in enumerate(beams):
             text = self._text(beam)
@@ -295,6 +393,38 @@ class Router:
                     "usage": usage}  # fmt: skip
             yield f"data: {json.dumps(body)}\n\n"
         yield "data: [DONE]\n\n"
+
+    def _authorize(self, http: Request) -> None:
+        """401 unless the request carries the API key (when one is set). Constant-time compare;
+        the key is never logged or echoed."""
+        if self._api_key is None:
+            return
+        given = http.headers.get("authorization", "")
+        given = given[7:] if given[:7].lower() == "bearer " else http.headers.get("x-api-key", "")
+        if not hmac.compare_digest(given.encode(), self._api_key):
+            raise APIError(401, "missing or wrong API key; send it as `Authorization: Bearer "
+                           "KEY`", None, kind="authentication_error", code="invalid_api_key",
+                           headers={"WWW-Authenticate": "Bearer"})  # fmt: skip
+
+    def _admit(self) -> None:
+        """Count a decode in, or refuse it (429) when this router runs too many already."""
+        limit = self.options.limits.max_concurrent_sessions
+        if self._running >= limit:
+            raise APIError(429, f"this server runs {limit} decodes at once "
+                           "(max_concurrent_sessions); retry shortly", None)  # fmt: skip
+        self._running += 1
+
+    async def _run(self, session: DecodeSession, prompt_ids: list[int]) -> DecodeResult:
+        """Decode within the request deadline (504 past it; the sessions are freed either way)."""
+        self._admit()
+        try:
+            async with asyncio.timeout(self.options.limits.request_timeout_s):
+                return await session.run(prompt_ids)
+        except TimeoutError:
+            body = _timeout_body(self.options.limits)["error"]
+            raise APIError(504, body["message"], None) from None
+        finally:
+            self._running -= 1
 
     def _session(self, config: SamplingConfig, method: str, adaptive: bool) -> DecodeSession:
         assert self._info is not None
@@ -314,6 +444,18 @@ class Router:
             raise APIError(400, f"prompt_ids: token id {bad[0]} out of range; allowed "
                            f"0..{vocab - 1}", "prompt_ids")  # fmt: skip
         config = method_config(method, config)
+        limits = self.options.limits
+        for field, value, limit, name in (
+            ("prompt", len(prompt_ids), limits.max_prompt_tokens, "max_prompt_tokens"),
+            ("max_tokens", config.max_new_tokens, limits.max_new_tokens, "max_new_tokens"),
+            ("width", config.width, limits.max_width, "max_width"),
+            ("draft_width", config.draft_beams, limits.max_draft_width, "max_draft_width"),
+            ("gamma", config.gamma if method in METHODS_WITH_DRAFT else 0, limits.max_gamma,
+             "max_gamma"),
+        ):  # fmt: skip
+            if value > limit:
+                shown = f"prompt of {value} tokens" if field == "prompt" else f"{field}={value}"
+                raise APIError(400, f"{shown} exceeds this server's limit {name}={limit}", field)
         gamma = config.gamma if method in METHODS_WITH_DRAFT else 0
         needed = len(prompt_ids) + config.max_new_tokens + gamma + 1
         limit = int(info["max_positions"])

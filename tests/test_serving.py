@@ -7,7 +7,8 @@ contacted; this process's own sockets are watched by an audit hook. Two applicat
 * `/`        session affinity on, one draft and one verifier replica;
 * `/spread`  affinity off, two draft and two verifier replicas: sessions land on replicas
              without their cache and must re-prefill;
-* `/tp`      the verifier tensor-parallel over 2 ranks (gloo), health-checked every second.
+* `/tp`      the verifier tensor-parallel over 2 ranks (gloo), health-checked every second;
+* `/guarded` an API key and tight limits (width, tokens, concurrency, a 1.5 s deadline).
 
 The models run in float64, so a batched forward equals a lone one to ~1e-16 and "the
 distributed path returns the same beams as the in-process engine" can be checked draw for draw
@@ -46,6 +47,9 @@ from .tiny_models import build_pair
 
 REPO = Path(__file__).parent.parent
 MODEL = "tiny"
+API_KEY = "sk-test-7f3a9"
+GUARD = {"max_prompt_tokens": 24, "max_new_tokens": 240, "max_width": 4, "max_gamma": 3,
+         "max_n": 2, "max_concurrent_sessions": 2, "request_timeout_s": 1.5}  # fmt: skip
 _connections: list[Any] = []
 
 
@@ -93,8 +97,15 @@ def server(tmp_path_factory: pytest.TempPathFactory):
                       "draft_resources": small,
                       "verifier_resources": {**small, "health_check_period_s": 1,
                                              "health_check_timeout_s": 20}}},
+            {"name": "guarded", "route_prefix": "/guarded",
+             "import_path": "deployments.app:build_app",
+             "args": {"model_name": MODEL, **models, "router_resources": small,
+                      "draft_resources": small, "verifier_resources": small,
+                      "default_max_tokens": 16, "api_key_file": str(root / "key"),
+                      "limits": GUARD}},
         ]
     }  # fmt: skip
+    (root / "key").write_text(API_KEY + "\n")
     (root / "serve.yaml").write_text(yaml.safe_dump(config))
     port, ready = _free_port(), root / "ready"
     command = [str(REPO / ".venv/bin/dsbd"), "serve", "--config", str(root / "serve.yaml"),
@@ -358,9 +369,24 @@ def test_a_lost_rank_costs_a_retry_and_serve_replaces_the_replica(server, refere
 
 
 @pytest.mark.parametrize("side", ["verifier", "draft"])
-def test_a_killed_replica_costs_a_retry_not_a_request(server, reference, side: str) -> None:
+def test_a_killed_replica_loses_no_request(server, reference, side: str) -> None:
+    """Every decode completes exactly. Whether one of its calls was in flight on the killed
+    replica is up to timing (Serve routes around a dead replica quickly); when one was, the
+    iteration was retried (`retries` names it). The TP test above makes a retry certain."""
+    old = status(server, "/spread")[side]
     results = decode_while_killing(server, reference, "/spread", lambda now: now[side]["pid"])
-    assert any(got["stats"]["serving"]["retries"] for got in results)
+    for got in results:
+        assert all(
+            "ActorDied" in r or "Unavailable" in r for r in got["stats"]["serving"]["retries"]
+        )
+    deadline = time.monotonic() + 120
+    while (pid := status(server, "/spread")[side]["pid"]) == old["pid"] or not _alive(pid):
+        assert time.monotonic() < deadline, "no live replica answers after the kill"
+        time.sleep(0.5)
+
+
+def _alive(pid: int) -> bool:
+    return Path(f"/proc/{pid}").exists() and "zombie" not in _state(pid)
 
 
 def _state(pid: int) -> str:
@@ -368,6 +394,88 @@ def _state(pid: int) -> str:
         return Path(f"/proc/{pid}/status").read_text().lower()
     except OSError:
         return "zombie"
+
+
+# ------------------------------------------------------------------- auth, limits, deadlines
+def guarded(server, body: dict, key: str | None = API_KEY, path: str = "completions"):
+    headers = {"Authorization": f"Bearer {key}"} if key is not None else {}
+    return requests.post(f"{server['url']}/guarded/v1/{path}", headers=headers, timeout=60,
+                         json={"model": MODEL, "prompt": "one two", **body})  # fmt: skip
+
+
+def test_the_api_key_is_required_and_never_logged(server) -> None:
+    for key in (None, "sk-wrong", API_KEY[:-1]):
+        response = guarded(server, {"max_tokens": 2}, key=key)
+        assert response.status_code == 401, response.text
+        assert response.json()["error"]["type"] == "authentication_error"
+        assert response.headers["www-authenticate"] == "Bearer"
+    assert guarded(server, {"max_tokens": 2}).status_code == 200
+    api = openai.OpenAI(base_url=f"{server['url']}/guarded/v1", api_key=API_KEY, max_retries=0)
+    assert api.completions.create(model=MODEL, prompt="one", max_tokens=2).choices
+    with pytest.raises(openai.AuthenticationError):
+        client(server, "/guarded").completions.create(model=MODEL, prompt="one", max_tokens=2)
+    assert requests.get(f"{server['url']}/guarded/healthz", timeout=30).status_code == 200
+    if server["log"] is not None:  # Serve's logs of the whole run so far
+        assert API_KEY not in server["log"].read_text(errors="replace")
+
+
+@pytest.mark.parametrize(
+    ("body", "fragment"),
+    [
+        ({"width": 5}, "width=5 exceeds this server's limit max_width=4"),
+        ({"gamma": 4}, "gamma=4 exceeds this server's limit max_gamma=3"),
+        ({"max_tokens": 241}, "max_tokens=241 exceeds this server's limit max_new_tokens=240"),
+        ({"prompt": "one two " * 20}, "exceeds this server's limit max_prompt_tokens=24"),
+        ({"n": 3, "width": 3}, "n=3 exceeds this server's limit max_n=2"),
+        ({"w_min": 3, "width": 2}, "w_min=3 is larger than width=2"),
+    ],
+)
+def test_limits_are_enforced_naming_field_value_and_limit(server, body, fragment) -> None:
+    response = guarded(server, body)
+    assert response.status_code == 400, response.text
+    assert fragment in response.json()["error"]["message"]
+
+
+def test_past_the_deadline_504_and_the_sessions_are_freed(server) -> None:
+    start = time.monotonic()
+    response = guarded(server, {"max_tokens": 240, "method": "beam", "width": 4})
+    assert response.status_code == 504, response.text
+    assert "request_timeout_s=1.5" in response.json()["error"]["message"]
+    assert time.monotonic() - start < 10
+    stream = guarded(server, {"max_tokens": 240, "method": "beam", "width": 4, "stream": True})
+    assert stream.status_code == 200 and '"type": "timeout"' in stream.text
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    deadline = time.monotonic() + 30
+    while True:
+        now = requests.get(f"{server['url']}/guarded/v1/dsbd/status", headers=headers,
+                           timeout=30).json()  # fmt: skip
+        if now["open_sessions"] == 0 and now["verifier"]["cached_sessions"] == 0:
+            break
+        assert time.monotonic() < deadline, now
+        time.sleep(0.3)
+
+
+def test_more_concurrent_decodes_than_allowed_get_429(server) -> None:
+    body = {"max_tokens": 20, "method": "beam", "width": 2}
+    with ThreadPoolExecutor(6) as pool:
+        codes = [r.status_code for r in pool.map(lambda _: guarded(server, body), range(6))]
+    assert codes.count(429) >= 1 and codes.count(200) >= 2, codes
+    assert set(codes) <= {200, 429}, codes
+
+
+def test_fuzzing_the_served_openapi_finds_no_server_error(server, tmp_path: Path) -> None:
+    """schemathesis (bounded): schema examples and random requests, valid and invalid, against
+    every route; any 5xx fails. Its own coverage phase is left out: it crashes inside
+    schemathesis 4.32 on this schema (a hypothesis cache KeyError), not in the server."""
+    command = [str(Path(sys.executable).parent / "schemathesis"), "run",
+               f"{server['url']}/openapi.json", "--checks", "not_a_server_error",
+               "--phases", "examples,fuzzing", "--max-time", "60", "--workers", "1",
+               "--seed", "1", "--suppress-health-check", "all"]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    tail = done.stdout[-6000:]
+    assert "Server error" not in done.stdout and "ST101" not in done.stdout, tail
+    assert "generated" in done.stdout, tail  # it did run requests
+    assert done.returncode == 0, tail
 
 
 # ------------------------------------------------------------------------------ bad input
