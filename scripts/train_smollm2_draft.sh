@@ -13,13 +13,14 @@
 # Ship it: .venv/bin/python scripts/ship_draft.py --draft DIR --run "$WORK/run"
 #
 # The recorded run (docs/DRAFTS.md) changed two settings on resume, both allowed mid-run: the
-# schedule was planned for 4000 then 1500 then 1000 steps (from steps 0 / 225 / 475), and the TV
+# schedule was planned for 4000 then 1500 then 1000 steps (from steps 0 / 225 / 475), then
+# extended to 1400 (from step 1000) and 1800 (from step 1400: the shipped draft), and the TV
 # weight was 0 until step 475, 1 until 550, 4 until 625, 16 from then on. Rerunning this script
 # resumes with STEPS / TV_WEIGHT below.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 WORK="${WORK:-$HOME/.cache/dsbd/distill/smollm2}"
-STEPS="${STEPS:-1000}"
+STEPS="${STEPS:-1800}"
 TV_WEIGHT="${TV_WEIGHT:-16}"
 mkdir -p "$WORK"
 export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
