@@ -168,7 +168,11 @@ def test_presets_load_from_the_cache_and_share_a_vocabulary() -> None:
     assert reload_s < 10, f"cached loads took {reload_s:.1f} s"  # ~0.5 s on an idle machine
     assert target.vocab_size == draft.vocab_size == 49152
     assert target.model.config.num_hidden_layers == 30
-    assert draft.model.config.num_hidden_layers == models.DEFAULT_DRAFT_LAYERS
+    # the default draft is the shipped distilled one (4 trained layers), not a cut of the target
+    assert draft.path == models.prepare_preset(models.DISTILLED_PRESET)
+    assert draft.model.config.num_hidden_layers == 4
+    cut = load_causal_lm(models.DRAFT_PRESET + f"-{models.DEFAULT_DRAFT_LAYERS}")
+    assert cut.model.config.num_hidden_layers == models.DEFAULT_DRAFT_LAYERS
     check_same_vocabulary(target, draft)
     assert {0, 2} <= set(stop_token_ids(target))  # <|endoftext|> and the chat's <|im_end|>
     prompt = target.tokenizer.decode(encode_prompt(target, "Hello"))

@@ -22,8 +22,10 @@ def generate_json(capsys: pytest.CaptureFixture[str], *flags: str) -> dict:
 
 @pytest.mark.parametrize("method", ["dsbd", "sps"])
 def test_generate_answers_and_stats_add_up(method: str, capsys: pytest.CaptureFixture[str]) -> None:
-    # At temperature 0.1 every method is close to greedy: the factual reply, whatever the seed.
-    report = generate_json(capsys, "--method", method, "--temperature", "0.1")
+    # At temperature 0.01 every method is greedy in practice: the factual reply, whatever the
+    # seed. (Not at 0.1: the target's first token is "The" 0.68 / "L" 0.30 there — "L'Étoile,
+    # ..." — which an exact sampler draws for some seeds; measured with every method.)
+    report = generate_json(capsys, "--method", method, "--temperature", "0.01")
     stats = report["stats"]
     assert "Paris" in report["beams"][0]["text"]
     assert report["draft"] == "smollm2-draft"
@@ -40,7 +42,7 @@ def test_generate_answers_and_stats_add_up(method: str, capsys: pytest.CaptureFi
 
 
 def test_beam_sampling_needs_no_draft(capsys: pytest.CaptureFixture[str]) -> None:
-    report = generate_json(capsys, "--method", "beam", "--width", "2", "--temperature", "0.1")
+    report = generate_json(capsys, "--method", "beam", "--width", "2", "--temperature", "0.01")
     assert report["draft"] is None
     assert report["stats"]["draft_forward_passes"] == 0
     assert len(report["beams"]) >= 1 and "Paris" in report["beams"][0]["text"]
