@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
@@ -23,6 +23,9 @@ from deployments.tensor_parallel import worker_bundle
 from deployments.verifier import Verifier
 from deployments.width_controller import WidthController
 from deployments.width_policy import PolicyConfig
+
+# Resources Ray schedules by name that `Resources` sets through its own fields.
+BUILTIN_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
 
 
 class Resources(BaseModel):
@@ -42,6 +45,21 @@ class Resources(BaseModel):
         10.0, gt=0, description="How often Serve checks a replica (a lost TP rank fails it)."
     )
     health_check_timeout_s: float = Field(30.0, gt=0)
+    resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="Custom Ray resources per replica, e.g. {dsbd_draft: 1} to keep a deployment "
+        "on the nodes (KubeRay worker group) that advertise that resource.",
+    )
+
+    @field_validator("resources")
+    @classmethod
+    def _custom_resources_only(cls, value: dict[str, float]) -> dict[str, float]:
+        for name, amount in value.items():
+            if name in BUILTIN_RESOURCES:
+                raise ValueError(f"resources.{name}: use num_cpus/num_gpus; {name} is built in")
+            if amount <= 0:
+                raise ValueError(f"resources.{name}={amount}: must be > 0")
+        return value
 
     def options(self, model: ModelOptions | None = None) -> dict[str, Any]:
         """Serve deployment options; a model with `tp_size > 1` adds its placement group: the
@@ -49,9 +67,12 @@ class Resources(BaseModel):
         actor: dict[str, Any] = {"num_cpus": self.num_cpus}
         if self.num_gpus:
             actor["num_gpus"] = self.num_gpus
+        if self.resources:
+            actor["resources"] = dict(self.resources)
         placement: dict[str, Any] = {}
         if model is not None and model.tp_size > 1:
-            own = {"CPU": self.num_cpus or 0.01}  # a bundle may not be empty
+            # A bundle may not be empty; the replica's own resources must fit in bundle 0.
+            own = {"CPU": self.num_cpus or 0.01, **self.resources}
             rank = worker_bundle(model.threads, model.device)
             placement = {
                 "placement_group_bundles": [own] + [rank] * model.tp_size,
