@@ -42,21 +42,11 @@ sys.path.insert(0, str(CLUSTER))  # cluster/*.py are scripts, not an installed p
 import crd_schema  # noqa: E402
 import serve_sync  # noqa: E402
 
-from deployments import metrics  # noqa: E402
-
 MANIFESTS = ["rayservice.yaml", "rayjob-batch.yaml"]
 VM_CONFIG = CLUSTER / "ray-cluster.aws.yaml"
 DASHBOARD = CLUSTER / "grafana" / "dsbd-dashboard.json"
 IMAGE = "dsbd:0.1.0-gpu"
 
-# The metrics dsbd exports through ray.serve.metrics, by kind, from the one list the metrics
-# code keeps (deployments/metrics.py): the dashboard may use no other dsbd name.
-DSBD_METRICS = {
-    **{name: "counter" for name in metrics.COUNTERS},
-    **{name: "histogram" for name in metrics.HISTOGRAMS},
-    **{name: "gauge" for name in metrics.GAUGES},
-}
-assert set(DSBD_METRICS) == set(metrics.METRIC_NAMES)
 # Ray Serve's own metrics the dashboard shows (names as created in ray/serve/_private).
 SERVE_METRICS = {
     "serve_deployment_replica_healthy": "gauge",
@@ -417,10 +407,24 @@ def dashboard_queries() -> list[tuple[str, str]]:
     return queries
 
 
+def dsbd_metrics() -> dict[str, str]:
+    """The metrics dsbd exports through ray.serve.metrics, by kind, from the one list the
+    metrics code keeps (deployments/metrics.py): the dashboard may use no other dsbd name."""
+    from deployments import metrics
+
+    kinds = {
+        **{name: "counter" for name in metrics.COUNTERS},
+        **{name: "histogram" for name in metrics.HISTOGRAMS},
+        **{name: "gauge" for name in metrics.GAUGES},
+    }
+    assert set(kinds) == set(metrics.METRIC_NAMES)
+    return kinds
+
+
 def metric_kind(series: str) -> tuple[str, str] | None:
     """(catalogue name, kind) of a `ray_...` series name as Ray exports it, or None."""
     name = series.removeprefix("ray_")
-    for catalogue in (DSBD_METRICS, SERVE_METRICS):
+    for catalogue in (dsbd_metrics(), SERVE_METRICS):
         for metric, kind in catalogue.items():
             if any(name == metric + suffix for suffix in SUFFIXES[kind]):
                 return metric, kind
@@ -436,7 +440,7 @@ def test_dashboard_uses_only_exported_metric_names() -> None:
             found = metric_kind(name)
             assert found, f"{where}: {name} is not a metric Ray exports under that name"
             used.add(found[0])
-    assert set(DSBD_METRICS) <= used, f"not on the dashboard: {set(DSBD_METRICS) - used}"
+    assert set(dsbd_metrics()) <= used, f"not on the dashboard: {set(dsbd_metrics()) - used}"
     # Serve's names, as Ray 2.60 creates them (the proxy's take a protocol: http/grpc).
     serve_source = "".join(
         p.read_text() for p in (Path(ray.__file__).parent / "serve" / "_private").glob("*.py")
