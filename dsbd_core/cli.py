@@ -6,6 +6,7 @@
     dsbd eval-acceptance --target smollm2 --draft smollm2-draft
     dsbd distill --target smollm2 --out drafts/mine
     dsbd theory simulate --out theory-out
+    dsbd batch --input prompts.jsonl --output results.parquet
 
 Every `SamplingConfig` field is a flag (`--top-p`, `--w-min`, ...); the flags are only parsed
 here, the config model validates them, so the CLI and (later) HTTP reject the same values with
@@ -160,6 +161,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="print NAME=value settings that keep a Ray you start yourself on loopback "
         "(env $(dsbd ray-env) serve run serve_config.yaml)",
     )
+    batch = commands.add_parser(
+        "batch",
+        help="decode a JSONL/Parquet file of prompts as a Ray Data job (resumable)",
+        description="Read prompts (JSONL or Parquet), decode them on an actor pool that holds "
+        "target + draft (rows of a batch share forwards), write one record per row (beams, "
+        "stats or error) as Parquet or JSONL. Re-run to resume: done ids are skipped. Row "
+        "fields override the sampling flags below. See docs/BATCH.md.",
+    )
+    from deployments.batch import add_arguments as add_batch_arguments  # Ray loads when running
+
+    add_batch_arguments(batch)
+    _add_config_flags(batch)
     return parser
 
 
@@ -286,6 +299,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from deployments.serve_cli import main as serve_main
 
         return serve_main(args)
+    if args.command == "batch":
+        from deployments.batch import main as batch_main
+
+        return batch_main(args)
     if args.command == "ray-env":
         from deployments.serve_cli import print_ray_env
 
