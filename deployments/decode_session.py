@@ -34,6 +34,7 @@ from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.exceptions import DeploymentUnavailableError, ReplicaUnavailableError
 
 from deployments.messages import IterationCall, VerifyReply
+from deployments.observability import SessionObserver
 from deployments.tensor_parallel import TensorParallelBroken
 from deployments.width_policy import Knobs
 from dsbd_core.config import SamplingConfig
@@ -113,6 +114,7 @@ class DecodeSession:
             self.handles.controller.open.remote(self.session, limits, self.adaptive)
         )
         plan: asyncio.Task | None = None
+        observer = SessionObserver(self.session)  # spans and metrics (deployments/observability)
         try:
             while True:
                 if plan is not None and plan.done():
@@ -126,10 +128,15 @@ class DecodeSession:
                 config = self.config.model_copy(
                     update={"gamma": knobs.gamma, "draft_width": knobs.draft_width}
                 )
-                call = IterationCall(state.for_models(), config, self.uses_draft)
-                reply = await self._iteration(call, draft=self.uses_draft and depth > 0)
-                self.engine.advance(state, reply.outcome)
-                self._record(reply, knobs)
+                retries = len(self.stats.retries)
+                with observer.iteration(state.iteration, knobs.gamma, knobs.draft_width,
+                                        depth) as observed:  # fmt: skip
+                    call = IterationCall(state.for_models(), config, self.uses_draft,
+                                         observed.trace)  # fmt: skip
+                    reply = await self._iteration(call, draft=self.uses_draft and depth > 0)
+                    self.engine.advance(state, reply.outcome)
+                    self._record(reply, knobs)
+                    observed.done(reply, retries=len(self.stats.retries) - retries)
                 if self.uses_draft and plan is None:
                     accepted = int(reply.outcome.record["accepted_layers"][0])
                     plan = asyncio.ensure_future(
@@ -142,6 +149,7 @@ class DecodeSession:
             if plan is not None:
                 plan.cancel()
             self.stats.wall_seconds = time.perf_counter() - start
+            observer.close()
             self._release()
 
     async def run(self, prompt_ids: list[int]) -> DecodeResult:

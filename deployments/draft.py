@@ -13,6 +13,7 @@ from ray import serve
 
 from deployments.messages import DraftReply, IterationCall
 from deployments.model_replica import ModelReplica
+from deployments.tracing import DRAFT, forest_attributes
 from dsbd_core.engine import Engine, Forest
 from dsbd_core.scorer import RemoteModel
 from dsbd_core.session_batch import Job
@@ -21,6 +22,8 @@ from dsbd_core.session_batch import Job
 @serve.deployment(name="Draft", max_ongoing_requests=64)
 class Draft(ModelReplica):
     """Holds the draft model; one replica per accelerator in production."""
+
+    SERVICE, SPAN = DRAFT, "dsbd.draft"
 
     async def propose(self, session: str, call: IterationCall) -> DraftReply:
         """The forest of one request's iteration (drafted together with concurrent ones)."""
@@ -32,7 +35,9 @@ class Draft(ModelReplica):
             Job(session, Engine(remote, call.config, remote).propose_steps(call.state))
             for session, call in items
         ]
-        results, report = await self.run_jobs(jobs)
+        with self.trace_batch(items) as spans:
+            results, report = await self.run_jobs(jobs)
+            spans.finish(report, results, forest_attributes)
         return [
             DraftReply(value, report) if isinstance(value, Forest) else value for value in results
         ]

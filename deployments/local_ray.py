@@ -64,10 +64,15 @@ def loopback_environment(home: Path | None = None) -> dict[str, str]:
     }
 
 
-def start_local_ray(*, num_cpus: int | None = None, home: Path | None = None, **init: Any) -> Any:
+def start_local_ray(
+    *, num_cpus: int | None = None, home: Path | None = None,
+    metrics_export_port: int | None = None, **init: Any,
+) -> Any:  # fmt: skip
     """`ray.init` on this machine with loopback-only networking; returns Ray's context.
 
     The environment is set in this process before Ray starts, so every Ray process inherits it.
+    `metrics_export_port`: where the node's metrics agent serves Prometheus `/metrics` (None or
+    0: a free port, see `metrics_url`); on this loopback node it binds 127.0.0.1.
     """
     os.environ.update(loopback_environment(home))
     import ray  # imported late: child processes read the environment when they start
@@ -82,8 +87,20 @@ def start_local_ray(*, num_cpus: int | None = None, home: Path | None = None, **
         include_dashboard=False,
         num_cpus=num_cpus,
         configure_logging=False,
+        _metrics_export_port=metrics_export_port or None,
         **init,
     )
+
+
+def metrics_url() -> str | None:
+    """The Prometheus endpoint of this node's Ray metrics agent (Ray Serve metrics included)."""
+    import ray
+
+    for node in ray.nodes():
+        port = node.get("MetricsExportPort")
+        if node.get("Alive") and port and port > 0:
+            return f"http://{node['NodeManagerAddress']}:{port}/metrics"
+    return None
 
 
 def stop_local_ray() -> None:

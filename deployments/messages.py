@@ -25,6 +25,10 @@ class IterationCall:
     state: DecodeState  # DecodeState.for_models(): tokens, scores, flags, depth, origin
     config: SamplingConfig  # the request's config with this iteration's knobs applied
     uses_draft: bool  # the method drafts (dsbd, sps); False for beam / sample
+    # W3C trace context of the router's iteration span (`traceparent`, `tracestate`): the
+    # replicas' draft / verify spans continue the request's trace (deployments/tracing.py).
+    # Empty when the router does not trace.
+    trace: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass

@@ -24,7 +24,8 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from deployments.continuous_batch import ContinuousBatcher
-from deployments.messages import SideReport
+from deployments.messages import IterationCall, SideReport
+from deployments.tracing import BatchSpans, replica_id
 from dsbd_core.models import load_causal_lm
 from dsbd_core.session_batch import Job, SessionBatcher
 from dsbd_core.transformer_scorer import TransformerScorer
@@ -63,6 +64,9 @@ class ModelOptions(BaseModel):
 class ModelReplica:
     """Base of `Draft` and `Verifier`."""
 
+    SERVICE = "dsbd-model"  # the tracing service name (dsbd-draft, dsbd-verifier)
+    SPAN = "dsbd.model"  # the name of the span of each call (dsbd.draft, dsbd.verify)
+
     def __init__(self, options: dict[str, Any] | ModelOptions) -> None:
         self.options = ModelOptions.model_validate(options)
         torch.set_num_threads(self.options.threads)
@@ -87,7 +91,8 @@ class ModelReplica:
         self.batcher = SessionBatcher(
             self.scorer, ttl_s=self.options.session_ttl_s, max_sessions=self.options.max_sessions
         )
-        self.replica_id = _replica_id()
+        self.replica_id = replica_id()
+        self._batches = 0  # batches run so far (the batch id of the spans)
         self._lock = asyncio.Lock()
         self._sweeper: asyncio.Task | None = None
         self._recent: dict[str, float] = {}  # session -> last call time (batch-wait policy)
@@ -102,6 +107,13 @@ class ModelReplica:
             results, report = await asyncio.to_thread(self.batcher.run, jobs)
             seconds = time.perf_counter() - start
         return results, SideReport(report, self.replica_id, seconds)
+
+    def trace_batch(self, calls: list[tuple[str, IterationCall]]) -> BatchSpans:
+        """The spans of one batch's calls (deployments/tracing.py); nothing unless tracing."""
+        self._batches += 1
+        batch = {"dsbd.replica": self.replica_id, "dsbd.batch.requests": len(calls),
+                 "dsbd.batch.id": f"{self.replica_id}:{self._batches}"}  # fmt: skip
+        return BatchSpans(self.SERVICE, self.SPAN, calls, batch)
 
     async def submit(self, session: str, item: Any) -> Any:
         """Queue one call for the next batch (continuous batching); raises its error if any."""
@@ -162,12 +174,3 @@ class ModelReplica:
             await asyncio.sleep(period)
             async with self._lock:
                 self.batcher.expire()
-
-
-def _replica_id() -> str:
-    try:
-        from ray import serve
-
-        return serve.get_replica_context().replica_id.unique_id
-    except Exception:  # outside a Serve replica (tests of the class itself)
-        return f"pid-{os.getpid()}"

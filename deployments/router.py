@@ -52,6 +52,7 @@ from deployments.decode_session import (
     accepted_per_position,
     committed_tokens,
 )
+from deployments.observability import RequestObserver, note_method
 from dsbd_core.config import SamplingConfig, config_error_message
 from dsbd_core.decoders import METHODS_WITH_DRAFT, method_config
 from dsbd_core.models import load_tokenizer
@@ -110,6 +111,7 @@ app = FastAPI(
     summary="Dynamic-Width Speculative Beam Decoding: beam sampling at speculative speed.",
     version="0.1.0",
 )
+app.add_middleware(RequestObserver)  # request spans and metrics (deployments/observability.py)
 
 
 @app.exception_handler(APIError)
@@ -437,6 +439,7 @@ class Router:
         self, config: SamplingConfig, method: str, prompt_ids: list[int]
     ) -> SamplingConfig:
         """The method's config, checked against what the model can hold."""
+        note_method(method)  # for dsbd_requests{method=...}, also when the checks refuse it
         info = await self._model_info()
         vocab = int(info["vocab_size"])
         bad = [t for t in prompt_ids if not 0 <= t < vocab]

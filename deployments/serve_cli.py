@@ -41,6 +41,11 @@ def add_arguments(serve: argparse.ArgumentParser) -> None:
         "--timeout", type=float, default=600.0, help="seconds to wait for the deployments"
     )
     serve.add_argument(
+        "--metrics-port", type=int, default=0, metavar="PORT",
+        help="Prometheus port of Ray's metrics agent, serving /metrics on 127.0.0.1 "
+        "(default 0: a free port, printed and written to --ready-file)",
+    )  # fmt: skip
+    serve.add_argument(
         "--tp-size", type=int, default=None, metavar="N",
         help="shard every application's target over N tensor-parallel ranks "
         "(overrides target.tp_size of the config)",
@@ -122,16 +127,19 @@ def prepare_models(schema: Any) -> None:
 def main(args: argparse.Namespace) -> int:
     if args.tp_size is not None and args.tp_size < 1:
         raise SystemExit(_fail(f"--tp-size={args.tp_size}: must be >= 1"))
+    if not 0 <= args.metrics_port <= 65535:
+        raise SystemExit(_fail(f"--metrics-port={args.metrics_port}: allowed 0..65535"))
     schema = load_config(args.config, args.host, args.port, args.tp_size)
     prepare_models(schema)
     from ray import serve
     from ray.serve._private import api as serve_api
 
-    from deployments.local_ray import start_local_ray, stop_local_ray
+    from deployments.local_ray import metrics_url, start_local_ray, stop_local_ray
 
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
-    start_local_ray(num_cpus=args.num_cpus, namespace="serve")
+    start_local_ray(num_cpus=args.num_cpus, namespace="serve",
+                    metrics_export_port=args.metrics_port)  # fmt: skip
     try:
         client = serve_api.serve_start(
             http_options=schema.http_options.model_dump(),
@@ -145,8 +153,11 @@ def main(args: argparse.Namespace) -> int:
         for app in schema.applications:
             print(f"dsbd: application {app.name!r} ready at {url}{app.route_prefix or ''}",
                   flush=True)  # fmt: skip
+        metrics = metrics_url()
+        print(f"dsbd: Prometheus metrics at {metrics}", flush=True)
         if args.ready_file is not None:  # for scripts: where to connect, whom to signal
-            args.ready_file.write_text(json.dumps({"url": url, "pid": os.getpid()}))
+            ready = {"url": url, "pid": os.getpid(), "metrics_url": metrics}
+            args.ready_file.write_text(json.dumps(ready))
         print("dsbd: serving; Ctrl-C stops it", flush=True)
         while not stopping:
             time.sleep(0.5)

@@ -13,7 +13,9 @@ from typing import Any
 from ray import serve
 
 from deployments.messages import DraftReply, IterationCall, VerifyReply
+from deployments.metrics import IterationSample
 from deployments.model_replica import ModelReplica
+from deployments.tracing import VERIFIER
 from dsbd_core.engine import Engine, Forest, Outcome
 from dsbd_core.scorer import RemoteModel
 from dsbd_core.session_batch import Job
@@ -23,7 +25,9 @@ _NO_FOREST = Forest([], [], [])
 
 @serve.deployment(name="Verifier", max_ongoing_requests=64)
 class Verifier(ModelReplica):
-    """Holds the target model (tensor-parallel groups arrive with issue 5)."""
+    """Holds the target model (tensor-parallel: a group of rank actors, model_replica.py)."""
+
+    SERVICE, SPAN = VERIFIER, "dsbd.verify"
 
     async def verify(
         self, session: str, call: IterationCall, draft: DraftReply | None
@@ -40,10 +44,17 @@ class Verifier(ModelReplica):
             engine = Engine(remote, call.config, remote if call.uses_draft else None)
             forest = draft.forest if draft is not None else _NO_FOREST
             jobs.append(Job(session, engine.verify_steps(call.state, forest)))
-        results, report = await self.run_jobs(jobs)
+        with self.trace_batch([(session, call) for session, (call, _) in items]) as spans:
+            results, report = await self.run_jobs(jobs)
+            spans.finish(report, results, _describe)
         return [
             VerifyReply(value, report, draft.report if draft is not None else None)
             if isinstance(value, Outcome)
             else value
             for value, (_, (_, draft)) in zip(results, items, strict=True)
         ]
+
+
+def _describe(outcome: Outcome) -> dict[str, Any]:
+    """A verify span's attributes: the verified outcome (accepted layers, widths, tokens)."""
+    return IterationSample.from_outcome(outcome).attributes()

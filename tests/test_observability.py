@@ -1,0 +1,513 @@
+"""Tracing and metrics of the serving path, checked where they really go.
+
+Serve replicas are separate processes, so an in-memory exporter in this process would see none
+of their spans. The end-to-end tests therefore run what a user runs: `dsbd serve` (tiny real
+models) with `OTEL_EXPORTER_OTLP_ENDPOINT` pointing at an OTLP/HTTP receiver in this test (a
+loopback HTTP server decoding `ExportTraceServiceRequest` protobufs with opentelemetry-proto),
+and scrape the Prometheus endpoint of Ray's metrics agent that `dsbd serve` reports. Spans must
+form one trace per request across the router, draft and verifier processes, continuing the
+client's `traceparent`; the counters must equal the sums of the requests' returned stats.
+
+The pure pieces (what an iteration adds to the stats, span attributes, batch links, W3C
+propagation, "no endpoint, no exporter") are checked in-process with the SDK's in-memory
+exporter.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+import torch
+import yaml
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+    ExportTraceServiceRequest,
+    ExportTraceServiceResponse,
+)
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from prometheus_client.parser import text_string_to_metric_families
+
+from deployments import tracing
+from deployments.decode_session import accepted_per_position
+from deployments.messages import IterationCall, SideReport
+from deployments.metrics import METRIC_NAMES, IterationSample, prometheus_name
+from dsbd_core import SamplingConfig
+from dsbd_core.engine import Engine
+from dsbd_core.models import load_causal_lm, load_tokenizer
+from dsbd_core.session_batch import BatchReport
+from dsbd_core.transformer_scorer import TransformerScorer
+
+from .test_serving import REPO, _free_port, stop
+from .tiny_models import build_pair
+
+PROMPT = "What is the capital of France?"
+KNOBS = {"method": "dsbd", "width": 2, "gamma": 3, "threshold": 0.6, "max_new_tokens": 12,
+         "adaptive": False}  # fmt: skip
+
+
+# ------------------------------------------------------------------------ OTLP receiver
+class Receiver(ThreadingHTTPServer):
+    """A loopback OTLP/HTTP trace receiver: keeps every span with its resource attributes."""
+
+    def __init__(self) -> None:
+        super().__init__(("127.0.0.1", 0), _ReceiverHandler)
+        self.spans: list[dict[str, Any]] = []
+        self.lock = threading.Lock()
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+    def trace(self, trace_id: str) -> list[dict[str, Any]]:
+        with self.lock:
+            return [span for span in self.spans if span["trace_id"] == trace_id]
+
+
+class _ReceiverHandler(BaseHTTPRequestHandler):
+    server: Receiver
+
+    def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+        body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        if self.headers.get("Content-Encoding") == "gzip":
+            body = gzip.decompress(body)
+        request = ExportTraceServiceRequest.FromString(body)
+        spans = []
+        for resource_spans in request.resource_spans:
+            resource = _attributes(resource_spans.resource.attributes)
+            for scope_spans in resource_spans.scope_spans:
+                for span in scope_spans.spans:
+                    spans.append({
+                        "name": span.name, "trace_id": span.trace_id.hex(),
+                        "span_id": span.span_id.hex(), "parent": span.parent_span_id.hex(),
+                        "attributes": _attributes(span.attributes), "resource": resource,
+                        "links": [(link.trace_id.hex(), link.span_id.hex()) for link in span.links],
+                        "status": span.status.code,
+                    })  # fmt: skip
+        with self.server.lock:
+            self.server.spans.extend(spans)
+        reply = ExportTraceServiceResponse().SerializeToString()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/x-protobuf")
+        self.send_header("Content-Length", str(len(reply)))
+        self.end_headers()
+        self.wfile.write(reply)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+def _attributes(pairs: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        value = pair.value
+        kind = value.WhichOneof("value")
+        if kind == "array_value":
+            out[pair.key] = [getattr(v, v.WhichOneof("value")) for v in value.array_value.values]
+        else:
+            out[pair.key] = getattr(value, kind) if kind else None
+    return out
+
+
+# ------------------------------------------------------------------------ the server
+@pytest.fixture(scope="module")
+def observed(tmp_path_factory: pytest.TempPathFactory):
+    """`dsbd serve` exporting spans to a receiver here; the requests every test looks at."""
+    root = tmp_path_factory.mktemp("observed")
+    target, draft = build_pair(root / "models")
+    small = {"num_cpus": 0.1}
+    models = {"target": {"source": str(target), "dtype": "float64"},
+              "draft": {"source": str(draft), "dtype": "float64"}}  # fmt: skip
+    config = {"applications": [{
+        "name": "dsbd", "route_prefix": "/", "import_path": "deployments.app:build_app",
+        "args": {"model_name": "tiny", **models, "router_resources": small,
+                 "draft_resources": small, "verifier_resources": small},
+    }]}  # fmt: skip
+    (root / "serve.yaml").write_text(yaml.safe_dump(config))
+    receiver = Receiver()
+    threading.Thread(target=receiver.serve_forever, daemon=True).start()
+    port, ready = _free_port(), root / "ready"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1",
+           "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint,
+           "OTEL_BSP_SCHEDULE_DELAY": "200",  # export within 0.2 s (default 5 s)
+           "RAY_metrics_report_interval_ms": "1000"}  # fmt: skip
+    command = [str(REPO / ".venv/bin/dsbd"), "serve", "--config", str(root / "serve.yaml"),
+               "--port", str(port), "--num-cpus", "4", "--ready-file", str(ready)]  # fmt: skip
+    if not Path(command[0]).exists():
+        command[0:1] = [sys.executable, "-m", "dsbd_core.cli"]
+    log = (root / "server.log").open("w")
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env,
+                               start_new_session=True)  # fmt: skip
+    deadline = time.monotonic() + 300
+    info: dict[str, Any] = {}
+    while not info:
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            pytest.fail(f"dsbd serve did not start:\n{(root / 'server.log').read_text()[-4000:]}")
+        try:
+            info = json.loads(ready.read_text())
+        except (FileNotFoundError, json.JSONDecodeError):
+            time.sleep(0.5)
+    try:
+        url = info["url"]
+        trace_id, client_span = secrets.token_hex(16), secrets.token_hex(8)
+        headers = {"traceparent": f"00-{trace_id}-{client_span}-01"}
+        alone = _generate(url, {**KNOBS, "seed": 1}, headers)
+        with ThreadPoolExecutor(4) as pool:  # concurrent: their calls share forwards
+            together = list(pool.map(
+                lambda s: _generate(url, {**KNOBS, "seed": s, "max_new_tokens": 24}), range(2, 6)
+            ))  # fmt: skip
+        for body in (
+            {"prompt": PROMPT, "method": "dsbd", "width": 0},  # refused by the schema
+            {"prompt_ids": [10**6], "method": "beam"},
+        ):  # refused by the router's checks
+            refused = requests.post(f"{url}/v1/dsbd/generate", json=body, timeout=60)
+            assert refused.status_code == 400, refused.text
+        yield {"url": url, "metrics_url": info["metrics_url"], "receiver": receiver,
+               "trace_id": trace_id, "client_span": client_span, "alone": alone,
+               "together": together, "log": root / "server.log"}  # fmt: skip
+    finally:
+        stop(process, lambda: os.kill(info["pid"], signal.SIGINT))
+        receiver.shutdown()
+
+
+def _generate(url: str, body: dict, headers: dict | None = None) -> dict:
+    response = requests.post(f"{url}/v1/dsbd/generate", json={"prompt": PROMPT, **body},
+                             headers=headers, timeout=120)  # fmt: skip
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def _wait_for(check: Any, what: str, timeout: float = 20.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value or time.monotonic() > deadline:
+            assert value, f"timed out waiting for {what}"
+            return value
+        time.sleep(0.25)
+
+
+# ------------------------------------------------------------------------ traces
+def test_a_request_is_one_trace_from_the_client_to_draft_and_verifier(observed) -> None:
+    stats = observed["alone"]["stats"]
+    serving, iterations = stats["serving"], stats["iterations"]
+    drafted_at = [i for i, widths in enumerate(stats["widths"]) if widths]  # a forest verified
+    drafted = len(drafted_at)
+    expected = 1 + 2 * iterations + drafted  # request, iterations, verifies, drafts
+
+    spans = _wait_for(
+        lambda: (s := observed["receiver"].trace(observed["trace_id"])) and len(s) >= expected
+        and s, f"{expected} spans of the traced request",
+    )  # fmt: skip
+    by_name = defaultdict(list)
+    for span in spans:
+        by_name[span["name"]].append(span)
+    assert {k: len(v) for k, v in by_name.items()} == {
+        "dsbd.request": 1, "dsbd.iteration": iterations, "dsbd.verify": iterations,
+        "dsbd.draft": drafted,
+    }  # fmt: skip
+
+    # the client's span -> request (router) -> iteration (router) -> draft / verify (replicas)
+    (request,) = by_name["dsbd.request"]
+    assert request["parent"] == observed["client_span"]
+    assert request["resource"]["service.name"] == "dsbd-router"
+    assert request["attributes"]["dsbd.session"] == serving["session"]
+    assert request["attributes"]["dsbd.method"] == "dsbd"
+    assert request["attributes"]["http.response.status_code"] == 200
+    assert request["attributes"]["dsbd.iterations"] == iterations
+    assert request["attributes"]["dsbd.tokens"] == stats["tokens_emitted"]
+    iterations_by_index = {}
+    for span in by_name["dsbd.iteration"]:
+        assert span["parent"] == request["span_id"]
+        assert span["resource"]["service.name"] == "dsbd-router"
+        iterations_by_index[span["attributes"]["dsbd.iteration"]] = span
+    assert sorted(iterations_by_index) == list(range(iterations))
+    for index, span in iterations_by_index.items():
+        attributes = span["attributes"]
+        assert attributes["dsbd.accepted_layers"] == stats["accepted_layers"][index]
+        assert attributes["dsbd.widths"] == stats["widths"][index]
+        assert attributes["dsbd.gamma"] == serving["gamma"][index]
+        assert attributes["dsbd.verifier.replica"] == serving["verify_replica"][index]
+
+    for side, service, replicas in (("verify", "dsbd-verifier", serving["verify_replica"]),
+                                    ("draft", "dsbd-draft", serving["draft_replica"])):  # fmt: skip
+        children = {}
+        for span in by_name[f"dsbd.{side}"]:
+            parent = next(s for s in iterations_by_index.values() if s["span_id"] == span["parent"])
+            index = parent["attributes"]["dsbd.iteration"]
+            assert index not in children, f"two {side} spans under iteration {index}"
+            children[index] = span
+            attributes = span["attributes"]
+            assert span["resource"]["service.name"] == service
+            assert span["resource"]["service.instance.id"] == attributes["dsbd.replica"]
+            assert attributes["dsbd.session"] == serving["session"]
+            assert attributes["dsbd.iteration"] == index
+            assert attributes["dsbd.batch.requests"] >= 1
+        assert sorted(children) == (list(range(iterations)) if side == "verify" else drafted_at)
+        assert [children[i]["resource"]["service.instance.id"] for i in sorted(children)] == (
+            replicas
+        )
+        if side == "verify":
+            for index, span in children.items():
+                assert span["attributes"]["dsbd.accepted_layers"] == stats["accepted_layers"][index]
+                assert span["attributes"]["dsbd.widths"] == stats["widths"][index]
+        else:
+            for index, span in children.items():
+                attributes = span["attributes"]
+                assert 1 <= attributes["dsbd.forest.layers"] == attributes["dsbd.depth"]
+                assert attributes["dsbd.depth"] <= serving["gamma"][index]
+    processes = {span["resource"]["service.instance.id"] for span in spans}
+    assert len(processes) == 3, processes  # router, draft and verifier replicas
+
+
+def test_calls_batched_into_one_forward_link_to_each_other(observed) -> None:
+    sessions = {r["stats"]["serving"]["session"] for r in observed["together"]}
+    shared = sum(n > 1 for r in observed["together"]
+                 for n in r["stats"]["serving"]["verify_batch_requests"])  # fmt: skip
+    assert shared, "the concurrent requests never shared a verifier forward"
+
+    def verify_spans() -> list[dict[str, Any]]:
+        with observed["receiver"].lock:
+            spans = list(observed["receiver"].spans)
+        return [s for s in spans if s["name"] == "dsbd.verify"
+                and s["attributes"]["dsbd.session"] in sessions]  # fmt: skip
+
+    total = sum(r["stats"]["iterations"] for r in observed["together"])
+    spans = _wait_for(lambda: len(s := verify_spans()) == total and s, "the verify spans")
+    batches = defaultdict(list)
+    for span in spans:
+        batches[span["attributes"]["dsbd.batch.id"]].append(span)
+    joint = [b for b in batches.values() if len(b) > 1]
+    assert joint, "no two verify spans carry the same batch id"
+    for batch in joint:
+        assert len({s["trace_id"] for s in batch}) == len(batch)  # one call per request
+        for span in batch:
+            assert span["attributes"]["dsbd.batch.requests"] == len(batch)
+            others = {(s["trace_id"], s["span_id"]) for s in batch if s is not span}
+            assert set(span["links"]) == others
+
+
+# ------------------------------------------------------------------------ metrics
+def _scrape(url: str) -> dict[str, list[tuple[dict[str, str], float]]]:
+    samples: dict[str, list[tuple[dict[str, str], float]]] = defaultdict(list)
+    for family in text_string_to_metric_families(requests.get(url, timeout=30).text):
+        for sample in family.samples:
+            samples[sample.name].append((sample.labels, sample.value))
+    return samples
+
+
+def _total(samples: dict, name: str, **labels: str) -> float:
+    matching = [v for tags, v in samples.get(name, []) if labels.items() <= tags.items()]
+    return sum(matching)
+
+
+def test_prometheus_counters_equal_the_sums_of_the_returned_stats(observed) -> None:
+    url = observed["metrics_url"]
+    assert url.startswith("http://127.0.0.1:"), url
+    port = int(url.rsplit(":", 1)[1].split("/")[0])
+    assert _listening_addresses(port) == {"127.0.0.1"}, "the metrics port listens beyond loopback"
+
+    served = [observed["alone"], *observed["together"]]
+    requests_total = prometheus_name("dsbd_requests")
+    samples = _wait_for(
+        lambda: (s := _scrape(url)) and _total(s, requests_total) >= len(served) + 2 and s,
+        "the requests counter to count every request", timeout=40,
+    )  # fmt: skip
+    stats = [r["stats"] for r in served]
+    assert _total(samples, requests_total, method="dsbd", status="200") == len(served)
+    # before the handler knew the method (schema) / after (the router's own checks)
+    assert _total(samples, requests_total, method="none", status="400") == 1
+    assert _total(samples, requests_total, method="beam", status="400") == 1
+
+    def counter(name: str, **labels: str) -> float:
+        return _total(samples, prometheus_name(name), **labels)
+
+    assert counter("dsbd_spec_decode_num_drafts") == sum(
+        sum(1 for w in s["widths"] if w) for s in stats
+    )
+    assert counter("dsbd_spec_decode_num_draft_tokens") == sum(s["drafted_tokens"] for s in stats)
+    assert counter("dsbd_spec_decode_num_accepted_tokens") == sum(
+        s["accepted_tokens"] for s in stats
+    )
+    deepest = max(len(s["accepted_per_position"]) for s in stats)
+    for position in range(deepest + 1):
+        want = sum(s["accepted_per_position"][position] for s in stats
+                   if position < len(s["accepted_per_position"]))  # fmt: skip
+        got = counter("dsbd_spec_decode_num_accepted_tokens_per_pos", position=str(position))
+        assert got == want, f"position {position}"
+    assert counter("dsbd_generated_tokens") == sum(s["tokens_emitted"] for s in stats)
+
+    widths = [w for s in stats for layer in s["widths"] for w in layer]
+    assert _total(samples, "ray_dsbd_width_count") == len(widths)
+    assert _total(samples, "ray_dsbd_width_sum") == pytest.approx(sum(widths))
+    assert _total(samples, "ray_dsbd_width_bucket", le="1.5") == sum(w <= 1 for w in widths)
+    iterations = sum(s["iterations"] for s in stats)
+    assert _total(samples, "ray_dsbd_iteration_latency_s_count") == iterations
+    assert _total(samples, "ray_dsbd_time_to_first_token_s_count") == len(served)
+    assert _total(samples, "ray_dsbd_request_latency_s_count") == len(served)
+    assert _total(samples, "ray_dsbd_open_sessions") == 0
+    for name in METRIC_NAMES:
+        family = prometheus_name(name)
+        assert any(key.startswith(family) for key in samples), f"{family} is not exported"
+
+
+def _listening_addresses(port: int) -> set[str]:
+    """Local addresses of the TCP sockets listening on `port` (from /proc/net/tcp{,6})."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            address, hex_port = local.split(":")
+            if state == "0A" and int(hex_port, 16) == port:  # 0A: LISTEN
+                if len(address) == 8:
+                    found.add(".".join(str(int(address[i : i + 2], 16)) for i in (6, 4, 2, 0)))
+                else:
+                    found.add("::" if int(address, 16) == 0 else address)
+    return found
+
+
+# ------------------------------------------------------------------------ in-process pieces
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory):
+    target_dir, draft_dir = build_pair(tmp_path_factory.mktemp("tiny"))
+    target = load_causal_lm(str(target_dir), dtype=torch.float64)
+    draft = load_causal_lm(str(draft_dir), dtype=torch.float64)
+    _, stop_ids = load_tokenizer(str(target_dir))
+    return target, draft, stop_ids
+
+
+def _steps(tiny, **knobs: Any):
+    """An in-process decode step by step: (engine, [(state for the models, outcome)], result)."""
+    target, draft, stop_ids = tiny
+    config = SamplingConfig(eos_token_ids=stop_ids, seed=0, **knobs)
+    scorer, draft_scorer = TransformerScorer(target.model), TransformerScorer(draft.model)
+    engine = Engine(scorer, config, draft_scorer)
+    state = engine.start([target.tokenizer.encode(PROMPT)])
+    steps = []
+    while engine.next_iteration(state):
+        models = state.for_models()
+        outcome = engine.verify(state, engine.propose(state))
+        steps.append((models, outcome))
+        engine.advance(state, outcome)
+    return engine, steps, engine.finish(state)[0]
+
+
+@pytest.mark.parametrize("knobs", [
+    {"width": 3, "gamma": 3, "threshold": 0.6, "max_new_tokens": 24},
+    {"width": 1, "gamma": 4, "threshold": None, "max_new_tokens": 20},
+])  # fmt: skip
+def test_iteration_samples_sum_to_the_request_stats(tiny, knobs) -> None:
+    _, steps, result = _steps(tiny, **knobs)
+    samples = [IterationSample.from_outcome(outcome) for _, outcome in steps]
+    stats = result.stats
+    assert sum(s.draft_tokens for s in samples) == stats.drafted_tokens
+    assert sum(s.accepted_tokens for s in samples) == stats.accepted_tokens
+    assert sum(s.generated_tokens for s in samples) == stats.tokens_emitted
+    assert [s.accepted_layers for s in samples] == stats.accepted_layers
+    assert [list(s.widths) for s in samples] == stats.widths
+    per_position = [sum(s.accepted_layers > p for s in samples)
+                    for p in range(max(stats.accepted_layers))]  # fmt: skip
+    assert per_position == accepted_per_position(result)
+    assert sum(s.drafted for s in samples) == len(samples)  # every iteration drafted here
+    attributes = samples[0].attributes()
+    assert attributes["dsbd.widths"] == stats.widths[0]
+    assert attributes["dsbd.accepted_layers"] == stats.accepted_layers[0]
+
+
+@pytest.fixture
+def memory_spans():
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracing.use_provider(provider)
+    yield exporter
+    tracing.use_provider(None)
+
+
+def test_batched_calls_continue_their_traces_and_link_each_other(tiny, memory_spans) -> None:
+    _, steps, _ = _steps(tiny, width=2, gamma=2, threshold=None, max_new_tokens=8)
+    tracer = tracing.tracer(tracing.ROUTER)
+    iterations = [tracer.start_span("dsbd.iteration") for _ in range(3)]
+    models, outcome = steps[0]
+    config = SamplingConfig(width=2, gamma=2, threshold=None)
+    calls = [(f"s{i}", IterationCall(models, config, True, tracing.inject(span)))
+             for i, span in enumerate(iterations)]  # fmt: skip
+    calls.append(("untraced", IterationCall(models, config, True)))  # the router did not trace
+    assert all(call.trace["traceparent"].startswith("00-") for _, call in calls[:3])
+
+    report = SideReport(BatchReport(requests=3, sessions=4, forwards=1, reused=2), "r", 0.25)
+    error = RuntimeError("this call failed")
+    with tracing.BatchSpans(
+        tracing.VERIFIER, "dsbd.verify", calls, {"dsbd.batch.id": "r:1", "dsbd.batch.requests": 4}
+    ) as batch:
+        batch.finish(report, [outcome, outcome, error, outcome],
+                     lambda o: IterationSample.from_outcome(o).attributes())  # fmt: skip
+    for span in iterations:
+        span.end()
+
+    spans = [s for s in memory_spans.get_finished_spans() if s.name == "dsbd.verify"]
+    assert len(spans) == 3  # none for the untraced call
+    for span, parent in zip(spans, iterations, strict=True):
+        assert span.parent.span_id == parent.get_span_context().span_id
+        assert span.context.trace_id == parent.get_span_context().trace_id
+        others = {s.context.span_id for s in spans if s is not span}
+        assert {link.context.span_id for link in span.links} == others
+        assert span.attributes["dsbd.batch.id"] == "r:1"
+        assert span.attributes["dsbd.batch.cache_hits"] == 2
+        assert span.attributes["dsbd.depth"] == int(models.depth.max())
+    assert spans[0].attributes["dsbd.accepted_layers"] == int(outcome.record["accepted_layers"][0])
+    assert not spans[2].status.is_ok and spans[2].events[0].name == "exception"
+
+
+def test_w3c_context_round_trips_through_headers_and_carriers(memory_spans) -> None:
+    trace_id, span_id = secrets.token_hex(16), secrets.token_hex(8)
+    headers = [(b"content-type", b"application/json"),
+               (b"traceparent", f"00-{trace_id}-{span_id}-01".encode())]  # fmt: skip
+    parent = tracing.extract_headers(headers)
+    span = tracing.tracer(tracing.ROUTER).start_span("dsbd.request", context=parent)
+    assert f"{span.get_span_context().trace_id:032x}" == trace_id
+    carrier = tracing.inject(span)
+    assert carrier["traceparent"].split("-")[1] == trace_id
+    child = tracing.tracer(tracing.ROUTER).start_span("c", context=tracing.extract(carrier))
+    assert child.parent.span_id == span.get_span_context().span_id
+    assert tracing.extract_headers([(b"traceparent", b"garbage")]) is None
+    assert tracing.extract({}) is None
+
+
+def test_without_an_endpoint_no_exporter_exists(tmp_path: Path) -> None:
+    """A fresh process: no provider, the exporter's module never imported, spans are no-ops."""
+    script = (
+        "import sys\n"
+        "from deployments import tracing\n"
+        "span = tracing.tracer(tracing.ROUTER).start_span('x')\n"
+        "assert not tracing.enabled() and not span.is_recording()\n"
+        "assert tracing.inject(span) == {}\n"
+        "assert not any('exporter' in name for name in sys.modules), 'exporter imported'\n"
+        "print('ok')\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    done = subprocess.run([sys.executable, "-c", script], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+    assert not tracing.export_configured({})
+    assert tracing.export_configured({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4318"})
+    assert tracing.export_configured({"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://h/v1/traces"})
+    assert not tracing.export_configured(
+        {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4318", "OTEL_SDK_DISABLED": "true"}
+    )
