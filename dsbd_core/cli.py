@@ -6,6 +6,7 @@
     dsbd eval-acceptance --target smollm2 --draft smollm2-draft
     dsbd distill --target smollm2 --out drafts/mine
     dsbd theory simulate --out theory-out
+    dsbd bench --pair smollm2 --quick
     dsbd batch --input prompts.jsonl --output results.parquet
 
 Every `SamplingConfig` field is a flag (`--top-p`, `--w-min`, ...); the flags are only parsed
@@ -156,6 +157,16 @@ def build_parser() -> argparse.ArgumentParser:
     from deployments.serve_cli import add_arguments  # argparse only: Ray loads when serving
 
     add_arguments(serve)
+    bench = commands.add_parser(
+        "bench",
+        help="benchmark every decoder side by side (speed, model calls, memory, quality)",
+        description="Decode a fixed prompt set with sampling, SpS, beam sampling, DSBD and "
+        "transformers' own generate, methods interleaved per prompt in one process; writes "
+        "results.json, table.md and plots (benchmarks/README.md explains every figure).",
+    )
+    from dsbd_core.bench.cli import add_arguments as add_bench_arguments
+
+    add_bench_arguments(bench)
     commands.add_parser(
         "ray-env",
         help="print NAME=value settings that keep a Ray you start yourself on loopback "
@@ -303,6 +314,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from deployments.batch import main as batch_main
 
         return batch_main(args)
+    if args.command == "bench":
+        from dsbd_core.bench.cli import main as bench_main
+
+        return bench_main(args)
     if args.command == "ray-env":
         from deployments.serve_cli import print_ray_env
 
