@@ -49,7 +49,12 @@ class ContinuousBatcher:
     async def _drain(self) -> None:
         while self._pending:
             await self._gather_companions()
+            # A call whose caller was cancelled (its client went away) must not run: it would
+            # re-create the session's cache after the router's release had freed it.
+            self._pending = [(item, f) for item, f in self._pending if not f.done()]
             batch = self._pending[: self.max_batch_size]
+            if not batch:
+                continue
             self._pending = self._pending[self.max_batch_size :]
             try:
                 results = await self._run_batch([item for item, _ in batch])

@@ -110,12 +110,12 @@ class DecodeSession:
             gamma=self.config.gamma if self.uses_draft else 0,
             draft_width=self.config.draft_beams,
         )
-        knobs = await self._receive(
-            self.handles.controller.open.remote(self.session, limits, self.adaptive)
-        )
         plan: asyncio.Task | None = None
         observer = SessionObserver(self.session)  # spans and metrics (deployments/observability)
-        try:
+        try:  # the open call too: a request cancelled while it runs still closes its session
+            knobs = await self._receive(
+                self.handles.controller.open.remote(self.session, limits, self.adaptive)
+            )
             while True:
                 if plan is not None and plan.done():
                     with contextlib.suppress(Exception):  # no new knobs: keep the last ones
@@ -175,11 +175,13 @@ class DecodeSession:
                     self.handles.verifier.verify.remote(self.session, call, forest)
                 )
             except Exception as error:
-                if not replica_lost(error) or time.monotonic() + delay > deadline:
+                lost = lost_replica(error)
+                if lost is None or time.monotonic() + delay > deadline:
                     raise
                 first = str(error).strip().splitlines()[0][:200] if str(error) else ""
+                cause = "" if lost is error else f" ({type(lost).__name__})"
                 self.stats.retries.append(
-                    f"iteration {call.state.iteration}: {type(error).__name__}: {first}"
+                    f"iteration {call.state.iteration}: {type(error).__name__}{cause}: {first}"
                 )
                 await asyncio.sleep(delay)
                 delay = min(2 * delay, 2.0)
@@ -232,12 +234,14 @@ _LOST = (RayActorError, ActorUnavailableError, ReplicaUnavailableError,
          DeploymentUnavailableError, TensorParallelBroken)  # fmt: skip
 
 
-def replica_lost(error: BaseException) -> bool:
-    """Whether an error means a replica went away (retry elsewhere), not a bad request.
+def lost_replica(error: BaseException) -> BaseException | None:
+    """The error in `error`'s chain that means a replica went away (retry elsewhere), if any;
+    None for a bad request.
 
     Ray wraps a remote error in a `RayTaskError` that is also an instance of its cause's type,
-    and an error of the draft reaches the router through the verifier call; the whole chain of
-    causes is searched.
+    and an error of the draft reaches the router through the verifier call (a draft that dies
+    while the verifier waits for its forest: a `RayServeException` whose cause is the draft's
+    `ActorDiedError`); the whole chain of causes is searched.
     """
     seen: set[int] = set()
     stack: list[BaseException | None] = [error]
@@ -247,9 +251,9 @@ def replica_lost(error: BaseException) -> bool:
             continue
         seen.add(id(current))
         if isinstance(current, _LOST):
-            return True
+            return current
         stack += [getattr(current, "cause", None), current.__cause__, current.__context__]
-    return False
+    return None
 
 
 def committed_tokens(state: DecodeState) -> list[int]:

@@ -61,6 +61,10 @@ class ModelOptions(BaseModel):
     )
 
 
+class SessionReleased(RuntimeError):
+    """A call for a session this replica has released: its request is over."""
+
+
 class ModelReplica:
     """Base of `Draft` and `Verifier`."""
 
@@ -93,9 +97,11 @@ class ModelReplica:
         )
         self.replica_id = replica_id()
         self._batches = 0  # batches run so far (the batch id of the spans)
+        self.calls_run = 0  # calls answered (run in a batch) since the replica started
         self._lock = asyncio.Lock()
         self._sweeper: asyncio.Task | None = None
         self._recent: dict[str, float] = {}  # session -> last call time (batch-wait policy)
+        self._released: dict[str, float] = {}  # session -> when released (see `release`)
         self._batcher: ContinuousBatcher | None = None
 
     async def run_jobs(self, jobs: list[Job]) -> tuple[list[Any], SideReport]:
@@ -103,9 +109,13 @@ class ModelReplica:
         if self._sweeper is None:
             self._sweeper = asyncio.get_running_loop().create_task(self._sweep_forever())
         async with self._lock:
+            self.calls_run += len(jobs)
             start = time.perf_counter()
             results, report = await asyncio.to_thread(self.batcher.run, jobs)
             seconds = time.perf_counter() - start
+            for job in jobs:  # a late call of a request that ended meanwhile: keep no cache
+                if job.key in self._released:
+                    self.batcher.release(job.key)
         return results, SideReport(report, self.replica_id, seconds)
 
     def trace_batch(self, calls: list[tuple[str, IterationCall]]) -> BatchSpans:
@@ -117,6 +127,9 @@ class ModelReplica:
 
     async def submit(self, session: str, item: Any) -> Any:
         """Queue one call for the next batch (continuous batching); raises its error if any."""
+        if session in self._released:
+            raise SessionReleased(f"session {session!r} was released: a late call of a request "
+                                  "that has ended")  # fmt: skip
         now = time.monotonic()
         self._recent[session] = now
         if len(self._recent) > 4 * self.options.max_batch_size:
@@ -137,7 +150,14 @@ class ModelReplica:
         return sum(1 for t in self._recent.values() if now - t < _ACTIVE_S)
 
     async def release(self, session: str) -> bool:
-        """Free a session's cache (request done, failed or cancelled)."""
+        """Free a session's cache (request done, failed or cancelled), for good.
+
+        The id is remembered (for `session_ttl_s`): a call of the session that is still on its
+        way or queued here (the draft call of a cancelled request, which the router never
+        awaits) would otherwise re-create the cache after this release, to be held until the
+        TTL. Found under load with clients that go away (docs/RELIABILITY.md).
+        """
+        self._released[session] = time.monotonic()
         self._recent.pop(session, None)
         async with self._lock:
             return self.batcher.release(session)
@@ -150,6 +170,7 @@ class ModelReplica:
             "replica": self.replica_id,
             "pid": os.getpid(),
             "cached_sessions": self.batcher.cached,
+            "calls_run": self.calls_run,
             "tp_size": self.options.tp_size,
         }
         if self.tp_group is not None:
@@ -174,3 +195,5 @@ class ModelReplica:
             await asyncio.sleep(period)
             async with self._lock:
                 self.batcher.expire()
+            limit = time.monotonic() - self.options.session_ttl_s
+            self._released = {k: t for k, t in self._released.items() if t >= limit}

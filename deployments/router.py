@@ -23,7 +23,8 @@ import hmac
 import json
 import os
 import time
-from collections.abc import AsyncIterator
+import weakref
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -185,11 +186,33 @@ def _replica_status(info: dict[str, Any]) -> dict[str, Any]:
         "replica": info["replica"],
         "pid": info["pid"],
         "cached_sessions": len(info["cached_sessions"]),
+        "calls_run": info.get("calls_run", 0),  # iterations it answered (a monotonic count)
         "tp_size": info.get("tp_size", 1),
     }
     if "tp_ranks" in info:
         out["tp_ranks"] = info["tp_ranks"]
     return out
+
+
+class _DecodeStream(StreamingResponse):
+    """A streamed decode that always ends: however the response ends (finished, client gone,
+    cancelled before its first chunk) its body is closed, which frees the decode's sessions,
+    and its admission is counted out (`leave`). Starlette leaves an interrupted body iterator
+    to the garbage collector, and one it never started holds no `finally` at all."""
+
+    def __init__(self, body: AsyncIterator[str], leave: Callable[[], None]) -> None:
+        super().__init__(body, media_type="text/event-stream")
+        self._leave = leave
+        weakref.finalize(self, leave)  # a response that is dropped without ever being run
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            try:
+                await self.body_iterator.aclose()  # type: ignore[attr-defined]
+            finally:
+                self._leave()
 
 
 def _finish(beam: Beam) -> str:
@@ -305,9 +328,8 @@ class Router:
                            f"{self.options.limits.max_n}", "n")  # fmt: skip
         session = self._session(config, request.method, request.adaptive)
         if request.stream:
-            self._admit()
-            stream = self._stream(session, request, prompt_ids, chat=chat)
-            return StreamingResponse(stream, media_type="text/event-stream")
+            leave = self._admit()
+            return _DecodeStream(self._stream(session, request, prompt_ids, chat=chat), leave)
         result = await self._run(session, prompt_ids)
         beams = result.beams[: request.n]
         usage = _usage(prompt_ids, beams)
@@ -378,7 +400,6 @@ class Router:
                     yield chunk(0, text[len(sent) :], None)
                     sent = text
         finally:
-            self._running -= 1
             await iterations.aclose()  # frees the sessions (also on a client that went away)
         beams = session.result().beams[: request.n]
         for index, beam in enumerate(beams):
@@ -408,17 +429,27 @@ class Router:
                            "KEY`", None, kind="authentication_error", code="invalid_api_key",
                            headers={"WWW-Authenticate": "Bearer"})  # fmt: skip
 
-    def _admit(self) -> None:
-        """Count a decode in, or refuse it (429) when this router runs too many already."""
+    def _admit(self) -> Callable[[], None]:
+        """Count a decode in, or refuse it (429) when this router runs too many already;
+        returns what counts it out, once however often it is called."""
         limit = self.options.limits.max_concurrent_sessions
         if self._running >= limit:
             raise APIError(429, f"this server runs {limit} decodes at once "
                            "(max_concurrent_sessions); retry shortly", None)  # fmt: skip
         self._running += 1
+        counted = True
+
+        def leave() -> None:
+            nonlocal counted
+            if counted:
+                counted = False
+                self._running -= 1
+
+        return leave
 
     async def _run(self, session: DecodeSession, prompt_ids: list[int]) -> DecodeResult:
         """Decode within the request deadline (504 past it; the sessions are freed either way)."""
-        self._admit()
+        leave = self._admit()
         try:
             async with asyncio.timeout(self.options.limits.request_timeout_s):
                 return await session.run(prompt_ids)
@@ -426,7 +457,7 @@ class Router:
             body = _timeout_body(self.options.limits)["error"]
             raise APIError(504, body["message"], None) from None
         finally:
-            self._running -= 1
+            leave()
 
     def _session(self, config: SamplingConfig, method: str, adaptive: bool) -> DecodeSession:
         assert self._info is not None

@@ -37,13 +37,15 @@ class WidthController:
         self.policy = PolicyConfig.model_validate(policy or {})
         self.session_ttl_s = session_ttl_s
         self._sessions: dict[str, _Session] = {}
+        self._closed: dict[str, float] = {}  # session -> when closed (see `close`)
         self._rho = self.policy.prior_pass_rate  # replica-wide mean, the prior of new sessions
 
     async def open(self, session: str, limits: Knobs, adaptive: bool = True) -> Knobs:
         """Register a request; returns its first iteration's knobs."""
         self._expire()
         state = _Session(limits, self._rho, 0, adaptive, time.monotonic())
-        self._sessions[session] = state
+        if session not in self._closed:  # else: a late open of a request that has ended
+            self._sessions[session] = state
         return self._knobs(state)
 
     async def plan(self, session: str, accepted_layers: int, depth: int) -> Knobs:
@@ -61,7 +63,9 @@ class WidthController:
         return self._knobs(state)
 
     async def close(self, session: str) -> None:
-        """The request ended (finished, failed or cancelled)."""
+        """The request ended (finished, failed or cancelled). Remembered for `session_ttl_s`:
+        the open call of a request cancelled at its start may arrive after this close."""
+        self._closed[session] = time.monotonic()
         self._sessions.pop(session, None)
 
     async def load(self) -> dict[str, Any]:
@@ -81,3 +85,5 @@ class WidthController:
         limit = time.monotonic() - self.session_ttl_s
         for key in [k for k, s in self._sessions.items() if s.seen < limit]:
             del self._sessions[key]
+        while self._closed and next(iter(self._closed.values())) < limit:  # oldest first
+            del self._closed[next(iter(self._closed))]
