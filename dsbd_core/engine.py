@@ -40,10 +40,15 @@ from dsbd_core.scorer import (
 )
 from dsbd_core.verify import draw_slots, fill_failed_layer, verify_layer
 from dsbd_core.width import layer_width
+from dsbd_core.width_distinct import distinct_layer_width
 
 NEG_INF = float("-inf")
-_COUNTERS = ("target", "draft", "drafted", "accepted")  # per-session integer counters
-_DRAFT_STREAM, _VERIFY_STREAM = 1, 2  # random streams of the two sides of an iteration
+# Per-session integer counters. "proposed": draft tokens in the forest (every node drafted);
+# "drafted": those of them verification reached (a live parent in a verified layer).
+_COUNTERS = ("target", "draft", "proposed", "drafted", "accepted")
+# Random streams of an iteration: the two sides, and the width estimate of distinct drafts
+# (its own stream, so choosing a width never moves the verification's uniforms).
+_DRAFT_STREAM, _VERIFY_STREAM, _WIDTH_STREAM = 1, 2, 3
 
 
 @dataclass
@@ -133,7 +138,7 @@ class Outcome:
     emitted: torch.Tensor  # [B] tokens each session's beams grew by
     finished: _Pool  # beams that left decoding this iteration
     record: dict[str, torch.Tensor]  # accepted_layers, widths, alphas (per session)
-    counters: dict[str, torch.Tensor]  # increments: target, drafted, accepted, epsilon_bias
+    counters: dict[str, torch.Tensor]  # increments: _COUNTERS (less "draft"), epsilon_bias
 
 
 class Engine:
@@ -162,6 +167,7 @@ class Engine:
         self.config = config
         self.vocab = target.vocab_size
         self.generator = torch.Generator()  # reseeded per iteration and side, see _reseed
+        self.width_generator = torch.Generator()  # distinct-draft width estimates, ditto
         self.eos = torch.tensor(sorted(set(config.eos_token_ids)), dtype=torch.long)
 
     # ------------------------------------------------------------------ public
@@ -254,6 +260,7 @@ class Engine:
         """`verify` as a generator of its one target-model call."""
         assert state.depth is not None, "call next_iteration first"
         self._reseed(state, _VERIFY_STREAM)
+        self._reseed(state, _WIDTH_STREAM, self.width_generator)
         return (yield from self._iteration(state, forest))
 
     def advance(self, state: DecodeState, outcome: Outcome) -> None:
@@ -294,6 +301,8 @@ class Engine:
         counters["epsilon_bias"] = torch.zeros(batch, dtype=torch.float64)
         scored = yield ScoreCall(Roots(tokens, length, alive, state.origin), list(layers))
         counters["target"] += live.long()
+        for layer in layers:
+            counters["proposed"] += layer.exists.sum(dim=1)
         assert scored.roots is not None
         node_logp = [scored.roots.double()] + [lp.double() for lp in scored.layers]
 
@@ -327,13 +336,18 @@ class Engine:
             valid_rows = valid.repeat_interleave(vocab, dim=1)
             parent_valid = valid.gather(1, layer.parent) & layer.exists
             counters["drafted"] += (parent_valid & verifying[:, None]).sum(dim=1)
+            in_layer = torch.where(verifying, layer.exists.sum(dim=1), 0)
             if cfg.fixed_width:
                 k = remaining.clone()
+            elif self.distinct:  # the DP assumes i.i.d. drafts: simulate the distinct rule
+                k = distinct_layer_width(
+                    target, tables[level - 1], valid_rows, in_layer, cfg.threshold, cfg.w_min,
+                    remaining, self.width_generator,
+                )  # fmt: skip
             else:
                 k = layer_width(
-                    target, tables[level - 1] * valid_rows,
-                    torch.where(verifying, layer.exists.sum(dim=1), 0),
-                    cfg.threshold, cfg.w_min, remaining,
+                    target, tables[level - 1] * valid_rows, in_layer, cfg.threshold, cfg.w_min,
+                    remaining,
                 )  # fmt: skip
             widths.append(torch.where(verifying, k, -1))
             # alpha_1 = sum min(P_l, Q_l) = 1 - TV: first-draft acceptance (theory predictor)
@@ -445,15 +459,17 @@ class Engine:
         return layers, tables, probs
 
     # ------------------------------------------------------------------ helpers
-    def _reseed(self, state: DecodeState, stream: int) -> None:
-        """Seed the generator from (seed, iteration, side).
+    def _reseed(
+        self, state: DecodeState, stream: int, generator: torch.Generator | None = None
+    ) -> None:
+        """Seed the generator (or `generator`) from (seed, iteration, stream).
 
         Draft and verifier may live in different processes; deriving each side's stream from the
         state (instead of sharing one generator) makes a distributed decode draw exactly what the
         in-process engine draws for the same seed.
         """
         mixed = (state.seed * 1_000_003 + state.iteration * 4 + stream) % (2**63 - 1)
-        self.generator.manual_seed(mixed)
+        (generator or self.generator).manual_seed(mixed)
 
     @property
     def distinct(self) -> bool:
