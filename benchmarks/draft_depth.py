@@ -1,8 +1,10 @@
-"""How deep should the default draft be? Acceptance and cost of SmolLM2's first-k-layer drafts.
+"""How deep should a cut draft be? Acceptance and cost of SmolLM2's first-k-layer drafts.
 
-The default draft (`smollm2-draft`) is the target's first k decoder layers + final norm + head.
-For each k this script measures, on English chat prompts with continuations sampled from the
-target (temperature 1) and then teacher-forced through both models:
+A cut draft (preset `smollm2-draft-<k>`) is the target's first k decoder layers + final norm +
+head, untrained. The default `smollm2-draft` is not one of these any more: it is the shipped
+`smollm2-distilled`, a 4-layer cut re-trained by `dsbd distill` (docs/DRAFTS.md). For each k
+this script measures, on English chat prompts with continuations sampled from the target
+(temperature 1) and then teacher-forced through both models:
 
 - acceptance `alpha = mean over positions of sum_x min(p(x), q(x))` (target p, draft q, T = 1):
   the probability that one speculative-sampling draw is accepted (`dsbd_core.acceptance`, the

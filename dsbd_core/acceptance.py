@@ -8,11 +8,14 @@ averaged over the positions of continuations that the TARGET sampled (the text a
 temperature actually meets), teacher-forced through both models.
 
 Pure functions on models and token ids, so the CLI (`dsbd eval-acceptance`), the distillation
-loop's held-out figure and `benchmarks/draft_depth.py` all measure the same thing.
+loop's held-out figure and `benchmarks/draft_depth.py` all measure the same thing. They run on
+whatever device the model is on (`model_device`); the sampling RNG always lives on the CPU, so
+a seed draws the same tokens on a GPU as on the CPU wherever the probabilities agree.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -97,6 +100,13 @@ def agreement(p: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     return overlap, agree
 
 
+def model_device(model: torch.nn.Module) -> torch.device:
+    """The device of `model`'s first parameter or buffer (the CPU for a model without any):
+    inputs built here go there, so callers only move the model."""
+    first = next(itertools.chain(model.parameters(), model.buffers()), None)
+    return first.device if first is not None else torch.device("cpu")
+
+
 @torch.inference_mode()
 def next_token_probs(
     model: torch.nn.Module, sequence: ScoredSequence, temperature: float = 1.0
@@ -105,7 +115,7 @@ def next_token_probs(
     forced)."""
     if not 1 <= sequence.start <= len(sequence.token_ids):
         raise ValueError(f"start={sequence.start} outside 1..{len(sequence.token_ids)}")
-    ids = torch.tensor([sequence.token_ids])
+    ids = torch.tensor([sequence.token_ids], device=model_device(model))
     logits = model(ids).logits[0, sequence.start - 1 : -1].float()
     return torch.softmax(logits / temperature, dim=-1)
 
@@ -121,7 +131,8 @@ def measure_acceptance(
     """Acceptance and greedy agreement of `draft` for `target` on `sequences`, per kind.
 
     `target_probs` (one `[positions, V]` tensor per sequence, at `temperature`) skips the
-    target's forward passes when they are already known (a cached held-out set).
+    target's forward passes when they are already known (a cached held-out set). The two
+    distributions are compared on the draft's device.
     """
     report = AcceptanceReport(temperature=temperature)
     for index, sequence in enumerate(sequences):
@@ -133,7 +144,7 @@ def measure_acceptance(
             else next_token_probs(target, sequence, temperature)
         )
         q = next_token_probs(draft, sequence, temperature)
-        report.add(sequence.kind, *agreement(p, q))
+        report.add(sequence.kind, *agreement(p.to(q.device), q))
     return report
 
 
@@ -157,9 +168,13 @@ def sample_continuations(
     first stop token (kept) or after `new_tokens` tokens. Returns one `ScoredSequence` per prompt
     (prompt + continuation, scored from the continuation's start) and, when `return_logits`,
     the model's raw `[continuation_len, V]` logits at each sampled position (what a teacher
-    forced pass would give, up to batching round-off). Deterministic for a given seed and batch.
+    forced pass would give, up to batching round-off). Deterministic for a given seed and
+    `batch_size`, but NOT independent of `batch_size`: one generator feeds every batch in turn
+    and each step draws one token per row of the batch, so regrouping the prompts hands each
+    (prompt, position) other random numbers.
     """
     generator = torch.Generator().manual_seed(seed)
+    device = model_device(model)
     stops = set(stop_ids)
     sequences: list[ScoredSequence] = []
     all_logits: list[torch.Tensor] = []
@@ -171,7 +186,9 @@ def sample_continuations(
         for row, prompt in enumerate(batch):
             ids[row, width - len(prompt) :] = torch.tensor(prompt)
             mask[row, width - len(prompt) :] = 1
-        generated, step_logits = _sample_batch(model, ids, mask, new_tokens, temperature, generator)
+        generated, step_logits = _sample_batch(
+            model, ids.to(device), mask.to(device), new_tokens, temperature, generator
+        )
         for row, prompt in enumerate(batch):
             tokens = generated[row].tolist()
             for end, token in enumerate(tokens):
@@ -196,7 +213,9 @@ def _sample_batch(
     """KV-cached sampling loop: `[B, new_tokens]` tokens and the `[B, new_tokens, V]` logits.
 
     Rows keep sampling after their stop token (the caller truncates), which keeps the loop
-    simple and the draws of every row independent of when the others stop.
+    simple and the draws of every row independent of when the others stop. `generator` is a CPU
+    generator whatever the model's device: the draw happens on the CPU (a no-op move there), so
+    the random stream does not depend on the device.
     """
     from transformers import DynamicCache
 
@@ -209,7 +228,7 @@ def _sample_batch(
     for step in range(new_tokens):
         kept.append(logits)
         probs = torch.softmax(logits / temperature, dim=-1)
-        token = torch.multinomial(probs, 1, generator=generator)
+        token = torch.multinomial(probs.cpu(), 1, generator=generator).to(probs.device)
         tokens.append(token)
         if step + 1 == new_tokens:
             break

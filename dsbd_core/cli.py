@@ -211,10 +211,22 @@ def _add_eval_acceptance(commands) -> None:
     )
     evaluate.add_argument("--seed", type=int, default=0, help="default: 0")
     evaluate.add_argument(
-        "--batch-size", type=int, default=8, help="prompts sampled together (default: 8)"
+        "--batch-size",
+        type=int,
+        default=8,
+        help="prompts sampled together (default: 8; another value samples other tokens)",
     )
     evaluate.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
+    _add_device_flag(evaluate)
     evaluate.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _add_device_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--device",
+        default="auto",
+        help="auto (cuda when available, else cpu), cpu, cuda or cuda:N (default: auto)",
+    )
 
 
 def _add_distill(commands) -> None:
@@ -235,8 +247,10 @@ def _add_distill(commands) -> None:
     distill.add_argument("--out", required=True, help="where to write the draft directory")
     distill.add_argument(
         "--work-dir",
-        help="teacher cache + checkpoints (default: ~/.cache/dsbd/distill/<target name>)",
+        help="teacher cache + checkpoints (default: ~/.cache/dsbd/distill/<target name>-<hash "
+        "of the target's config and weights>)",
     )
+    _add_device_flag(distill)
     group = distill.add_argument_group("teacher cache (fixed when the cache is created)")
     group.add_argument("--samples", type=int, default=plan.samples, help="sampled sequences")
     group.add_argument("--text-chunks", type=int, default=plan.text_chunks, help="text chunks")
@@ -246,7 +260,12 @@ def _add_distill(commands) -> None:
     group.add_argument(
         "--text", nargs="*", help="local text files (default: installed packages' docs/sources)"
     )
-    group.add_argument("--sample-batch", type=int, default=cache.batch_size)
+    group.add_argument(
+        "--sample-batch",
+        type=int,
+        default=cache.batch_size,
+        help="prompts sampled together (another value samples other tokens: part of the cache)",
+    )
     group = distill.add_argument_group("draft architecture")
     group.add_argument("--arch", choices=("cut", "small"), default=spec.arch)
     group.add_argument("--layers", type=int, default=spec.layers)
@@ -404,6 +423,35 @@ def _load_pair(target_source: str, draft_source: str):
     return target, draft
 
 
+def _resolve_device(flag: str):
+    """`--device` as a `torch.device`; auto = cuda when CUDA is available, else cpu. Checked
+    before any model is loaded, so a bad value fails at once (ValueError naming what is
+    allowed)."""
+    import re
+
+    import torch
+
+    text = flag.strip().lower()
+    if text == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if text == "cpu":
+        return torch.device("cpu")
+    match = re.fullmatch(r"cuda(?::(\d+))?", text)
+    if match is None:
+        raise ValueError(f"--device {flag!r}: allowed auto, cpu, cuda or cuda:N")
+    if not torch.cuda.is_available():
+        raise ValueError(
+            f"--device {flag!r}: CUDA is not available here (torch.cuda.is_available() is "
+            "False); allowed here: auto or cpu"
+        )
+    count = torch.cuda.device_count()
+    if match.group(1) is not None and int(match.group(1)) >= count:
+        raise ValueError(
+            f"--device {flag!r}: this machine has {count} CUDA device(s): cuda:0..cuda:{count - 1}"
+        )
+    return torch.device(text)
+
+
 def _eval_acceptance(args: argparse.Namespace) -> int:
     import torch
 
@@ -428,6 +476,11 @@ def _eval_acceptance(args: argparse.Namespace) -> int:
         if not prompts:
             print(f"dsbd: error: no prompt of kind {sorted(wanted)}", file=sys.stderr)
             return 2
+    try:
+        device = _resolve_device(args.device)
+    except ValueError as error:
+        print(f"dsbd: error: {error}", file=sys.stderr)
+        return 2
     if args.threads:
         torch.set_num_threads(args.threads)
     start = time.perf_counter()
@@ -436,6 +489,8 @@ def _eval_acceptance(args: argparse.Namespace) -> int:
     except (ModelSourceError, VocabularyMismatchError) as error:
         print(f"dsbd: error: {error}", file=sys.stderr)
         return 2
+    target.model.to(device)
+    draft.model.to(device)
     load_s = time.perf_counter() - start
     start = time.perf_counter()
     sequences = sample_prompt_continuations(
@@ -452,6 +507,7 @@ def _eval_acceptance(args: argparse.Namespace) -> int:
         prompts=len(prompts),
         new_tokens=args.new_tokens,
         seed=args.seed,
+        device=str(device),
         load_s=load_s,
         sample_s=sample_s,
         score_s=time.perf_counter() - start,
@@ -461,7 +517,8 @@ def _eval_acceptance(args: argparse.Namespace) -> int:
         return 0
     print(
         f"target {report['target']}, draft {report['draft']}, temperature {args.temperature}, "
-        f"{len(prompts)} prompts x {args.new_tokens} sampled tokens, seed {args.seed}"
+        f"{len(prompts)} prompts x {args.new_tokens} sampled tokens, seed {args.seed}, "
+        f"device {device}"
     )
     print(f"{'kind':<18} {'positions':>9} {'acceptance':>10} {'greedy':>7}")
     rows = [*report["kinds"].items(), ("overall", report["overall"])]
@@ -486,6 +543,7 @@ def _distill(args: argparse.Namespace) -> int:
         DraftSpec,
         TrainConfig,
         build_cache,
+        default_work_dir,
         train,
     )
     from dsbd_core.models import ModelSourceError, load_causal_lm
@@ -494,6 +552,7 @@ def _distill(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     hf_logging.set_verbosity_error()
     try:
+        device = _resolve_device(args.device)
         spec = DraftSpec(args.arch, args.layers, args.hidden)
         cache = CacheConfig(
             top_k=args.top_k,
@@ -517,15 +576,13 @@ def _distill(args: argparse.Namespace) -> int:
     except (ModelSourceError, OSError, ValueError) as error:
         print(f"dsbd: error: {error}", file=sys.stderr)
         return 2
-    name = Path(args.target).name if "/" in args.target else args.target
-    work = (
-        Path(args.work_dir).expanduser()
-        if args.work_dir
-        else (Path.home() / ".cache" / "dsbd" / "distill" / name)
-    )
+    target.model.to(device)
+    work = Path(args.work_dir).expanduser() if args.work_dir else default_work_dir(target)
 
     def say(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
+
+    say(f"device {device}; work dir {work}")
 
     try:
         if args.export_checkpoint:
@@ -563,9 +620,14 @@ def _distill(args: argparse.Namespace) -> int:
         print(f"dsbd: error: {error}", file=sys.stderr)
         return 2
     heldout = status.get("heldout", {}).get("overall", {}).get("acceptance")
-    state = "finished" if status["finished"] else "stopped (rerun the same command to resume)"
+    if status["already_finished"]:
+        state = f"already finished at step {status['step']} (--steps {config.steps})"
+    elif status["finished"]:
+        state = f"step {status['step']}/{config.steps} finished"
+    else:
+        state = f"step {status['step']}/{config.steps} stopped (rerun the same command to resume)"
     print(
-        f"step {status['step']}/{config.steps} {state}; draft written to {status['out']}"
+        f"{state}; draft written to {status['out']}"
         + (f"; held-out acceptance {heldout:.3f}" if heldout is not None else "")
     )
     return 0

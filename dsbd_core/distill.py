@@ -10,13 +10,19 @@ Two phases, both resumable:
    of shards (`sample-00000.pt`, `text-00000.pt`, ...) written atomically one by one; an
    interrupted build continues with the first missing shard, and asking for more samples later
    only adds shards. `heldout.json` keeps the held-out evaluation sequences (target samples on
-   `prompts.EVAL_PROMPTS`, the same ones `dsbd eval-acceptance` scores).
+   `prompts.EVAL_PROMPTS`, the same ones `dsbd eval-acceptance` scores). `meta.json` records
+   every setting that changes the cached rows and the target's identity (`target_identity`),
+   so a cache is never extended or trained on under other settings or for another target.
 
 2. **Training** (`train`): the draft minimises KL(p || q) between the cached target
    distribution p (top-k tokens + one bucket for the rest) and the draft's q. Checkpoints hold
    the trainable weights, the optimizer, the RNG state and the step (the data order is a pure
    function of seed and epoch), so a resumed run is bit-identical to an uninterrupted one.
    Progress shows loss and held-out acceptance; a JSONL log records the learning curve.
+
+Both phases run on the target's device (the caller moves it, e.g. `dsbd distill --device`);
+the cache and the checkpoints are stored on the CPU, so either moves between machines. Bit-exact
+resumption holds on the CPU; CUDA kernels may differ in round-off from run to run.
 
 Draft architectures (`DraftSpec`):
 - `cut`: the target's first `layers` decoder layers, final norm and (frozen, shared) embedding /
@@ -27,6 +33,7 @@ Draft architectures (`DraftSpec`):
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -44,13 +51,16 @@ from dsbd_core.acceptance import (
     ScoredSequence,
     encode_prompt_for,
     measure_acceptance,
+    model_device,
     next_token_probs,
     sample_prompt_continuations,
 )
 from dsbd_core.acceptance import sample_continuations as _sample
 from dsbd_core.prompts import EVAL_PROMPTS, Prompt, training_prompts
 
-CACHE_FORMAT = 1
+# 2: `config` includes the sampling batch size and `target_identity` is recorded (format 1
+# caches record neither, so they cannot be checked against the target and are refused).
+CACHE_FORMAT = 2
 
 
 # --- phase 1: the teacher cache ----------------------------------------------------------------
@@ -65,14 +75,15 @@ class CacheConfig:
     heldout_tokens: int = 64  # held-out continuation length (= eval-acceptance's default)
     temperature: float = 1.0
     shard_size: int = 64  # sequences per shard
-    batch_size: int = 16  # sampling batch
+    batch_size: int = 16  # sampling batch (`dsbd distill --sample-batch`)
     text_len: int = 128  # tokens per local-text chunk
     seed: int = 0
 
     def fingerprint(self) -> dict:
-        fixed = asdict(self)
-        fixed.pop("batch_size")  # affects only round-off, not what is cached
-        return fixed
+        """Every field, the sampling batch size included: one generator feeds the batches in
+        turn, one draw per row and step, so another batch size samples other tokens (and so
+        caches other sequences), not just other round-off."""
+        return asdict(self)
 
 
 @dataclass
@@ -83,13 +94,76 @@ class CachePlan:
     text_chunks: int = 256
 
 
-def cache_meta(target_name: str, vocab_size: int, config: CacheConfig) -> dict:
-    return {
-        "format": CACHE_FORMAT,
-        "target": target_name,
-        "vocab_size": vocab_size,
-        "config": config.fingerprint(),
+def cache_meta(target, config: CacheConfig) -> dict:
+    """`meta.json` of a cache for `target` (a `LoadedModel`): what must match to reuse it."""
+    return {"format": CACHE_FORMAT, **_identity_fields(target), "config": config.fingerprint()}
+
+
+# Config entries that say where or how a model was loaded, not what it computes.
+_VOLATILE_CONFIG_KEYS = ("transformers_version", "use_cache", "dtype", "torch_dtype")
+_SAMPLED_PER_TENSOR = 4096
+
+
+def target_identity(model: torch.nn.Module) -> dict[str, str]:
+    """What identifies a target for its teacher cache, whatever it was loaded from.
+
+    The vocabulary size alone does not: a fine-tune, another size of the same family or a
+    re-quantisation shares it while giving other distributions. `config` hashes the model's
+    config (minus load-time entries); `weights` hashes every parameter's name, shape and an
+    evenly strided sample of ~4k of its values, which any real change of the weights (training,
+    merging, another quantisation) alters, at a cost of milliseconds instead of hashing
+    gigabytes. Both are computed on the CPU, so they do not depend on the device.
+    """
+    config = {
+        key: value
+        for key, value in model.config.to_dict().items()
+        if not key.startswith("_") and key not in _VOLATILE_CONFIG_KEYS
     }
+    config_hash = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode())
+    weights = hashlib.sha256()
+    for name, param in model.named_parameters():
+        flat = param.detach().reshape(-1)
+        sample = flat[:: max(1, flat.numel() // _SAMPLED_PER_TENSOR)].float().cpu().contiguous()
+        weights.update(f"{name}:{tuple(param.shape)}:".encode())
+        weights.update(sample.numpy().tobytes())
+    return {"config": config_hash.hexdigest(), "weights": weights.hexdigest()}
+
+
+def default_work_dir(target) -> Path:
+    """`~/.cache/dsbd/distill/<target name>-<identity>`: readable, and keyed by the target's
+    identity so two targets with the same base name (`a/model`, `b/model`) never share a cache,
+    while the same target loaded from another path finds its cache again."""
+    base = Path(target.name).name or "target"
+    identity = target_identity(target.model)
+    key = hashlib.sha256(f"{identity['config']}{identity['weights']}".encode()).hexdigest()
+    return Path.home() / ".cache" / "dsbd" / "distill" / f"{base}-{key[:12]}"
+
+
+def cache_differences(existing: dict, meta: dict) -> list[str]:
+    """What differs between a cache's recorded `meta.json` and the one this run would write,
+    each as `what: recorded -> now`; empty when the cache may be reused."""
+    if existing.get("format") != meta["format"]:
+        return [
+            f"format: {existing.get('format')} -> {meta['format']} (a format-1 cache records "
+            "neither the sampling batch size nor the target's identity)"
+        ]
+    differences = []
+    recorded, current = existing.get("target_identity", {}), meta["target_identity"]
+    for part in ("config", "weights"):
+        if recorded.get(part) != current[part]:
+            differences.append(
+                f"target {part}: {str(recorded.get(part))[:12]}... (built for "
+                f"{existing.get('target')!r}) -> {current[part][:12]}... ({meta['target']!r})"
+            )
+    if existing.get("vocab_size") != meta["vocab_size"]:
+        differences.append(f"vocab_size: {existing.get('vocab_size')} -> {meta['vocab_size']}")
+    old_config = existing.get("config", {})
+    differences += [
+        f"{key}: {old_config.get(key)} -> {value}"
+        for key, value in meta["config"].items()
+        if old_config.get(key) != value
+    ]
+    return differences
 
 
 def build_cache(
@@ -113,15 +187,14 @@ def build_cache(
 
     cache_dir.mkdir(parents=True, exist_ok=True)
     meta_path = cache_dir / "meta.json"
-    meta = cache_meta(target.name, target.vocab_size, config)
+    meta = cache_meta(target, config)
     if meta_path.exists():
-        existing = json.loads(meta_path.read_text())
-        if {k: existing.get(k) for k in ("format", "vocab_size", "config")} != {
-            k: meta[k] for k in ("format", "vocab_size", "config")
-        }:
+        differences = cache_differences(json.loads(meta_path.read_text()), meta)
+        if differences:
             raise ValueError(
-                f"{cache_dir} holds a teacher cache built with other settings "
-                f"({existing.get('config')}); use another --cache-dir or the same settings"
+                f"{cache_dir} holds a teacher cache built with other settings ("
+                + "; ".join(differences)
+                + "); use another --work-dir, or the same target and settings"
             )
     else:
         _atomic_write_text(meta_path, json.dumps(meta, indent=2))
@@ -192,7 +265,8 @@ def _topk_rows(logits: torch.Tensor, top_k: int, temperature: float) -> dict[str
     logp = torch.log_softmax(logits.float() / temperature, dim=-1)
     values, ids = logp.topk(min(top_k, logp.shape[-1]), dim=-1)
     rest = (1.0 - values.double().exp().sum(-1)).clamp(min=0.0).float()
-    return {"topk_ids": ids.int(), "topk_logp": values.half(), "rest": rest}
+    # Stored on the CPU whatever the target's device (no-op moves there).
+    return {"topk_ids": ids.int().cpu(), "topk_logp": values.half().cpu(), "rest": rest.cpu()}
 
 
 def _pack(
@@ -242,7 +316,7 @@ def _text_shard(target, chunks: list[list[int]], number: int, config: CacheConfi
     sequences, rows = [], []
     for start in range(0, len(chosen), config.batch_size):
         batch = torch.tensor(chosen[start : start + config.batch_size])
-        logits = target.model(batch).logits[:, :-1]
+        logits = target.model(batch.to(model_device(target.model))).logits[:, :-1]
         for row in range(batch.shape[0]):
             sequences.append((batch[row].tolist(), 1))
             rows.append(_topk_rows(logits[row], config.top_k, config.temperature))
@@ -388,11 +462,13 @@ def make_draft(target_model, spec: DraftSpec, seed: int):
             config.layer_types = config.layer_types[: spec.layers]
         torch.manual_seed(seed)
         draft = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        embedding = target_model.get_input_embeddings().weight.detach().float()
+        # Initialised on the CPU (the SVD too), so the draft starts the same on every device.
+        embedding = target_model.get_input_embeddings().weight.detach().float().cpu()
         u, s, _ = torch.linalg.svd(embedding, full_matrices=False)
         with torch.no_grad():
             draft.get_input_embeddings().weight.copy_(u[:, : spec.hidden] * s[: spec.hidden])
         draft.tie_weights()
+        draft.to(model_device(target_model))
     draft.config.use_cache = True
     return draft.train()
 
@@ -502,8 +578,10 @@ def train(
 
     `run_dir/state.pt` is the checkpoint: when it exists the run resumes from it, bit-exactly
     (same weights as a run never interrupted). `stop_after` / `time_limit_s` end this call early
-    (after a checkpoint) without changing the schedule. Returns the last status record; writes
-    the draft as a transformers directory to `out_dir` (default `run_dir/draft`) at the end.
+    (after a checkpoint) without changing the schedule. Returns the last status record (with
+    `already_finished` when the checkpoint had reached `config.steps` before this call); writes
+    the draft as a transformers directory to `out_dir` (default `run_dir/draft`) at the end,
+    also when there was nothing left to train. Runs on the target model's device.
     """
     from tqdm.auto import tqdm
 
@@ -513,10 +591,28 @@ def train(
     state_path = run_dir / "state.pt"
     log_path = run_dir / "log.jsonl"
     meta = json.loads((cache_dir / "meta.json").read_text())
+    # The cut draft starts from this target and learns its cached distributions: both must be
+    # the cache's target (the format is checked first: a format-1 cache records no identity).
+    now = {**meta, **_identity_fields(target), "format": CACHE_FORMAT}
+    differences = cache_differences(meta, now)
+    if differences:
+        raise ValueError(
+            f"{cache_dir}: the teacher cache does not fit this target ("
+            + "; ".join(differences)
+            + "); train with the target it was built for, or build a cache for this one "
+            "(another --work-dir)"
+        )
     cache_temperature = meta["config"]["temperature"]
+    device = model_device(target.model)
     settings = {"spec": asdict(spec), "train": asdict(config), "cache": meta}
 
-    state = torch.load(state_path, weights_only=False) if state_path.exists() else None
+    # Checkpoints are read onto the CPU (they may come from another device); the weights and the
+    # optimizer state are copied to the draft's device below.
+    state = (
+        torch.load(state_path, map_location="cpu", weights_only=False)
+        if state_path.exists()
+        else None
+    )
     if state is not None:
         _check_resumable(state["settings"], settings)
         saved = state["settings"]["train"]
@@ -548,7 +644,7 @@ def train(
         torch.manual_seed(config.seed)
 
     heldout = load_heldout(cache_dir) if (cache_dir / "heldout.json").exists() else []
-    heldout_probs = [next_token_probs(target.model, s, cache_temperature).half() for s in heldout]
+    heldout_probs: list[torch.Tensor] = []  # the target's, computed at the first evaluation
     pad = target.tokenizer.pad_token_id or 0
     say = log or (lambda message: None)
 
@@ -570,6 +666,10 @@ def train(
     per_epoch = describe()
 
     def evaluate() -> dict:
+        if not heldout_probs:
+            heldout_probs.extend(
+                next_token_probs(target.model, s, cache_temperature).half() for s in heldout
+            )
         draft.eval()
         report = measure_acceptance(
             target.model,
@@ -590,7 +690,7 @@ def train(
                 "epoch": epoch,
                 "epoch_start": epoch_start,
                 "elapsed_s": elapsed,
-                "trainable": dict(zip(names, (p.detach() for p in params), strict=True)),
+                "trainable": dict(zip(names, (p.detach().cpu() for p in params), strict=True)),
                 "optimizer": optimizer.state_dict(),
                 "rng": torch.get_rng_state(),
                 "history": history,
@@ -612,7 +712,10 @@ def train(
     )
     last_acc = history[-1]["heldout"]["overall"]["acceptance"] if history else float("nan")
     this_run = 0
-    status: dict = {}
+    # What a call that trains no step (the checkpoint already reached `steps`) reports.
+    status: dict = {"step": step, "epoch": epoch, "elapsed_s": round(elapsed, 2)}
+    if history and history[-1]["step"] == step:
+        status["heldout"] = history[-1]["heldout"]
     smooth = None
     order = data.order(config.seed, epoch)
     while step < config.steps:
@@ -627,7 +730,9 @@ def train(
             order = data.order(config.seed, epoch)
         indices = order[within * config.batch_size : (within + 1) * config.batch_size].tolist()
         started = time.perf_counter()
-        ids, mask, rows, cols, topk_ids, topk_logp, rest = data.batch(indices, pad)
+        ids, mask, rows, cols, topk_ids, topk_logp, rest = (
+            tensor.to(device) for tensor in data.batch(indices, pad)
+        )
         lr = config.lr_at(step)
         for group in optimizer.param_groups:
             group["lr"] = lr
@@ -677,6 +782,7 @@ def train(
     bar.close()
     save_draft(draft, target.tokenizer, out_dir)
     status["finished"] = step >= config.steps
+    status["already_finished"] = status["finished"] and this_run == 0
     status["out"] = str(out_dir)
     return status
 
@@ -685,7 +791,7 @@ def export_checkpoint(target, run_dir: Path, out_dir: Path) -> dict:
     """Write the draft of a run's latest checkpoint (`run_dir/state.pt`) to `out_dir`, without
     training: a snapshot of a run still going. Returns the checkpoint's step and last held-out
     figures."""
-    state = torch.load(run_dir / "state.pt", weights_only=False)
+    state = torch.load(run_dir / "state.pt", map_location="cpu", weights_only=False)
     spec = DraftSpec(**state["settings"]["spec"])
     draft = make_draft(target.model, spec, state["settings"]["train"]["seed"])
     with torch.no_grad():
@@ -705,7 +811,7 @@ def save_draft(draft, tokenizer, out_dir: Path) -> None:
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
-        model = copy.deepcopy(draft).eval()
+        model = copy.deepcopy(draft).eval().cpu()
         for param in model.parameters():
             param.requires_grad_(False)
         model.save_pretrained(tmp)
@@ -716,6 +822,15 @@ def save_draft(draft, tokenizer, out_dir: Path) -> None:
         tmp.rename(out_dir)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _identity_fields(target) -> dict:
+    """The `meta.json` fields that identify `target` (see `cache_meta`)."""
+    return {
+        "target": target.name,
+        "target_identity": target_identity(target.model),
+        "vocab_size": target.vocab_size,
+    }
 
 
 def _check_resumable(saved: dict, current: dict) -> None:

@@ -80,7 +80,7 @@ def test_a_model_accepts_itself_fully_and_sampling_is_seeded(tmp_path: Path) -> 
         model, prompts, new_tokens=5, seed=3, stop_ids=[1], batch_size=2, return_logits=True
     )
     again, _ = sample_continuations(model, prompts, new_tokens=5, seed=3, stop_ids=[1])
-    assert first == again  # batch composition does not matter here: rows draw in turn
+    assert first == again  # the default batch (8) holds both prompts: the same single batch
     assert [s.token_ids[: s.start] for s in first] == [tuple(p) for p in prompts]
     for sequence, step_logits in zip(first, logits, strict=True):
         assert 1 <= sequence.positions <= 5
@@ -94,8 +94,27 @@ def test_a_model_accepts_itself_fully_and_sampling_is_seeded(tmp_path: Path) -> 
     assert report.overall.greedy_agreement == 1.0
 
 
+def test_the_sampling_batch_size_changes_the_sampled_tokens(tmp_path: Path) -> None:
+    """Why a teacher cache records its sampling batch size: one generator feeds the batches in
+    turn, one draw per row and step, so regrouping the prompts gives other tokens."""
+    from dsbd_core.models import load_causal_lm
+
+    model = load_causal_lm(str(save_tiny_model(tmp_path / "m", tiny_tokens(32)))).model
+    prompts = [[2, 3, 4], [5, 6], [7, 8, 9], [10, 11]]
+
+    def sample(batch_size: int) -> list[tuple[int, ...]]:
+        sequences, _ = sample_continuations(
+            model, prompts, new_tokens=6, seed=3, batch_size=batch_size
+        )
+        return [s.token_ids for s in sequences]
+
+    by_size = {size: sample(size) for size in (1, 2, 4)}
+    assert sample(2) == by_size[2]  # deterministic for a given batch size
+    assert by_size[1] != by_size[2] and by_size[2] != by_size[4] and by_size[1] != by_size[4]
+
+
 def test_eval_acceptance_cli_on_tiny_models(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     target = save_tiny_model(tmp_path / "t", tiny_tokens(32), seed=1)
     draft = save_tiny_model(tmp_path / "d", tiny_tokens(32), layers=1, seed=2)
@@ -106,13 +125,30 @@ def test_eval_acceptance_cli_on_tiny_models(
     )
     argv = ["eval-acceptance", "--target", str(target), "--draft", str(draft)]
     argv += ["--prompts", str(prompts), "--new-tokens", "6", "--json"]
-    assert main(argv) == 0
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the same on a GPU machine
+    assert main(argv) == 0  # --device auto: the CPU, CUDA being unavailable
     report = json.loads(capsys.readouterr().out)
+    assert report["device"] == "cpu"
     assert set(report["kinds"]) == {"english", "code"}
+    assert main([*argv, "--device", "cpu"]) == 0
+    explicit = json.loads(capsys.readouterr().out)
+    assert explicit["device"] == "cpu" and explicit["overall"] == report["overall"]
     assert 0 < report["overall"]["positions"] <= 12
     assert 0.0 <= report["overall"]["acceptance"] <= 1.0
     assert main(argv[:-1]) == 0  # the table view
     out = capsys.readouterr().out
     assert "overall" in out and "english" in out and "greedy" in out
     assert main([*argv, "--kinds", "nothing"]) == 2
+    assert main([*argv, "--device", "cuda"]) == 2
+    err = capsys.readouterr().err
+    assert (
+        "--device 'cuda': CUDA is not available here" in err and "allowed here: auto or cpu" in err
+    )
+    assert main([*argv, "--device", "gpu0"]) == 2
+    assert "--device 'gpu0': allowed auto, cpu, cuda or cuda:N" in capsys.readouterr().err
+    # With CUDA present, a device index beyond the machine's devices is refused by name.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert main([*argv, "--device", "cuda:1"]) == 2
+    assert "this machine has 1 CUDA device(s): cuda:0..cuda:0" in capsys.readouterr().err
     assert main(["eval-acceptance", "--target", str(target), "--draft", "no-such"]) == 2

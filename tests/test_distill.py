@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import shutil
 from dataclasses import asdict
 from pathlib import Path
@@ -24,6 +25,7 @@ from dsbd_core.distill import (
     TeacherData,
     TrainConfig,
     build_cache,
+    default_work_dir,
     kd_loss,
     load_heldout,
     train,
@@ -132,6 +134,53 @@ def test_cache_holds_topk_rows_per_scored_position_and_resumes(teacher) -> None:
     assert any("shard 5/5" in m for m in messages)
 
 
+def test_a_cache_is_refused_for_another_sampling_batch_or_target(teacher, tmp_path) -> None:
+    root, target_path, target, _ = teacher
+    cache = tmp_path / "cache"
+    shutil.copytree(root / "cache", cache)
+    plan = CachePlan(samples=128, text_chunks=2)
+    # The sampling batch size changes which tokens are sampled (tests/test_acceptance.py).
+    other_batch = CacheConfig(**{**asdict(CACHE), "batch_size": 8})
+    with pytest.raises(ValueError, match=r"other settings \(batch_size: 16 -> 8\)"):
+        build_cache(target, cache, other_batch, plan)
+    # Another target with the same vocabulary size: refused by identity, naming what differs.
+    other_path = save_tiny_model(tmp_path / "other", tiny_tokens(VOCAB), layers=3, seed=7)
+    other = load_causal_lm(str(other_path))
+    assert other.vocab_size == target.vocab_size
+    with pytest.raises(ValueError, match="target weights: .*" + re.escape(repr(str(other_path)))):
+        build_cache(other, cache, CACHE, plan)
+    with pytest.raises(ValueError) as refused:
+        build_cache(other, cache, CACHE, plan)
+    assert "target config" not in str(refused.value)  # same architecture: only the weights
+    deeper = load_causal_lm(str(save_tiny_model(tmp_path / "deep", tiny_tokens(VOCAB), layers=4)))
+    with pytest.raises(ValueError, match="target config: .*target weights: "):
+        build_cache(deeper, cache, CACHE, plan)
+    # Training on it (`dsbd distill --train-only`) is refused as well.
+    with pytest.raises(ValueError, match="does not fit this target .*target weights"):
+        train(other, cache, tmp_path / "run", DraftSpec("cut", 1), TrainConfig(steps=1))
+    # The same target loaded again (from another path) is the same target.
+    moved = shutil.copytree(target_path, tmp_path / "elsewhere" / "target")
+    build_cache(load_causal_lm(str(moved)), cache, CACHE, plan)
+    # A cache written before the batch size and the target's identity were recorded: refused.
+    meta = json.loads((cache / "meta.json").read_text())
+    del meta["target_identity"], meta["config"]["batch_size"]
+    (cache / "meta.json").write_text(json.dumps({**meta, "format": 1}))
+    with pytest.raises(ValueError, match="format: 1 -> 2"):
+        build_cache(target, cache, CACHE, plan)
+
+
+def test_default_work_dir_is_keyed_by_the_targets_identity(teacher, tmp_path) -> None:
+    _, target_path, target, _ = teacher
+    same_name = save_tiny_model(tmp_path / "b" / "target", tiny_tokens(VOCAB), layers=3, seed=3)
+    other = load_causal_lm(str(same_name))
+    assert Path(other.name).name == Path(target.name).name == "target"
+    mine = default_work_dir(target)
+    assert mine.parent == Path.home() / ".cache" / "dsbd" / "distill"
+    assert mine.name.startswith("target-") and default_work_dir(other) != mine
+    copy = shutil.copytree(target_path, tmp_path / "c" / "target")
+    assert default_work_dir(load_causal_lm(str(copy))) == mine
+
+
 def heldout_curve(run_dir: Path) -> list[tuple[int, float]]:
     records = [json.loads(line) for line in (run_dir / "log.jsonl").read_text().splitlines()]
     return [(r["step"], r["heldout"]["overall"]["acceptance"]) for r in records if "heldout" in r]
@@ -161,20 +210,36 @@ def test_distillation_lowers_kl_and_raises_acceptance(teacher, tmp_path: Path, s
 def test_resume_is_exact(teacher, tmp_path: Path) -> None:
     root, _, target, _ = teacher
     config = TrainConfig(
-        steps=14, batch_size=8, lr=3e-3, warmup=3, eval_every=6, checkpoint_every=4
+        steps=36, batch_size=8, lr=3e-3, warmup=3, eval_every=6, checkpoint_every=4
     )
     spec = DraftSpec("cut", 1)
+    assert len(TeacherData(root / "cache")) // config.batch_size == 16  # steps per epoch
     whole = train(target, root / "cache", tmp_path / "whole", spec, config, progress_bar=False)
-    # 14 steps in three calls: 5, then 5 (crossing an epoch: 16 steps per epoch at 8), then 4.
-    first = train(
-        target, root / "cache", tmp_path / "parts", spec, config, stop_after=5, progress_bar=False
-    )
-    assert not first["finished"] and first["step"] == 5
-    train(
-        target, root / "cache", tmp_path / "parts", spec, config, stop_after=5, progress_bar=False
-    )
-    last = train(target, root / "cache", tmp_path / "parts", spec, config, progress_bar=False)
-    assert whole["finished"] and last["finished"] and last["step"] == 14
+    assert whole["epoch"] == 2  # epochs 0 and 1 complete, 4 steps into epoch 2
+    # 36 steps in four calls: 5; 13 (crossing the first epoch boundary, at step 16, inside a
+    # resumed call); 14 (ending exactly on the second boundary, step 32); the rest (resuming
+    # into a new epoch).
+    calls = []
+    for stop_after in (5, 13, 14, None):
+        calls.append(
+            train(
+                target,
+                root / "cache",
+                tmp_path / "parts",
+                spec,
+                config,
+                stop_after=stop_after,
+                progress_bar=False,
+            )
+        )
+    assert [(c["step"], c["epoch"], c["finished"]) for c in calls] == [
+        (5, 0, False),
+        (18, 1, False),
+        (32, 1, False),
+        (36, 2, True),
+    ]
+    last = calls[-1]
+    assert whole["finished"] and last["finished"] and last["step"] == 36
     a = torch.load(tmp_path / "whole" / "state.pt", weights_only=False)
     b = torch.load(tmp_path / "parts" / "state.pt", weights_only=False)
     for name, tensor in a["trainable"].items():
@@ -183,11 +248,20 @@ def test_resume_is_exact(teacher, tmp_path: Path) -> None:
         {**h, "elapsed_s": a["history"][i]["elapsed_s"]} for i, h in enumerate(b["history"])
     ]
     assert whole["loss"] == last["loss"]
+    # Rerunning a finished run trains nothing, says so, and still writes the draft.
+    shutil.rmtree(tmp_path / "parts" / "draft")
+    again = train(target, root / "cache", tmp_path / "parts", spec, config, progress_bar=False)
+    assert again["already_finished"] and again["finished"] and again["step"] == 36
+    assert again["heldout"] == b["history"][-1]["heldout"]  # the step-36 evaluation
+    assert (tmp_path / "parts" / "draft" / "config.json").is_file()
+    c = torch.load(tmp_path / "parts" / "state.pt", weights_only=False)
+    assert all(torch.equal(c["trainable"][n], t) for n, t in b["trainable"].items())
+    assert not last["already_finished"]
     # A new number of steps re-plans the schedule (and a new TV weight the objective) from here.
-    longer = TrainConfig(**{**asdict(config), "steps": 18, "tv_weight": 0.5})
+    longer = TrainConfig(**{**asdict(config), "steps": 40, "tv_weight": 0.5})
     extended = train(target, root / "cache", tmp_path / "parts", spec, longer, progress_bar=False)
-    assert extended["finished"] and extended["step"] == 18
-    assert extended["lr"] == pytest.approx(longer.lr_at(17))
+    assert extended["finished"] and extended["step"] == 40
+    assert extended["lr"] == pytest.approx(longer.lr_at(39))
     # A resume under other settings is refused.
     with pytest.raises(ValueError, match="other settings"):
         train(
@@ -195,13 +269,14 @@ def test_resume_is_exact(teacher, tmp_path: Path) -> None:
             root / "cache",
             tmp_path / "parts",
             spec,
-            TrainConfig(steps=14, lr=1.0),
+            TrainConfig(steps=36, lr=1.0),
             progress_bar=False,
         )
 
 
-def test_distill_cli_end_to_end(teacher, tmp_path: Path, capsys) -> None:
+def test_distill_cli_end_to_end(teacher, tmp_path: Path, capsys, monkeypatch) -> None:
     root, target_path, _, _ = teacher
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the same on a GPU machine
     work = tmp_path / "work"
     shutil.copytree(root / "cache", work / "cache")  # reuse the module's teacher cache
     prompts = tmp_path / "prompts.jsonl"
@@ -236,6 +311,11 @@ def test_distill_cli_end_to_end(teacher, tmp_path: Path, capsys) -> None:
         "--text",
         str(root / "text.txt"),
     ]
+    # --device: CUDA asked for but not available, or an unknown device: exit 2 before loading.
+    assert main([*argv, "--device", "cuda"]) == 2
+    assert "--device 'cuda': CUDA is not available here" in capsys.readouterr().err
+    assert main([*argv, "--device", "tpu"]) == 2
+    assert "--device 'tpu': allowed auto, cpu, cuda or cuda:N" in capsys.readouterr().err
     # The cache was built with other shard/text settings than the CLI's defaults: refused.
     assert main(argv) == 2
     assert "other settings" in capsys.readouterr().err
@@ -247,8 +327,17 @@ def test_distill_cli_end_to_end(teacher, tmp_path: Path, capsys) -> None:
     out = capsys.readouterr().out
     assert "step 6/6 finished" in out and "held-out acceptance" in out
     assert (tmp_path / "draft" / "config.json").is_file()
+    # Rerunning the finished command trains nothing, says so, still writes the draft: exit 0.
+    shutil.rmtree(tmp_path / "draft")
+    assert main([*argv, "--prompts", str(prompts)]) == 0
+    captured = capsys.readouterr()
+    assert "already finished at step 6 (--steps 6)" in captured.out
+    assert str(tmp_path / "draft") in captured.out and "held-out acceptance" in captured.out
+    assert "device cpu" in captured.err  # --device auto without CUDA
+    assert (tmp_path / "draft" / "config.json").is_file()
     # A snapshot of the latest checkpoint (as of a run still going) is the same draft.
-    assert main([*argv, "--export-checkpoint", "--out", str(tmp_path / "snapshot")]) == 0
+    snapshot = ["--export-checkpoint", "--out", str(tmp_path / "snapshot"), "--device", "cpu"]
+    assert main([*argv, *snapshot]) == 0
     assert "wrote the draft of step 6" in capsys.readouterr().out
     a = load_causal_lm(str(tmp_path / "draft")).model.state_dict()
     b = load_causal_lm(str(tmp_path / "snapshot")).model.state_dict()
