@@ -28,6 +28,7 @@ from deployments.messages import IterationCall, SideReport
 from deployments.tracing import BatchSpans, replica_id
 from dsbd_core.models import load_causal_lm
 from dsbd_core.session_batch import Job, SessionBatcher
+from dsbd_core.tensor_parallel import INIT_TIMEOUT_S
 from dsbd_core.transformer_scorer import TransformerScorer
 
 _ACTIVE_S = 1.0  # a session with a call this recent is expected to call again soon
@@ -59,6 +60,12 @@ class ModelOptions(BaseModel):
     tp_placement: Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"] = Field(
         "STRICT_PACK", description="Placement strategy of the replica and its TP ranks."
     )
+    tp_init_timeout_s: float = Field(
+        INIT_TIMEOUT_S, gt=0,
+        description="How long the TP group may take to form (the ranks' resources, loading "
+        "their shards, the barrier after it: ranks loading a large model finish minutes apart), "
+        "and the timeout of each collective of the group; a call that hangs is cut after 600 s.",
+    )  # fmt: skip
 
 
 class SessionReleased(RuntimeError):
@@ -82,6 +89,7 @@ class ModelReplica:
                 self.options.source, tp_size=self.options.tp_size, dtype=self.options.dtype,
                 device=self.options.device, threads=self.options.threads,
                 placement_strategy=self.options.tp_placement,
+                init_timeout_s=self.options.tp_init_timeout_s,
             )  # fmt: skip
             self.scorer: Any = self.tp_group
             self.vocab_size = self.tp_group.vocab_size

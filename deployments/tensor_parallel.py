@@ -5,7 +5,11 @@ The replica owns the group. Under Ray Serve the replica's placement group (Serve
 one bundle per rank (one GPU each on GPU clusters), `STRICT_PACK` by default so the ranks share
 a node and talk over its fastest links; outside Serve (tests, scripts) the group creates and
 removes its own placement group. Ranks join a `torch.distributed` group (NCCL on GPU, gloo on
-CPU) through a store on rank 0's node (a file when all ranks share the node, see `init_group`).
+CPU) through a store on rank 0's node (a file when all ranks share the node, see `init_group`),
+kept until the group shuts down (NCCL sets up some communicators on first use, through it).
+
+The device is the one asked for, never one a library picks (`actor_device`): a cpu rank sees no
+GPU at all, a cuda rank uses exactly the GPU Ray reserved for it.
 
 `TensorParallelScorer` is the replica's scorer (what `SessionBatcher` drives): every call goes
 to all ranks in the same order (each actor runs its calls one at a time, in submission order),
@@ -14,9 +18,9 @@ result comes back. Session caches never leave the ranks; the batcher stores `Ses
 
 Failure: a rank that dies or errs leaves the others blocked in a collective (or out of step),
 so ANY failure breaks the whole group: every rank is killed at once, the calls in flight and
-every later call raise `TensorParallelBroken` (their requests fail fast instead of hanging),
-and `check` raises, which fails the replica's Serve health check so that Serve replaces the
-replica with a fresh group.
+every later call raise `TensorParallelBroken` at once instead of hanging (the router retries
+those iterations on another replica), and `check` raises, which fails the replica's Serve
+health check so that Serve replaces the replica with a fresh group.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from typing import Any
 import ray
 import torch
 import torch.distributed as dist
+from ray.exceptions import RayTaskError
 from ray.util.placement_group import (
     PlacementGroup,
     get_current_placement_group,
@@ -41,11 +46,13 @@ from ray.util.placement_group import (
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from dsbd_core.tensor_parallel import (
+    INIT_TIMEOUT_S,
     ShardedScorer,
     check_split,
     init_group,
     load_sharded,
     model_config,
+    shard_devices,
 )
 
 PLACEMENT_STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
@@ -64,15 +71,36 @@ def worker_bundle(threads: int, device: str) -> dict[str, float]:
     return bundle
 
 
+def actor_device(device: str, gpu_ids: list[Any], visible: str | None) -> str:
+    """The torch device of a rank actor, from what Ray gave it.
+
+    cpu: "cpu" (the actor hides every GPU, see `TPWorker`). cuda: the rank's bundle asks for
+    one GPU, so Ray reserved one (`gpu_ids`, from `ray.get_gpu_ids()`) and made it the only
+    visible one (`visible`, CUDA_VISIBLE_DEVICES), so it is cuda:0 in the actor. Anything else
+    (Ray told not to set the variable, a fractional GPU) is refused rather than guessed.
+    """
+    if device == "cpu":
+        return "cpu"
+    if len(gpu_ids) != 1 or (visible or "").split(",") != [str(g) for g in gpu_ids]:
+        raise TensorParallelBroken(
+            f"a cuda rank needs the one GPU Ray reserved for it as its only visible GPU; got "
+            f"ray.get_gpu_ids()={gpu_ids}, CUDA_VISIBLE_DEVICES={visible!r}"
+        )
+    return "cuda:0"
+
+
 @ray.remote(max_restarts=0, concurrency_groups={"health": 1})
 class TPWorker:
     """One rank: its shard of the model and its shards of every session's KV cache."""
 
     def __init__(self, rank: int, world_size: int, threads: int, device: str) -> None:
         torch.set_num_threads(threads)
+        if device == "cpu":  # Ray (2.60) no longer hides GPUs from actors with num_gpus=0
+            os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before anything here initialises CUDA
         self.rank, self.world_size, self.device = rank, world_size, device
         self.scorer: ShardedScorer | None = None
         self.info: dict[str, Any] = {}
+        self._store_dir: str | None = None
 
     def node(self) -> str:
         """The Ray node this rank runs on."""
@@ -89,12 +117,13 @@ class TPWorker:
             sock.bind((address, 0))
             return f"tcp://{address}:{sock.getsockname()[1]}"
 
-    def setup(self, store: str, source: str, dtype: str) -> dict[str, Any]:
+    def setup(self, store: str, source: str, dtype: str, timeout_s: float) -> dict[str, Any]:
         """Join the group and load this rank's shard; returns what the replica needs."""
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        device = actor_device(self.device, ray.get_gpu_ids(), visible)
         self.scorer, self.info = _join_and_load(
-            self.rank, self.world_size, store, source, dtype, self.device,
-            getattr(self, "_store_dir", None),
-        )  # fmt: skip
+            self.rank, self.world_size, store, source, dtype, device, timeout_s
+        )
         return self.info
 
     def call(self, method: str, *args: Any) -> Any:
@@ -112,29 +141,33 @@ class TPWorker:
         """Answered even while a forward runs (its own concurrency group)."""
         return self.rank
 
+    @ray.method(concurrency_group="health")
+    def remove_store(self) -> None:
+        """Delete the rendezvous file (rank 0, at shutdown; answered even mid-forward)."""
+        if self._store_dir is not None:
+            shutil.rmtree(self._store_dir, ignore_errors=True)
+
 
 def _join_and_load(
     rank: int, world_size: int, store: str, source: str, dtype: str, device: str,
-    store_dir: str | None,
+    timeout_s: float,
 ) -> tuple[ShardedScorer, dict[str, Any]]:  # fmt: skip
     """A rank's setup. Module-level on purpose: Ray pickles actor methods by value, with their
     globals, and some torch modules do not pickle; a module function goes by reference."""
-    cuda = device == "cuda"
-    if cuda:  # Ray made exactly one GPU visible to this actor
-        torch.cuda.set_device(0)
-    init_group(rank, world_size, store, backend="nccl" if cuda else "gloo",
-               local_rank=0 if cuda else None)  # fmt: skip
-    model = load_sharded(source, dtype=DTYPES[dtype])
-    dist.barrier()  # every rank has loaded (and made its subgroups): the store is done with
-    if store_dir is not None:
-        shutil.rmtree(store_dir, ignore_errors=True)
+    init_group(rank, world_size, store, device=device, timeout_s=timeout_s)
+    model = load_sharded(source, dtype=DTYPES[dtype], device=device)
+    dist.barrier()  # every rank has loaded: the replica may start calling
     scorer = ShardedScorer(model)
     config = model.config.get_text_config(decoder=True)
     return scorer, {
         "vocab_size": scorer.vocab_size,
         "max_positions": int(getattr(config, "max_position_embeddings", 0) or 1 << 20),
         "pid": os.getpid(),
-        "device": str(next(model.parameters()).device),
+        "device": device,
+        "shard_devices": shard_devices(model),
+        "cuda_initialized": torch.cuda.is_initialized(),
+        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        "group_timeout_s": timeout_s,
     }
 
 
@@ -150,9 +183,14 @@ class TensorParallelScorer:
         device: str = "cpu",
         threads: int = 1,
         placement_strategy: str = "STRICT_PACK",
-        setup_timeout_s: float = 600.0,
+        init_timeout_s: float = INIT_TIMEOUT_S,
         call_timeout_s: float = 600.0,
     ) -> None:
+        """`init_timeout_s` bounds forming the group (the ranks' resources, loading, the first
+        barrier) and is the timeout of the group's collectives; `call_timeout_s` bounds each
+        call, after which the group is broken."""
+        if not init_timeout_s > 0:
+            raise ValueError(f"init_timeout_s={init_timeout_s}: must be > 0 seconds")
         check_split(model_config(source), tp_size)  # a clear error before any rank starts
         self.tp_size = tp_size
         self.call_timeout_s = call_timeout_s
@@ -166,11 +204,11 @@ class TensorParallelScorer:
             group = placement_group([bundle] * tp_size, strategy=placement_strategy)
             self._own_group = group
             first = 0
-            if not group.wait(timeout_seconds=setup_timeout_s):
+            if not group.wait(timeout_seconds=init_timeout_s):
                 self.shutdown()
                 raise TensorParallelBroken(
                     f"the {tp_size} ranks' resources ({bundle} each, {placement_strategy}) "
-                    f"were not available within {setup_timeout_s:.0f} s"
+                    f"were not available within {init_timeout_s:.0f} s"
                 )
         else:  # the replica's own bundle first, then one per rank
             first = len(group.bundle_specs) - tp_size
@@ -190,14 +228,17 @@ class TensorParallelScorer:
             for rank in range(tp_size)
         ]
         try:
-            nodes = self._all([w.node.remote() for w in self.workers], setup_timeout_s, "node")
-            store = ray.get(self.workers[0].rendezvous.remote(len(set(nodes)) == 1),
-                            timeout=setup_timeout_s)  # fmt: skip
-            infos = self._all([w.setup.remote(store, source, dtype) for w in self.workers],
-                              setup_timeout_s, "setup")  # fmt: skip
+            nodes = self._all([w.node.remote() for w in self.workers], init_timeout_s, "node")
+            self.store = ray.get(self.workers[0].rendezvous.remote(len(set(nodes)) == 1),
+                                 timeout=init_timeout_s)  # fmt: skip
+            infos = self._all(
+                [w.setup.remote(self.store, source, dtype, init_timeout_s) for w in self.workers],
+                init_timeout_s, "setup",
+            )  # fmt: skip
         except BaseException:
             self.shutdown()
             raise
+        self.rank_infos = infos
         self.info = infos[0]
         self.pids = [info["pid"] for info in infos]
         self.vocab_size: int = self.info["vocab_size"]
@@ -245,8 +286,16 @@ class TensorParallelScorer:
                              "stored")  # fmt: skip
 
     def shutdown(self) -> None:
-        """Kill every rank and free the placement group this scorer made (idempotent)."""
-        for worker in getattr(self, "workers", []):
+        """Remove the rendezvous file, kill every rank and free the placement group this scorer
+        made (idempotent). The file goes only now: NCCL may need it until the group ends. A
+        rank 0 that is already dead leaves it behind (a few bytes in its node's temp folder)."""
+        workers = getattr(self, "workers", [])
+        if workers:
+            try:
+                ray.get(workers[0].remove_store.remote(), timeout=5)
+            except Exception:  # rank 0 is gone or stuck: nothing to wait for
+                pass
+        for worker in workers:
             try:
                 ray.kill(worker, no_restart=True)
             except Exception:  # already gone
@@ -284,8 +333,10 @@ class TensorParallelScorer:
                     results[ref] = ray.get(ref)
                 except Exception as error:
                     rank = refs.index(ref)
+                    # a RayTaskError's first line names only the method; its cause says why
+                    cause = error.cause if isinstance(error, RayTaskError) else error
                     self._break(f"rank {rank} failed in {what!r}: {type(error).__name__}: "
-                                f"{str(error).splitlines()[0] if str(error) else ''}")  # fmt: skip
+                                f"{str(cause).splitlines()[0] if str(cause) else ''}")  # fmt: skip
         return [results[ref] for ref in refs]
 
     def _break(self, why: str) -> None:

@@ -14,13 +14,19 @@ of them (SPMD); only rank 0 returns what it computed.
 transformers accepts uneven shards (the last rank holds a shorter slice), but attention cannot
 split a head, and an uneven MLP split would leave ranks idle; `check_split` refuses both at load,
 naming the field.
+
+The device is the caller's choice, not transformers': left alone, transformers puts the mesh on
+the accelerator torch was built for, cuda on any CUDA build whether or not this rank may use a
+GPU (see `_mesh_on`). `init_group` and `load_sharded` take the rank's device and make it hold.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -28,6 +34,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from dsbd_core.models import ModelSourceError, _hub_offline, resolve_source
@@ -35,6 +42,11 @@ from dsbd_core.scorer import ForestLayer, ForestLogprobs, Origin
 from dsbd_core.transformer_scorer import SessionCache, TransformerScorer
 
 SPLIT_FIELDS = ("num_attention_heads", "num_key_value_heads", "intermediate_size")
+# How long a rank waits in a collective of its group. Generous because of loading: ranks that
+# load a large model finish minutes apart and must still meet at the barrier after it
+# (transformers uses the same 2 h for the groups it creates). A call that hangs is bounded by
+# the caller instead (deployments/tensor_parallel.py breaks the group after its call timeout).
+INIT_TIMEOUT_S = 7200.0
 
 
 class TensorParallelError(ValueError):
@@ -53,7 +65,11 @@ class SessionHandle:
 
 
 def check_split(config: PretrainedConfig, tp_size: int) -> None:
-    """Refuse a `tp_size` that does not split the model's heads and MLP evenly."""
+    """Refuse a `tp_size` that does not split the model's heads and MLP evenly.
+
+    The sizes offered are those that divide every split field at once (the divisors of their
+    gcd): a divisor of the heads alone may still fail on the KV heads or the MLP width.
+    """
     if tp_size < 1:
         raise TensorParallelError(f"tp_size must be >= 1, got {tp_size}")
     text = config.get_text_config(decoder=True)
@@ -65,18 +81,28 @@ def check_split(config: PretrainedConfig, tp_size: int) -> None:
             f"model type {text.model_type!r} has no tensor-parallel plan in transformers; "
             "tp_size must be 1 for it (Llama, Qwen2 and most decoder-only models have one)"
         )
+    sizes = split_sizes(text)
+    common = math.gcd(*sizes.values())
+    allowed = [d for d in range(1, common + 1) if common % d == 0]
+    for name, value in sizes.items():
+        if value % tp_size:
+            fields = ", ".join(f"{n}={v}" for n, v in sizes.items())
+            raise TensorParallelError(
+                f"tp_size={tp_size} does not split {text.model_type} {name}={value} evenly; "
+                f"tp_size must divide all of {fields}: one of {allowed} for this model"
+            )
+
+
+def split_sizes(text: PretrainedConfig) -> dict[str, int]:
+    """The sizes tensor parallelism splits (KV heads default to the heads, as in transformers)."""
+    sizes: dict[str, int] = {}
     for name in SPLIT_FIELDS:
         value = getattr(text, name, None)
         if name == "num_key_value_heads" and value is None:
             value = text.num_attention_heads
-        if value is None:
-            continue
-        if value % tp_size:
-            allowed = [d for d in range(1, value + 1) if value % d == 0]
-            raise TensorParallelError(
-                f"tp_size={tp_size} does not split {text.model_type} {name}={value} evenly; "
-                f"tp_size must divide {name}: one of {allowed} for this model"
-            )
+        if value is not None:
+            sizes[name] = int(value)
+    return sizes
 
 
 def model_config(source: str | Path) -> PretrainedConfig:
@@ -88,42 +114,59 @@ def model_config(source: str | Path) -> PretrainedConfig:
         raise ModelSourceError(f"cannot read the config of {str(source)!r}: {error}") from error
 
 
+def rank_device(device: str | torch.device) -> torch.device:
+    """`device` checked: cpu, or one GPU (`cuda` alone means cuda:0, the only GPU a Ray rank
+    actor sees)."""
+    parsed = torch.device(device)
+    if parsed.type == "cpu":
+        return torch.device("cpu")
+    if parsed.type == "cuda":
+        return torch.device("cuda", parsed.index or 0)
+    raise TensorParallelError(f"device={str(device)!r}: a rank runs on 'cpu' or 'cuda[:N]'")
+
+
 def init_group(
     rank: int,
     world_size: int,
     store: str,
     *,
-    backend: str,
-    local_rank: int | None = None,
-    timeout_s: float = 120.0,
+    device: str | torch.device = "cpu",
+    timeout_s: float = INIT_TIMEOUT_S,
 ) -> None:
-    """Join the group (gloo on CPU, NCCL on GPU) through `store`.
+    """Join the group through `store`: gloo when `device` is cpu, NCCL bound to the GPU when it
+    is cuda:N. `timeout_s` bounds every collective of the group (see `INIT_TIMEOUT_S`).
 
     `store` is `file:///path` when every rank runs on one node (the default placement), else
     `tcp://host:port` on rank 0's node. A file store is preferred because torch's TCP store
     reverse-resolves peer addresses for its logs: a DNS query to the resolver even on loopback
     (seen in tests/test_serving.py's syscall trace). Colocated ranks are told to keep gloo and
     NCCL on the loopback interface: left alone they bind the address the hostname resolves to.
-    `local_rank` is the GPU index this process uses (0 where it sees only its own GPU, as a Ray
-    actor does).
     """
-    local_rank = rank if local_rank is None else local_rank
+    if not timeout_s > 0:
+        raise TensorParallelError(f"timeout_s={timeout_s}: must be > 0 seconds")
+    device = rank_device(device)
     if store.startswith("file://") or store.startswith(("tcp://127.", "tcp://localhost")):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(local_rank))
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size))
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.set_device(device)
     dist.init_process_group(
-        backend,
+        "nccl" if cuda else "gloo",
         init_method=store,
         rank=rank,
         world_size=world_size,
         timeout=timedelta(seconds=timeout_s),
-        device_id=torch.device("cuda", local_rank) if backend == "nccl" else None,
+        device_id=device if cuda else None,
     )
 
 
-def load_sharded(source: str | Path, *, dtype: torch.dtype, device: str = "cpu") -> torch.nn.Module:
-    """This rank's shard of the model (call on every rank of an initialised group, same args)."""
+def load_sharded(
+    source: str | Path, *, dtype: torch.dtype, device: str | torch.device = "cpu"
+) -> torch.nn.Module:
+    """This rank's shard of the model on `device` (call on every rank of an initialised group,
+    same args; `device` is the one the group was initialised with)."""
     from transformers.distributed import DistributedConfig
 
     tp_size = dist.get_world_size() if dist.is_initialized() else 1
@@ -131,17 +174,62 @@ def load_sharded(source: str | Path, *, dtype: torch.dtype, device: str = "cpu")
     check_split(config, tp_size)
     resolved = resolve_source(str(source))
     kwargs: dict[str, Any] = {"dtype": dtype, "attn_implementation": "sdpa"}
-    if tp_size > 1:
-        kwargs["distributed_config"] = DistributedConfig(tp_size=tp_size)
+    if tp_size == 1:
+        model = _from_pretrained(source, resolved, kwargs)
+        return (model if str(device) == "cpu" else model.to(device)).eval()
+    device = rank_device(device)
+    backend = dist.get_backend()
+    if backend != ("nccl" if device.type == "cuda" else "gloo"):
+        raise TensorParallelError(
+            f"device={device} in a {backend} group: cpu ranks use gloo, cuda ranks NCCL "
+            "(initialise the group with the same device, see init_group)"
+        )
+    kwargs["distributed_config"] = DistributedConfig(tp_size=tp_size)
+    with _mesh_on(device):
+        model = _from_pretrained(source, resolved, kwargs)
+    if wrong := [d for d in shard_devices(model) if torch.device(d) != device]:
+        raise TensorParallelError(f"the shard was placed on {wrong}, not on device={device}")
+    return model.eval()
+
+
+def shard_devices(model: torch.nn.Module) -> list[str]:
+    """The devices of this rank's parameters and buffers (local shards of DTensors)."""
+    tensors = itertools.chain(model.parameters(), model.buffers())
+    return sorted({str((t.to_local() if isinstance(t, DTensor) else t).device) for t in tensors})
+
+
+@contextmanager
+def _mesh_on(device: torch.device) -> Iterator[None]:
+    """While it lasts, transformers builds its device mesh on `device`.
+
+    transformers (`distributed.utils.initialize_distributed_mesh`; before 5.15
+    `integrations.tensor_parallel.initialize_tensor_parallelism`) takes the mesh's device type
+    from `torch._C._get_accelerator()` and binds `<type>:LOCAL_RANK`. That is the
+    accelerator torch was BUILT for: a CUDA build says cuda even where CUDA_VISIBLE_DEVICES
+    hides every GPU, and then binds a GPU (or fails); LOCAL_RANK is whatever the launcher set
+    (torchrun: the rank on the node, not the GPU Ray gave an actor). No argument overrides
+    either (`device_mesh` is replaced by its own, `device_map` is refused with TP), so both are
+    set for the load: the accelerator reads `device`'s type, LOCAL_RANK its index (on cpu it is
+    not read). Process-wide while it lasts; a rank process loads one model and runs nothing
+    else meanwhile.
+    """
+    original = torch._C._get_accelerator
+    torch._C._get_accelerator = lambda check=False: torch.device(device.type)  # type: ignore[assignment]
+    if device.type == "cuda":
+        os.environ["LOCAL_RANK"] = str(device.index)
     try:
-        model = AutoModelForCausalLM.from_pretrained(
+        yield
+    finally:
+        torch._C._get_accelerator = original  # type: ignore[assignment]
+
+
+def _from_pretrained(source: str | Path, resolved: str | Path, kwargs: dict[str, Any]) -> Any:
+    try:
+        return AutoModelForCausalLM.from_pretrained(
             resolved, local_files_only=_hub_offline(), **kwargs
         )
     except (OSError, ValueError) as error:
         raise ModelSourceError(f"cannot load a causal LM from {str(source)!r}: {error}") from error
-    if tp_size == 1 and device != "cpu":
-        model = model.to(device)
-    return model.eval()
 
 
 class ShardedScorer:

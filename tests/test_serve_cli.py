@@ -102,6 +102,15 @@ def test_tp_size_gives_the_verifier_a_placement_group_of_ranks() -> None:
         AppArgs.model_validate({"target": {"source": "smollm2", "device": "cuda"}})
 
 
+def test_tp_init_timeout_defaults_to_two_hours_and_must_be_positive() -> None:
+    """Ranks that load a large model minutes apart must still meet at the barrier after it."""
+    assert AppArgs().target.tp_init_timeout_s == 7200.0
+    args = AppArgs.model_validate({"target": {"source": "smollm2", "tp_init_timeout_s": 900}})
+    assert args.target.tp_init_timeout_s == 900.0
+    with pytest.raises(ValueError, match=r"target.tp_init_timeout_s\n.*greater than 0"):
+        AppArgs.model_validate({"target": {"source": "smollm2", "tp_init_timeout_s": 0}})
+
+
 def test_ray_env_prints_the_loopback_settings() -> None:
     done = subprocess.run([*DSBD, "ray-env"], capture_output=True, text=True, timeout=60)
     settings = dict(line.split("=", 1) for line in done.stdout.split())

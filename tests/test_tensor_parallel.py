@@ -19,6 +19,7 @@ from dsbd_core.tensor_parallel import (
     ShardedScorer,
     TensorParallelError,
     check_split,
+    init_group,
     load_sharded,
     model_config,
 )
@@ -41,6 +42,26 @@ def test_tp2_forest_logits_equal_tp1(arch: str, tmp_path: Path) -> None:
     assert max_difference(got, want) < 1e-5
 
 
+def test_cpu_ranks_stay_on_cpu_where_torch_reports_cuda(tmp_path: Path) -> None:
+    """`device: cpu` holds on a GPU host: there torch (a CUDA build) reports cuda as its
+    accelerator, GPU visible or not, and transformers would build its mesh on cuda:LOCAL_RANK
+    (LOCAL_RANK = the rank here, as torchrun sets it). Played by making the ranks' torch answer
+    cuda; every rank must still load all of its shard on cpu without initialising CUDA (checked
+    in `run_on_ranks`) and give TP=1's logits. Also: a group timeout other than the default
+    reaches the group."""
+    model_dir = save_tiny("llama", tmp_path / "target")
+    script, want = record_decode(model_dir, save_tiny("llama", tmp_path / "draft", seed=4))
+    got = run_on_ranks(2, model_dir, script, tmp_path, accelerator="cuda", timeout_s=900.0)
+    assert max_difference(got, want) < 1e-5
+
+
+def test_bad_device_and_timeout_are_refused_naming_them(tmp_path: Path) -> None:
+    with pytest.raises(TensorParallelError, match=r"device='mps'.*'cpu' or 'cuda\[:N\]'"):
+        init_group(0, 1, f"file://{tmp_path}/store", device="mps")
+    with pytest.raises(TensorParallelError, match=r"timeout_s=0: must be > 0"):
+        init_group(0, 1, f"file://{tmp_path}/store", timeout_s=0)
+
+
 def test_split_checked_naming_the_field(tmp_path: Path) -> None:
     model_dir = save_tiny("llama", tmp_path / "m", heads=4, kv_heads=2)
     config = model_config(model_dir)
@@ -48,10 +69,14 @@ def test_split_checked_naming_the_field(tmp_path: Path) -> None:
     check_split(config, 2)
     with pytest.raises(TensorParallelError, match=r"num_key_value_heads=2.*one of \[1, 2\]"):
         check_split(config, 4)
-    with pytest.raises(TensorParallelError, match="num_attention_heads=4"):
+    # 4 divides the heads but not the KV heads: only sizes dividing every field are offered
+    with pytest.raises(TensorParallelError, match=r"num_attention_heads=4.*one of \[1, 2\] for"):
         check_split(config, 3)
     with pytest.raises(TensorParallelError, match="tp_size must be >= 1"):
         check_split(config, 0)
+    mlp = save_tiny("llama", tmp_path / "mlp", heads=8, kv_heads=8, intermediate=36)
+    with pytest.raises(TensorParallelError, match=r"intermediate_size=36.*one of \[1, 2, 4\] for"):
+        check_split(model_config(mlp), 8)
 
 
 def test_handles_keep_caches_on_the_rank_until_discarded(tmp_path: Path) -> None:
@@ -92,7 +117,8 @@ def test_smollm2_target_at_tp3_equals_tp1(tmp_path: Path) -> None:
 @pytest.mark.real_model
 def test_smollm2_uneven_split_is_refused_naming_the_heads() -> None:
     config = model_config("smollm2")
-    with pytest.raises(TensorParallelError, match=r"num_attention_heads=9.*one of \[1, 3, 9\]"):
+    # 9 divides the heads but not the 3 KV heads: [1, 3] are the sizes that split everything
+    with pytest.raises(TensorParallelError, match=r"num_attention_heads=9.*one of \[1, 3\] for"):
         check_split(config, 2)
     with pytest.raises(TensorParallelError, match=r"num_key_value_heads=3.*one of \[1, 3\]"):
         check_split(config, 9)

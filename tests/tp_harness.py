@@ -10,6 +10,7 @@ after one near-tie.
 from __future__ import annotations
 
 import copy
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,13 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 
 from dsbd_core import SamplingConfig, generate_batch
 from dsbd_core.scorer import ForestLayer, ForestLogprobs, Origin
-from dsbd_core.tensor_parallel import ShardedScorer, init_group, load_sharded
+from dsbd_core.tensor_parallel import (
+    INIT_TIMEOUT_S,
+    ShardedScorer,
+    init_group,
+    load_sharded,
+    shard_devices,
+)
 from dsbd_core.transformer_scorer import TransformerScorer
 
 Script = list[tuple[str, Any]]
@@ -61,10 +68,14 @@ class RecordingScorer:
 VOCAB = 48
 
 
-def save_tiny(arch: str, path: Path, *, heads: int = 4, kv_heads: int = 2, seed: int = 3) -> Path:
+def save_tiny(
+    arch: str, path: Path, *, heads: int = 4, kv_heads: int = 2, seed: int = 3,
+    intermediate: int = 64,
+) -> Path:  # fmt: skip
     """A tiny fp32 Llama (untied head) or Qwen2 (q/k/v biases, tied embeddings), saved."""
     torch.manual_seed(seed)
-    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=intermediate,
+                  num_hidden_layers=2,
                   num_attention_heads=heads, num_key_value_heads=kv_heads,
                   max_position_embeddings=128)  # fmt: skip
     if arch == "llama":
@@ -112,18 +123,27 @@ def replay(scorer: ShardedScorer, script: Script) -> list[ForestLogprobs | None]
 
 def _rank_main(
     rank: int, world: int, store: str, model_dir: str, dtype: torch.dtype, script: Script,
-    out: str,
+    out: str, accelerator: str | None, timeout_s: float,
 ) -> None:  # fmt: skip
     torch.set_num_threads(1)
-    init_group(rank, world, store, backend="gloo")
+    if accelerator is not None:  # what a CUDA build of torch answers, GPU visible or not
+        torch._C._get_accelerator = lambda check=False: torch.device(accelerator)
+        os.environ["LOCAL_RANK"] = str(rank)  # as torchrun sets it: the rank, not a GPU of ours
+    init_group(rank, world, store, device="cpu", timeout_s=timeout_s)
     try:
-        model = load_sharded(model_dir, dtype=dtype)
+        model = load_sharded(model_dir, dtype=dtype, device="cpu")
         scorer = ShardedScorer(model)
         outputs = replay(scorer, script)
         scorer.release()
-        if rank == 0:
-            torch.save({"outputs": outputs, "stored": scorer.stored,
-                        "local_fraction": local_fraction(model)}, out)  # fmt: skip
+        group = dist.distributed_c10d._get_default_group()
+        report = {
+            "stored": scorer.stored,
+            "local_fraction": local_fraction(model),
+            "devices": shard_devices(model),
+            "cuda_initialized": torch.cuda.is_initialized(),
+            "group_timeout_s": group._get_backend(torch.device("cpu")).options._timeout,
+        }
+        torch.save({**report, "outputs": outputs} if rank == 0 else report, f"{out}.rank{rank}")
     finally:
         dist.destroy_process_group()
 
@@ -139,19 +159,27 @@ def local_fraction(model: torch.nn.Module) -> float:
 
 
 def run_on_ranks(
-    world: int, model_dir: Path, script: Script, tmp: Path, dtype: torch.dtype = torch.float32
-) -> list[ForestLogprobs]:
-    """Replay `script` on `world` ranks; rank 0's forward outputs."""
-    out = tmp / f"rank0-tp{world}.pt"
+    world: int, model_dir: Path, script: Script, tmp: Path, dtype: torch.dtype = torch.float32,
+    *, accelerator: str | None = None, timeout_s: float = INIT_TIMEOUT_S,
+) -> list[ForestLogprobs]:  # fmt: skip
+    """Replay `script` on `world` cpu ranks; rank 0's forward outputs. Every rank must have
+    freed every cache, held 1/world of the weights, all of it on cpu, never initialised CUDA,
+    and run its group with `timeout_s`. `accelerator` is what torch reports in the ranks
+    (`torch._C._get_accelerator`): "cuda" plays a CUDA build of torch, as on a GPU host."""
+    out = tmp / f"tp{world}"
     mp.spawn(
         _rank_main, args=(world, f"file://{tmp}/store-tp{world}", str(model_dir), dtype, script,
-                          str(out)),
+                          str(out), accelerator, timeout_s),
         nprocs=world, join=True,
     )  # fmt: skip
-    saved = torch.load(out, weights_only=False)
-    assert saved["stored"] == 0  # every cache handed out came back or was freed
-    assert abs(saved["local_fraction"] - 1 / world) < 1e-9  # really sharded
-    return saved["outputs"]
+    reports = [torch.load(f"{out}.rank{r}", weights_only=False) for r in range(world)]
+    for report in reports:
+        assert report["stored"] == 0  # every cache handed out came back or was freed
+        assert abs(report["local_fraction"] - 1 / world) < 1e-9  # really sharded
+        assert report["devices"] == ["cpu"]
+        assert report["cuda_initialized"] is False
+        assert report["group_timeout_s"].total_seconds() == timeout_s
+    return reports[0]["outputs"]
 
 
 def max_difference(got: list[ForestLogprobs], want: list[ForestLogprobs]) -> float:

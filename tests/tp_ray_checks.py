@@ -43,8 +43,14 @@ def main(work: Path) -> dict:
             TensorParallelScorer(str(target), tp_size=3)
         except TensorParallelError as error:
             result["uneven"] = str(error)
-        scorer = TensorParallelScorer(str(target), tp_size=2)
+        scorer = TensorParallelScorer(str(target), tp_size=2, init_timeout_s=900.0)
         result["pids"] = scorer.pids
+        result["ranks"] = [
+            {k: info[k] for k in ("device", "shard_devices", "cuda_initialized",
+                                  "cuda_visible_devices", "group_timeout_s")}
+            for info in scorer.rank_infos
+        ]  # fmt: skip
+        store_dir = Path(scorer.store.removeprefix("file://")).parent
         got = []
         for kind, args in script:
             if kind == "round_trip":
@@ -59,6 +65,7 @@ def main(work: Path) -> dict:
         scorer.discard_sessions(handles)
         result["stored_after_discard"] = scorer.stored()
         scorer.check()
+        result["store_kept_while_serving"] = store_dir.is_dir()
 
         # A rank dies: the next call fails fast, health fails, no rank is left running.
         os.kill(scorer.pids[1], signal.SIGKILL)
@@ -79,6 +86,7 @@ def main(work: Path) -> dict:
         while any(_alive(p) for p in scorer.pids) and time.monotonic() < deadline:
             time.sleep(0.2)
         result["ranks_alive"] = [p for p in scorer.pids if _alive(p)]
+        result["store_left_after_shutdown"] = store_dir.exists()
     finally:
         stop_local_ray()
     return result
