@@ -2,7 +2,9 @@
 
 Recorded in the router (the one place that sees every iteration's verified outcome), from the
 same numbers a request's returned statistics are made of (`IterationSample`), so over any
-interval the counters equal the sums of the stats of the requests served in it.
+interval the counters equal the sums of the stats of the requests served in it (and
+`num_draft_tokens`, which no stats field holds, the sum of their draft spans'
+`dsbd.draft_tokens_proposed`).
 
 How they reach Prometheus (Ray 2.60, read in its source and checked here): a
 `ray.serve.metrics` metric is recorded in the replica's core worker and reported to the
@@ -18,7 +20,13 @@ histograms are approximate; the width buckets sit at half-integers, which makes 
 each integer width's bucket the width itself and `dsbd_width_sum` exact.
 
 Names follow vLLM's speculative-decoding metrics (vllm/v1/spec_decode/metrics.py) where they
-mean the same; docs/SERVING.md ("Observability") says precisely what each counts.
+mean the same, so vLLM's queries carry over: acceptance rate = num_accepted_tokens /
+num_draft_tokens, where num_draft_tokens counts every draft token proposed (all forest nodes,
+also those in layers after the first rejected one, as vLLM counts the tokens after the first
+rejection). What only a draft *forest* has, the draft tokens verification actually reached,
+gets its own name (`dsbd_spec_decode_num_verified_draft_tokens`), never vLLM's.
+docs/SERVING.md ("Observability") says precisely what each counts and where
+`num_accepted_tokens_per_pos` differs from vLLM's with more than one beam.
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ from dsbd_core.engine import Outcome
 
 NUM_DRAFTS = "dsbd_spec_decode_num_drafts"
 NUM_DRAFT_TOKENS = "dsbd_spec_decode_num_draft_tokens"
+NUM_VERIFIED_DRAFT_TOKENS = "dsbd_spec_decode_num_verified_draft_tokens"
 NUM_ACCEPTED_TOKENS = "dsbd_spec_decode_num_accepted_tokens"
 NUM_ACCEPTED_TOKENS_PER_POS = "dsbd_spec_decode_num_accepted_tokens_per_pos"
 GENERATED_TOKENS = "dsbd_generated_tokens"
@@ -41,8 +50,8 @@ ITERATION_LATENCY = "dsbd_iteration_latency_s"
 TIME_TO_FIRST_TOKEN = "dsbd_time_to_first_token_s"
 OPEN_SESSIONS = "dsbd_open_sessions"
 
-COUNTERS = (NUM_DRAFTS, NUM_DRAFT_TOKENS, NUM_ACCEPTED_TOKENS, NUM_ACCEPTED_TOKENS_PER_POS,
-            GENERATED_TOKENS, REQUESTS)  # fmt: skip
+COUNTERS = (NUM_DRAFTS, NUM_DRAFT_TOKENS, NUM_VERIFIED_DRAFT_TOKENS, NUM_ACCEPTED_TOKENS,
+            NUM_ACCEPTED_TOKENS_PER_POS, GENERATED_TOKENS, REQUESTS)  # fmt: skip
 HISTOGRAMS = (WIDTH, REQUEST_LATENCY, ITERATION_LATENCY, TIME_TO_FIRST_TOKEN)
 GAUGES = (OPEN_SESSIONS,)
 METRIC_NAMES = COUNTERS + HISTOGRAMS + GAUGES
@@ -63,12 +72,16 @@ def prometheus_name(name: str) -> str:
 class IterationSample:
     """What one verified iteration adds to a request's statistics (row `row` of the outcome).
 
-    The sums over a request's iterations are its `DecodeStats`: `draft_tokens` ->
+    The sums over a request's iterations are its `DecodeStats`: `verified_draft_tokens` ->
     `drafted_tokens`, `accepted_tokens`, `generated_tokens` -> `tokens_emitted`,
-    `accepted_layers` and `widths` per iteration.
+    `accepted_layers` and `widths` per iteration. `draft_tokens` (every node of the forest)
+    has no `DecodeStats` field; per iteration it equals the draft span's
+    `dsbd.draft_tokens_proposed`.
     """
 
-    draft_tokens: int  # draft nodes the verifier checked (a live parent, a layer it reached)
+    draft_tokens: int  # draft tokens proposed: every node of the forest (vLLM's meaning)
+    verified_draft_tokens: int  # of those, the ones verification reached (a live parent, a
+    # layer up to the first rejected one): what `DecodeStats.drafted_tokens` counts
     accepted_tokens: int  # of those, accepted
     accepted_layers: int  # forest layers that passed verification
     generated_tokens: int  # decoding steps the beams advanced (bonus/fallback layer included)
@@ -82,7 +95,8 @@ class IterationSample:
     @classmethod
     def from_outcome(cls, outcome: Outcome, row: int = 0) -> IterationSample:
         return cls(
-            draft_tokens=int(outcome.counters["drafted"][row]),
+            draft_tokens=int(outcome.counters["proposed"][row]),
+            verified_draft_tokens=int(outcome.counters["drafted"][row]),
             accepted_tokens=int(outcome.counters["accepted"][row]),
             accepted_layers=int(outcome.record["accepted_layers"][row]),
             generated_tokens=int(outcome.emitted[row]),
@@ -93,6 +107,7 @@ class IterationSample:
         """Span attributes (deployments/tracing.py)."""
         return {
             "dsbd.draft_tokens": self.draft_tokens,
+            "dsbd.verified_draft_tokens": self.verified_draft_tokens,
             "dsbd.accepted_tokens": self.accepted_tokens,
             "dsbd.accepted_layers": self.accepted_layers,
             "dsbd.tokens": self.generated_tokens,
@@ -114,13 +129,17 @@ class ServingMetrics:
 
         self.drafts = counter(NUM_DRAFTS, "Iterations that verified a draft forest.")
         self.draft_tokens = counter(
-            NUM_DRAFT_TOKENS, "Draft tokens verified: forest nodes with a live parent in the "
-            "layers verification reached (layers after the first rejected one are not counted).",
+            NUM_DRAFT_TOKENS, "Draft tokens proposed: every node of the draft forests sent to "
+            "verification (those after the first rejected layer included, as vLLM counts).",
+        )  # fmt: skip
+        self.verified_draft_tokens = counter(
+            NUM_VERIFIED_DRAFT_TOKENS, "Draft tokens verification reached: forest nodes with a "
+            "live parent in the layers up to the first rejected one.",
         )  # fmt: skip
         self.accepted_tokens = counter(NUM_ACCEPTED_TOKENS, "Draft tokens accepted.")
         self.accepted_per_pos = counter(
             NUM_ACCEPTED_TOKENS_PER_POS, "Iterations whose draft layer `position` (0 = first) "
-            "passed verification.", ("position",),
+            "passed verification (one beam: vLLM's accepted tokens per position).", ("position",),
         )  # fmt: skip
         self.generated = counter(GENERATED_TOKENS, "Decoding steps the beams advanced.")
         self.requests = counter(
@@ -149,6 +168,8 @@ class ServingMetrics:
             self.drafts.inc(1)
         if sample.draft_tokens:
             self.draft_tokens.inc(sample.draft_tokens)
+        if sample.verified_draft_tokens:
+            self.verified_draft_tokens.inc(sample.verified_draft_tokens)
         if sample.accepted_tokens:
             self.accepted_tokens.inc(sample.accepted_tokens)
         for position in range(sample.accepted_layers):

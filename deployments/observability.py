@@ -128,7 +128,8 @@ class SessionObserver:
         self.request = _REQUEST.get()
         self.start = self.request.start if self.request is not None else time.perf_counter()
         self.first_token_seen = False
-        self.totals = {"iterations": 0, "tokens": 0, "draft_tokens": 0, "accepted_tokens": 0}
+        self.totals = {"iterations": 0, "tokens": 0, "draft_tokens": 0,
+                       "verified_draft_tokens": 0, "accepted_tokens": 0}  # fmt: skip
         self.parent = trace.get_current_span()  # the request span (or a no-op one)
         self.parent.set_attribute("dsbd.session", session)
         self.metrics.session_opened()
@@ -181,6 +182,7 @@ class _Iteration:
         totals["iterations"] += 1
         totals["tokens"] += sample.generated_tokens
         totals["draft_tokens"] += sample.draft_tokens
+        totals["verified_draft_tokens"] += sample.verified_draft_tokens
         totals["accepted_tokens"] += sample.accepted_tokens
         if self.span.is_recording():
             attributes = sample.attributes() | {

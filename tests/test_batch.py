@@ -14,8 +14,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import pty
+import re
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -259,6 +263,65 @@ def test_parquet_job_then_resume_decodes_only_what_is_missing(
 
     assert main(command) == 0  # all done: nothing decoded, Ray not even needed
     assert f"0 rows decoded, 0 failed, {len(given)} skipped" in capsys.readouterr().out
+
+
+class Terminal:
+    """A pseudo-terminal to stand in for sys.stdout or sys.stderr; a thread drains it (a full
+    pty would block the writer). What Ray Data shows depends on `sys.stdout.isatty()`: bars
+    (rich, on sys.stderr) on a terminal, periodic log lines otherwise."""
+
+    def __init__(self) -> None:
+        self.master, follower = pty.openpty()
+        self.file = os.fdopen(follower, "w", buffering=1, encoding="utf-8", errors="replace")
+        self.chunks: list[bytes] = []
+        self.reader = threading.Thread(target=self._drain, daemon=True)
+        self.reader.start()
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                data = os.read(self.master, 65536)
+            except OSError:  # EIO: the other end was closed
+                return
+            if not data:
+                return
+            self.chunks.append(data)
+
+    def text(self) -> str:
+        """Everything written, without colours and cursor moves (close first)."""
+        self.file.close()
+        self.reader.join(timeout=10)
+        os.close(self.master)
+        raw = b"".join(self.chunks).decode("utf-8", errors="replace")
+        return re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", raw).replace("\r", "\n")
+
+
+def test_progress_bar_on_a_terminal_and_none_with_no_progress(
+    pair, ray_here, tmp_path: Path, monkeypatch
+) -> None:
+    """The same one-row job twice on a terminal: Ray Data's bars on stderr, then none."""
+    source = tmp_path / "one.jsonl"
+    source.write_text(json.dumps({"prompt": "one two three", "chat": False, "seed": 2}) + "\n")
+    shown = {}
+    for flags in ([], ["--no-progress"]):
+        out, stdout, stderr = tmp_path / f"out{len(flags)}.jsonl", Terminal(), Terminal()
+        with monkeypatch.context() as patch:
+            patch.setattr(sys, "stdout", stdout.file)
+            patch.setattr(sys, "stderr", stderr.file)
+            status = main(["batch", "--input", str(source), "--output", str(out),
+                           *pair["flags"], *flags])  # fmt: skip
+        shown[bool(flags)] = stdout.text(), stderr.text()
+        assert status == 0, shown[bool(flags)]
+        assert len(read_jsonl(out)) == 1
+    bar = re.compile(r"MapBatches\(BatchDecoder\)\s+\d+%\s*━")  # operator, percent, bar
+    for quiet, (stdout, stderr) in shown.items():
+        assert "dsbd batch: 1 rows decoded, 0 failed, 0 skipped" in stdout, stdout
+        assert not bar.search(stdout), "a progress bar on stdout"
+        if quiet:
+            assert not bar.search(stderr) and "━" not in stderr, stderr[-2000:]
+        else:
+            assert re.search(r"MapBatches\(BatchDecoder\)\s+100%\s*━", stderr), stderr[-2000:]
+            assert re.search(r"Write\s+100%\s*━", stderr), stderr[-2000:]
 
 
 def test_resume_retries_decode_failures_and_edited_rows_only(tmp_path: Path) -> None:

@@ -151,6 +151,20 @@ def test_manifest_matches_its_kuberay_crd(name: str) -> None:
     assert crd_schema.manifest_errors(documents[0]) == []
 
 
+# Fields the CRD still accepts but KubeRay ignores ("Deprecated: This field is not used
+# anymore", ray-project/kuberay#1688): setting one suggests a behaviour that does not exist.
+IGNORED_BY_KUBERAY = {
+    "RayService": ("deploymentUnhealthySecondThreshold", "serviceUnhealthySecondThreshold"),
+}
+
+
+@pytest.mark.parametrize("name", MANIFESTS)
+def test_manifest_sets_no_field_kuberay_ignores(name: str) -> None:
+    doc = load(name)
+    for field in IGNORED_BY_KUBERAY.get(doc["kind"], ()):
+        assert field not in doc["spec"], f"{name}: spec.{field} is deprecated and unused"
+
+
 def test_validator_refuses_what_kubernetes_and_kuberay_refuse() -> None:
     """Each mutation is a mistake the API server or the operator would reject."""
     good = load("rayservice.yaml")
@@ -192,7 +206,7 @@ def test_validator_refuses_what_kubernetes_and_kuberay_refuse() -> None:
             ["spec", "rayClusterConfig", "workerGroupSpecs", 0, "replicas"], setter(9)
         ),
         "2147483648 is not a 'int32'": mutated(
-            ["spec", "deploymentUnhealthySecondThreshold"], setter(2**31)
+            ["spec", "rayClusterDeletionDelaySeconds"], setter(2**31)
         ),
     }
     for expected, doc in cases.items():
@@ -447,6 +461,29 @@ def test_dashboard_uses_only_exported_metric_names() -> None:
     )
     for name in SERVE_METRICS:
         assert f'"{name}"' in serve_source, f"Ray Serve has no metric {name}"
+
+
+def test_acceptance_rates_name_their_denominator() -> None:
+    """Two acceptance rates exist: of every proposed draft token (vLLM's) and of the draft
+    tokens verification reached. Each ratio of accepted tokens on the dashboard says which one
+    it shows, and divides by the counter that means it."""
+    accepted = "ray_dsbd_spec_decode_num_accepted_tokens_total"
+    denominators = {"proposed": "ray_dsbd_spec_decode_num_draft_tokens_total",
+                    "verified": "ray_dsbd_spec_decode_num_verified_draft_tokens_total"}  # fmt: skip
+    shown = set()
+    for panel in json.loads(DASHBOARD.read_text())["panels"]:
+        for target in panel.get("targets", []):
+            numerator, _, denominator = target["expr"].partition(" / ")
+            if accepted not in numerator or "draft_tokens" not in denominator:
+                continue
+            label = f"{panel['title']}: {target['legendFormat']}"
+            kinds = [kind for kind in denominators if kind in target["legendFormat"]]
+            assert len(kinds) == 1, f"{label!r} does not say which acceptance rate it is"
+            assert re.findall(r"\bray_[a-z0-9_]+", denominator) == [denominators[kinds[0]]], label
+            if panel["type"] == "stat":
+                assert kinds[0] in panel["title"], label
+            shown.add(kinds[0])
+    assert shown == set(denominators)
 
 
 def test_dashboard_is_a_grafana_dashboard_over_a_prometheus_variable() -> None:

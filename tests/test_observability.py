@@ -6,7 +6,8 @@ models) with `OTEL_EXPORTER_OTLP_ENDPOINT` pointing at an OTLP/HTTP receiver in 
 loopback HTTP server decoding `ExportTraceServiceRequest` protobufs with opentelemetry-proto),
 and scrape the Prometheus endpoint of Ray's metrics agent that `dsbd serve` reports. Spans must
 form one trace per request across the router, draft and verifier processes, continuing the
-client's `traceparent`; the counters must equal the sums of the requests' returned stats.
+client's `traceparent`; the counters must equal the sums of the requests' returned stats
+(the proposed draft tokens, which the stats do not hold: the sums of the draft spans' counts).
 
 The pure pieces (what an iteration adds to the stats, span attributes, batch links, W3C
 propagation, "no endpoint, no exporter") are checked in-process with the SDK's in-memory
@@ -272,6 +273,9 @@ def test_a_request_is_one_trace_from_the_client_to_draft_and_verifier(observed) 
                 attributes = span["attributes"]
                 assert 1 <= attributes["dsbd.forest.layers"] == attributes["dsbd.depth"]
                 assert attributes["dsbd.depth"] <= serving["gamma"][index]
+                # the router's count of proposed draft tokens is the draft's own
+                router_side = iterations_by_index[index]["attributes"]
+                assert router_side["dsbd.draft_tokens"] == attributes["dsbd.draft_tokens_proposed"]
     processes = {span["resource"]["service.instance.id"] for span in spans}
     assert len(processes) == 3, processes  # router, draft and verifier replicas
 
@@ -338,10 +342,24 @@ def test_prometheus_counters_equal_the_sums_of_the_returned_stats(observed) -> N
     def counter(name: str, **labels: str) -> float:
         return _total(samples, prometheus_name(name), **labels)
 
-    assert counter("dsbd_spec_decode_num_drafts") == sum(
-        sum(1 for w in s["widths"] if w) for s in stats
-    )
-    assert counter("dsbd_spec_decode_num_draft_tokens") == sum(s["drafted_tokens"] for s in stats)
+    drafts = sum(sum(1 for w in s["widths"] if w) for s in stats)
+    assert counter("dsbd_spec_decode_num_drafts") == drafts
+    # vLLM's num_draft_tokens: every draft token proposed, as the draft replicas' own spans
+    # count them (the returned stats count only those verification reached)
+    sessions = {s["serving"]["session"] for s in stats}
+
+    def draft_spans() -> list[dict[str, Any]]:
+        with observed["receiver"].lock:
+            spans = list(observed["receiver"].spans)
+        return [s for s in spans if s["name"] == "dsbd.draft"
+                and s["attributes"]["dsbd.session"] in sessions]  # fmt: skip
+
+    spans = _wait_for(lambda: len(s := draft_spans()) == drafts and s, "the draft spans")
+    proposed = sum(span["attributes"]["dsbd.draft_tokens_proposed"] for span in spans)
+    assert counter("dsbd_spec_decode_num_draft_tokens") == proposed
+    verified = sum(s["drafted_tokens"] for s in stats)
+    assert counter("dsbd_spec_decode_num_verified_draft_tokens") == verified
+    assert proposed >= verified >= sum(s["accepted_tokens"] for s in stats) > 0
     assert counter("dsbd_spec_decode_num_accepted_tokens") == sum(
         s["accepted_tokens"] for s in stats
     )
@@ -393,7 +411,8 @@ def tiny(tmp_path_factory: pytest.TempPathFactory):
 
 
 def _steps(tiny, **knobs: Any):
-    """An in-process decode step by step: (engine, [(state for the models, outcome)], result)."""
+    """An in-process decode step by step:
+    (engine, [(state for the models, forest, outcome)], result)."""
     target, draft, stop_ids = tiny
     config = SamplingConfig(eos_token_ids=stop_ids, seed=0, **knobs)
     scorer, draft_scorer = TransformerScorer(target.model), TransformerScorer(draft.model)
@@ -402,8 +421,9 @@ def _steps(tiny, **knobs: Any):
     steps = []
     while engine.next_iteration(state):
         models = state.for_models()
-        outcome = engine.verify(state, engine.propose(state))
-        steps.append((models, outcome))
+        forest = engine.propose(state)
+        outcome = engine.verify(state, forest)
+        steps.append((models, forest, outcome))
         engine.advance(state, outcome)
     return engine, steps, engine.finish(state)[0]
 
@@ -414,9 +434,20 @@ def _steps(tiny, **knobs: Any):
 ])  # fmt: skip
 def test_iteration_samples_sum_to_the_request_stats(tiny, knobs) -> None:
     _, steps, result = _steps(tiny, **knobs)
-    samples = [IterationSample.from_outcome(outcome) for _, outcome in steps]
+    samples = [IterationSample.from_outcome(outcome) for _, _, outcome in steps]
     stats = result.stats
-    assert sum(s.draft_tokens for s in samples) == stats.drafted_tokens
+    # draft tokens: every node of the iteration's forest, as the draft span reports it
+    proposed = [tracing.forest_attributes(forest)["dsbd.draft_tokens_proposed"]
+                for _, forest, _ in steps]  # fmt: skip
+    assert [s.draft_tokens for s in samples] == proposed
+    assert sum(s.verified_draft_tokens for s in samples) == stats.drafted_tokens
+    assert all(s.draft_tokens >= s.verified_draft_tokens >= s.accepted_tokens for s in samples)
+    if knobs["width"] == 1:  # one draft per layer: the chain vLLM's metrics describe
+        assert [s.draft_tokens for s in samples] == [int(m.depth[0]) for m, _, _ in steps]
+        assert [s.verified_draft_tokens for s in samples] == [len(s.widths) for s in samples]
+        assert sum(s.accepted_layers for s in samples) == stats.accepted_tokens
+    else:  # children of rejected drafts, layers past a rejected one: proposed, not verified
+        assert sum(s.draft_tokens for s in samples) > stats.drafted_tokens
     assert sum(s.accepted_tokens for s in samples) == stats.accepted_tokens
     assert sum(s.generated_tokens for s in samples) == stats.tokens_emitted
     assert [s.accepted_layers for s in samples] == stats.accepted_layers
@@ -444,7 +475,7 @@ def test_batched_calls_continue_their_traces_and_link_each_other(tiny, memory_sp
     _, steps, _ = _steps(tiny, width=2, gamma=2, threshold=None, max_new_tokens=8)
     tracer = tracing.tracer(tracing.ROUTER)
     iterations = [tracer.start_span("dsbd.iteration") for _ in range(3)]
-    models, outcome = steps[0]
+    models, _, outcome = steps[0]
     config = SamplingConfig(width=2, gamma=2, threshold=None)
     calls = [(f"s{i}", IterationCall(models, config, True, tracing.inject(span)))
              for i, span in enumerate(iterations)]  # fmt: skip
