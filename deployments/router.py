@@ -19,13 +19,10 @@ freed.
 """
 
 import asyncio
-import hmac
 import json
-import os
 import time
 import weakref
 from collections.abc import AsyncIterator, Callable
-from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -47,6 +44,7 @@ from deployments.api_models import (
     ModelList,
     Usage,
 )
+from deployments.auth import APIKeyGuard, guard_with, read_api_key
 from deployments.decode_session import (
     DecodeSession,
     Handles,
@@ -112,6 +110,9 @@ app = FastAPI(
     summary="Dynamic-Width Speculative Beam Decoding: beam sampling at speculative speed.",
     version="0.1.0",
 )
+# Starlette runs the last added middleware first: the observer sees every response (401s
+# included), the key guard runs before FastAPI reads or validates the body.
+app.add_middleware(APIKeyGuard)  # the API key, when one is set (deployments/auth.py)
 app.add_middleware(RequestObserver)  # request spans and metrics (deployments/observability.py)
 
 
@@ -120,15 +121,6 @@ async def _api_error(request: Request, error: APIError) -> JSONResponse:
     response = _error(error.status, error.message, error.param, kind=error.kind, code=error.code)
     response.headers.update(error.headers or {})
     return response
-
-
-@app.exception_handler(ValidationError)
-async def _config_error(request: Request, error: ValidationError) -> JSONResponse:
-    """A combination of knobs no decoder accepts (cross-field rules of SamplingConfig)."""
-    message = config_error_message(error).replace("\n", "; ")
-    return _error(
-        400, message, str(error.errors()[0]["loc"][0]) if error.errors()[0]["loc"] else None
-    )
 
 
 @app.exception_handler(RequestValidationError)
@@ -158,15 +150,16 @@ def _error(
 
 
 # Module helpers stay above the class: Serve pickles the ingress class when it is decorated.
-def _read_api_key(path: str | None) -> bytes | None:
-    """The API key from `path` (one line) or DSBD_API_KEY; refuses an empty key file."""
-    if path is not None:
-        key = Path(path).expanduser().read_text().strip()
-        if not key:
-            raise ValueError(f"api_key_file={path!r} is empty")
-        return key.encode()
-    key = os.environ.get("DSBD_API_KEY", "").strip()
-    return key.encode() if key else None
+def _requested_config(build: Callable[[], SamplingConfig]) -> SamplingConfig:
+    """The request's SamplingConfig, or 400 for a combination of knobs no decoder accepts (its
+    cross-field rules). Only here is a pydantic error the client's: anywhere else it is a bug
+    of the server and must show as one (500), not be passed off as bad input."""
+    try:
+        return build()
+    except ValidationError as error:
+        loc = error.errors()[0]["loc"]
+        raise APIError(400, config_error_message(error).replace("\n", "; "),
+                       str(loc[0]) if loc else None) from None  # fmt: skip
 
 
 def _timeout_body(limits: Limits) -> dict[str, Any]:
@@ -235,7 +228,7 @@ class Router:
         self.handles = Handles(draft=draft, verifier=verifier, controller=controller)
         self.tokenizer, self.stop_ids = load_tokenizer(self.options.tokenizer)
         self._info: dict[str, Any] | None = None
-        self._api_key = _read_api_key(self.options.api_key_file)
+        guard_with(read_api_key(self.options.api_key_file))  # this process's app demands it
         self._running = 0  # decodes in progress here (max_concurrent_sessions)
 
     # ----------------------------------------------------------------- routes
@@ -246,10 +239,9 @@ class Router:
         return {"status": "ok", "model": self.options.model_name, "vocab_size": info["vocab_size"]}
 
     @app.get("/v1/dsbd/status")
-    async def status(self, http: Request) -> dict[str, Any]:
+    async def status(self) -> dict[str, Any]:
         """Load as the width controller sees it, and one verifier and one draft replica: id,
         pid, cached sessions and, when tensor-parallel, its ranks (pids, device)."""
-        self._authorize(http)
         load = await self.handles.controller.load.remote()
         verifier = await self.handles.verifier.info.remote()
         draft = await self.handles.draft.info.remote()
@@ -261,20 +253,17 @@ class Router:
         }
 
     @app.get("/v1/models")
-    async def models(self, http: Request) -> ModelList:
-        self._authorize(http)
+    async def models(self) -> ModelList:
         return ModelList(data=[ModelCard(id=self.options.model_name)])
 
     @app.post("/v1/completions", response_model=None)
-    async def completions(self, request: CompletionRequest, http: Request) -> Any:
-        self._authorize(http)
+    async def completions(self, request: CompletionRequest) -> Any:
         self._check_model(request.model)
         prompt_ids = self.tokenizer.encode(request.prompt)
         return await self._openai(request, prompt_ids, chat=False)
 
     @app.post("/v1/chat/completions", response_model=None)
-    async def chat_completions(self, request: ChatCompletionRequest, http: Request) -> Any:
-        self._authorize(http)
+    async def chat_completions(self, request: ChatCompletionRequest) -> Any:
         self._check_model(request.model)
         if not getattr(self.tokenizer, "chat_template", None):
             raise APIError(400, f"model {request.model!r} has no chat template; use "
@@ -283,17 +272,17 @@ class Router:
         return await self._openai(request, prompt_ids, chat=True)
 
     @app.post("/v1/dsbd/generate")
-    async def generate(self, request: GenerateRequest, http: Request) -> dict[str, Any]:
+    async def generate(self, request: GenerateRequest) -> dict[str, Any]:
         """One prompt; every beam with its log-likelihood, and the decode's statistics."""
-        self._authorize(http)
         if request.prompt_ids is not None:
             prompt_ids = list(request.prompt_ids)
         elif request.chat and getattr(self.tokenizer, "chat_template", None):
             prompt_ids = self._chat_ids([{"role": "user", "content": request.prompt}])
         else:
             prompt_ids = self.tokenizer.encode(request.prompt)
-        config = await self._config(request.sampling_config(self.stop_ids), request.method,
-                                    prompt_ids)  # fmt: skip
+        config = _requested_config(lambda: request.sampling_config(self.stop_ids))
+        config = await self._config(config, request.method, prompt_ids,
+                                    tokens_field="max_new_tokens")  # fmt: skip
         session = self._session(config, request.method, request.adaptive)
         result = await self._run(session, prompt_ids)
         stats = result.stats.as_dict()
@@ -319,8 +308,9 @@ class Router:
     # ----------------------------------------------------------------- helpers
     async def _openai(self, request: Any, prompt_ids: list[int], *, chat: bool) -> Any:
         stop_ids = self._stop_token_ids(request.stop_strings)
-        config = request.sampling_config(
-            tuple(sorted(set(self.stop_ids) | set(stop_ids))), self.options.default_max_tokens
+        stops = tuple(sorted(set(self.stop_ids) | set(stop_ids)))
+        config = _requested_config(
+            lambda: request.sampling_config(stops, self.options.default_max_tokens)
         )
         config = await self._config(config, request.method, prompt_ids)
         if request.n > self.options.limits.max_n:
@@ -417,18 +407,6 @@ class Router:
             yield f"data: {json.dumps(body)}\n\n"
         yield "data: [DONE]\n\n"
 
-    def _authorize(self, http: Request) -> None:
-        """401 unless the request carries the API key (when one is set). Constant-time compare;
-        the key is never logged or echoed."""
-        if self._api_key is None:
-            return
-        given = http.headers.get("authorization", "")
-        given = given[7:] if given[:7].lower() == "bearer " else http.headers.get("x-api-key", "")
-        if not hmac.compare_digest(given.encode(), self._api_key):
-            raise APIError(401, "missing or wrong API key; send it as `Authorization: Bearer "
-                           "KEY`", None, kind="authentication_error", code="invalid_api_key",
-                           headers={"WWW-Authenticate": "Bearer"})  # fmt: skip
-
     def _admit(self) -> Callable[[], None]:
         """Count a decode in, or refuse it (429) when this router runs too many already;
         returns what counts it out, once however often it is called."""
@@ -467,9 +445,13 @@ class Router:
         )  # fmt: skip
 
     async def _config(
-        self, config: SamplingConfig, method: str, prompt_ids: list[int]
-    ) -> SamplingConfig:
-        """The method's config, checked against what the model can hold."""
+        self, config: SamplingConfig, method: str, prompt_ids: list[int], *,
+        tokens_field: str = "max_tokens",
+    ) -> SamplingConfig:  # fmt: skip
+        """The method's config, checked against this server's limits and what the model can
+        hold. Errors name the request's own fields: `tokens_field` is what the route calls the
+        token budget (OpenAI `max_tokens`, native `max_new_tokens`); the draft width is W_S
+        when the client set it, else the width it defaults to."""
         note_method(method)  # for dsbd_requests{method=...}, also when the checks refuse it
         info = await self._model_info()
         vocab = int(info["vocab_size"])
@@ -479,11 +461,12 @@ class Router:
                            f"0..{vocab - 1}", "prompt_ids")  # fmt: skip
         config = method_config(method, config)
         limits = self.options.limits
+        draft_field = "draft_width" if config.draft_width is not None else "width"
         for field, value, limit, name in (
             ("prompt", len(prompt_ids), limits.max_prompt_tokens, "max_prompt_tokens"),
-            ("max_tokens", config.max_new_tokens, limits.max_new_tokens, "max_new_tokens"),
+            (tokens_field, config.max_new_tokens, limits.max_new_tokens, "max_new_tokens"),
             ("width", config.width, limits.max_width, "max_width"),
-            ("draft_width", config.draft_beams, limits.max_draft_width, "max_draft_width"),
+            (draft_field, config.draft_beams, limits.max_draft_width, "max_draft_width"),
             ("gamma", config.gamma if method in METHODS_WITH_DRAFT else 0, limits.max_gamma,
              "max_gamma"),
         ):  # fmt: skip
@@ -498,8 +481,8 @@ class Router:
                 400,
                 f"prompt ({len(prompt_ids)} tokens) + max_tokens ({config.max_new_tokens}) + gamma "
                 f"({gamma}) + 1 = {needed} exceeds the model's {limit} positions; allowed: a "
-                "shorter prompt or a smaller max_tokens",
-                "max_tokens",
+                f"shorter prompt or a smaller {tokens_field}",
+                tokens_field,
             )
         return config
 

@@ -350,11 +350,17 @@ def test_tensor_parallel_verifier_decodes_exactly(server, reference, method, kno
 IN_FLIGHT = 20  # decodes in flight when a replica is killed (issue 9)
 
 
-def decode_while_killing(server, reference, prefix: str, pid_of: Any) -> list[dict]:
+def decode_while_killing(server, reference, prefix: str, pid_of: Any,
+                         freeze_s: float = 0.0) -> list[dict]:  # fmt: skip
     """Start 20 decodes; SIGKILL `pid_of(status)` once all 20 are in flight; all must come
     back, each equal to the in-process engine's decode draw for draw (the lost iterations are
-    retried, re-prefilled on a live or replacement replica)."""
-    bodies = [{"prompt_ids": [30 + i % 50, 31, 32], "seed": 200 + i, "max_new_tokens": 24,
+    retried, re-prefilled on a live or replacement replica). With `freeze_s`, the process is
+    first stopped (SIGSTOP) for that long: the calls already routed to it then sit in it,
+    unanswered, when it dies, so the failure path is certain to run (a plain kill may land
+    between two calls, and Serve routes around a dead replica fast)."""
+    # 48 tokens: long enough that all 20 are open at once even on a loaded 2-core machine,
+    # where the router opens sessions slower than 24-token decodes of these models finish.
+    bodies = [{"prompt_ids": [30 + i % 50, 31, 32], "seed": 200 + i, "max_new_tokens": 48,
                "width": 2 + i % 2, "gamma": 2, "adaptive": False}
               for i in range(IN_FLIGHT)]  # fmt: skip
     with ThreadPoolExecutor(len(bodies)) as pool:
@@ -363,7 +369,11 @@ def decode_while_killing(server, reference, prefix: str, pid_of: Any) -> list[di
         while (now := status(server, prefix))["open_sessions"] < IN_FLIGHT:
             assert time.monotonic() < deadline and not any(f.done() for f in futures), now
             time.sleep(0.05)
-        os.kill(pid_of(now), signal.SIGKILL)
+        pid = pid_of(now)
+        if freeze_s:
+            os.kill(pid, signal.SIGSTOP)
+            time.sleep(freeze_s)
+        os.kill(pid, signal.SIGKILL)
         results = [f.result(timeout=240) for f in futures]  # none hangs
     for body, got in zip(bodies, results, strict=True):
         knobs = {k: v for k, v in body.items() if k not in ("prompt_ids", "adaptive")}
@@ -388,14 +398,16 @@ def test_a_lost_rank_costs_a_retry_and_serve_replaces_the_replica(server, refere
 
 @pytest.mark.parametrize("side", ["verifier", "draft"])
 def test_a_killed_replica_loses_no_request(server, reference, side: str) -> None:
-    """Every decode completes exactly. Whether one of its calls was in flight on the killed
-    replica is up to timing (Serve routes around a dead replica quickly); when one was, the
-    iteration was retried (`retries` names it). The TP test above makes a retry certain."""
+    """Every decode completes exactly, and at least one lost its call on the killed replica
+    and retried that iteration (`retries` names the cause): the replica is frozen for a second
+    before it is killed, so the calls routed to it meanwhile die with it."""
     old = status(server, "/spread")[side]
-    results = decode_while_killing(server, reference, "/spread", lambda now: now[side]["pid"])
+    results = decode_while_killing(server, reference, "/spread", lambda now: now[side]["pid"],
+                                   freeze_s=1.0)  # fmt: skip
     retries = [r for got in results for r in got["stats"]["serving"]["retries"]]
-    print(f"{side} killed with {IN_FLIGHT} decodes in flight: {len(retries)} iteration(s) "
-          f"retried: {sorted({r.split(': ')[1] for r in retries})}")  # fmt: skip
+    print(f"{side} frozen 1 s then killed with {IN_FLIGHT} decodes in flight: {len(retries)} "
+          f"iteration(s) retried: {sorted({r.split(': ')[1] for r in retries})}")  # fmt: skip
+    assert retries, "no call was lost with the killed replica: the failure path did not run"
     assert all("ActorDied" in r or "Unavailable" in r for r in retries), retries
     deadline = time.monotonic() + 120
     while (pid := status(server, "/spread")[side]["pid"]) == old["pid"] or not _alive(pid):
@@ -421,20 +433,34 @@ def guarded(server, body: dict, key: str | None = API_KEY, path: str = "completi
                          json={"model": MODEL, "prompt": "one two", **body})  # fmt: skip
 
 
-def test_the_api_key_is_required_and_never_logged(server) -> None:
+def test_the_api_key_is_required_before_anything_else(server) -> None:
+    """Missing or wrong key: 401 on every route but the probe and the API description, and
+    before the body is validated (a client without the key learns nothing about its fields)."""
     for key in (None, "sk-wrong", API_KEY[:-1]):
         response = guarded(server, {"max_tokens": 2}, key=key)
         assert response.status_code == 401, response.text
         assert response.json()["error"]["type"] == "authentication_error"
         assert response.headers["www-authenticate"] == "Bearer"
+    for body in ({"width": 0}, {"unknown_knob": 1}, {"max_tokens": 10**6}):
+        response = guarded(server, body, key=None)
+        assert response.status_code == 401, (body, response.text)
+    base = f"{server['url']}/guarded"
+    routes = [("GET", "/v1/models"), ("GET", "/v1/dsbd/status"),
+              ("POST", "/v1/chat/completions"), ("POST", "/v1/dsbd/generate")]  # fmt: skip
+    for method, path in routes:
+        response = requests.request(method, base + path, json={}, timeout=30)
+        assert response.status_code == 401, (path, response.text)
+    assert requests.get(f"{base}/healthz", timeout=30).status_code == 200
+    assert "/v1/completions" in requests.get(f"{base}/openapi.json", timeout=30).json()["paths"]
     assert guarded(server, {"max_tokens": 2}).status_code == 200
-    api = openai.OpenAI(base_url=f"{server['url']}/guarded/v1", api_key=API_KEY, max_retries=0)
+    body = {"model": MODEL, "prompt": "one two", "max_tokens": 2}
+    response = requests.post(f"{base}/v1/completions", headers={"x-api-key": API_KEY}, json=body,
+                             timeout=60)  # fmt: skip
+    assert response.status_code == 200, response.text
+    api = openai.OpenAI(base_url=f"{base}/v1", api_key=API_KEY, max_retries=0)
     assert api.completions.create(model=MODEL, prompt="one", max_tokens=2).choices
     with pytest.raises(openai.AuthenticationError):
         client(server, "/guarded").completions.create(model=MODEL, prompt="one", max_tokens=2)
-    assert requests.get(f"{server['url']}/guarded/healthz", timeout=30).status_code == 200
-    if server["log"] is not None:  # Serve's logs of the whole run so far
-        assert API_KEY not in server["log"].read_text(errors="replace")
 
 
 @pytest.mark.parametrize(
@@ -454,20 +480,40 @@ def test_limits_are_enforced_naming_field_value_and_limit(server, body, fragment
     assert fragment in response.json()["error"]["message"]
 
 
-def test_past_the_deadline_504_and_the_sessions_are_freed(server) -> None:
+def test_the_native_route_names_its_own_fields(server) -> None:
+    """/v1/dsbd/generate calls the budget `max_new_tokens` (OpenAI routes: `max_tokens`)."""
+    response = requests.post(f"{server['url']}/guarded/v1/dsbd/generate", timeout=60,
+                             headers={"Authorization": f"Bearer {API_KEY}"},
+                             json={"prompt_ids": [5, 6], "max_new_tokens": 241})  # fmt: skip
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "max_new_tokens"
+    assert "max_new_tokens=241 exceeds this server's limit max_new_tokens=240" in error["message"]
+
+
+@pytest.mark.parametrize(
+    "knobs",
+    [{"method": "beam", "width": 4}, {"method": "dsbd", "width": 4, "gamma": 1, "adaptive": False}],
+)
+def test_past_the_deadline_504_and_the_sessions_are_freed(server, knobs: dict) -> None:
+    """A 240-token decode cannot finish within the 1.5 s deadline (each iteration is at least
+    one Serve call, DSBD's gamma 1 emits at most 2 tokens per iteration): 504, or a timeout
+    event for a stream, and every session freed: the controller's, the verifier's and (DSBD)
+    the draft's."""
     start = time.monotonic()
-    response = guarded(server, {"max_tokens": 240, "method": "beam", "width": 4})
+    response = guarded(server, {"max_tokens": 240, **knobs})
     assert response.status_code == 504, response.text
     assert "request_timeout_s=1.5" in response.json()["error"]["message"]
     assert time.monotonic() - start < 10
-    stream = guarded(server, {"max_tokens": 240, "method": "beam", "width": 4, "stream": True})
+    stream = guarded(server, {"max_tokens": 240, "stream": True, **knobs})
     assert stream.status_code == 200 and '"type": "timeout"' in stream.text
     headers = {"Authorization": f"Bearer {API_KEY}"}
     deadline = time.monotonic() + 30
     while True:
         now = requests.get(f"{server['url']}/guarded/v1/dsbd/status", headers=headers,
                            timeout=30).json()  # fmt: skip
-        if now["open_sessions"] == 0 and now["verifier"]["cached_sessions"] == 0:
+        if now["open_sessions"] == 0 and now["verifier"]["cached_sessions"] == 0 \
+                and now["draft"]["cached_sessions"] == 0:  # fmt: skip
             break
         assert time.monotonic() < deadline, now
         time.sleep(0.3)
@@ -635,6 +681,23 @@ def test_64_clients_load_no_errors_flat_memory_and_sessions_drain(server, tmp_pa
     if server["pid"] is not None:
         rss = results["memory"]["rss"]
         assert rss["max_growth"] <= 0.10 and rss["max_drop"] <= 0.10, results["memory"]
+
+
+# ------------------------------------------------------------------------------- secrets
+def test_the_api_key_appears_in_no_log(server) -> None:
+    """After every test above sent it (right, wrong and cut short): not in the server's output
+    nor in any of Ray's session logs (every replica's and the proxy's access logs)."""
+    if server["log"] is None:
+        pytest.skip("an external server: its logs are not ours to read")
+    logs = [server["log"], *Path("/tmp/ray/session_latest/logs").rglob("*")]
+    needle = API_KEY.encode()
+    read = 0
+    for path in logs:
+        if path.is_file():
+            data = path.read_bytes()
+            read += 1
+            assert needle not in data, f"the API key is in {path}"
+    assert read > 1, "no Ray log was found to check"
 
 
 # -------------------------------------------------------------------------------- network
