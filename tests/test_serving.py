@@ -81,8 +81,12 @@ def write_config(root: Path, target: Path, draft: Path) -> Path:
                       "draft_resources": small, "verifier_resources": small}},
             {"name": "spread", "route_prefix": "/spread",
              "import_path": "deployments.app:build_app",
-             "args": {"model_name": MODEL, **models, "session_affinity": False,
-                      "router_resources": small,
+             # the draft's batches wait 0.2 s for the sessions seen recently (half of them now
+             # on the other replica): calls sit accepted in the replica, so a frozen and killed
+             # draft replica certainly takes calls with it (its tiny forwards take ~ms)
+             "args": {"model_name": MODEL, "target": models["target"],
+                      "draft": {**models["draft"], "batch_wait_s": 0.2},
+                      "session_affinity": False, "router_resources": small,
                       "draft_resources": {**small, "min_replicas": 2, "max_replicas": 2},
                       "verifier_resources": {**small, "min_replicas": 2, "max_replicas": 2}}},
             {"name": "tp", "route_prefix": "/tp", "import_path": "deployments.app:build_app",
@@ -698,6 +702,7 @@ def test_the_api_key_appears_in_no_log(server) -> None:
             read += 1
             assert needle not in data, f"the API key is in {path}"
     assert read > 1, "no Ray log was found to check"
+    print(f"API key absent from {read} log files (server output and Ray's session logs)")
 
 
 # -------------------------------------------------------------------------------- network
