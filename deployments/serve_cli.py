@@ -140,6 +140,9 @@ def main(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
     start_local_ray(num_cpus=args.num_cpus, namespace="serve",
                     metrics_export_port=args.metrics_port)  # fmt: skip
+    # ray.init installs Ray's own SIGTERM handler (log a stack, abort): a SIGTERM (Kubernetes,
+    # systemd, kill) then killed this process mid-way and left Ray's agents running. Ours again.
+    signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
     try:
         client = serve_api.serve_start(
             http_options=schema.http_options.model_dump(),
