@@ -1,0 +1,16 @@
+"""Same seeds, same tokens: every method and decoder path decodes what main decoded before the
+layering refactor (tokens recorded by `python -m tests.golden_tokens`, see there)."""
+
+from __future__ import annotations
+
+import json
+
+from tests.golden_tokens import PATH, record
+
+
+def test_every_method_decodes_the_recorded_tokens() -> None:
+    expected = json.loads(PATH.read_text())
+    actual = json.loads(json.dumps(record(), sort_keys=True))
+    assert sorted(actual) == sorted(expected)
+    moved = [key for key in expected if actual[key] != expected[key]]
+    assert not moved, f"{len(moved)} of {len(expected)} recorded decodes changed: {moved[:5]}"
