@@ -1,6 +1,6 @@
 """`dsbd batch` throughput on the embedded pair: rows decoded together vs one at a time.
 
-The same 16 chat prompts (dsbd_core.prompts: the English and code evaluation prompts, seed =
+The same 16 chat prompts (dsbd_core.tools.prompts: the English and code evaluation prompts, seed =
 row index) go through the real job twice per round, `--batch-size 16` (one actor call decodes
 all rows, sharing every forward) and `--batch-size 1` (one row per call), one actor with one
 torch thread, on one local Ray started once; the order alternates per round.
@@ -24,8 +24,8 @@ from pathlib import Path
 import ray
 
 from deployments.local_ray import start_local_ray
-from dsbd_core.cli import main as dsbd
-from dsbd_core.prompts import EVAL_PROMPTS
+from dsbd.cli import main as dsbd
+from dsbd_core.tools.prompts import EVAL_PROMPTS
 
 
 def run(source: Path, out: Path, batch_size: int, max_new_tokens: int) -> dict:

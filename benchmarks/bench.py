@@ -1,4 +1,4 @@
-"""The benchmark harness, as a script: exactly `dsbd bench` (see dsbd_core/bench/ and
+"""The benchmark harness, as a script: exactly `dsbd bench` (see dsbd_core/tools/bench/ and
 benchmarks/README.md for what it measures and how to read the results).
 
     .venv/bin/python benchmarks/bench.py --pair smollm2 --quick
@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from dsbd_core.bench.cli import add_arguments, main
+from dsbd_core.tools.bench.cli import add_arguments, main
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(prog="benchmarks/bench.py", description=__doc__)

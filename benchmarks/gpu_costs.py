@@ -7,7 +7,8 @@ whatever device it is given, at the sizes of the paper's pairs (a 68M draft shap
 JackFram/llama-68m, a 7B target shaped like Llama-2-7B, bf16), with random weights: a forward's
 time depends on shapes, not on weight values.
 
-What is timed is the engine's own path, not an approximation: `Engine` (dsbd_core/engine.py)
+What is timed is the engine's own path, not an approximation: `Engine`
+(dsbd_core/algorithm/engine.py)
 decodes a random prompt of the given context length with `TransformerScorer`s over the two
 models, and a thin wrapper times every `ScoreCall` it makes (`set_roots` + `forward`, the KV
 compaction included), with a device synchronisation on both sides:
@@ -60,13 +61,13 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedModel
 
-from dsbd_core.bench.harness import DTYPES, git_info, machine_info, versions
-from dsbd_core.bench.methods import MethodNameError, parse_method
-from dsbd_core.config import SamplingConfig
-from dsbd_core.engine import Engine
-from dsbd_core.scorer import ForestLayer, ForestLogprobs, Origin
-from dsbd_core.theory.predictor import tokens_per_iteration
-from dsbd_core.transformer_scorer import TransformerScorer
+from dsbd_core.algorithm.config import SamplingConfig
+from dsbd_core.algorithm.engine import Engine
+from dsbd_core.algorithm.scorer import ForestLayer, ForestLogprobs, Roots
+from dsbd_core.models.transformer_scorer import TransformerScorer
+from dsbd_core.tools.bench.harness import DTYPES, git_info, machine_info, versions
+from dsbd_core.tools.bench.methods import MethodNameError, parse_method
+from dsbd_core.tools.theory.predictor import tokens_per_iteration
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
@@ -152,7 +153,7 @@ class Call:
 class TimedScorer:
     """A ForestScorer that times each engine `ScoreCall` (set_roots + forward) of another.
 
-    Why a wrapper and not `dsbd_core.bench.measure.measured`: that context samples RSS on a
+    Why a wrapper and not `dsbd_core.tools.bench.measure.measured`: that context samples RSS on a
     thread every 10 ms, which competes for the GIL inside millisecond, launch-bound GPU calls;
     here only a synchronisation and a clock read sit around each call. A pre-hook on the model
     records the input shape of each call, so the report shows what was timed (a beam step must
@@ -171,16 +172,10 @@ class TimedScorer:
     def vocab_size(self) -> int:
         return self.inner.vocab_size
 
-    def set_roots(
-        self,
-        tokens: torch.Tensor,
-        lengths: torch.Tensor,
-        alive: torch.Tensor,
-        origin: Origin | None,
-    ) -> None:
+    def set_roots(self, roots: Roots) -> None:
         synchronize(self.device)
         self._start = time.perf_counter()
-        self.inner.set_roots(tokens, lengths, alive, origin)
+        self.inner.set_roots(roots)
 
     def forward(self, layers: Sequence[ForestLayer]) -> ForestLogprobs:
         if self._start is None:

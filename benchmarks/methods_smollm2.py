@@ -23,7 +23,7 @@ import torch
 
 from dsbd_core import SamplingConfig, generate
 from dsbd_core.models import encode_prompt, load_causal_lm, stop_token_ids
-from dsbd_core.transformer_scorer import TransformerScorer
+from dsbd_core.models.transformer_scorer import TransformerScorer
 
 PROMPTS = [
     "Explain why the sky is blue in two sentences.",

@@ -37,9 +37,9 @@ import yaml
 from batching_smollm2 import PROMPTS  # benchmarks/ is on sys.path when run as a script
 
 from dsbd_core import SamplingConfig
-from dsbd_core.decoders import generate
+from dsbd_core.algorithm.decoders import generate
 from dsbd_core.models import encode_prompt, load_causal_lm, stop_token_ids
-from dsbd_core.transformer_scorer import TransformerScorer
+from dsbd_core.models.transformer_scorer import TransformerScorer
 
 REPO = Path(__file__).resolve().parent.parent
 

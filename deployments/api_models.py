@@ -15,8 +15,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 
-from dsbd_core.config import SamplingConfig
-from dsbd_core.decoders import METHODS
+from dsbd_core.algorithm.config import SamplingConfig
+from dsbd_core.algorithm.decoders import METHODS
 
 # SamplingConfig fields that OpenAI requests carry under their own names, or that the server fills.
 _OPENAI_NAMED = {"temperature", "top_p", "seed", "max_new_tokens", "eos_token_ids"}

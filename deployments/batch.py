@@ -33,7 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from deployments.batch_decoder import DecoderSettings, RowDefaults, check_n
 from deployments.batch_output import EXTENSIONS, OutputDir, OutputFormat
 from deployments.batch_rows import INPUT_SUFFIXES, InputRows, input_format, read_input
-from dsbd_core.decoders import METHODS, method_config
+from dsbd_core.algorithm.decoders import METHODS, method_config
 
 DEFAULT_TARGET = "smollm2"
 DEFAULT_DRAFT = "smollm2-draft"
@@ -58,7 +58,7 @@ class JobOptions(BaseModel):
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The batch flags besides SamplingConfig's (dsbd_core/cli.py adds those, as for generate)."""
+    """The batch flags besides SamplingConfig's (dsbd/cli.py adds those, as for generate)."""
     io = parser.add_argument_group("input and output")
     suffixes = ", ".join(INPUT_SUFFIXES)
     io.add_argument("--input", required=True, help=f"prompts file ({suffixes}); local or URI")
@@ -199,7 +199,7 @@ class _Job:
 
 def _plan(args: argparse.Namespace) -> _Job:
     """Everything checked and read before Ray starts; raises UsageError."""
-    from dsbd_core.cli import config_from_args
+    from dsbd.cli import config_from_args
 
     in_fmt = input_format(args.input)
     if in_fmt is None:

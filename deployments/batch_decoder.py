@@ -2,7 +2,8 @@
 
 Ray Data's actor pool (`map_batches(BatchDecoder, compute=ActorPoolStrategy(...))`) builds one
 `BatchDecoder` per actor; each call gets a batch of input rows (Arrow) and returns one output
-record per row. The rows of a batch are decoded together by `dsbd_core.lockstep`: every row
+record per row. The rows of a batch are decoded together by `dsbd_core.algorithm.lockstep`: every
+row
 keeps its own method, knobs and seed, and all rows share each iteration's draft and target
 forwards, so a row's result is exactly what `dsbd generate` decodes for it alone with its seed.
 
@@ -20,8 +21,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from deployments.batch_output import OUTPUT_SCHEMA, error_record
 from deployments.batch_rows import BatchRow, parse_row
-from dsbd_core.config import SamplingConfig
-from dsbd_core.decoders import method_config
+from dsbd_core.algorithm.config import SamplingConfig
+from dsbd_core.algorithm.decoders import method_config
 
 
 class RowDefaults(BaseModel):
@@ -84,9 +85,9 @@ class BatchDecoder:
         from transformers.utils import logging as hf_logging
 
         from deployments.model_replica import DTYPES
+        from dsbd_core.algorithm.session_batch import SessionBatcher
         from dsbd_core.models import check_same_vocabulary, load_causal_lm, stop_token_ids
-        from dsbd_core.session_batch import SessionBatcher
-        from dsbd_core.transformer_scorer import TransformerScorer
+        from dsbd_core.models.transformer_scorer import TransformerScorer
 
         self.settings = DecoderSettings.model_validate(settings)
         s = self.settings
@@ -108,7 +109,7 @@ class BatchDecoder:
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         """Decode a batch of `ROWS_SCHEMA` rows; one `OUTPUT_SCHEMA` record each."""
-        from dsbd_core.lockstep import decode_lockstep
+        from dsbd_core.algorithm.lockstep import decode_lockstep
 
         rows = batch.to_pylist()
         records: list[dict[str, Any] | None] = [None] * len(rows)
@@ -140,7 +141,7 @@ class BatchDecoder:
     # ----------------------------------------------------------------- rows
     def _request(self, text: str) -> tuple[Any, int | None]:
         """The validated decode request of a row's JSON, and how many beams it wants."""
-        from dsbd_core.lockstep import Request
+        from dsbd_core.algorithm.lockstep import Request
 
         row = parse_row(text)
         defaults = self.settings.defaults

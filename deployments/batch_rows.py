@@ -27,7 +27,7 @@ import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 
 from deployments.api_models import ChatMessage, Method
-from dsbd_core.config import SamplingConfig
+from dsbd_core.algorithm.config import SamplingConfig
 
 InputFormat = Literal["jsonl", "parquet"]
 INPUT_SUFFIXES: dict[str, InputFormat] = {

@@ -37,10 +37,10 @@ from deployments.messages import IterationCall, VerifyReply
 from deployments.observability import SessionObserver
 from deployments.tensor_parallel import TensorParallelBroken
 from deployments.width_policy import Knobs
-from dsbd_core.config import SamplingConfig
-from dsbd_core.engine import DecodeState, Engine
-from dsbd_core.result import DecodeResult
-from dsbd_core.scorer import RemoteModel
+from dsbd_core.algorithm.config import SamplingConfig
+from dsbd_core.algorithm.engine import DecodeState, Engine
+from dsbd_core.algorithm.result import DecodeResult
+from dsbd_core.algorithm.scorer import RemoteModel
 
 
 @dataclass

@@ -14,9 +14,9 @@ from ray import serve
 from deployments.messages import DraftReply, IterationCall
 from deployments.model_replica import ModelReplica
 from deployments.tracing import DRAFT, forest_attributes
-from dsbd_core.engine import Engine, Forest
-from dsbd_core.scorer import RemoteModel
-from dsbd_core.session_batch import Job
+from dsbd_core.algorithm.engine import Engine, Forest
+from dsbd_core.algorithm.scorer import RemoteModel
+from dsbd_core.algorithm.session_batch import Job
 
 
 @serve.deployment(name="Draft", max_ongoing_requests=64)

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from dsbd_core.config import SamplingConfig
-from dsbd_core.engine import DecodeState, Forest, Outcome
-from dsbd_core.session_batch import BatchReport
+from dsbd_core.algorithm.config import SamplingConfig
+from dsbd_core.algorithm.engine import DecodeState, Forest, Outcome
+from dsbd_core.algorithm.session_batch import BatchReport
 
 
 @dataclass

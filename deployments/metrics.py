@@ -35,7 +35,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from dsbd_core.engine import Outcome
+from dsbd_core.algorithm.engine import Outcome
 
 NUM_DRAFTS = "dsbd_spec_decode_num_drafts"
 NUM_DRAFT_TOKENS = "dsbd_spec_decode_num_draft_tokens"

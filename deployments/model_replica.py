@@ -26,10 +26,10 @@ from pydantic import BaseModel, ConfigDict, Field
 from deployments.continuous_batch import ContinuousBatcher
 from deployments.messages import IterationCall, SideReport
 from deployments.tracing import BatchSpans, replica_id
+from dsbd_core.algorithm.session_batch import Job, SessionBatcher
 from dsbd_core.models import load_causal_lm
-from dsbd_core.session_batch import Job, SessionBatcher
-from dsbd_core.tensor_parallel import INIT_TIMEOUT_S
-from dsbd_core.transformer_scorer import TransformerScorer
+from dsbd_core.models.tensor_parallel import INIT_TIMEOUT_S
+from dsbd_core.models.transformer_scorer import TransformerScorer
 
 _ACTIVE_S = 1.0  # a session with a call this recent is expected to call again soon
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}

@@ -52,10 +52,10 @@ from deployments.decode_session import (
     committed_tokens,
 )
 from deployments.observability import RequestObserver, note_method
-from dsbd_core.config import SamplingConfig, config_error_message
-from dsbd_core.decoders import METHODS_WITH_DRAFT, method_config
+from dsbd_core.algorithm.config import SamplingConfig, config_error_message
+from dsbd_core.algorithm.decoders import METHODS_WITH_DRAFT, method_config
+from dsbd_core.algorithm.result import Beam, DecodeResult
 from dsbd_core.models import load_tokenizer
-from dsbd_core.result import Beam, DecodeResult
 
 
 class Limits(BaseModel):

@@ -22,7 +22,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from dsbd_core.config import config_error_message
+from dsbd_core.algorithm.config import config_error_message
 
 DEFAULT_IMPORT_PATH = "deployments.app:build_app"
 
@@ -106,7 +106,7 @@ def prepare_models(schema: Any) -> None:
     """Convert preset / GGUF models once, here, instead of in every replica at once."""
     from deployments.app import AppArgs
     from dsbd_core.models import ModelSourceError, resolve_source
-    from dsbd_core.tensor_parallel import TensorParallelError, check_split, model_config
+    from dsbd_core.models.tensor_parallel import TensorParallelError, check_split, model_config
 
     for app in schema.applications:
         if app.import_path != DEFAULT_IMPORT_PATH:

@@ -13,7 +13,7 @@ GPU at all, a cuda rank uses exactly the GPU Ray reserved for it.
 
 `TensorParallelScorer` is the replica's scorer (what `SessionBatcher` drives): every call goes
 to all ranks in the same order (each actor runs its calls one at a time, in submission order),
-each rank runs it SPMD on its shard (`dsbd_core.tensor_parallel.ShardedScorer`), and rank 0's
+each rank runs it SPMD on its shard (`dsbd_core.models.tensor_parallel.ShardedScorer`), and rank 0's
 result comes back. Session caches never leave the ranks; the batcher stores `SessionHandle`s.
 
 Failure: a rank that dies or errs leaves the others blocked in a collective (or out of step),
@@ -45,7 +45,7 @@ from ray.util.placement_group import (
 )
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from dsbd_core.tensor_parallel import (
+from dsbd_core.models.tensor_parallel import (
     INIT_TIMEOUT_S,
     ShardedScorer,
     check_split,
@@ -246,8 +246,8 @@ class TensorParallelScorer:
 
     # ------------------------------------------------------------------ SessionScorer API
 
-    def set_roots(self, tokens: Any, lengths: Any, alive: Any, origin: Any) -> None:
-        self._call("set_roots", tokens, lengths, alive, origin)
+    def set_roots(self, roots: Any) -> None:
+        self._call("set_roots", roots)
 
     def forward(self, layers: Any) -> Any:
         out = self._call("forward", list(layers))

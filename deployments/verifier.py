@@ -16,9 +16,9 @@ from deployments.messages import DraftReply, IterationCall, VerifyReply
 from deployments.metrics import IterationSample
 from deployments.model_replica import ModelReplica
 from deployments.tracing import VERIFIER
-from dsbd_core.engine import Engine, Forest, Outcome
-from dsbd_core.scorer import RemoteModel
-from dsbd_core.session_batch import Job
+from dsbd_core.algorithm.engine import Engine, Forest, Outcome
+from dsbd_core.algorithm.scorer import RemoteModel
+from dsbd_core.algorithm.session_batch import Job
 
 _NO_FOREST = Forest([], [], [])
 

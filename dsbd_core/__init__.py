@@ -3,11 +3,11 @@
 Pure torch (+ transformers for real models); knows nothing of Ray.
 """
 
-from dsbd_core.config import SamplingConfig, config_error_message
-from dsbd_core.decoders import METHODS, generate, generate_batch
-from dsbd_core.result import Beam, DecodeResult, DecodeStats
-from dsbd_core.scorer import ForestLayer, ForestLogprobs, ForestScorer, Origin
-from dsbd_core.table_scorer import TableScorer
+from dsbd_core.algorithm.config import SamplingConfig, config_error_message
+from dsbd_core.algorithm.decoders import METHODS, generate, generate_batch
+from dsbd_core.algorithm.result import Beam, DecodeResult, DecodeStats
+from dsbd_core.algorithm.scorer import ForestLayer, ForestLogprobs, ForestScorer, Origin
+from dsbd_core.algorithm.table_scorer import TableScorer
 
 __all__ = [
     "METHODS",

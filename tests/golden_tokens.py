@@ -34,8 +34,7 @@ CASES: list[tuple[str, str, dict[str, Any]]] = [
     ("dsbd-t0.7-w3-g3", "dsbd", {"width": 3, "gamma": 3, "threshold": 0.7}),
     ("dsbd-t0.9-ws5", "dsbd", {"width": 3, "draft_width": 5, "gamma": 2, "threshold": 0.9}),
     ("dsbd-lean", "dsbd", {"width": 3, "gamma": 3, "threshold": 0.7, "lean_memory": True}),
-    ("dsbd-repl", "dsbd", {"width": 2, "gamma": 2, "threshold": None,
-                           "mode": "with_replacement"}),
+    ("dsbd-repl", "dsbd", {"width": 2, "gamma": 2, "threshold": None, "mode": "with_replacement"}),
     ("dsbd-topp", "dsbd", {"width": 3, "gamma": 2, "threshold": 0.6, "top_p": 0.9}),
     ("dsbd-eps", "dsbd", {"width": 3, "gamma": 2, "threshold": None, "epsilon": 0.1}),
 ]
@@ -71,7 +70,7 @@ def _llama_models() -> tuple[torch.nn.Module, torch.nn.Module]:
 
 
 def _llama_pair() -> tuple[Any, Any]:
-    from dsbd_core.transformer_scorer import TransformerScorer
+    from dsbd_core.models.transformer_scorer import TransformerScorer
 
     target, draft = _llama_models()
     return TransformerScorer(target), TransformerScorer(draft)

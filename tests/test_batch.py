@@ -28,11 +28,11 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from dsbd.cli import main
 from dsbd_core import SamplingConfig
-from dsbd_core.cli import main
-from dsbd_core.decoders import METHODS_WITH_DRAFT, generate
+from dsbd_core.algorithm.decoders import METHODS_WITH_DRAFT, generate
 from dsbd_core.models import encode_prompt, load_causal_lm, stop_token_ids
-from dsbd_core.transformer_scorer import TransformerScorer
+from dsbd_core.models.transformer_scorer import TransformerScorer
 
 from .test_serving import leftovers
 from .tiny_models import build_pair
@@ -142,9 +142,10 @@ def check_records(
 
 
 def test_lockstep_requests_decode_as_alone_and_fail_alone(pair) -> None:
-    """dsbd_core.lockstep without Ray: own method, knobs and seed per request, shared forwards."""
-    from dsbd_core.lockstep import Request, decode_lockstep
-    from dsbd_core.session_batch import SessionBatcher
+    """dsbd_core.algorithm.lockstep without Ray: own method, knobs and seed per request, shared
+    forwards."""
+    from dsbd_core.algorithm.lockstep import Request, decode_lockstep
+    from dsbd_core.algorithm.session_batch import SessionBatcher
 
     target, draft = pair["target"], pair["draft"]
     stops = stop_token_ids(target)
@@ -193,7 +194,7 @@ def test_jsonl_job_through_the_cli_decodes_every_row_as_alone(pair, tmp_path: Pa
     out = tmp_path / "out.jsonl"
     command = [str(REPO / ".venv/bin/dsbd")]
     if not Path(command[0]).exists():
-        command = [sys.executable, "-m", "dsbd_core.cli"]
+        command = [sys.executable, "-m", "dsbd"]
     command += ["batch", "--input", str(source), "--output", str(out), "--ray-num-cpus", "2",
                 *pair["flags"]]  # fmt: skip
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,

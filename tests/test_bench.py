@@ -10,17 +10,17 @@ from pathlib import Path
 
 import pytest
 
-from dsbd_core.bench.harness import ResumeMismatchError, rebuild_report, run_bench
-from dsbd_core.bench.humaneval import (
+from dsbd.cli import main as dsbd_main
+from dsbd_core.tools.bench.harness import ResumeMismatchError, rebuild_report, run_bench
+from dsbd_core.tools.bench.humaneval import (
     check_completion,
     namespaces_available,
     run_program,
     truncate_completion,
 )
-from dsbd_core.bench.methods import MethodNameError, parse_method, parse_methods
-from dsbd_core.bench.quality import paired_bootstrap, ratio_bootstrap
-from dsbd_core.bench.schema import BenchConfig, BenchResult, MethodRecord
-from dsbd_core.cli import main as dsbd_main
+from dsbd_core.tools.bench.methods import MethodNameError, parse_method, parse_methods
+from dsbd_core.tools.bench.quality import paired_bootstrap, ratio_bootstrap
+from dsbd_core.tools.bench.schema import BenchConfig, BenchResult, MethodRecord
 from tests.tiny_models import build_pair
 
 METHODS = [

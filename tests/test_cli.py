@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from dsbd_core.cli import build_parser, config_from_args, main
-from dsbd_core.config import SamplingConfig
+from dsbd.cli import build_parser, config_from_args, main
+from dsbd_core.algorithm.config import SamplingConfig
 from tests.test_models import save_tiny_model, tiny_tokens
 
 

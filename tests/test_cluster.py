@@ -350,7 +350,7 @@ def test_vm_cluster_nodes_cover_tp_size_and_the_replica_maxima(app_args: Any) ->
 
 
 def test_batch_rayjob_runs_dsbd_batch_on_its_gpus() -> None:
-    from dsbd_core.cli import build_parser
+    from dsbd.cli import build_parser
 
     job = load("rayjob-batch.yaml")
     argv = shlex.split(job["spec"]["entrypoint"])

@@ -17,8 +17,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from dsbd_core.cli import main
-from dsbd_core.distill import (
+from dsbd.cli import main
+from dsbd_core.models import LoadedModel, load_causal_lm
+from dsbd_core.tools.distill import (
     CacheConfig,
     CachePlan,
     DraftSpec,
@@ -30,8 +31,7 @@ from dsbd_core.distill import (
     load_heldout,
     train,
 )
-from dsbd_core.models import LoadedModel, load_causal_lm
-from dsbd_core.prompts import Prompt
+from dsbd_core.tools.prompts import Prompt
 from tests.test_models import save_tiny_model, tiny_tokens
 
 torch.set_num_threads(1)

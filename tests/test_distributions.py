@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from dsbd_core.distributions import draw_distinct, joint_filter, residual
+from dsbd_core.algorithm.distributions import draw_distinct, joint_filter, residual
 
 from .exact_reference import assert_matches
 

@@ -101,9 +101,9 @@ def test_lean_memory_keeps_one_beam_between_iterations() -> None:
     kept_rows = []
     original = target.set_roots
 
-    def spy(tokens, lengths, alive, origin):
-        kept_rows.append(int(alive.sum(dim=1).max()))
-        return original(tokens, lengths, alive, origin)
+    def spy(roots):
+        kept_rows.append(int(roots.alive.sum(dim=1).max()))
+        return original(roots)
 
     target.set_roots = spy  # type: ignore[method-assign]
     r = generate("dsbd", target, [1, 2], cfg, draft)

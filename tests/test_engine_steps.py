@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from dsbd_core import SamplingConfig, TableScorer
-from dsbd_core.engine import Engine, Forest, Outcome
+from dsbd_core.algorithm.engine import Engine, Forest, Outcome
 
 from .exact_reference import random_table
 

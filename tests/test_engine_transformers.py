@@ -10,8 +10,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from dsbd_core import ForestLayer, ForestLogprobs, Origin, SamplingConfig, generate_batch
-from dsbd_core.transformer_scorer import TransformerScorer
+from dsbd_core import ForestLayer, ForestLogprobs, SamplingConfig, generate_batch
+from dsbd_core.algorithm.scorer import Roots
+from dsbd_core.models.transformer_scorer import TransformerScorer
 
 VOCAB = 16
 
@@ -43,7 +44,8 @@ class RecomputeScorer:
     def vocab_size(self) -> int:
         return VOCAB
 
-    def set_roots(self, tokens, lengths, alive, origin: Origin | None) -> None:
+    def set_roots(self, roots: Roots) -> None:
+        tokens, lengths, alive = roots.tokens, roots.lengths, roots.alive
         self.sequences = [
             [tokens[b, r, : lengths[b]].tolist() if alive[b, r] else None
              for r in range(tokens.shape[1])]

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from dsbd.cli import main
 from dsbd_core import models
-from dsbd_core.cli import main
 from dsbd_core.models import ChunkedWeights, ModelSourceError, install_preset, load_causal_lm
 
 PREFIX = "dsbd-fake-chunk-part"

@@ -16,6 +16,7 @@ from tokenizers.models import WordLevel
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from dsbd_core import models
+from dsbd_core.models import loading
 from dsbd_core.models import (
     LoadedModel,
     ModelSourceError,
@@ -143,7 +144,7 @@ def test_cache_build_is_atomic(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) 
         raise RuntimeError("conversion failed")
 
     with pytest.raises(RuntimeError):
-        models._cached("thing", failing)
+        loading._cached("thing", failing)
     assert list(tmp_path.iterdir()) == []
 
     calls = []
@@ -152,8 +153,8 @@ def test_cache_build_is_atomic(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) 
         calls.append(out)
         (out / "done").write_text("ok")
 
-    first = models._cached("thing", build)
-    assert models._cached("thing", build) == first == tmp_path / "thing"
+    first = loading._cached("thing", build)
+    assert loading._cached("thing", build) == first == tmp_path / "thing"
     assert len(calls) == 1 and (first / "done").read_text() == "ok"
     assert [p.name for p in tmp_path.iterdir()] == ["thing"]
 

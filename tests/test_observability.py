@@ -49,10 +49,10 @@ from deployments.decode_session import accepted_per_position
 from deployments.messages import IterationCall, SideReport
 from deployments.metrics import METRIC_NAMES, IterationSample, prometheus_name
 from dsbd_core import SamplingConfig
-from dsbd_core.engine import Engine
+from dsbd_core.algorithm.engine import Engine
+from dsbd_core.algorithm.session_batch import BatchReport
 from dsbd_core.models import load_causal_lm, load_tokenizer
-from dsbd_core.session_batch import BatchReport
-from dsbd_core.transformer_scorer import TransformerScorer
+from dsbd_core.models.transformer_scorer import TransformerScorer
 
 from .test_serving import REPO, _free_port, stop
 from .tiny_models import build_pair
@@ -150,7 +150,7 @@ def observed(tmp_path_factory: pytest.TempPathFactory):
     command = [str(REPO / ".venv/bin/dsbd"), "serve", "--config", str(root / "serve.yaml"),
                "--port", str(port), "--num-cpus", "4", "--ready-file", str(ready)]  # fmt: skip
     if not Path(command[0]).exists():
-        command[0:1] = [sys.executable, "-m", "dsbd_core.cli"]
+        command[0:1] = [sys.executable, "-m", "dsbd"]
     log = (root / "server.log").open("w")
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env,
                                start_new_session=True)  # fmt: skip

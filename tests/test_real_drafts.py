@@ -10,8 +10,8 @@ import json
 
 import pytest
 
+from dsbd.cli import main
 from dsbd_core import models
-from dsbd_core.cli import main
 
 pytestmark = pytest.mark.real_model
 

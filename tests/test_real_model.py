@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from dsbd_core.cli import main
+from dsbd.cli import main
 
 pytestmark = pytest.mark.real_model
 

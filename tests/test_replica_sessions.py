@@ -21,8 +21,8 @@ from deployments.model_replica import SessionReleased
 from deployments.width_controller import WidthController
 from deployments.width_policy import Knobs
 from dsbd_core import SamplingConfig
-from dsbd_core.engine import Engine
-from dsbd_core.scorer import RemoteModel
+from dsbd_core.algorithm.engine import Engine
+from dsbd_core.algorithm.scorer import RemoteModel
 
 from .tiny_models import build_pair
 

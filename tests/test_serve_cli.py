@@ -29,7 +29,7 @@ from .tiny_models import build_pair
 from .tp_harness import save_tiny
 
 REPO = Path(__file__).parent.parent
-DSBD = [sys.executable, "-m", "dsbd_core.cli"]
+DSBD = [sys.executable, "-m", "dsbd"]
 
 
 def test_the_shipped_serve_config_is_valid_and_matches_the_defaults() -> None:

@@ -39,9 +39,9 @@ import torch
 import yaml
 
 from dsbd_core import SamplingConfig
-from dsbd_core.decoders import METHODS_WITH_DRAFT, generate
+from dsbd_core.algorithm.decoders import METHODS_WITH_DRAFT, generate
 from dsbd_core.models import load_causal_lm, load_tokenizer
-from dsbd_core.transformer_scorer import TransformerScorer
+from dsbd_core.models.transformer_scorer import TransformerScorer
 
 from .test_local_ray import is_loopback, peers
 from .tiny_models import build_pair
@@ -122,7 +122,7 @@ def server(tmp_path_factory: pytest.TempPathFactory):
     command = [str(REPO / ".venv/bin/dsbd"), "serve", "--config", str(root / "serve.yaml"),
                "--port", str(port), "--num-cpus", "8", "--ready-file", str(ready)]  # fmt: skip
     if not Path(command[0]).exists():
-        command[0:1] = [sys.executable, "-m", "dsbd_core.cli"]
+        command[0:1] = [sys.executable, "-m", "dsbd"]
     trace = root / "trace"
     trace.mkdir()
     traced = shutil.which("strace") is not None

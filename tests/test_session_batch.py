@@ -12,10 +12,10 @@ from __future__ import annotations
 import torch
 
 from dsbd_core import SamplingConfig
-from dsbd_core.engine import Engine
-from dsbd_core.scorer import RemoteModel
-from dsbd_core.session_batch import Job, SessionBatcher
-from dsbd_core.transformer_scorer import TransformerScorer
+from dsbd_core.algorithm.engine import Engine
+from dsbd_core.algorithm.scorer import RemoteModel
+from dsbd_core.algorithm.session_batch import Job, SessionBatcher
+from dsbd_core.models.transformer_scorer import TransformerScorer
 
 from .test_engine_transformers import VOCAB, tiny
 

@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from dsbd_core.algorithm.scorer import Roots
 from dsbd_core.models import resolve_source
-from dsbd_core.tensor_parallel import (
+from dsbd_core.models.tensor_parallel import (
     ShardedScorer,
     TensorParallelError,
     check_split,
@@ -37,7 +38,7 @@ def test_tp2_forest_logits_equal_tp1(arch: str, tmp_path: Path) -> None:
     model_dir = save_tiny(arch, tmp_path / "target")
     draft_dir = save_tiny(arch, tmp_path / "draft", seed=4)
     script, want = record_decode(model_dir, draft_dir)
-    assert any(kind == "set_roots" and args[3] is not None for kind, args in script)
+    assert any(kind == "set_roots" and args[0].origin is not None for kind, args in script)
     got = run_on_ranks(2, model_dir, script, tmp_path)
     assert max_difference(got, want) < 1e-5
 
@@ -83,8 +84,8 @@ def test_handles_keep_caches_on_the_rank_until_discarded(tmp_path: Path) -> None
     model_dir = save_tiny("llama", tmp_path / "m")
     scorer = ShardedScorer(load_sharded(model_dir, dtype=torch.float32))
     tokens = torch.tensor([[[1, 2, 3], [4, 5, 6]], [[7, 8, 0], [0, 0, 0]]])
-    scorer.set_roots(tokens, torch.tensor([3, 2]), torch.tensor([[True, True], [True, False]]),
-                     None)  # fmt: skip
+    scorer.set_roots(Roots(tokens, torch.tensor([3, 2]),
+                           torch.tensor([[True, True], [True, False]]), None))  # fmt: skip
     first = scorer.forward([])
     handles = scorer.export_sessions()
     assert [type(h).__name__ for h in handles] == ["SessionHandle", "SessionHandle"]
@@ -93,8 +94,8 @@ def test_handles_keep_caches_on_the_rank_until_discarded(tmp_path: Path) -> None
     assert scorer.stored == 1
     scorer.import_sessions([handles[0], None])
     assert scorer.stored == 0
-    scorer.set_roots(tokens, torch.tensor([3, 2]), torch.tensor([[True, True], [True, False]]),
-                     None)  # fmt: skip
+    scorer.set_roots(Roots(tokens, torch.tensor([3, 2]),
+                           torch.tensor([[True, True], [True, False]]), None))  # fmt: skip
     again = scorer.forward([])
     assert torch.allclose(again.roots, first.roots, atol=1e-6)
 

@@ -1,7 +1,8 @@
 """The ε over-acceptance knob in the product (sd-theory spec §5.4, §9.3 item 6).
 
-Measured through the real verifier (`dsbd_core.verify.verify_layer`, one beam) and compared with
-the closed forms of `dsbd_core.theory.overaccept`: rejection `Σ (Q - P - ε)_+`, least bias
+Measured through the real verifier (`dsbd_core.algorithm.verify.verify_layer`, one beam) and
+compared with
+the closed forms of `dsbd_core.tools.theory.overaccept`: rejection `Σ (Q - P - ε)_+`, least bias
 `Σ min(ε, (Q - P)_+)` and Decoding-OPT's output law (target P, draft Q). Then the engine: ε = 0
 reports no bias, ε > 0 accepts more, reports a bias bound, and the bias it really introduces
 stays below that bound. (ε = 0 exactness itself is the unchanged tests/test_exactness.py.)
@@ -14,12 +15,12 @@ import pytest
 import torch
 from pydantic import ValidationError
 
+from dsbd.cli import build_parser, config_from_args
 from dsbd_core import SamplingConfig, TableScorer, config_error_message, generate_batch
-from dsbd_core.cli import build_parser, config_from_args
-from dsbd_core.distributions import draw_distinct, draw_with_replacement
-from dsbd_core.theory import overaccept_bias, overaccept_layer, overaccept_rejection
-from dsbd_core.theory.overaccept import overaccept_step_law
-from dsbd_core.verify import fill_failed_layer, verify_layer
+from dsbd_core.algorithm.distributions import draw_distinct, draw_with_replacement
+from dsbd_core.algorithm.verify import fill_failed_layer, verify_layer
+from dsbd_core.tools.theory import overaccept_bias, overaccept_layer, overaccept_rejection
+from dsbd_core.tools.theory.overaccept import overaccept_step_law
 
 from .exact_reference import TableLM, assert_matches, multinomial_outcomes, null_tv_quantile
 from .exact_reference import tv as dict_tv

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from dsbd_core.cli import build_parser, main
+from dsbd.cli import build_parser, main
 
 PLOTS = {
     "sd_rejections.png",

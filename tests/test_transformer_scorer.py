@@ -15,8 +15,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from dsbd_core.scorer import ForestLayer, ForestScorer, Origin
-from dsbd_core.transformer_scorer import TransformerScorer
+from dsbd_core.algorithm.scorer import ForestLayer, ForestScorer, Origin
+from dsbd_core.algorithm.scorer import Roots as ForestRoots
+from dsbd_core.models.transformer_scorer import TransformerScorer
 
 torch.set_num_threads(1)
 
@@ -204,7 +205,7 @@ def test_forest_pass_equals_each_path(arch: str, attn: str) -> None:
     model = get_model(arch, attn)
     roots, layers = standard_case(seed=1)
     scorer = TransformerScorer(model)
-    scorer.set_roots(roots.tokens, roots.lengths, roots.alive, None)
+    scorer.set_roots(ForestRoots(roots.tokens, roots.lengths, roots.alive, None))
     out = scorer.forward(layers)
     assert out.roots is not None and out.roots.dtype == torch.float64
     assert [x.shape for x in out.layers] == [(2, 5, VOCAB)] * 3
@@ -219,7 +220,7 @@ def test_padding_never_leaks() -> None:
     model = get_model("qwen2")
     roots, layers = standard_case(seed=2)
     base = TransformerScorer(model)
-    base.set_roots(roots.tokens, roots.lengths, roots.alive, None)
+    base.set_roots(ForestRoots(roots.tokens, roots.lengths, roots.alive, None))
     expected = base.forward(layers)
 
     gen = torch.Generator().manual_seed(7)
@@ -237,7 +238,7 @@ def test_padding_never_leaks() -> None:
         noisy_layers.append(ForestLayer(layer.parent, token, layer.exists))
 
     other = TransformerScorer(model)
-    other.set_roots(noisy_tokens, roots.lengths, roots.alive, None)
+    other.set_roots(ForestRoots(noisy_tokens, roots.lengths, roots.alive, None))
     got = other.forward(noisy_layers)
     assert got.roots is not None and expected.roots is not None
     assert torch.equal(got.roots[roots.alive], expected.roots[roots.alive])
@@ -250,11 +251,11 @@ def test_draft_style_equals_target_style(arch: str) -> None:
     model = get_model(arch)
     roots, layers = standard_case(seed=3)
     target = TransformerScorer(model)
-    target.set_roots(roots.tokens, roots.lengths, roots.alive, None)
+    target.set_roots(ForestRoots(roots.tokens, roots.lengths, roots.alive, None))
     expected = target.forward(layers)
 
     draft = TransformerScorer(model)
-    draft.set_roots(roots.tokens, roots.lengths, roots.alive, None)
+    draft.set_roots(ForestRoots(roots.tokens, roots.lengths, roots.alive, None))
     first = draft.forward([])
     assert first.roots is not None and first.layers == []
     assert expected.roots is not None
@@ -294,7 +295,7 @@ def run_iteration(
     origin: Origin | None,
     style: str,
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    scorer.set_roots(roots.tokens, roots.lengths, roots.alive, origin)
+    scorer.set_roots(ForestRoots(roots.tokens, roots.lengths, roots.alive, origin))
     return feed(scorer, layers, style)
 
 
@@ -394,7 +395,7 @@ def test_compaction_keeps_accepted_paths(style: str) -> None:
     run_iteration(scorer, roots, layers, None, style)
 
     new_roots, origin = grow(roots, layers, compaction_picks(layers))
-    scorer.set_roots(new_roots.tokens, new_roots.lengths, new_roots.alive, origin)
+    scorer.set_roots(ForestRoots(new_roots.tokens, new_roots.lengths, new_roots.alive, origin))
     fed_depth = 3 if style == "target" else 2  # the draft never feeds the last layer
     old = roots.lengths.tolist()
     expect_kept = [old[0] + fed_depth, old[1], old[2] + 2]
@@ -423,14 +424,14 @@ def test_mismatching_origin_reprefills(lie: str) -> None:
         wrong_root = 0
     assert not torch.equal(roots.tokens[1, wrong_root, :6], roots.tokens[1, origin.root[1, 0], :6])
     origin.root[1] = wrong_root
-    scorer.set_roots(new_roots.tokens, new_roots.lengths, new_roots.alive, origin)
+    scorer.set_roots(ForestRoots(new_roots.tokens, new_roots.lengths, new_roots.alive, origin))
     old = roots.lengths.tolist()
     assert check_cache_matches_prefill(model, scorer, new_roots, [old[0] + 3, 0, old[2] + 2]) < TOL
     out = scorer.forward([])
     assert check_forest(model, new_roots, [], out.roots, []) < TOL
 
     # No origin at all: every session is prefilled again, still exact.
-    scorer.set_roots(new_roots.tokens, new_roots.lengths, new_roots.alive, None)
+    scorer.set_roots(ForestRoots(new_roots.tokens, new_roots.lengths, new_roots.alive, None))
     assert check_cache_matches_prefill(model, scorer, new_roots, [0, 0, 0]) == 0.0
     out = scorer.forward([])
     assert check_forest(model, new_roots, [], out.roots, []) < TOL
@@ -451,7 +452,7 @@ def test_path_through_wrong_tree_is_cut() -> None:
     # Beam claims root 0 but its layer-2 node (index 1) lives in tree 1: keep only layer 1.
     new_roots, origin = grow(roots, layers, [[(0, [0, 0], 2)]])
     origin.path[0, 0, 1] = 1
-    scorer.set_roots(new_roots.tokens, new_roots.lengths, new_roots.alive, origin)
+    scorer.set_roots(ForestRoots(new_roots.tokens, new_roots.lengths, new_roots.alive, origin))
     assert check_cache_matches_prefill(model, scorer, new_roots, [6]) < TOL
     out = scorer.forward([])
     assert check_forest(model, new_roots, [], out.roots, []) < TOL
@@ -470,7 +471,7 @@ def test_path_not_descending_from_previous_node_is_cut() -> None:
     run_iteration(scorer, roots, layers, None, "target")
     new_roots, origin = grow(roots, layers, [[(0, [0, 0], 2)]])
     origin.path[0, 0, 1] = 1  # node 1 of layer 2 has token 7 too, but its parent is B (token 4)
-    scorer.set_roots(new_roots.tokens, new_roots.lengths, new_roots.alive, origin)
+    scorer.set_roots(ForestRoots(new_roots.tokens, new_roots.lengths, new_roots.alive, origin))
     assert check_cache_matches_prefill(model, scorer, new_roots, [6]) < TOL
     out = scorer.forward([])
     assert check_forest(model, new_roots, [], out.roots, []) < TOL
@@ -485,7 +486,7 @@ def test_same_roots_again_keep_all_but_last_token() -> None:
     scorer = TransformerScorer(model)
     run_iteration(scorer, roots, layers, None, "target")
     origin = Origin(torch.tensor([[0, 1], [0, 0]]), torch.full((2, 2, 2), -1, dtype=torch.long))
-    scorer.set_roots(roots.tokens, roots.lengths, roots.alive, origin)
+    scorer.set_roots(ForestRoots(roots.tokens, roots.lengths, roots.alive, origin))
     assert check_cache_matches_prefill(model, scorer, roots, [4, 6]) < TOL
     out = scorer.forward(layers)
     assert check_forest(model, roots, layers, out.roots, out.layers) < TOL
@@ -527,7 +528,7 @@ def test_several_iterations_stay_exact(style: str) -> None:
     expect_kept = [0, 0]
     worst = 0.0
     for _ in range(5):
-        scorer.set_roots(roots.tokens, roots.lengths, roots.alive, origin)
+        scorer.set_roots(ForestRoots(roots.tokens, roots.lengths, roots.alive, origin))
         for b in range(2):  # compaction really reused the cache (no silent re-prefill)
             kept = expect_kept[b] if bool(roots.alive[b].any()) else 0
             assert scorer.session_cache(b)[1].shape[1] == kept
@@ -556,7 +557,7 @@ def test_dead_session_costs_nothing() -> None:
     for layer in layers:
         layer.exists[1] = False
     scorer = TransformerScorer(model)
-    scorer.set_roots(roots.tokens, roots.lengths, roots.alive, None)
+    scorer.set_roots(ForestRoots(roots.tokens, roots.lengths, roots.alive, None))
     out = scorer.forward(layers)
     assert scorer.forward_calls == 1
     assert torch.all(out.roots[1] == 0)

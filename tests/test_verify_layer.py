@@ -11,8 +11,8 @@ import itertools
 import pytest
 import torch
 
-from dsbd_core.distributions import draw_distinct, draw_with_replacement
-from dsbd_core.verify import fill_failed_layer, verify_layer
+from dsbd_core.algorithm.distributions import draw_distinct, draw_with_replacement
+from dsbd_core.algorithm.verify import fill_failed_layer, verify_layer
 
 from .exact_reference import assert_matches
 

@@ -2,7 +2,7 @@
 
 import torch
 
-from dsbd_core.width import (
+from dsbd_core.algorithm.width import (
     acceptance_alphas,
     acceptance_count_distribution,
     layer_width,

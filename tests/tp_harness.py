@@ -21,15 +21,15 @@ import torch.multiprocessing as mp
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from dsbd_core import SamplingConfig, generate_batch
-from dsbd_core.scorer import ForestLayer, ForestLogprobs, Origin
-from dsbd_core.tensor_parallel import (
+from dsbd_core.algorithm.scorer import ForestLayer, ForestLogprobs, Roots
+from dsbd_core.models.tensor_parallel import (
     INIT_TIMEOUT_S,
     ShardedScorer,
     init_group,
     load_sharded,
     shard_devices,
 )
-from dsbd_core.transformer_scorer import TransformerScorer
+from dsbd_core.models.transformer_scorer import TransformerScorer
 
 Script = list[tuple[str, Any]]
 
@@ -46,15 +46,12 @@ class RecordingScorer:
     def vocab_size(self) -> int:
         return self.inner.vocab_size
 
-    def set_roots(
-        self, tokens: torch.Tensor, lengths: torch.Tensor, alive: torch.Tensor,
-        origin: Origin | None,
-    ) -> None:  # fmt: skip
+    def set_roots(self, roots: Roots) -> None:
         if self.round_trip:  # the caches leave the scorer and come back, as in a replica
             self.script.append(("round_trip", None))
             self.inner.import_sessions(self.inner.export_sessions())
-        self.script.append(("set_roots", copy.deepcopy((tokens, lengths, alive, origin))))
-        self.inner.set_roots(tokens, lengths, alive, origin)
+        self.script.append(("set_roots", copy.deepcopy((roots,))))
+        self.inner.set_roots(roots)
 
     def forward(self, layers: Sequence[ForestLayer]) -> ForestLogprobs:
         out = self.inner.forward(layers)

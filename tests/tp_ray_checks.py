@@ -34,7 +34,7 @@ def main(work: Path) -> dict:
 
     from deployments.local_ray import start_local_ray, stop_local_ray
     from deployments.tensor_parallel import TensorParallelBroken, TensorParallelScorer
-    from dsbd_core.tensor_parallel import TensorParallelError
+    from dsbd_core.models.tensor_parallel import TensorParallelError
 
     start_local_ray(num_cpus=4)
     result: dict = {}

@@ -2,7 +2,7 @@
 
 The reference runs in its own venv (transformers 4.35.2) inside a long-lived worker process
 (`ref_worker.py`); ours runs in this process (our venv) through the `dsbd bench` harness's own
-pieces (`dsbd_core.bench`: prompt sets, method names, runners, measurement, quality), so our
+pieces (`dsbd_core.tools.bench`: prompt sets, method names, runners, measurement, quality), so our
 figures here are measured exactly as `dsbd bench` measures them. For every prompt and method the
 two sides run back to back and alternate which goes first, so slow phases of the shared, noisy
 CPU hit both alike; both use one torch thread, the same seed and the same stop token.
@@ -35,15 +35,15 @@ from pathlib import Path
 
 import torch
 
-from dsbd_core.bench.humaneval import check_completion, default_sandbox, truncate_completion
-from dsbd_core.bench.measure import EnergyMeter, measured
-from dsbd_core.bench.methods import MethodSpec, parse_methods
-from dsbd_core.bench.prompts import PROMPT_SETS, BenchPrompt, prompt_set
-from dsbd_core.bench.quality import answer_log_likelihood, paired_bootstrap, ratio_bootstrap
-from dsbd_core.bench.runners import Pair, run_engine
-from dsbd_core.bench.schema import MethodRecord
-from dsbd_core.config import SamplingConfig
+from dsbd_core.algorithm.config import SamplingConfig
 from dsbd_core.models import encode_prompt, load_causal_lm, prepare_preset
+from dsbd_core.tools.bench.humaneval import check_completion, default_sandbox, truncate_completion
+from dsbd_core.tools.bench.measure import EnergyMeter, measured
+from dsbd_core.tools.bench.methods import MethodSpec, parse_methods
+from dsbd_core.tools.bench.prompts import PROMPT_SETS, BenchPrompt, prompt_set
+from dsbd_core.tools.bench.quality import answer_log_likelihood, paired_bootstrap, ratio_bootstrap
+from dsbd_core.tools.bench.runners import Pair, run_engine
+from dsbd_core.tools.bench.schema import MethodRecord
 
 HERE = Path(__file__).resolve().parent
 PAIRS = {

@@ -1,0 +1,65 @@
+"""The decoders users call: one interface for sampling, SpS, beam sampling and DSBD.
+
+All four run on `dsbd_core.algorithm.engine.Engine`; a method name only fixes some config fields:
+  sample  beam sampling with W = 1 and no draft (= multinomial / ancestral sampling)
+  beam    target beam sampling of width W (spec §1)
+  sps     DSBD with W = W_S = 1 and fixed width (= standard speculative sampling)
+  dsbd    DSBD as configured (fixed or dynamic width, full or lean memory)
+"""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+from dsbd_core.algorithm.config import SamplingConfig
+from dsbd_core.algorithm.engine import Engine
+from dsbd_core.algorithm.result import DecodeResult
+from dsbd_core.algorithm.scorer import ForestScorer
+
+Method = Literal["dsbd", "beam", "sps", "sample"]
+METHODS: tuple[str, ...] = get_args(Method)
+METHODS_WITH_DRAFT: tuple[str, ...] = ("sps", "dsbd")
+
+
+def method_config(method: str, config: SamplingConfig) -> SamplingConfig:
+    """The config a method actually runs with."""
+    if method == "sample":
+        return config.model_copy(
+            update={"width": 1, "w_min": 1, "draft_width": None, "lean_memory": False}
+        )
+    if method == "beam":
+        return config.model_copy(update={"lean_memory": False})
+    if method == "sps":
+        return config.model_copy(
+            update={"width": 1, "w_min": 1, "draft_width": 1, "threshold": None}
+        )
+    if method == "dsbd":
+        return config
+    raise ValueError(f"method={method!r}: allowed methods are {', '.join(METHODS)}")
+
+
+def generate_batch(
+    method: str,
+    target: ForestScorer,
+    prompts: list[list[int]],
+    config: SamplingConfig,
+    draft: ForestScorer | None = None,
+) -> list[DecodeResult]:
+    """Decode several independent prompts in one batched run (one result per prompt)."""
+    run_config = method_config(method, config)
+    uses_draft = method in METHODS_WITH_DRAFT
+    if uses_draft and draft is None:
+        raise ValueError(f"method={method!r} needs a draft model; none was given")
+    engine = Engine(target, run_config, draft if uses_draft else None)
+    return engine.run(prompts)
+
+
+def generate(
+    method: str,
+    target: ForestScorer,
+    prompt_ids: list[int],
+    config: SamplingConfig,
+    draft: ForestScorer | None = None,
+) -> DecodeResult:
+    """Decode one prompt: sequences best-first with true log-likelihoods, and stats."""
+    return generate_batch(method, target, [list(prompt_ids)], config, draft)[0]

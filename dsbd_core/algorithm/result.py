@@ -1,0 +1,84 @@
+"""What every decoder returns: beams with true log-likelihoods, and per-call statistics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Beam:
+    """One returned sequence.
+
+    `log_likelihood` is the true cumulative target log-probability of the generated tokens
+    (raw model distribution, before temperature/top-k/top-p), tracked separately from any
+    sampling weights so that the final ranking is meaningful (spec §11.7).
+    """
+
+    token_ids: list[int]
+    log_likelihood: float
+    finished: bool
+    score: float  # log_likelihood / len(token_ids) ** length_penalty: the final ranking key
+
+
+@dataclass
+class DecodeStats:
+    """Counters of one decode call (per session)."""
+
+    iterations: int = 0
+    target_forward_passes: int = 0
+    draft_forward_passes: int = 0
+    tokens_emitted: int = 0  # decoding steps = length of the longest generated sequence
+    drafted_tokens: int = 0  # draft nodes proposed that had a live parent
+    accepted_tokens: int = 0  # draft nodes accepted by the target
+    accepted_layers: list[int] = field(default_factory=list)  # per iteration
+    widths: list[list[int]] = field(default_factory=list)  # per iteration, per verified layer
+    # alpha_1 = sum_x min(P_l, Q_l) = 1 - TV(P_l, Q_l) per iteration per verified layer: the
+    # first draft's acceptance probability, input of dsbd_core.tools.theory.predictor. Kept out of
+    # as_dict (floats that differ in the last bits between equivalent scorers).
+    layer_alphas: list[list[float]] = field(default_factory=list)
+    # epsilon > 0 only: sum over the verification stages this request executed of
+    # beta = sum_x min(eps * [P(x) > 0], (q(x) - c(x))_+), the probability that the stage's
+    # decision differs from the exact rule's. Its mean over requests bounds the TV distance
+    # between this decoder's output law and the exact one (docs/THEORY.md). 0 when eps = 0.
+    epsilon_bias_bound: float = 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+
+    @property
+    def target_passes_per_token(self) -> float:
+        return self.target_forward_passes / self.tokens_emitted if self.tokens_emitted else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        n = len(self.accepted_layers)
+        return sum(self.accepted_layers) / n if n else 0.0
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "iterations": self.iterations,
+            "target_forward_passes": self.target_forward_passes,
+            "draft_forward_passes": self.draft_forward_passes,
+            "tokens_emitted": self.tokens_emitted,
+            "drafted_tokens": self.drafted_tokens,
+            "accepted_tokens": self.accepted_tokens,
+            "acceptance_rate": self.acceptance_rate,
+            "target_passes_per_token": self.target_passes_per_token,
+            "mean_accepted_length": self.mean_accepted_length,
+            "accepted_layers": self.accepted_layers,
+            "widths": self.widths,
+            "epsilon_bias_bound": self.epsilon_bias_bound,
+        }
+
+
+@dataclass
+class DecodeResult:
+    """Beams best-first (by `Beam.score`), and the call's statistics."""
+
+    beams: list[Beam]
+    stats: DecodeStats
+
+    @property
+    def best(self) -> Beam:
+        return self.beams[0]

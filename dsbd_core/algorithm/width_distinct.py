@@ -1,0 +1,183 @@
+"""Dynamic width for distinct drafts: Pr[N >= k] of the without-replacement rule, by simulation.
+
+The width DP of spec §5.1 (`dsbd_core.algorithm.width`) is exact for i.i.d. drafts. In `distinct`
+mode
+(the default) the drafts are drawn without replacement and verified with the conditional rule of
+spec §4.5, and there the DP is only an approximation (spec §4.5 says so; docs/ALGORITHM.md
+decision 9). It is a good one when the layer's mass is spread over many candidates, and a bad
+one when it is concentrated: the i.i.d. chain may accept the one likely token again and again,
+the distinct rule needs as many *different* accepted candidates as the width. On a layer with
+one input beam and a 0.9-probability next token (lean mode, code) the DP puts Pr[N >= 3] at
+0.86 where the distinct rule achieves 0.60, so `threshold = 0.7` asked for width 3 and the layer
+failed 40% of the time instead of at most 30% (measured on the Qwen pair: lean layers passed
+0.49 of the time at t = 0.7; tests/test_width_distinct.py reproduces the gap).
+
+So for distinct drafts the count distribution is estimated by running the real rule: `samples`
+simulated layers per session, drafts drawn by `draw_distinct` and verified by `verify_layer`
+(the very code a layer is verified with), on a small version of the layer: the `keep`
+candidates with the most target or draft mass, kept exactly, and the others pooled by the ratio
+log(P / Q~) in a few groups (plus target-only, draft-only and rejected-parent groups), each
+group's masses spread evenly over `spread` stand-in candidates. That preserves every total and
+the first draft's acceptance `Σ min(P, Q~)` exactly, and the tails Pr[N >= k] of the full layer
+within 0.015 on the layers of tests/test_width_distinct.py (peaky, flat, several parents with a
+rejected one). Cost: `samples` x (`keep` + 16 x `spread`) numbers per session and draft.
+
+Exactness is untouched: the width of a layer must not depend on its drafts or its uniforms
+(spec §4.4), and this estimate depends only on (P_l, Q_l, the valid parents) and a random
+stream of its own (`Engine` reseeds it per iteration, like the draft and verify streams).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dsbd_core.algorithm.distributions import draw_distinct
+from dsbd_core.algorithm.verify import verify_layer
+from dsbd_core.algorithm.width import layer_width, threshold_width
+
+SAMPLES = 256  # simulated layers per session: standard error <= 0.031 on each Pr[N >= k]
+KEEP = 64  # candidates kept exactly (by max(P, Q))
+SPREAD = 8  # stand-in candidates per group of the remaining mass
+CHUNK = 1 << 24  # simulated numbers per chunk (samples x candidates x rows): 128 MiB in float64
+
+
+# Edges of the log(P / Q~) groups the rest of the layer is binned into (open at both ends). The
+# edge at 0 keeps every group on one side of P = Q, where min(sum P, sum Q) = sum min(P, Q): the
+# first draft's acceptance is then kept exactly.
+RATIO_EDGES = (-3.0, -2.0, -1.5, -1.0, -0.5, -0.25, 0.0, 0.25, 0.5, 1.0, 1.5, 2.0, 3.0)
+
+
+def small_layer(
+    target: torch.Tensor, table: torch.Tensor, valid_rows: torch.Tensor, keep: int, spread: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(P', Q', valid') on `keep` candidates plus stand-ins that play the rest of the layer.
+
+    target: [B, N] P_l; table: [B, N] the full draft table Q_l the drafts come from; valid_rows:
+    [B, N] candidates whose parent is a valid target beam; Q~ = Q * valid. The `keep`
+    candidates with the most mass (max(P, Q)) are kept as they are. The others are grouped by
+    how the two models weigh them, the ratio log(P / Q~) in the bins of `RATIO_EDGES`, plus
+    target-only, draft-only and rejected-parent groups, and each group's two masses are spread
+    evenly over `spread` stand-ins: a stand-in keeps its group's ratio, so what a tail draft's
+    acceptance and the residual after it look like is kept too (a split into "shared" and
+    one-model-only parts keeps the first acceptance but lets no later draft reach the target's
+    own tail mass, and underrated Pr[N >= 3] by 0.1 on a peaky layer).
+    """
+    batch, size = target.shape
+    if size <= keep:  # the whole layer fits: nothing to stand in for
+        return target, table, valid_rows
+    restricted = table * valid_rows
+    index = torch.maximum(target, table).topk(keep, dim=-1).indices
+    rest_p = target.scatter(1, index, 0.0)
+    rest_q = restricted.scatter(1, index, 0.0)
+    rest_invalid = (table - restricted).scatter(1, index, 0.0)
+    edges = torch.tensor(RATIO_EDGES, dtype=target.dtype)
+    ratio = torch.log(rest_p.clamp_min(1e-300)) - torch.log(rest_q.clamp_min(1e-300))
+    groups = len(RATIO_EDGES) + 1
+    group = torch.bucketize(ratio, edges)  # both masses: groups 0..len(edges)
+    group = torch.where(rest_q <= 0, groups, group)  # target only
+    group = torch.where(rest_p <= 0, groups + 1, group)  # draft only (or neither: no mass)
+    mass_p = target.new_zeros(batch, groups + 3).scatter_add_(1, group, rest_p)
+    mass_q = target.new_zeros(batch, groups + 3).scatter_add_(1, group, rest_q)
+    mass_q[:, groups + 2] = rest_invalid.sum(dim=-1)  # draft mass on rejected parents
+    stand_in_p = (mass_p / spread).repeat_interleave(spread, dim=-1)
+    stand_in_q = (mass_q / spread).repeat_interleave(spread, dim=-1)
+    stand_in_valid = torch.ones_like(stand_in_p, dtype=torch.bool)
+    stand_in_valid[:, (groups + 2) * spread :] = False
+    return (
+        torch.cat([target.gather(1, index), stand_in_p], dim=-1),
+        torch.cat([table.gather(1, index), stand_in_q], dim=-1),
+        torch.cat([valid_rows.gather(1, index), stand_in_valid], dim=-1),
+    )
+
+
+def distinct_count_tails(
+    target: torch.Tensor,
+    table: torch.Tensor,
+    valid_rows: torch.Tensor,
+    drafts: torch.Tensor,
+    generator: torch.Generator,
+    *,
+    samples: int = SAMPLES,
+    keep: int = KEEP,
+    spread: int = SPREAD,
+) -> torch.Tensor:
+    """Estimated Pr[N >= k], k = 0..max(drafts), per session ([B, m + 1]).
+
+    `drafts`: [B] drafts each session has in the layer (its draft width W_S; 0: not verified).
+    N counts acceptances without a cap, as the DP does. Sessions with the same layer (same P,
+    Q, valid parents and number of drafts, common in a batch of one prompt) share one estimate,
+    and the simulations run in chunks of at most `CHUNK` numbers.
+    """
+    batch = target.shape[0]
+    m = int(drafts.max().item()) if drafts.numel() else 0
+    tails = torch.zeros(batch, m + 1, dtype=target.dtype)
+    tails[:, 0] = 1.0
+    if m == 0:
+        return tails
+    p, q, valid = small_layer(target, table, valid_rows, keep, spread)
+    key = torch.cat([p, q, valid.to(p.dtype), drafts[:, None].to(p.dtype)], dim=1)
+    unique, inverse = torch.unique(key, dim=0, return_inverse=True)
+    size = p.shape[1]
+    p, q = unique[:, :size], unique[:, size : 2 * size]
+    valid, counts = unique[:, 2 * size : 3 * size] > 0, unique[:, -1].long()
+    rows = max(1, CHUNK // (samples * size))
+    estimate = torch.cat([
+        _simulated_tails(p[i : i + rows], q[i : i + rows], valid[i : i + rows],
+                         counts[i : i + rows], m, samples, generator)
+        for i in range(0, unique.shape[0], rows)
+    ])  # fmt: skip
+    return estimate[inverse]
+
+
+def _simulated_tails(
+    p: torch.Tensor, q: torch.Tensor, valid: torch.Tensor, drafts: torch.Tensor, m: int,
+    samples: int, generator: torch.Generator,
+) -> torch.Tensor:  # fmt: skip
+    """Pr[N >= k] from `samples` layers per row, drafted and verified by the real rule."""
+    batch = p.shape[0]
+    p, q, valid = (x.repeat_interleave(samples, dim=0) for x in (p, q, valid))
+    index, prob, exists = draw_distinct(q, m, generator)
+    exists &= torch.arange(m) < drafts.repeat_interleave(samples)[:, None]
+    verdict = verify_layer(
+        p, q, valid, index, prob, exists, exists & valid.gather(1, index),
+        torch.full((batch * samples,), m), torch.ones(batch * samples, dtype=torch.bool),
+        True, generator,
+    )  # fmt: skip
+    count = verdict.count.reshape(batch, samples)
+    tails = torch.ones(batch, m + 1, dtype=p.dtype)
+    for k in range(1, m + 1):
+        tails[:, k] = (count >= k).to(p.dtype).mean(dim=1)
+    return tails
+
+
+def distinct_layer_width(
+    target: torch.Tensor,
+    table: torch.Tensor,
+    valid_rows: torch.Tensor,
+    drafts: torch.Tensor,
+    threshold: float,
+    w_min: int,
+    w_max: torch.Tensor,
+    generator: torch.Generator,
+) -> torch.Tensor:
+    """Width of one verified layer per session for distinct drafts (the threshold rule of
+    spec §5.2 on the estimated count distribution).
+
+    Where the estimate cannot change the width, the DP's exact answer is kept: a session with
+    at most one draft (one draft: both rules accept it w.p. sum min(P, Q~)) or whose width is
+    forced (`w_max <= w_min`). The estimate is needed only where K >= 2 is possible.
+    """
+    needs = (drafts >= 2) & (w_max > w_min)
+    width = w_max.clone()
+    for rows, estimate in ((~needs).nonzero()[:, 0], False), (needs.nonzero()[:, 0], True):
+        if not rows.numel():
+            continue
+        if not estimate:
+            width[rows] = layer_width(target[rows], table[rows] * valid_rows[rows], drafts[rows],
+                                      threshold, w_min, w_max[rows])  # fmt: skip
+            continue
+        tails = distinct_count_tails(target[rows], table[rows], valid_rows[rows], drafts[rows],
+                                     generator)  # fmt: skip
+        point = tails - torch.cat([tails[:, 1:], torch.zeros_like(tails[:, :1])], dim=1)
+        width[rows] = threshold_width(point, threshold, w_min, w_max[rows])
+    return width

@@ -1,0 +1,185 @@
+"""`dsbd bench` flags and entry (dsbd/cli.py only calls `add_arguments` and `main`).
+
+    dsbd bench                                  # smollm2 pair, quick mode
+    dsbd bench --pair qwen-coder --full         # HumanEval subset, long run (resumable)
+    dsbd bench --methods beam-w3,dsbd-w3-g2-t0.9 --prompts 2 --max-new-tokens 16
+    dsbd bench --report-only --out DIR [--extra-records other.jsonl]
+
+Flags are validated (pydantic, the method grammar) before any model loads; invalid values exit
+with status 2 and name the flag, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from dsbd_core.algorithm.config import config_error_message
+from dsbd_core.tools.bench.methods import GRAMMAR, MethodNameError, parse_methods, with_references
+from dsbd_core.tools.bench.pairs import PAIRS
+from dsbd_core.tools.bench.prompts import PROMPT_SETS
+
+DEFAULT_OUT = "benchmarks/results/bench_{pair}_{mode}"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of `dsbd bench` (defaults that depend on --pair/--quick/--full are None)."""
+    parser.add_argument(
+        "--pair",
+        choices=[*PAIRS, "custom"],
+        default="smollm2",
+        help="model pair preset (default: smollm2); custom: --target/--draft",
+    )
+    parser.add_argument("--target", help="target model source (overrides the pair's)")
+    parser.add_argument("--draft", help="draft model source (overrides the pair's)")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument(
+        "--quick",
+        dest="mode",
+        action="store_const",
+        const="quick",
+        help="minutes on this CPU (default)",
+    )
+    mode.add_argument(
+        "--full",
+        dest="mode",
+        action="store_const",
+        const="full",
+        help="the long run: more prompts, tokens and methods",
+    )
+    parser.set_defaults(mode="quick")
+    parser.add_argument("--methods", help=f"comma-separated; grammar: {GRAMMAR}")
+    parser.add_argument("--prompt-set", choices=PROMPT_SETS, help="default: the pair's")
+    parser.add_argument("--prompts", type=int, help="use the first N prompts of the set")
+    parser.add_argument("--max-new-tokens", type=int)
+    parser.add_argument("--gamma", type=int, help="draft depth where a method name has no g<G>")
+    parser.add_argument("--seed", type=int, default=0, help="prompt i uses seed + i")
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ... (default: cpu)")
+    parser.add_argument(
+        "--dtype", choices=("float32", "float64", "bfloat16", "float16"), default="float32"
+    )
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default: 1)")
+    parser.add_argument(
+        "--warmup-tokens",
+        type=int,
+        default=4,
+        help="unrecorded warm-up decode per method (0 = none)",
+    )
+    parser.add_argument("--humaneval-timeout", type=float, default=10.0, help="seconds")
+    parser.add_argument(
+        "--sandbox",
+        choices=("namespace+audit", "namespace", "audit"),
+        help="HumanEval sandbox (default: namespace+audit where it works)",
+    )
+    parser.add_argument("--out", help="output directory (default: " + DEFAULT_OUT + ")")
+    parser.add_argument("--fresh", action="store_true", help="discard records in --out")
+    parser.add_argument(
+        "--report-only",
+        action="store_true",
+        help="rebuild results.json, table.md and plots from --out's records",
+    )
+    parser.add_argument(
+        "--extra-records",
+        nargs="*",
+        default=[],
+        help="MethodRecord JSONL files of another harness to fold in",
+    )
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def build_config(args: argparse.Namespace):
+    """BenchConfig from the flags (raises ValueError / ValidationError naming the flag)."""
+    from dsbd_core.tools.bench.prompts import HUMANEVAL_SUBSET
+    from dsbd_core.tools.bench.schema import BenchConfig
+    from dsbd_core.tools.prompts import EVAL_PROMPTS
+
+    preset = PAIRS.get(args.pair)
+    if preset is None and not (args.target and args.methods):
+        raise ValueError(
+            "--pair custom needs --target (and --draft for draft methods) and --methods"
+        )
+    defaults = preset.mode(args.mode) if preset else None
+    gamma = args.gamma if args.gamma is not None else (preset.gamma if preset else 2)
+    if gamma < 1:
+        raise ValueError(f"--gamma={gamma}: allowed: an integer >= 1")
+    methods_text = args.methods or ",".join(defaults.methods)  # type: ignore[union-attr]
+    specs = with_references(parse_methods(methods_text, gamma=gamma))
+    prompt_set = args.prompt_set or (preset.prompt_set if preset else "held-out")
+    available = len(HUMANEVAL_SUBSET) if prompt_set == "humaneval" else len(EVAL_PROMPTS)
+    prompts = args.prompts if args.prompts is not None else (defaults.prompts if defaults else 2)
+    if not 1 <= prompts <= available:
+        raise ValueError(f"--prompts={prompts}: allowed: 1..{available} for set {prompt_set}")
+    draft = args.draft or (preset.draft if preset else None)
+    if draft is None and any(s.uses_draft for s in specs):
+        needing = [s.name for s in specs if s.uses_draft]
+        raise ValueError(f"methods {needing} need a draft: pass --draft")
+    return BenchConfig(
+        pair=args.pair,
+        target=args.target or preset.target,
+        draft=draft,  # type: ignore[union-attr]
+        mode=args.mode,
+        prompt_set=prompt_set,
+        prompts=prompts,
+        methods=[s.name for s in specs],
+        max_new_tokens=args.max_new_tokens or (defaults.max_new_tokens if defaults else 16),
+        gamma=gamma,
+        seed=args.seed,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        device=args.device,
+        dtype=args.dtype,
+        threads=args.threads,
+        warmup_tokens=args.warmup_tokens,
+        humaneval_timeout_s=args.humaneval_timeout,
+        sandbox=args.sandbox,
+    )
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run `dsbd bench`; exit status 2 for invalid flags."""
+    from dsbd_core.tools.bench import harness
+
+    out = Path(args.out or DEFAULT_OUT.format(pair=args.pair, mode=args.mode))
+    try:
+        extra = [r for path in args.extra_records for r in harness.read_records(Path(path))]
+    except (OSError, ValidationError, ValueError) as error:
+        print(f"--extra-records: {error}", file=sys.stderr)
+        return 2
+    if args.report_only:
+        if not (out / "run.json").is_file():
+            print(f"--report-only: {out}/run.json not found (no run there)", file=sys.stderr)
+            return 2
+        result = harness.rebuild_report(out, extra)
+        print(f"{len(result.records)} records -> {out}/table.md")
+        return 0
+    try:
+        config = build_config(args)
+    except MethodNameError as error:
+        print(f"--methods: {error}", file=sys.stderr)
+        return 2
+    except ValidationError as error:
+        print(config_error_message(error), file=sys.stderr)
+        return 2
+    except ValueError as error:
+        print(str(error), file=sys.stderr)
+        return 2
+    try:
+        harness.run_bench(
+            config, out, fresh=args.fresh, progress=not args.no_progress, extra_records=extra
+        )
+    except harness.ResumeMismatchError as error:
+        print(str(error), file=sys.stderr)
+        return 2
+    print((out / "table.md").read_text())
+    print(
+        f"results: {out}/results.json, table.md, speed_quality.png, accepted_length.png, "
+        "width_histogram.png"
+    )
+    return 0

@@ -1,0 +1,362 @@
+"""The run loop: load the pair, warm up, decode every prompt with every method, checkpoint.
+
+Order: for prompt i, every method once, starting at method i mod M (a rotation, so no method is
+always first or last after a model switch); then prompt i + 1. Each finished decode is appended
+to records.jsonl at once, so a killed run loses at most one decode, and rerunning the same
+command resumes (the config must match run.json except for the number of prompts, which may
+grow; `fresh=True` starts over).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from dsbd_core.algorithm.config import SamplingConfig
+from dsbd_core.tools.bench.humaneval import check_completion, default_sandbox, truncate_completion
+from dsbd_core.tools.bench.measure import EnergyMeter, measured
+from dsbd_core.tools.bench.methods import MethodSpec, parse_methods
+from dsbd_core.tools.bench.prompts import BenchPrompt, prompt_set
+from dsbd_core.tools.bench.quality import answer_log_likelihood
+from dsbd_core.tools.bench.report import summarize, write_outputs
+from dsbd_core.tools.bench.runners import (
+    Pair,
+    hf_generation_config,
+    probe_assisted_beams,
+    run_engine,
+    run_hf,
+)
+from dsbd_core.tools.bench.schema import BenchConfig, BenchResult, MethodRecord
+
+DTYPES = {
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+class ResumeMismatchError(ValueError):
+    """The output directory holds a run with another config."""
+
+
+def run_bench(
+    config: BenchConfig,
+    out_dir: Path,
+    *,
+    fresh: bool = False,
+    progress: bool = True,
+    extra_records: list[MethodRecord] | None = None,
+    say: Callable[[str], None] = print,
+) -> BenchResult:
+    """Run (or resume) a benchmark and write its outputs into `out_dir`."""
+    from dsbd_core.models import check_same_vocabulary, encode_prompt, load_causal_lm
+    from dsbd_core.models import stop_token_ids as stop_ids_of
+
+    specs = parse_methods(",".join(config.methods), gamma=config.gamma)
+    prompts = prompt_set(config.prompt_set)[: config.prompts]
+    records = _open_run(config, out_dir, fresh)
+    torch.set_num_threads(config.threads)
+    device = torch.device(config.device)
+    dtype = DTYPES[config.dtype]
+    say(f"loading target {config.target} ...")
+    target = load_causal_lm(config.target, dtype=dtype)
+    target.model.to(device)
+    draft = None
+    if config.draft and any(s.uses_draft for s in specs):
+        say(f"loading draft {config.draft} ...")
+        draft = load_causal_lm(config.draft, dtype=dtype)
+        draft.model.to(device)
+        check_same_vocabulary(target, draft)
+    pair = Pair(target, draft, device, stop_ids_of(target))
+    prompt_ids = [encode_prompt(target, p.text, chat=p.chat) for p in prompts]
+    _write_prompts(out_dir / "prompts.jsonl", prompts, prompt_ids)
+    energy = EnergyMeter(device)
+    sandbox = config.sandbox or default_sandbox()
+
+    def base_config(index: int, max_new_tokens: int | None = None) -> SamplingConfig:
+        return SamplingConfig(
+            temperature=config.temperature,
+            top_k=config.top_k,
+            top_p=config.top_p,
+            gamma=config.gamma,
+            max_new_tokens=max_new_tokens or config.max_new_tokens,
+            seed=config.seed + index,
+            eos_token_ids=pair.stop_ids,
+        )
+
+    probe = (
+        probe_assisted_beams(pair, prompt_ids[0], base_config(0))
+        if draft is not None and any(not s.engine for s in specs)
+        else {"skipped": "no transformers baseline with a draft in this run"}
+    )
+    done = {(r.prompt_id, r.method) for r in records}
+    if config.warmup_tokens > 0 and len(done) < len(prompts) * len(specs):
+        say(f"warm-up: every method once, {config.warmup_tokens} tokens (not recorded)")
+        for spec in specs:
+            _decode(spec, pair, prompt_ids[0], base_config(0, config.warmup_tokens), 0)
+    total = len(prompts) * len(specs)
+    bar = _progress(total, len(done), progress)
+    for index, (prompt, ids) in enumerate(zip(prompts, prompt_ids, strict=True)):
+        shift = index % len(specs)
+        for order, spec in enumerate(specs[shift:] + specs[:shift]):
+            if (prompt.id, spec.name) in done:
+                continue
+            bar.set_description(f"{prompt.id} {spec.name}")
+            record = _measure_one(
+                spec, pair, prompt, ids, base_config(index), config, index, order, energy, sandbox
+            )
+            records.append(record)
+            with (out_dir / "records.jsonl").open("a") as stream:
+                stream.write(record.model_dump_json() + "\n")
+            bar.update(1)
+    bar.close()
+    all_records = records + list(extra_records or [])
+    result = BenchResult(
+        created=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        command=sys.argv,
+        config=config,
+        machine=machine_info(device),
+        versions=versions(),
+        git=git_info(),
+        prompts=[
+            {**p.to_dict(), "prompt_ids": ids} for p, ids in zip(prompts, prompt_ids, strict=True)
+        ],
+        transformers_settings=_hf_settings(specs, pair, base_config(0)),
+        transformers_assisted_with_beams=probe,
+        energy_note=energy.reason or "NVML total-energy counter of the GPU",
+        notes=[f"HumanEval sandbox: {sandbox}"] if any(p.task_id for p in prompts) else [],
+        summary=summarize(all_records),
+        records=all_records,
+    )
+    write_outputs(result, out_dir)
+    return result
+
+
+def rebuild_report(out_dir: Path, extra_records: list[MethodRecord] | None = None) -> BenchResult:
+    """Rebuild results.json, table.md and plots from records.jsonl (+ another harness's).
+
+    Metadata (machine, versions, probe) is kept from results.json when the run finished; for a
+    partial run it is filled in now and the notes say so.
+    """
+    config = BenchConfig.model_validate_json((out_dir / "run.json").read_text())
+    records = read_records(out_dir / "records.jsonl") + list(extra_records or [])
+    if (out_dir / "results.json").is_file():
+        previous = BenchResult.model_validate_json((out_dir / "results.json").read_text())
+        previous_ours = [r for r in previous.records if r.source == "dsbd"]
+        base = previous.model_copy(update={"records": previous_ours})
+    else:
+        base = BenchResult(
+            created=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            command=sys.argv,
+            config=config,
+            machine=machine_info(torch.device(config.device)),
+            versions=versions(),
+            git=git_info(),
+            prompts=_read_jsonl(out_dir / "prompts.jsonl"),
+            transformers_settings={},
+            transformers_assisted_with_beams={},
+            energy_note="not recorded (report rebuilt from a partial run)",
+            notes=["report rebuilt from records.jsonl of a run that had not finished"],
+            summary={},
+            records=[],
+        )
+    result = base.model_copy(update={"summary": summarize(records), "records": records})
+    write_outputs(result, out_dir)
+    return result
+
+
+def read_records(path: Path) -> list[MethodRecord]:
+    """MethodRecords of a JSONL file (records.jsonl, or another harness's)."""
+    return [MethodRecord.model_validate(row) for row in _read_jsonl(path)]
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _decode(spec: MethodSpec, pair: Pair, ids: list[int], base: SamplingConfig, seed: int):
+    if spec.engine:
+        return run_engine(spec, pair, ids, base)
+    return run_hf(spec, pair, ids, base, seed)
+
+
+def _measure_one(
+    spec: MethodSpec,
+    pair: Pair,
+    prompt: BenchPrompt,
+    ids: list[int],
+    base: SamplingConfig,
+    config: BenchConfig,
+    index: int,
+    order: int,
+    energy: EnergyMeter,
+    sandbox: str,
+) -> MethodRecord:
+    """One measured decode, then its quality (outside the timed block)."""
+    pair.reset_counters()
+    seed = config.seed + index
+    with measured(pair.device, energy) as cost:
+        decoded = _decode(spec, pair, ids, base, seed)
+    target_calls = pair.target_counter.calls
+    draft_counter = pair.draft_counter
+    with pair.target_counter.paused():
+        loglik = answer_log_likelihood(pair.target.model, ids, decoded.answer_ids)
+    answer = pair.target.tokenizer.decode(decoded.answer_ids, skip_special_tokens=True)
+    completion = passed = execution = None
+    if prompt.task_id is not None:
+        completion = truncate_completion(answer)
+        problem = {
+            "prompt": prompt.text,
+            "test": prompt.test or "",
+            "entry_point": prompt.entry_point or "",
+        }
+        outcome = check_completion(
+            problem, completion, timeout_s=config.humaneval_timeout_s, sandbox=sandbox
+        )
+        passed, execution = outcome.passed, f"{outcome.status}: {outcome.detail}"[:500]
+    return MethodRecord(
+        method=spec.name,
+        width=spec.width,
+        reference=spec.reference,
+        prompt_id=prompt.id,
+        prompt_index=index,
+        order=order,
+        seed=seed,
+        seconds=cost.seconds,
+        cpu_seconds=cost.cpu_seconds,
+        tokens=decoded.tokens,
+        answer_tokens=len(decoded.answer_ids),
+        target_forward_passes=target_calls,
+        draft_forward_passes=draft_counter.calls if draft_counter else 0,
+        target_kv_peak_bytes=pair.target_counter.kv_peak_bytes,
+        target_kv_peak_shape=pair.target_counter.kv_peak_shape,
+        draft_kv_peak_bytes=draft_counter.kv_peak_bytes if draft_counter else 0,
+        rss_peak_delta_bytes=cost.rss_peak_delta_bytes,
+        cuda_peak_bytes=cost.cuda_peak_bytes,
+        energy_joules=cost.energy_joules,
+        loglik=loglik,
+        engine_loglik=decoded.engine_loglik,
+        engine_stats=decoded.engine_stats,
+        answer=answer,
+        completion=completion,
+        passed=passed,
+        execution=execution,
+    )
+
+
+def _open_run(config: BenchConfig, out_dir: Path, fresh: bool) -> list[MethodRecord]:
+    """Records already measured for this config (resume), after checking run.json."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    run_file, records_file = out_dir / "run.json", out_dir / "records.jsonl"
+    if fresh:
+        records_file.unlink(missing_ok=True)
+    elif run_file.is_file() and records_file.is_file():
+        previous = BenchConfig.model_validate_json(run_file.read_text())
+        # `prompts` may differ: the first N prompts' records stay valid when N grows or shrinks.
+        changed = sorted(
+            k
+            for k, v in config.model_dump().items()
+            if k != "prompts" and previous.model_dump()[k] != v
+        )
+        if changed:
+            raise ResumeMismatchError(
+                f"{out_dir} holds a run with another config (differs in {', '.join(changed)}); "
+                "pass --fresh to start over, or another --out"
+            )
+    run_file.write_text(config.model_dump_json(indent=2) + "\n")
+    return [r for r in read_records(records_file) if r.prompt_index < config.prompts]
+
+
+def _write_prompts(path: Path, prompts: list[BenchPrompt], ids: list[list[int]]) -> None:
+    with path.open("w") as stream:
+        for prompt, prompt_ids in zip(prompts, ids, strict=True):
+            stream.write(json.dumps({**prompt.to_dict(), "prompt_ids": prompt_ids}) + "\n")
+
+
+def _hf_settings(specs: list[MethodSpec], pair: Pair, base: SamplingConfig) -> dict:
+    hf = [s for s in specs if not s.engine]
+    if not hf:
+        return {}
+    settings = hf_generation_config(hf[0], base, pair).to_diff_dict()
+    settings.pop("num_beams", None)
+    if pair.draft is not None:
+        assistant = pair.draft.model.generation_config
+        settings["assistant"] = {
+            key: getattr(assistant, key, None)
+            for key in (
+                "num_assistant_tokens",
+                "num_assistant_tokens_schedule",
+                "assistant_confidence_threshold",
+            )
+        }
+        settings["assistant_note"] = (
+            "None means transformers' default: 20 tokens, constant schedule, confidence 0.4"
+        )
+    return settings
+
+
+def _progress(total: int, done: int, enabled: bool):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, initial=done, disable=not enabled, dynamic_ncols=True, unit="decode")
+
+
+def machine_info(device: torch.device) -> dict:
+    """Where the figures were measured (a shared machine's load is part of the story)."""
+    cpu_model = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu_model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    info = {
+        "platform": platform.platform(),
+        "cpu": cpu_model,
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "load_average": os.getloadavg(),
+        "memory_bytes": __import__("psutil").virtual_memory().total,
+        "device": str(device),
+    }
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+    return info
+
+
+def versions() -> dict[str, str]:
+    import transformers
+
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+    }
+
+
+def git_info() -> dict:
+    """Commit of the code that ran, and whether the tree had uncommitted changes."""
+    root = Path(__file__).resolve().parents[2]
+
+    def git(*args: str) -> str:
+        try:
+            return subprocess.run(
+                ["git", *args], cwd=root, capture_output=True, text=True, timeout=10
+            ).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+
+    status = git("status", "--porcelain", "--", "dsbd_core")
+    return {"commit": git("rev-parse", "HEAD"), "dirty_code": bool(status)}

@@ -1,0 +1,203 @@
+"""The methods a benchmark run compares, named by a small grammar so `--methods` can ask for any.
+
+    sample                       multinomial sampling (our engine; = beam sampling with W = 1)
+    sps-g{G}                     speculative sampling, draft depth G
+    beam-w{W}                    beam sampling of width W (our engine)
+    dsbd-w{W}-g{G}-fixed         DSBD, fixed width W
+    dsbd-w{W}-g{G}-t{T}          DSBD, dynamic width with threshold T (w_min 1)
+    ...-wmin{M}                  smallest width M (dynamic width only)
+    ...-lean                     memory-lean DSBD (one beam kept between iterations, spec §7)
+    hf-sample                    transformers `generate(do_sample=True)`
+    hf-beam-w{W}                 transformers `generate(num_beams=W, do_sample=True)`
+    hf-assisted                  transformers `generate(assistant_model=draft, do_sample=True)`
+
+`g{G}` may be left out (the run's `--gamma` applies); names are canonicalised (gamma always
+written, `t0.90` -> `t0.9`) so the same method has one name in every result file.
+Every method has a width W; its *reference* is our beam sampling at the same W (`sample` for
+W = 1), which is what time ratios and quality differences are taken against.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Literal
+
+from dsbd_core.algorithm.config import SamplingConfig
+
+Family = Literal["sample", "sps", "beam", "dsbd", "hf-sample", "hf-beam", "hf-assisted"]
+ENGINE_FAMILIES = ("sample", "sps", "beam", "dsbd")
+DRAFT_FAMILIES = ("sps", "dsbd", "hf-assisted")
+GRAMMAR = (
+    "sample | sps[-g<G>] | beam-w<W> | dsbd-w<W>[-g<G>](-fixed|-t<T>)[-wmin<M>][-lean] | "
+    "hf-sample | hf-beam-w<W> | hf-assisted"
+)
+
+
+class MethodNameError(ValueError):
+    """A `--methods` entry that does not follow the grammar."""
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """One method of a run: which decoder, with which width/depth/threshold."""
+
+    family: Family
+    width: int = 1
+    gamma: int | None = None  # draft depth (sps, dsbd); None for methods without a draft
+    threshold: float | None = None  # dsbd dynamic width; None = fixed width
+    w_min: int = 1
+    lean: bool = False
+
+    @property
+    def name(self) -> str:
+        """Canonical name (the key of every result record)."""
+        if self.family in ("sample", "hf-sample", "hf-assisted"):
+            return self.family
+        if self.family == "sps":
+            return f"sps-g{self.gamma}"
+        if self.family in ("beam", "hf-beam"):
+            return f"{self.family}-w{self.width}"
+        parts = [f"dsbd-w{self.width}", f"g{self.gamma}"]
+        parts.append("fixed" if self.threshold is None else f"t{self.threshold:g}")
+        if self.w_min != 1:
+            parts.append(f"wmin{self.w_min}")
+        if self.lean:
+            parts.append("lean")
+        return "-".join(parts)
+
+    @property
+    def engine(self) -> bool:
+        """True for our engine's decoders, False for transformers' `generate`."""
+        return self.family in ENGINE_FAMILIES
+
+    @property
+    def uses_draft(self) -> bool:
+        return self.family in DRAFT_FAMILIES
+
+    @property
+    def reference(self) -> str:
+        """The method time ratios and quality differences are taken against."""
+        return "sample" if self.width == 1 else f"beam-w{self.width}"
+
+    def engine_method(self) -> str:
+        """The `dsbd_core.algorithm.decoders` method name."""
+        if not self.engine:
+            raise ValueError(f"{self.name} is not an engine method")
+        return self.family
+
+    def sampling_config(self, base: SamplingConfig) -> SamplingConfig:
+        """`base` with this method's width, depth, threshold, w_min and lean flag."""
+        update: dict[str, object] = {"width": self.width, "w_min": self.w_min}
+        if self.gamma is not None:
+            update["gamma"] = self.gamma
+        if self.family == "dsbd":
+            update.update(threshold=self.threshold, lean_memory=self.lean)
+        return SamplingConfig(**{**base.model_dump(), **update})  # validated (model_copy is not)
+
+
+_OPTION = re.compile(r"^(w|g|t|wmin)(\d+(?:\.\d+)?)$")
+
+
+def parse_method(text: str, *, gamma: int) -> MethodSpec:
+    """Parse one method name; `gamma` fills in a left-out `g<G>`."""
+    name = text.strip()
+    for family in ("hf-sample", "hf-assisted", "hf-beam", "sample", "sps", "beam", "dsbd"):
+        if name == family or name.startswith(family + "-"):
+            rest = name[len(family) + 1 :].split("-") if name != family else []
+            return _build(family, rest, gamma, text)
+    raise MethodNameError(f"method={text!r}: unknown method; allowed: {GRAMMAR}")
+
+
+def _build(family: str, rest: list[str], gamma: int, text: str) -> MethodSpec:
+    values: dict[str, float] = {}
+    flags = set()
+    for part in rest:
+        match = _OPTION.match(part)
+        if match:
+            values[match.group(1)] = float(match.group(2))
+        elif part in ("fixed", "lean"):
+            flags.add(part)
+        else:
+            raise MethodNameError(f"method={text!r}: unknown part {part!r}; allowed: {GRAMMAR}")
+    allowed = {
+        "sample": set(),
+        "hf-sample": set(),
+        "hf-assisted": set(),
+        "sps": {"g"},
+        "beam": {"w"},
+        "hf-beam": {"w"},
+        "dsbd": {"w", "g", "t", "wmin"},
+    }[family]
+    extra = set(values) - allowed
+    if extra or (flags and family != "dsbd"):
+        bad = sorted(extra) or sorted(flags)
+        raise MethodNameError(f"method={text!r}: {family} takes no {bad}; allowed: {GRAMMAR}")
+    if family in ("beam", "hf-beam", "dsbd") and "w" not in values:
+        raise MethodNameError(f"method={text!r}: {family} needs a width w<W>; allowed: {GRAMMAR}")
+    if family == "dsbd" and ("t" in values) == ("fixed" in flags):
+        raise MethodNameError(f"method={text!r}: dsbd needs exactly one of -fixed or -t<T>")
+    width = int(values.get("w", 1))
+    spec = MethodSpec(
+        family=family,  # type: ignore[arg-type]
+        width=width,
+        gamma=int(values.get("g", gamma)) if family in ("sps", "dsbd") else None,
+        threshold=values.get("t"),
+        w_min=int(values.get("wmin", 1)),
+        lean="lean" in flags,
+    )
+    try:  # the config model validates ranges (width 1..64, 0 <= t <= 1, w_min <= width, ...)
+        spec.sampling_config(SamplingConfig())
+    except ValueError as error:
+        raise MethodNameError(f"method={text!r}: {error}") from None
+    return spec
+
+
+def parse_methods(text: str, *, gamma: int) -> list[MethodSpec]:
+    """Comma-separated method names -> specs (duplicates after canonicalisation dropped)."""
+    specs: dict[str, MethodSpec] = {}
+    for part in text.split(","):
+        if part.strip():
+            spec = parse_method(part, gamma=gamma)
+            specs.setdefault(spec.name, spec)
+    if not specs:
+        raise MethodNameError(f"methods={text!r}: no method given; allowed: {GRAMMAR}")
+    return list(specs.values())
+
+
+def with_references(specs: list[MethodSpec]) -> list[MethodSpec]:
+    """Add the reference (beam sampling at the same W) of every method that lacks one."""
+    names = {s.name for s in specs}
+    out = list(specs)
+    for spec in specs:
+        if spec.reference not in names:
+            reference = parse_method(spec.reference, gamma=1)
+            out.insert(0, reference)
+            names.add(reference.name)
+    return out
+
+
+# Default method sets (names; `g` comes from --gamma). Quick = the issue's list at W = 3 plus the
+# transformers baselines; full adds W = 2 and 4 and more dynamic-width settings.
+QUICK_METHODS = (
+    "sample",
+    "sps",
+    "beam-w2",
+    "beam-w3",
+    "beam-w4",
+    "dsbd-w3-fixed",
+    "dsbd-w3-t0.7",
+    "dsbd-w3-t0.9",
+    "dsbd-w3-t0.9-wmin2",
+    "dsbd-w3-t0.7-lean",
+    "hf-sample",
+    "hf-beam-w3",
+    "hf-assisted",
+)
+FULL_METHODS = (
+    "sample", "sps-g1", "sps", "beam-w2", "beam-w3", "beam-w4",
+    "dsbd-w3-fixed", "dsbd-w4-fixed",
+    "dsbd-w3-g1-t0.7", "dsbd-w3-t0.7", "dsbd-w3-t0.9-wmin2",
+    "dsbd-w4-t0.7", "dsbd-w4-t0.9-wmin2", "dsbd-w3-t0.7-lean",
+    "hf-sample", "hf-beam-w3", "hf-assisted",
+)  # fmt: skip
