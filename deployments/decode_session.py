@@ -1,11 +1,13 @@
-"""One request's decode, driven from the router: the iteration loop over the deployments.
+"""One request's decode, driven from the router: the decode loop's side calls go to deployments.
 
-Per iteration: `Engine.next_iteration` (router) -> `Draft.propose` -> `Verifier.verify` ->
-`Engine.advance` (router). The router holds only the small `DecodeState`; the forest goes from
-the draft to the verifier as the draft's `DeploymentResponse`, passed into the verifier call
-without being awaited here, so it travels through the object store and never through this
-process. The verifier's reply carries the next beams and their `Origin` (the accepted paths),
-which the next `IterationCall` brings to the draft for its cache compaction.
+The loop is `dsbd_core.algorithm.loop.Decode` (the same loop `generate` and `dsbd batch` run);
+this module is its serving driver. Per iteration the loop asks for the draft side
+(`Draft.propose`) and the target side (`Verifier.verify`). The router holds only the small
+`DecodeState`; the forest goes from the draft to the verifier as the draft's
+`DeploymentResponse`, passed into the verifier call without being awaited here, so it travels
+through the object store and never through this process. The verifier's reply carries the next
+beams and their `Origin` (the accepted paths), which the next `IterationCall` brings to the
+draft for its cache compaction.
 
 The width controller is asked for the next iteration's knobs after each iteration without
 waiting for the answer: the iteration after uses it (one iteration of lag, no latency).
@@ -27,7 +29,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ray.exceptions import ActorUnavailableError, RayActorError
@@ -36,11 +38,11 @@ from ray.serve.exceptions import DeploymentUnavailableError, ReplicaUnavailableE
 from deployments.messages import IterationCall, VerifyReply
 from deployments.observability import SessionObserver
 from deployments.tensor_parallel import TensorParallelBroken
-from deployments.width_policy import Knobs
 from dsbd_core.algorithm.config import SamplingConfig
-from dsbd_core.algorithm.engine import DecodeState, Engine
+from dsbd_core.algorithm.control import Knobs
+from dsbd_core.algorithm.loop import Decode, Propose, Verify
 from dsbd_core.algorithm.result import DecodeResult
-from dsbd_core.algorithm.scorer import RemoteModel
+from dsbd_core.algorithm.state import DecodeState, Outcome
 
 
 @dataclass
@@ -78,6 +80,37 @@ class ServingStats:
         return out
 
 
+class RemoteKnobs:
+    """The loop's controller, answered by the WidthController deployment with one iteration of
+    lag: `observe` asks for the next knobs without waiting; `knobs` takes the answer once it is
+    there and keeps the last ones until then."""
+
+    def __init__(self, session: DecodeSession, first: Knobs) -> None:
+        self.session, self.latest = session, first
+        self.plan: asyncio.Future | None = None
+
+    def knobs(self, state: DecodeState) -> Knobs:
+        if self.plan is not None and self.plan.done():
+            with contextlib.suppress(Exception):  # no new knobs: keep the last ones
+                self.latest = self.plan.result()
+            self.plan = None
+        return self.latest
+
+    def observe(self, state: DecodeState, outcome: Outcome, knobs: Knobs) -> None:
+        if not self.session.uses_draft or self.plan is not None:
+            return
+        assert state.depth is not None
+        accepted, depth = int(outcome.record["accepted_layers"][0]), int(state.depth.max())
+        controller, name = self.session.handles.controller, self.session.session
+        self.plan = asyncio.ensure_future(
+            self.session.receive(controller.plan.remote(name, accepted, depth))
+        )
+
+    def cancel(self) -> None:
+        if self.plan is not None:
+            self.plan.cancel()
+
+
 class DecodeSession:
     """Decode one prompt across the deployments; iterate to follow it, then take `result`."""
 
@@ -91,63 +124,53 @@ class DecodeSession:
         adaptive: bool = True,
         retry_window_s: float = 120.0,
     ) -> None:
-        remote = RemoteModel(vocab_size)
         self.handles = handles
+        self.vocab_size = vocab_size
         self.config = config
         self.uses_draft = uses_draft
         self.adaptive = adaptive
         self.retry_window_s = retry_window_s
-        self.engine = Engine(remote, config, remote if uses_draft else None)
         self.session = uuid.uuid4().hex
         self.stats = ServingStats(self.session)
         self.state: DecodeState | None = None
+        self._result: DecodeResult | None = None
 
     async def iterations(self, prompt_ids: list[int]) -> AsyncIterator[DecodeState]:
         """Run the decode; yields the state after every iteration (for streaming)."""
         start = time.perf_counter()
-        state = self.state = self.engine.start([prompt_ids])
-        limits = Knobs(
-            gamma=self.config.gamma if self.uses_draft else 0,
-            draft_width=self.config.draft_beams,
-        )
-        plan: asyncio.Task | None = None
+        limits = Knobs(gamma=self.config.gamma if self.uses_draft else 0,
+                       draft_width=self.config.draft_beams)  # fmt: skip
+        controller = RemoteKnobs(self, limits)
+        decode = Decode(self.config, self.vocab_size, [prompt_ids], uses_draft=self.uses_draft,
+                        controller=controller)  # fmt: skip
+        state = self.state = decode.state
         observer = SessionObserver(self.session)  # spans and metrics (deployments/observability)
+        steps = decode.steps()
         try:  # the open call too: a request cancelled while it runs still closes its session
-            knobs = await self._receive(
+            controller.latest = await self.receive(
                 self.handles.controller.open.remote(self.session, limits, self.adaptive)
             )
+            try:
+                call = next(steps)
+            except StopIteration as stop:  # nothing to decode (not reached for valid input)
+                self._result = stop.value[0]
+                return
             while True:
-                if plan is not None and plan.done():
-                    with contextlib.suppress(Exception):  # no new knobs: keep the last ones
-                        knobs = plan.result()
-                    plan = None
-                if not self.engine.next_iteration(state, gamma=knobs.gamma):
+                draft = isinstance(call, Propose)
+                if draft:  # the draft side is sent together with the verify call below
+                    call = steps.send(call)
+                assert isinstance(call, Verify)
+                outcome = await self._observed(observer, call.call, state, draft=draft)
+                try:
+                    call = steps.send(outcome)
+                except StopIteration as stop:
+                    self._result = stop.value[0]
+                    yield state
                     break
-                assert state.depth is not None
-                depth = int(state.depth.max())
-                config = self.config.model_copy(
-                    update={"gamma": knobs.gamma, "draft_width": knobs.draft_width}
-                )
-                retries = len(self.stats.retries)
-                with observer.iteration(state.iteration, knobs.gamma, knobs.draft_width,
-                                        depth) as observed:  # fmt: skip
-                    call = IterationCall(state.for_models(), config, self.uses_draft,
-                                         observed.trace)  # fmt: skip
-                    reply = await self._iteration(call, draft=self.uses_draft and depth > 0)
-                    self.engine.advance(state, reply.outcome)
-                    self._record(reply, knobs)
-                    observed.done(reply, retries=len(self.stats.retries) - retries)
-                if self.uses_draft and plan is None:
-                    accepted = int(reply.outcome.record["accepted_layers"][0])
-                    plan = asyncio.ensure_future(
-                        self._receive(
-                            self.handles.controller.plan.remote(self.session, accepted, depth)
-                        )
-                    )
                 yield state
         finally:
-            if plan is not None:
-                plan.cancel()
+            steps.close()
+            controller.cancel()
             self.stats.wall_seconds = time.perf_counter() - start
             observer.close()
             self._release()
@@ -159,8 +182,23 @@ class DecodeSession:
         return self.result()
 
     def result(self) -> DecodeResult:
-        assert self.state is not None, "run the decode first"
-        return self.engine.finish(self.state)[0]
+        assert self._result is not None, "run the decode to its end first"
+        return self._result
+
+    async def _observed(
+        self, observer: SessionObserver, call: IterationCall, state: DecodeState, *, draft: bool
+    ) -> Outcome:
+        """One iteration's calls inside its span; its reply recorded in the stats."""
+        config = call.config
+        assert state.depth is not None
+        retries = len(self.stats.retries)
+        knobs = Knobs(gamma=config.gamma if self.uses_draft else 0, draft_width=config.draft_beams)
+        with observer.iteration(state.iteration, knobs.gamma, knobs.draft_width,
+                                int(state.depth.max())) as observed:  # fmt: skip
+            reply = await self._iteration(replace(call, trace=observed.trace), draft=draft)
+            self._record(reply, knobs)
+            observed.done(reply, retries=len(self.stats.retries) - retries)
+        return reply.outcome
 
     async def _iteration(self, call: IterationCall, *, draft: bool) -> VerifyReply:
         """Draft and verify one iteration; retried while replicas are being replaced."""
@@ -171,7 +209,7 @@ class DecodeSession:
                 self.handles.draft.propose.remote(self.session, call) if draft else None
             )  # a DeploymentResponse: handed on, never awaited here
             try:
-                return await self._receive(
+                return await self.receive(
                     self.handles.verifier.verify.remote(self.session, call, forest)
                 )
             except Exception as error:
@@ -186,7 +224,7 @@ class DecodeSession:
                 await asyncio.sleep(delay)
                 delay = min(2 * delay, 2.0)
 
-    async def _receive(self, response: Any) -> Any:
+    async def receive(self, response: Any) -> Any:
         value = await response
         self.stats.router_received[type(value).__name__] += 1
         return value

@@ -1,7 +1,8 @@
 """The draft deployment: proposes each request's forest; its layer steps batched across requests.
 
-`propose` runs `Engine.propose_steps` (dsbd_core: the same draft beam sampling as in-process) for
-every call of a batch, in lockstep: one draft forward per forest layer for all of them. It
+`propose` runs `IterationCall.propose_steps` (dsbd_core: the same draft beam sampling as
+in-process) for every call of a batch, in lockstep: one draft forward per forest layer for all
+of them. It
 returns a `DraftReply` the router never opens; it hands the reference on to the verifier.
 """
 
@@ -14,9 +15,8 @@ from ray import serve
 from deployments.messages import DraftReply, IterationCall
 from deployments.model_replica import ModelReplica
 from deployments.tracing import DRAFT, forest_attributes
-from dsbd_core.algorithm.engine import Engine, Forest
-from dsbd_core.algorithm.scorer import RemoteModel
 from dsbd_core.algorithm.session_batch import Job
+from dsbd_core.algorithm.state import Forest
 
 
 @serve.deployment(name="Draft", max_ongoing_requests=64)
@@ -30,11 +30,7 @@ class Draft(ModelReplica):
         return await self.submit(session, call)
 
     async def run_batch(self, items: list[tuple[str, IterationCall]]) -> list[Any]:
-        remote = RemoteModel(self.vocab_size)
-        jobs = [
-            Job(session, Engine(remote, call.config, remote).propose_steps(call.state))
-            for session, call in items
-        ]
+        jobs = [Job(session, call.propose_steps(self.vocab_size)) for session, call in items]
         with self.trace_batch(items) as spans:
             results, report = await self.run_jobs(jobs)
             spans.finish(report, results, forest_attributes)

@@ -1,6 +1,7 @@
 """What crosses between the deployments each iteration (all small except the forest).
 
-router -> draft      `IterationCall` (state for the models + this iteration's config)
+router -> draft      `IterationCall` (dsbd_core.algorithm.loop: state for the models + this
+                     iteration's config + the router's trace context)
 draft -> verifier    `DraftReply` (the forest), as an object-store reference the router only
                      forwards: the router passes the draft's `DeploymentResponse` into the
                      verifier call and never awaits it
@@ -13,22 +14,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from dsbd_core.algorithm.config import SamplingConfig
-from dsbd_core.algorithm.engine import DecodeState, Forest, Outcome
+from dsbd_core.algorithm.loop import IterationCall
 from dsbd_core.algorithm.session_batch import BatchReport
+from dsbd_core.algorithm.state import Forest, Outcome
 
-
-@dataclass
-class IterationCall:
-    """One request's iteration as the models see it."""
-
-    state: DecodeState  # DecodeState.for_models(): tokens, scores, flags, depth, origin
-    config: SamplingConfig  # the request's config with this iteration's knobs applied
-    uses_draft: bool  # the method drafts (dsbd, sps); False for beam / sample
-    # W3C trace context of the router's iteration span (`traceparent`, `tracestate`): the
-    # replicas' draft / verify spans continue the request's trace (deployments/tracing.py).
-    # Empty when the router does not trace.
-    trace: dict[str, str] = field(default_factory=dict)
+__all__ = ["DraftReply", "IterationCall", "SideReport", "VerifyReply"]
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """The verifier deployment: one target forward verifies the forests of concurrent requests.
 
-`verify` runs `Engine.verify_steps` (dsbd_core: the exact layer-by-layer verification and the
+`verify` runs `IterationCall.verify_steps` (dsbd_core: the exact layer-by-layer verification and the
 per-layer width rule) for every call of a batch; the target scores all of their forests in ONE
 forward (continuous batching at iteration granularity: whoever is at this step joins). The
 forest arrives as an object-store reference resolved here; what goes back is the outcome only.
@@ -16,11 +16,8 @@ from deployments.messages import DraftReply, IterationCall, VerifyReply
 from deployments.metrics import IterationSample
 from deployments.model_replica import ModelReplica
 from deployments.tracing import VERIFIER
-from dsbd_core.algorithm.engine import Engine, Forest, Outcome
-from dsbd_core.algorithm.scorer import RemoteModel
 from dsbd_core.algorithm.session_batch import Job
-
-_NO_FOREST = Forest([], [], [])
+from dsbd_core.algorithm.state import NO_FOREST, Outcome
 
 
 @serve.deployment(name="Verifier", max_ongoing_requests=64)
@@ -38,12 +35,10 @@ class Verifier(ModelReplica):
     async def run_batch(
         self, items: list[tuple[str, tuple[IterationCall, DraftReply | None]]]
     ) -> list[Any]:
-        remote = RemoteModel(self.vocab_size)
         jobs = []
         for session, (call, draft) in items:
-            engine = Engine(remote, call.config, remote if call.uses_draft else None)
-            forest = draft.forest if draft is not None else _NO_FOREST
-            jobs.append(Job(session, engine.verify_steps(call.state, forest)))
+            forest = draft.forest if draft is not None else NO_FOREST
+            jobs.append(Job(session, call.verify_steps(self.vocab_size, forest)))
         with self.trace_batch([(session, call) for session, (call, _) in items]) as spans:
             results, report = await self.run_jobs(jobs)
             spans.finish(report, results, _describe)

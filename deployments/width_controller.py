@@ -15,7 +15,8 @@ from typing import Any
 
 from ray import serve
 
-from deployments.width_policy import Knobs, PolicyConfig, choose_knobs, layer_pass_rate
+from deployments.width_policy import PolicyConfig, choose_knobs, layer_pass_rate
+from dsbd_core.algorithm.control import Knobs
 
 
 @dataclass

@@ -29,14 +29,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
-
-class Knobs(BaseModel):
-    """The speed knobs of one iteration."""
-
-    model_config = ConfigDict(frozen=True)
-
-    gamma: int = Field(..., ge=0)
-    draft_width: int = Field(..., ge=1)
+from dsbd_core.algorithm.control import Knobs
 
 
 class PolicyConfig(BaseModel):

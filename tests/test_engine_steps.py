@@ -14,8 +14,10 @@ import numpy as np
 import pytest
 import torch
 
-from dsbd_core import SamplingConfig, TableScorer
-from dsbd_core.algorithm.engine import Engine, Forest, Outcome
+from dsbd_core import SamplingConfig, TableScorer, generate_batch
+from dsbd_core.algorithm.engine import Engine
+from dsbd_core.algorithm.scorer import drive
+from dsbd_core.algorithm.state import Forest, Outcome
 
 from .exact_reference import random_table
 
@@ -35,17 +37,22 @@ def test_split_steps_with_serialised_messages_equal_run(extra: dict) -> None:
     config = SamplingConfig(width=3, gamma=3, max_new_tokens=9, eos_token_ids=(0,), seed=4, **extra)
     prompts = [[1, 2], [3, 4, 5], [6, 1]]
     fresh_target, fresh_draft = scorers(0)
-    expected = Engine(fresh_target, config, fresh_draft).run(prompts)
+    expected = generate_batch("dsbd", fresh_target, prompts, config, fresh_draft)
 
     target, draft = scorers(0)
-    caller = Engine(target, config, draft)  # holds the state (the router)
-    draft_side = Engine(target, config, draft)  # only ever calls propose
-    target_side = Engine(target, config, draft)  # only ever calls verify
+    vocab = target.vocab_size
+    caller = Engine(config, vocab, uses_draft=True)  # holds the state (the router)
+    draft_side = Engine(config, vocab, uses_draft=True)  # only ever calls propose
+    target_side = Engine(config, vocab, uses_draft=True)  # only ever calls verify
     state = caller.start(prompts)
     while caller.next_iteration(state):
-        forest = pickle.loads(pickle.dumps(draft_side.propose(pickle.loads(pickle.dumps(state)))))
+        proposed = drive(draft, draft_side.propose_steps(pickle.loads(pickle.dumps(state))))
+        forest = pickle.loads(pickle.dumps(proposed))
         assert isinstance(forest, Forest)
-        message = pickle.dumps(target_side.verify(pickle.loads(pickle.dumps(state)), forest))
+        verified = drive(
+            target, target_side.verify_steps(pickle.loads(pickle.dumps(state)), forest)
+        )
+        message = pickle.dumps(verified)
         outcome = pickle.loads(message)
         assert isinstance(outcome, Outcome)
         assert b"Forest" not in message and not hasattr(outcome, "layers")

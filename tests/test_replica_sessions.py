@@ -19,10 +19,9 @@ from deployments.draft import Draft
 from deployments.messages import IterationCall
 from deployments.model_replica import SessionReleased
 from deployments.width_controller import WidthController
-from deployments.width_policy import Knobs
 from dsbd_core import SamplingConfig
+from dsbd_core.algorithm.control import Knobs
 from dsbd_core.algorithm.engine import Engine
-from dsbd_core.algorithm.scorer import RemoteModel
 
 from .tiny_models import build_pair
 
@@ -62,8 +61,7 @@ def draft_source(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _call(vocab: int, prompt: list[int]) -> IterationCall:
     """The router's first iteration of a DSBD request (what `DecodeSession` sends the draft)."""
     config = SamplingConfig(width=2, gamma=2, max_new_tokens=8, seed=0, eos_token_ids=(0,))
-    remote = RemoteModel(vocab)
-    engine = Engine(remote, config, remote)
+    engine = Engine(config, vocab, uses_draft=True)
     state = engine.start([prompt])
     assert engine.next_iteration(state)
     return IterationCall(state.for_models(), config, True)

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import torch
 
-from dsbd_core import SamplingConfig
+from dsbd_core import SamplingConfig, generate
 from dsbd_core.algorithm.engine import Engine
-from dsbd_core.algorithm.scorer import RemoteModel
 from dsbd_core.algorithm.session_batch import Job, SessionBatcher
+from dsbd_core.algorithm.state import NO_FOREST
 from dsbd_core.models.transformer_scorer import TransformerScorer
 
 from .test_engine_transformers import VOCAB, tiny
@@ -36,8 +36,7 @@ def decode_together(
     draft: SessionBatcher, target: SessionBatcher, evict_every: int = 0
 ) -> tuple[list, list]:
     """A router's loop for all REQUESTS at once; returns results and the batch reports."""
-    remote = RemoteModel(VOCAB)
-    engines = [Engine(remote, cfg, remote) for cfg in configs()]
+    engines = [Engine(cfg, VOCAB, uses_draft=True) for cfg in configs()]
     states = [e.start([prompt]) for e, (prompt, _) in zip(engines, REQUESTS, strict=True)]
     reports = []
     iteration = 0
@@ -73,8 +72,8 @@ def alone() -> list:
     target_model, draft_model = tiny("llama", 1), tiny("llama", 2)
     out = []
     for (prompt, _), cfg in zip(REQUESTS, configs(), strict=True):
-        engine = Engine(TransformerScorer(target_model), cfg, TransformerScorer(draft_model))
-        out.append(engine.run([prompt])[0])
+        out.append(generate("dsbd", TransformerScorer(target_model), prompt, cfg,
+                            TransformerScorer(draft_model)))  # fmt: skip
     return out
 
 
@@ -116,14 +115,13 @@ def test_sessions_are_freed_by_release_ttl_and_capacity() -> None:
     batcher = SessionBatcher(
         TransformerScorer(tiny("llama", 1)), ttl_s=10.0, max_sessions=2, clock=lambda: now[0]
     )
-    remote = RemoteModel(VOCAB)
     cfg = SamplingConfig(width=2, max_new_tokens=4, seed=0)
 
     def one_iteration(key: str) -> None:
-        engine = Engine(remote, cfg)
+        engine = Engine(cfg, VOCAB, uses_draft=False)
         state = engine.start([[1, 2, 3]])
         assert engine.next_iteration(state)
-        (outcome,), _ = batcher.run([Job(key, engine.verify_steps(state, engine.propose(state)))])
+        (outcome,), _ = batcher.run([Job(key, engine.verify_steps(state, NO_FOREST))])
         assert not isinstance(outcome, BaseException)
 
     one_iteration("a")
@@ -140,17 +138,16 @@ def test_sessions_are_freed_by_release_ttl_and_capacity() -> None:
 
 def test_a_failing_request_fails_alone() -> None:
     batcher = SessionBatcher(TransformerScorer(tiny("llama", 1)))
-    remote = RemoteModel(VOCAB)
     cfg = SamplingConfig(width=2, max_new_tokens=4, seed=0)
 
     def broken():
         raise ValueError("bad request")
         yield  # pragma: no cover
 
-    engine = Engine(remote, cfg)
+    engine = Engine(cfg, VOCAB, uses_draft=False)
     state = engine.start([[1, 2, 3]])
     engine.next_iteration(state)
-    good = Job("good", engine.verify_steps(state, engine.propose(state)))
+    good = Job("good", engine.verify_steps(state, NO_FOREST))
     results, report = batcher.run([Job("bad", broken()), good])
     assert isinstance(results[0], ValueError)
     assert not isinstance(results[1], BaseException)

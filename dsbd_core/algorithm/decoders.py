@@ -1,6 +1,7 @@
 """The decoders users call: one interface for sampling, SpS, beam sampling and DSBD.
 
-All four run on `dsbd_core.algorithm.engine.Engine`; a method name only fixes some config fields:
+All four run on `dsbd_core.algorithm.engine.Engine`, driven by the one decode loop
+(`dsbd_core.algorithm.loop`); a method name only fixes some config fields:
   sample  beam sampling with W = 1 and no draft (= multinomial / ancestral sampling)
   beam    target beam sampling of width W (spec §1)
   sps     DSBD with W = W_S = 1 and fixed width (= standard speculative sampling)
@@ -12,7 +13,8 @@ from __future__ import annotations
 from typing import Literal, get_args
 
 from dsbd_core.algorithm.config import SamplingConfig
-from dsbd_core.algorithm.engine import Engine
+from dsbd_core.algorithm.control import Controller
+from dsbd_core.algorithm.loop import Decode, run_decode
 from dsbd_core.algorithm.result import DecodeResult
 from dsbd_core.algorithm.scorer import ForestScorer
 
@@ -44,14 +46,24 @@ def generate_batch(
     prompts: list[list[int]],
     config: SamplingConfig,
     draft: ForestScorer | None = None,
+    controller: Controller | None = None,
 ) -> list[DecodeResult]:
-    """Decode several independent prompts in one batched run (one result per prompt)."""
+    """Decode several independent prompts in one batched run (one result per prompt).
+
+    `controller` chooses each iteration's speed knobs (default: the config's gamma and W_S).
+    """
     run_config = method_config(method, config)
     uses_draft = method in METHODS_WITH_DRAFT
     if uses_draft and draft is None:
         raise ValueError(f"method={method!r} needs a draft model; none was given")
-    engine = Engine(target, run_config, draft if uses_draft else None)
-    return engine.run(prompts)
+    if uses_draft and draft is not None and draft.vocab_size != target.vocab_size:
+        raise ValueError(
+            f"draft vocabulary size {draft.vocab_size} != target vocabulary size "
+            f"{target.vocab_size}: draft and target must share a vocabulary"
+        )
+    decode = Decode(run_config, target.vocab_size, [list(p) for p in prompts],
+                    uses_draft=uses_draft, controller=controller)  # fmt: skip
+    return run_decode(decode, target, draft if uses_draft else None)
 
 
 def generate(
@@ -60,6 +72,7 @@ def generate(
     prompt_ids: list[int],
     config: SamplingConfig,
     draft: ForestScorer | None = None,
+    controller: Controller | None = None,
 ) -> DecodeResult:
     """Decode one prompt: sequences best-first with true log-likelihoods, and stats."""
-    return generate_batch(method, target, [list(prompt_ids)], config, draft)[0]
+    return generate_batch(method, target, [list(prompt_ids)], config, draft, controller)[0]

@@ -3,11 +3,11 @@
 `generate_batch` decodes several prompts with ONE config and ONE random stream (the prompts are
 rows of one engine state), so a prompt's result depends on its batch mates. A batch job needs
 every row to be reproducible on its own: its own method, knobs and seed. Here every request
-keeps its own `Engine` and `DecodeState` (its random streams are seeded by (seed, iteration,
-side)), and only the model forwards are shared: each iteration the draft sides of all live
-requests run as one `SessionBatcher` batch on the draft model, then their target sides as one
-batch on the target. That is what the serving replicas do across processes; here it is one loop
-in one process, and a request decodes exactly what `generate` decodes for it alone
+keeps its own decode loop (`loop.Decode`; its random streams are seeded by (seed, iteration,
+side)), and only the model forwards are shared: each round the loops that ask for a draft side
+run as one `SessionBatcher` batch on the draft model, then every loop's target side as one batch
+on the target. That is what the serving replicas do across processes; here it is one driver in
+one process, and a request decodes exactly what `generate` decodes for it alone
 (tests/test_batch.py checks it draw for draw in float64).
 
 A request that cannot start (bad prompt, a draft method without a draft) or whose step fails
@@ -18,17 +18,15 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
+from typing import Any
 
 from dsbd_core.algorithm.config import SamplingConfig
 from dsbd_core.algorithm.decoders import METHODS_WITH_DRAFT, method_config
-from dsbd_core.algorithm.engine import DecodeState, Engine, Forest
+from dsbd_core.algorithm.loop import Decode, Propose, SideCall, Verify
 from dsbd_core.algorithm.result import DecodeResult
-from dsbd_core.algorithm.scorer import RemoteModel
 from dsbd_core.algorithm.session_batch import Job, SessionBatcher
-
-_NO_FOREST = Forest([], [], [])  # what a method without a draft verifies (beam, sample)
 
 
 @dataclass(frozen=True)
@@ -59,6 +57,62 @@ class LockstepReport:
     draft_forwards: int = 0
 
 
+class _Loops:
+    """The requests' decode loops and the side call each one waits on."""
+
+    def __init__(self, requests: list[Request], vocab: int, has_draft: bool, start: float,
+                 clock: Callable[[], float]) -> None:  # fmt: skip
+        self.out = [RequestResult(None, None, None, 0.0) for _ in requests]
+        self.loops: dict[int, Generator[SideCall, Any, list[DecodeResult]]] = {}
+        self.waiting: dict[int, SideCall] = {}
+        self.start, self.clock = start, clock
+        for i, request in enumerate(requests):
+            try:
+                uses_draft = request.method in METHODS_WITH_DRAFT
+                if uses_draft and not has_draft:
+                    raise ValueError(
+                        f"method={request.method!r} needs a draft model; none was given"
+                    )
+                config = method_config(request.method, request.config)
+                decode = Decode(config, vocab, [list(request.prompt_ids)], uses_draft=uses_draft)
+                self.out[i].seed = decode.state.seed
+                self.loops[i] = decode.steps()
+                self.send(i, None)
+            except Exception as error:  # a bad request fails alone
+                self.fail(i, error)
+
+    def send(self, i: int, answer: Any) -> None:
+        """Give loop `i` its answer; note its next side call, or its result."""
+        try:
+            self.waiting[i] = self.loops[i].send(answer)
+        except StopIteration as stop:
+            self.out[i].result = stop.value[0]
+            self.out[i].seconds = self.clock() - self.start
+            self._drop(i)
+        except Exception as error:
+            self.fail(i, error)
+
+    def fail(self, i: int, error: BaseException) -> None:
+        self.out[i].error, self.out[i].seconds = error, self.clock() - self.start
+        self._drop(i)
+
+    def _drop(self, i: int) -> None:
+        self.waiting.pop(i, None)
+        loop = self.loops.pop(i, None)
+        if loop is not None:
+            loop.close()
+
+    def asking(self, kind: type) -> list[int]:
+        return [i for i, call in self.waiting.items() if isinstance(call, kind)]
+
+    def answer(self, members: list[int], values: list[Any]) -> None:
+        for i, value in zip(members, values, strict=True):
+            if isinstance(value, BaseException):
+                self.fail(i, value)
+            else:
+                self.send(i, value)
+
+
 def decode_lockstep(
     requests: list[Request],
     target: SessionBatcher,
@@ -67,74 +121,39 @@ def decode_lockstep(
     clock: Callable[[], float] = time.perf_counter,
 ) -> tuple[list[RequestResult], LockstepReport]:
     """Decode every request to its end, sharing each iteration's forwards; one result each."""
-    start = clock()
     key_prefix = uuid.uuid4().hex  # batchers may hold other calls' sessions: keys must not clash
-    remote = RemoteModel(target.scorer.vocab_size)
-    out = [RequestResult(None, None, None, 0.0) for _ in requests]
-    engines: dict[int, Engine] = {}
-    states: dict[int, DecodeState] = {}
-    for i, request in enumerate(requests):
-        try:
-            config = method_config(request.method, request.config)
-            uses_draft = request.method in METHODS_WITH_DRAFT
-            if uses_draft and draft is None:
-                raise ValueError(f"method={request.method!r} needs a draft model; none was given")
-            engine = Engine(remote, config, remote if uses_draft else None)
-            states[i] = engine.start([list(request.prompt_ids)])
-            engines[i] = engine
-            out[i].seed = states[i].seed
-        except Exception as error:  # a bad request fails alone
-            out[i].error, out[i].seconds = error, clock() - start
+    vocab = target.scorer.vocab_size
+    loops = _Loops(requests, vocab, draft is not None, clock(), clock)
     report = LockstepReport()
 
     def key(i: int) -> str:
         return f"{key_prefix}-{i}"
 
-    def fail(i: int, error: BaseException) -> None:
-        out[i].error, out[i].seconds = error, clock() - start
-        engines.pop(i)
-
     try:
-        while engines:
-            live = []
-            for i in list(engines):
-                if engines[i].next_iteration(states[i]):
-                    live.append(i)
-                else:
-                    out[i].result = engines.pop(i).finish(states[i])[0]
-                    out[i].seconds = clock() - start
-            if not live:
-                break
+        while loops.waiting:
             report.iterations += 1
-            messages = {i: states[i].for_models() for i in live}
-            forests: dict[int, Forest] = {}
-            drafting = [i for i in live if engines[i].draft is not None]
-            if drafting:
+            proposing = loops.asking(Propose)
+            if proposing:
                 assert draft is not None
                 values, batch = draft.run(
-                    [Job(key(i), engines[i].propose_steps(messages[i])) for i in drafting]
+                    [Job(key(i), loops.waiting[i].call.propose_steps(vocab)) for i in proposing]
                 )
                 report.draft_forwards += batch.forwards
-                for i, value in zip(drafting, values, strict=True):
-                    if isinstance(value, BaseException):
-                        fail(i, value)
-                    else:
-                        forests[i] = value
-            verifying = [i for i in live if i in engines]
-            jobs = [
-                Job(key(i), engines[i].verify_steps(messages[i], forests.get(i, _NO_FOREST)))
-                for i in verifying
-            ]
+                loops.answer(proposing, values)
+            verifying = loops.asking(Verify)
+            if not verifying:
+                continue
+            jobs = []
+            for i in verifying:
+                call = loops.waiting[i]
+                assert isinstance(call, Verify)
+                jobs.append(Job(key(i), call.call.verify_steps(vocab, call.forest)))
             values, batch = target.run(jobs)
             report.target_forwards += batch.forwards
-            for i, value in zip(verifying, values, strict=True):
-                if isinstance(value, BaseException):
-                    fail(i, value)
-                else:
-                    engines[i].advance(states[i], value)
+            loops.answer(verifying, values)
     finally:
         for i in range(len(requests)):
             target.release(key(i))
             if draft is not None:
                 draft.release(key(i))
-    return out, report
+    return loops.out, report

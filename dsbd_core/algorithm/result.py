@@ -3,6 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from dsbd_core.algorithm.state import Pool
 
 
 @dataclass
@@ -82,3 +88,51 @@ class DecodeResult:
     @property
     def best(self) -> Beam:
         return self.beams[0]
+
+
+def collect_results(
+    batch: int,
+    pool: Pool,
+    steps: torch.Tensor,
+    counters: dict[str, torch.Tensor],
+    history: list[dict[str, torch.Tensor]],
+    length_penalty: float,
+) -> list[DecodeResult]:
+    """Every session's pooled beams ranked best-first, and its statistics from the counters and
+    the per-iteration records (tensors become Python numbers once, here, at the end)."""
+    beams: list[list[Beam]] = [[] for _ in range(batch)]
+    if pool.session:
+        session = torch.cat(pool.session).tolist()
+        tokens = torch.cat(pool.tokens).tolist()
+        lengths = torch.cat(pool.length).tolist()
+        scores = torch.cat(pool.score).tolist()
+        finished = torch.cat(pool.finished).tolist()
+        for b, tok, n, s, f in zip(session, tokens, lengths, scores, finished, strict=True):
+            beams[b].append(Beam(tok[:n], s, f, s / max(n, 1) ** length_penalty))
+    stats = [DecodeStats() for _ in range(batch)]
+    columns = {name: counters[name].tolist() for name in counters}
+    emitted = steps.tolist()
+    for b, st in enumerate(stats):
+        st.target_forward_passes, st.draft_forward_passes = (
+            columns["target"][b],
+            columns["draft"][b],
+        )
+        st.drafted_tokens, st.accepted_tokens = columns["drafted"][b], columns["accepted"][b]
+        st.tokens_emitted = emitted[b]
+        st.epsilon_bias_bound = columns["epsilon_bias"][b]
+    for record in history:
+        live = record["live"].nonzero(as_tuple=True)[0].tolist()
+        layers = record["accepted_layers"].tolist()
+        widths = record["widths"].tolist()
+        alphas = record["alphas"].tolist()
+        for b in live:
+            st = stats[b]
+            st.iterations += 1
+            st.accepted_layers.append(layers[b])
+            st.widths.append([w for w in widths[b] if w >= 0])
+            st.layer_alphas.append([a for a in alphas[b] if a >= 0])
+    results = []
+    for b in range(batch):
+        ranked = sorted(beams[b], key=lambda beam: (-beam.score, beam.token_ids))
+        results.append(DecodeResult(beams=ranked, stats=stats[b]))
+    return results

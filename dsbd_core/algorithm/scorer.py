@@ -1,17 +1,17 @@
 """The contract between the decoding engine and a model: score a forest, keep its caches.
 
-The engine (dsbd_core/algorithm/engine.py) works on a batch of `B` independent sessions (requests),
-each
-holding up to `R` beams. A model is reached only through a `ForestScorer`, so the same engine
-runs on an exact n-gram table (tests, theory), on a transformers causal LM with KV caches
-(`TransformerScorer`), and later on a remote, tensor-parallel verifier.
+The engine (dsbd_core/algorithm/engine.py) works on a batch of `B` independent sessions (one
+prompt's beams each), each holding up to `R` beams. A model is reached only through a
+`ForestScorer`, so the same engine runs on an exact n-gram table (tests, theory), on a
+transformers causal LM with KV caches (`TransformerScorer`), and on a remote, tensor-parallel
+verifier.
 
 Per iteration the engine calls, for each model:
 
-1. `set_roots(roots)`: the beams the iteration starts from (the forest's
-   roots). `origin` says where each new root came from in the previous iteration's forest, so a
-   cached model can compact its KV cache to the accepted paths (spec §6.4) instead of
-   re-prefilling. A scorer that cannot reuse a cache may always rebuild from `tokens`.
+1. `set_roots(roots)`: the beams the iteration starts from (the forest's roots). `origin`
+   says where each new root came from in the previous iteration's forest, so a cached model
+   can compact its KV cache to the accepted paths (spec §6.4) instead of re-prefilling. A
+   scorer that cannot reuse a cache may always rebuild from `tokens`.
 2. `forward(layers)`, once or several times: feeds the roots' uncached tokens (first call after
    `set_roots` only) and the given new forest layers in ONE model forward, and returns
    next-token log-probabilities for the roots (first call only) and for every node of the given
@@ -139,27 +139,3 @@ def drive(scorer: ForestScorer, steps: Generator[ScoreCall, ForestLogprobs, T]) 
             call = steps.send(scorer.forward(call.layers))
     except StopIteration as stop:
         return stop.value
-
-
-class RemoteModel:
-    """A model that lives in another process: only its vocabulary is known here.
-
-    The serving router and the replicas build an `Engine` per request for its bookkeeping and
-    step generators; scoring happens where the weights are, so calling this is a bug.
-    """
-
-    def __init__(self, vocab_size: int) -> None:
-        self._vocab_size = vocab_size
-
-    @property
-    def vocab_size(self) -> int:
-        return self._vocab_size
-
-    def set_roots(self, *args: object) -> None:
-        raise RuntimeError("RemoteModel cannot score: drive the step generator where the model is")
-
-    def forward(self, layers: Sequence[ForestLayer]) -> ForestLogprobs:
-        raise RuntimeError("RemoteModel cannot score: drive the step generator where the model is")
-
-    def release(self) -> None:
-        """Nothing is held here."""

@@ -95,6 +95,31 @@ class SessionBatcher:
         self.expire()
         report = BatchReport()
         results: list[Any] = [None] * len(jobs)
+        calls = self._first_calls(jobs, results)
+        members = sorted(calls)  # jobs that need the model, in batch order
+        if not members:
+            return results, report
+        roots = [calls[i].roots for i in members]
+        sizes = [r.tokens.shape[0] for r in roots]  # type: ignore[union-attr]
+        widths = [r.tokens.shape[1] for r in roots]  # type: ignore[union-attr]
+        cached = self._take_caches(jobs, members, roots, sizes, report)  # type: ignore[arg-type]
+        report.requests, report.sessions = len(members), sum(sizes)
+        failed: set[int] = set()
+        try:
+            self.scorer.import_sessions(cached)
+            self.scorer.set_roots(_stack_roots(roots))  # type: ignore[arg-type]
+            self._rounds(jobs, members, sizes, widths, calls, results, failed, report)
+        except Exception as error:  # the shared forward failed: every job of the batch fails
+            for i in members:
+                if results[i] is None or i in calls:
+                    results[i] = error
+            failed.update(members)
+        self._keep_caches(jobs, members, sizes, failed)
+        return results, report
+
+    def _first_calls(self, jobs: list[Job], results: list[Any]) -> dict[int, ScoreCall]:
+        """Each job's first call, which must carry its roots; a job that fails here fails alone
+        (its cache is freed)."""
         calls: dict[int, ScoreCall] = {}
         for i, job in enumerate(jobs):
             self._step(i, job, None, calls, results)
@@ -103,50 +128,54 @@ class SessionBatcher:
                 results[i] = RuntimeError("a step generator's first call must carry roots")
             if isinstance(results[i], BaseException):
                 self.release(job.key)
-        members = sorted(calls)  # jobs that need the model, in batch order
-        if not members:
-            return results, report
-        sizes = [calls[i].roots.tokens.shape[0] for i in members]  # type: ignore[union-attr]
-        widths = [calls[i].roots.tokens.shape[1] for i in members]  # type: ignore[union-attr]
-        roots = _stack_roots([calls[i].roots for i in members])  # type: ignore[misc]
-        cached = []
-        for i, size in zip(members, sizes, strict=True):
+        return calls
+
+    def _take_caches(
+        self, jobs: list[Job], members: list[int], roots: list[Roots], sizes: list[int],
+        report: BatchReport,
+    ) -> list[Any]:  # fmt: skip
+        """The members' stored caches in batch order (None where a job re-prefills: a fresh
+        session, a cache of another shape, or none here)."""
+        cached: list[Any] = []
+        for i, root, size in zip(members, roots, sizes, strict=True):
             entry = self._store.pop(jobs[i].key, None)
-            fresh = calls[i].roots.origin is None  # type: ignore[union-attr]
-            usable = entry is not None and not fresh and len(entry.sessions) == size
+            usable = entry is not None and root.origin is not None and len(entry.sessions) == size
             report.reused += int(usable)
             if entry is not None and not usable:
                 _discard(self.scorer, entry.sessions)
             cached += entry.sessions if usable else [None] * size  # type: ignore[union-attr]
-        report.requests, report.sessions = len(members), sum(sizes)
-        failed: set[int] = set()
-        try:
-            self.scorer.import_sessions(cached)
-            self.scorer.set_roots(roots)
-            first = True
-            while calls:
-                layers = [calls[i].layers if i in calls else [] for i in members]
-                scored = self.scorer.forward(_stack_layers(layers, sizes))
-                report.forwards += 1
-                start = 0
-                for i, size, width, own in zip(members, sizes, widths, layers, strict=True):
-                    part = _split(scored, start, size, width if first else None, own)
-                    start += size
-                    if i in calls:
-                        calls.pop(i)
-                        self._step(i, jobs[i], part, calls, results)
-                        if isinstance(results[i], BaseException):
-                            failed.add(i)
-                        elif i in calls and calls[i].roots is not None:
-                            calls.pop(i)
-                            failed.add(i)
-                            results[i] = RuntimeError("set_roots twice in one iteration")
-                first = False
-        except Exception as error:  # the shared forward failed: every job of the batch fails
-            for i in members:
-                if results[i] is None or i in calls:
-                    results[i] = error
-            failed.update(members)
+        return cached
+
+    def _rounds(
+        self, jobs: list[Job], members: list[int], sizes: list[int], widths: list[int],
+        calls: dict[int, ScoreCall], results: list[Any], failed: set[int], report: BatchReport,
+    ) -> None:  # fmt: skip
+        """Answer the jobs' calls with one forward a round until every job has its value."""
+        first = True
+        while calls:
+            layers = [calls[i].layers if i in calls else [] for i in members]
+            scored = self.scorer.forward(_stack_layers(layers, sizes))
+            report.forwards += 1
+            start = 0
+            for i, size, width, own in zip(members, sizes, widths, layers, strict=True):
+                part = _split(scored, start, size, width if first else None, own)
+                start += size
+                if i not in calls:
+                    continue
+                calls.pop(i)
+                self._step(i, jobs[i], part, calls, results)
+                if isinstance(results[i], BaseException):
+                    failed.add(i)
+                elif i in calls and calls[i].roots is not None:
+                    calls.pop(i)
+                    failed.add(i)
+                    results[i] = RuntimeError("set_roots twice in one iteration")
+            first = False
+
+    def _keep_caches(
+        self, jobs: list[Job], members: list[int], sizes: list[int], failed: set[int]
+    ) -> None:
+        """Store the caches of the jobs that succeeded under their keys; drop the others."""
         sessions = self.scorer.export_sessions()
         start = 0
         now = self.clock()
@@ -160,7 +189,6 @@ class SessionBatcher:
         if not complete:
             _discard(self.scorer, sessions)
         self._evict()
-        return results, report
 
     def release(self, key: str) -> bool:
         """Free a session's caches (request finished, failed or cancelled)."""

@@ -1,0 +1,186 @@
+"""Beams through the forest: the paths of forest nodes, the next input beams, the finished pool.
+
+After verification an iteration's output beams are children of nodes somewhere in the forest.
+These functions turn (layer, node) references into token sequences, choose the rows the next
+iteration starts from (and the `Origin` the models compact their KV caches with), and move
+beams that left decoding to the pool. All batched over sessions; loops run over forest layers
+only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dsbd_core.algorithm.scorer import ForestLayer, Origin
+from dsbd_core.algorithm.state import Pool
+
+NEG_INF = float("-inf")
+
+
+@dataclass
+class Outputs:
+    """Output slots of the current iteration, filled layer by layer as sessions stop verifying."""
+
+    layer: torch.Tensor  # [B] forest layer of the output beams' parents
+    index: torch.Tensor  # [B, W] flat candidate index (parent * V + token)
+    exists: torch.Tensor  # [B, W]
+    score: torch.Tensor  # [B, W] true log-likelihood of the output beam
+
+    @classmethod
+    def empty(cls, batch: int, width: int) -> Outputs:
+        return cls(
+            layer=torch.zeros(batch, dtype=torch.long),
+            index=torch.zeros(batch, width, dtype=torch.long),
+            exists=torch.zeros(batch, width, dtype=torch.bool),
+            score=torch.zeros(batch, width, dtype=torch.float64),
+        )
+
+    def set(
+        self,
+        sessions: torch.Tensor,
+        layer: int,
+        index: torch.Tensor,
+        exists: torch.Tensor,
+        candidates: torch.Tensor,
+    ) -> None:
+        """Record the output slots of `sessions`: children of forest layer `layer`."""
+        self.layer[sessions] = layer
+        self.index[sessions] = index[sessions]
+        self.exists[sessions] = exists[sessions]
+        self.score[sessions] = candidates.gather(1, index)[sessions]
+
+
+def ancestry(
+    layers: list[ForestLayer], level: torch.Tensor, node: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Root row and per-layer node index (-1 above `level`) of every given node."""
+    batch, n = node.shape
+    path = torch.full((batch, n, len(layers)), -1, dtype=torch.long)
+    current = node.clone()
+    for lv in range(len(layers), 0, -1):
+        here = (level >= lv)[:, None].expand(batch, n)
+        path[:, :, lv - 1] = torch.where(here, current, -1)
+        parents = layers[lv - 1].parent
+        up = parents.gather(1, current.clamp(max=parents.shape[1] - 1))
+        current = torch.where(here, up, current)
+    return current, path
+
+
+def sequences(
+    tokens: torch.Tensor,
+    length: torch.Tensor,
+    layers: list[ForestLayer],
+    level: torch.Tensor,
+    node: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token sequences through forest nodes: root tokens ++ path tokens (layers 1..level).
+
+    level: [B] the nodes' layer (0 = roots); node: [B, n] node indices in that layer.
+    Returns (tokens [B, n, L], length [B]).
+    """
+    root, path = ancestry(layers, level, node)
+    batch, n = node.shape
+    seq = tokens.gather(1, root[:, :, None].expand(-1, -1, tokens.shape[2])).clone()
+    for lv in range(1, len(layers) + 1):
+        here = level >= lv
+        tok = layers[lv - 1].token.gather(1, path[:, :, lv - 1].clamp(min=0))
+        pos = (length + lv - 1).clamp(max=tokens.shape[2] - 1)
+        current = seq.gather(2, pos[:, None, None].expand(batch, n, 1))[:, :, 0]
+        value = torch.where(here[:, None], tok, current)
+        seq.scatter_(2, pos[:, None, None].expand(batch, n, 1), value[:, :, None])
+    return seq, length + level
+
+
+def pool_add(
+    pool: Pool,
+    seq: torch.Tensor,
+    seq_len: torch.Tensor,
+    prompt_len: torch.Tensor,
+    score: torch.Tensor,
+    mask: torch.Tensor,
+    finished: bool,
+    max_new_tokens: int,
+) -> None:
+    """Move the beams selected by `mask` [B, n] to the pool (generated tokens only)."""
+    b, j = mask.nonzero(as_tuple=True)
+    if b.numel() == 0:
+        return
+    # Independent of gamma (a controller may change it per iteration): no beam grows past
+    # the budget, since an iteration's depth is capped at the budget left minus one.
+    span = max_new_tokens + 1
+    offset = (prompt_len[b][:, None] + torch.arange(span)).clamp(max=seq.shape[2] - 1)
+    pool.session.append(b)
+    pool.tokens.append(seq[b, j].gather(1, offset))
+    pool.length.append(seq_len[b] - prompt_len[b])
+    pool.score.append(score[b, j])
+    pool.finished.append(torch.full_like(b, finished, dtype=torch.bool))
+
+
+@dataclass
+class NextBeams:
+    """The next iteration's input beams (what `Outcome` carries of them)."""
+
+    tokens: torch.Tensor
+    length: torch.Tensor
+    score: torch.Tensor
+    alive: torch.Tensor
+    remaining: torch.Tensor
+    origin: Origin
+
+
+def next_beams(
+    tokens: torch.Tensor,
+    length: torch.Tensor,
+    prompt_len: torch.Tensor,
+    layers: list[ForestLayer],
+    out: Outputs,
+    remaining: torch.Tensor,
+    live: torch.Tensor,
+    pool: Pool,
+    *,
+    vocab: int,
+    eos: torch.Tensor,
+    lean_memory: bool,
+    max_new_tokens: int,
+) -> NextBeams:
+    """Turn the output slots into the next iteration's input beams.
+
+    Output beams that end in an EOS token go to `pool`; the others are packed to the front of
+    the rows (lean memory: only the most likely one is kept, spec §7).
+    """
+    batch, width = out.index.shape
+    parent, new_token = out.index // vocab, out.index % vocab
+    root, path = ancestry(layers, out.layer, parent)
+    seq, seq_len = sequences(tokens, length, layers, out.layer, parent)
+    seq.scatter_(2, seq_len[:, None, None].expand(batch, width, 1), new_token[:, :, None])
+    seq_len = torch.where(live, seq_len + 1, length)
+    exists = out.exists & live[:, None]
+    finished = exists & torch.isin(new_token, eos)
+    if bool(finished.any()):
+        pool_add(pool, seq, seq_len, prompt_len, out.score, finished, True, max_new_tokens)
+    keep = exists & ~finished
+    if lean_memory:
+        # Keep the most likely output beam (lowest perplexity; paper §14.4): one KV row.
+        best = out.score.masked_fill(~exists, NEG_INF).argmax(dim=1)
+        best_alive = keep.gather(1, best[:, None])[:, 0]
+        order = torch.arange(width)[None, :].expand(batch, width)
+        order = torch.where(order == 0, best[:, None], order)
+        keep = torch.zeros_like(keep)
+        keep[:, 0] = best_alive
+        # Within an iteration finished beams spend width as in full mode; the one kept beam
+        # starts the next iteration with the full width again.
+        remaining = torch.where(live, torch.where(best_alive, width, 0), remaining)
+    else:
+        order = keep.long().argsort(dim=1, descending=True, stable=True)
+        keep = keep.gather(1, order)
+        remaining = remaining - finished.sum(dim=1)
+    seq = seq.gather(1, order[:, :, None].expand_as(seq))
+    new_score = out.score.gather(1, order)
+    path = path.gather(1, order[:, :, None].expand_as(path))
+    origin = Origin(root=root.gather(1, order), path=path)
+    untouched = ~live
+    seq = torch.where(untouched[:, None, None], tokens, seq)
+    new_score = torch.where(keep, new_score, 0.0)
+    return NextBeams(seq, seq_len, new_score, keep, remaining, origin)

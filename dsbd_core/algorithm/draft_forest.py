@@ -1,0 +1,62 @@
+"""The draft side of an iteration: beam-sample a forest of `depth` layers (spec §3).
+
+The draft runs beam sampling of width W_S from the input beams, starting from their *target*
+scores and with the same temperature and joint filter as the target, so that draft == target
+gives Q == P. Each layer records the full draft table Q_l and the exact draw probability of
+every draft (conditional on the earlier drafts of the layer in distinct mode): verification
+needs both, and uses them whatever the draft model is (a quantised draft or one with a restricted
+head stays exact, since the q the verifier sees is the q the draft drew from).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+
+import torch
+
+from dsbd_core.algorithm.config import SamplingConfig
+from dsbd_core.algorithm.distributions import draw_distinct, draw_with_replacement, joint_filter
+from dsbd_core.algorithm.scorer import ForestLayer, ForestLogprobs, Roots, ScoreCall
+from dsbd_core.algorithm.state import NO_FOREST, DecodeState, Forest
+
+NEG_INF = float("-inf")
+
+
+def draft_forest(
+    state: DecodeState,
+    config: SamplingConfig,
+    vocab: int,
+    eos: torch.Tensor,
+    generator: torch.Generator,
+) -> Generator[ScoreCall, ForestLogprobs, Forest]:
+    """Draft beam sampling for up to `state.depth[b]` layers: one draft-model call per layer."""
+    assert state.depth is not None, "plan the iteration first (Engine.next_iteration)"
+    depth, alive = state.depth, state.alive
+    depth_max = int(depth.max())
+    if depth_max == 0:
+        return NO_FOREST
+    batch, width_s = alive.shape[0], config.draft_beams
+    logq = (yield ScoreCall(Roots(state.tokens, state.length, alive, state.origin), [])).roots
+    assert logq is not None
+    parent_ok, sigma = alive, state.score
+    layers, tables, probs = [], [], []
+    for level in range(1, depth_max + 1):
+        ok = parent_ok & (depth >= level)[:, None]
+        candidates = (sigma[:, :, None] + logq.double()).masked_fill(~ok[:, :, None], NEG_INF)
+        candidates = candidates.reshape(batch, -1)
+        table = joint_filter(candidates, config.temperature, config.top_k, config.top_p)
+        if config.mode == "distinct":
+            index, prob, exists = draw_distinct(table, width_s, generator)
+        else:
+            index, exists = draw_with_replacement(table, width_s, generator)
+            prob = table.gather(1, index)
+        layer = ForestLayer(parent=index // vocab, token=index % vocab, exists=exists)
+        layers.append(layer)
+        tables.append(table)
+        probs.append(prob)
+        sigma = candidates.gather(1, index) * 1.0
+        sigma = torch.where(exists, sigma, torch.zeros_like(sigma))
+        parent_ok = exists & ~torch.isin(layer.token, eos)
+        if level < depth_max:
+            logq = (yield ScoreCall(None, [layer])).layers[0]
+    return Forest(layers=layers, tables=tables, probs=probs)

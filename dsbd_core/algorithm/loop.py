@@ -1,0 +1,142 @@
+"""The one decode loop: start -> (plan -> propose -> verify -> advance)* -> finish.
+
+Written once, as a generator of the iteration's two side calls, and driven by whoever holds the
+models: `run_decode` below answers both sides in-process (`generate`), `lockstep.py` batches the
+sides of many decodes into shared forwards (`dsbd batch`), and the serving router sends them to
+the draft and verifier deployments (`deployments/decode_session.py`). Each iteration:
+
+1. the controller chooses the speed knobs (gamma, W_S; `control.py`) and the engine plans the
+   depth (`Engine.next_iteration`); the loop ends when nothing is left to decode;
+2. `Propose(call)`: the driver runs the draft side (`IterationCall.propose_steps`) and sends back
+   the forest, or anything that stands for it (a serving driver sends an object-store handle
+   it never opens); skipped when no layer is drafted;
+3. `Verify(call, forest)`: the driver runs the target side and sends back the `Outcome`;
+4. the controller sees the outcome and the engine advances the state.
+
+A call carries everything its side needs (the state for the models and this iteration's
+config), so the two sides may run in other processes; each draws from random streams seeded by
+(seed, iteration, side), so every driver decodes the same tokens for the same seed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from dataclasses import dataclass, field
+from typing import Any
+
+from dsbd_core.algorithm.config import SamplingConfig
+from dsbd_core.algorithm.control import Controller, FixedKnobs, Knobs
+from dsbd_core.algorithm.engine import Engine
+from dsbd_core.algorithm.result import DecodeResult
+from dsbd_core.algorithm.scorer import ForestLogprobs, ForestScorer, ScoreCall, drive
+from dsbd_core.algorithm.state import NO_FOREST, DecodeState, Forest, Outcome
+
+
+@dataclass
+class IterationCall:
+    """One iteration of one decode as its two sides see it (crosses processes when serving)."""
+
+    state: DecodeState  # DecodeState.for_models(): tokens, scores, flags, depth, origin
+    config: SamplingConfig  # the decode's config with this iteration's knobs applied
+    uses_draft: bool  # the method drafts (dsbd, sps); False for beam / sample
+    # Opaque to the algorithm: context a driver sends along with the call. The serving router
+    # puts the W3C trace context of its iteration span here (`traceparent`, `tracestate`), so
+    # the replicas' spans continue the request's trace (deployments/tracing.py).
+    trace: dict[str, str] = field(default_factory=dict)
+
+    def engine(self, vocab_size: int) -> Engine:
+        return Engine(self.config, vocab_size, uses_draft=self.uses_draft)
+
+    def propose_steps(self, vocab_size: int) -> Generator[ScoreCall, ForestLogprobs, Forest]:
+        """The draft side as a generator of draft-model calls."""
+        return self.engine(vocab_size).propose_steps(self.state)
+
+    def verify_steps(
+        self, vocab_size: int, forest: Forest
+    ) -> Generator[ScoreCall, ForestLogprobs, Outcome]:
+        """The target side as a generator of its one target-model call."""
+        return self.engine(vocab_size).verify_steps(self.state, forest)
+
+
+@dataclass
+class Propose:
+    """Run the draft side of `call`; answer with its forest (or a handle standing for it)."""
+
+    call: IterationCall
+
+
+@dataclass
+class Verify:
+    """Run the target side of `call` on `forest` (the answer to `Propose`, or `NO_FOREST`);
+    answer with the `Outcome`."""
+
+    call: IterationCall
+    forest: Any
+
+
+SideCall = Propose | Verify
+
+
+class Decode:
+    """One decode call: a batch of prompts with one config, its state and its controller."""
+
+    def __init__(
+        self,
+        config: SamplingConfig,
+        vocab_size: int,
+        prompts: list[list[int]],
+        *,
+        uses_draft: bool,
+        controller: Controller | None = None,
+    ) -> None:
+        self.config = config
+        self.uses_draft = uses_draft
+        self.engine = Engine(config, vocab_size, uses_draft=uses_draft)
+        self.controller = controller or FixedKnobs(config)
+        self.state = self.engine.start(prompts)  # raises on a bad prompt, before any step
+
+    def steps(self) -> Generator[SideCall, Any, list[DecodeResult]]:
+        """The loop; returns every session's result."""
+        state = self.state
+        while True:
+            knobs = self.controller.knobs(state)
+            if not self.engine.next_iteration(state, gamma=knobs.gamma):
+                break
+            assert state.depth is not None
+            call = IterationCall(state.for_models(), self._config(knobs), self.uses_draft)
+            drafting = self.uses_draft and int(state.depth.max()) > 0
+            forest = (yield Propose(call)) if drafting else NO_FOREST
+            outcome = yield Verify(call, forest)
+            self.controller.observe(state, outcome, knobs)
+            self.engine.advance(state, outcome)
+        return self.engine.finish(state)
+
+    def _config(self, knobs: Knobs) -> SamplingConfig:
+        """The config with this iteration's knobs (the config itself when they are its own)."""
+        config = self.config
+        if knobs.gamma == config.gamma and knobs.draft_width == config.draft_beams:
+            return config
+        return config.model_copy(update={"gamma": knobs.gamma, "draft_width": knobs.draft_width})
+
+
+def run_decode(
+    decode: Decode, target: ForestScorer, draft: ForestScorer | None = None
+) -> list[DecodeResult]:
+    """Drive a decode to its end in this process: each side call against its scorer."""
+    steps = decode.steps()
+    vocab = target.vocab_size
+    answer: Any = None
+    try:
+        while True:
+            call = steps.send(answer)
+            if isinstance(call, Propose):
+                assert draft is not None, "a drafting decode needs a draft scorer"
+                answer = drive(draft, call.call.propose_steps(vocab))
+            else:
+                answer = drive(target, call.call.verify_steps(vocab, call.forest))
+    except StopIteration as stop:
+        return stop.value
+    finally:
+        target.release()
+        if draft is not None:
+            draft.release()

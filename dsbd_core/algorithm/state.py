@@ -1,0 +1,109 @@
+"""What a decode carries between its steps: the state, the forest, the verified outcome.
+
+These are plain data so that they can cross processes: the serving router keeps a `DecodeState`
+per request, the forest goes from the draft's holder to the target's, the `Outcome` comes back.
+Every tensor is batched over `B` sessions (a session: one prompt's beams, i.e. one row of the
+batch), each with up to `W` beams.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from dsbd_core.algorithm.scorer import ForestLayer, Origin
+
+# Per-session integer counters. "proposed": draft tokens in the forest (every node drafted);
+# "drafted": those of them verification reached (a live parent in a verified layer).
+COUNTERS = ("target", "draft", "proposed", "drafted", "accepted")
+
+
+def zero_counters(batch: int) -> dict[str, torch.Tensor]:
+    """Every counter at zero for `batch` sessions (the float `epsilon_bias` sum included)."""
+    counters = {name: torch.zeros(batch, dtype=torch.long) for name in COUNTERS}
+    counters["epsilon_bias"] = torch.zeros(batch, dtype=torch.float64)
+    return counters
+
+
+@dataclass
+class Pool:
+    """Beams that left decoding (finished at EOS, or alive when the budget ran out)."""
+
+    session: list[torch.Tensor] = field(default_factory=list)
+    tokens: list[torch.Tensor] = field(default_factory=list)  # generated tokens, padded
+    length: list[torch.Tensor] = field(default_factory=list)
+    score: list[torch.Tensor] = field(default_factory=list)
+    finished: list[torch.Tensor] = field(default_factory=list)
+
+    def extend(self, other: Pool) -> None:
+        """Append another pool's beams (an iteration's finished beams to the session's pool)."""
+        self.session += other.session
+        self.tokens += other.tokens
+        self.length += other.length
+        self.score += other.score
+        self.finished += other.finished
+
+
+@dataclass
+class DecodeState:
+    """What a batch of sessions carries between iterations: token ids, scores, flags, counters.
+
+    Small by design: it is what the serving router keeps per request; the models' KV caches live
+    with the scorers, the forest only between `propose` and `verify`.
+    """
+
+    tokens: torch.Tensor  # [B, W, L] prompt + generated tokens of every input beam
+    length: torch.Tensor  # [B]
+    prompt_len: torch.Tensor  # [B]
+    score: torch.Tensor  # [B, W] true log-likelihood of the generated tokens
+    alive: torch.Tensor  # [B, W]
+    remaining: torch.Tensor  # [B] width left (W minus finished beams)
+    steps: torch.Tensor  # [B] tokens emitted so far
+    origin: Origin | None
+    pool: Pool
+    counters: dict[str, torch.Tensor]
+    seed: int = 0  # base of every random stream (config.seed, or drawn once at start)
+    iteration: int = 0  # iterations advanced so far
+    history: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    live: torch.Tensor | None = None  # [B] sessions decoding in the current iteration
+    depth: torch.Tensor | None = None  # [B] layers drafted in the current iteration
+
+    def for_models(self) -> DecodeState:
+        """What the draft and the verifier need of the state: no pool, history or counters.
+
+        This is the message a serving router sends each iteration (a few KiB): the beams'
+        tokens, scores and flags, the planned depth, and the `Origin` the caches compact from.
+        """
+        return replace(self, pool=Pool(), counters={}, history=[])
+
+
+@dataclass
+class Forest:
+    """The draft's proposal for one iteration (spec §3): travels from draft to verifier."""
+
+    layers: list[ForestLayer]
+    tables: list[torch.Tensor]  # per layer: the full draft table Q_l [B, parents x V]
+    probs: list[torch.Tensor]  # per layer: exact draw probability of every draft [B, W_S]
+
+
+NO_FOREST = Forest([], [], [])  # what an iteration without drafted layers verifies
+
+
+@dataclass
+class Outcome:
+    """What verification of one iteration returns: the next input beams and what to count.
+
+    Computed on the verifier's side (it holds the forest), so the caller never needs the forest.
+    """
+
+    tokens: torch.Tensor
+    length: torch.Tensor
+    score: torch.Tensor
+    alive: torch.Tensor
+    remaining: torch.Tensor
+    origin: Origin
+    emitted: torch.Tensor  # [B] tokens each session's beams grew by
+    finished: Pool  # beams that left decoding this iteration
+    record: dict[str, torch.Tensor]  # accepted_layers, widths, alphas (per session)
+    counters: dict[str, torch.Tensor]  # increments: COUNTERS (less "draft"), epsilon_bias

@@ -1,0 +1,239 @@
+"""The target side of an iteration: one forward over the forest, then the layers in order (§4).
+
+For each layer l = 1, 2, ... the target distribution P_l over (valid parents x vocabulary) is
+formed from the target's log-probabilities at the layer's parents; the layer gets a width K
+(fixed: the remaining width R; dynamic: the threshold rule of spec §5) and is verified
+(`verify.verify_layer`). A layer with K acceptances passes and its accepted drafts become the
+next layer's parents; the first layer that fails ends the session's iteration and fills the
+output slots (`verify.fill_failed_layer`). A session whose drafted layers all passed draws a
+bonus layer from P at the deepest layer. Accepted drafts ending in EOS leave for the pool and
+take their slot with them; a passed layer whose accepted beams all finished is refilled from P.
+
+Sessions of a batch stop at different layers; `_Walk` keeps which are still verifying. The
+order of random draws is part of the contract (seeded decodes are reproducible, and the
+distributed path draws exactly what the in-process one draws): bonus, width, verification,
+failure fill, refill — per layer, in this order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+
+import torch
+
+from dsbd_core.algorithm.beams import Outputs, next_beams, pool_add, sequences
+from dsbd_core.algorithm.config import SamplingConfig
+from dsbd_core.algorithm.distributions import joint_filter
+from dsbd_core.algorithm.scorer import ForestLayer, ForestLogprobs, Roots, ScoreCall
+from dsbd_core.algorithm.state import DecodeState, Forest, Outcome, Pool, zero_counters
+from dsbd_core.algorithm.verify import LayerVerdict, draw_slots, fill_failed_layer, verify_layer
+from dsbd_core.algorithm.width import layer_width
+from dsbd_core.algorithm.width_distinct import distinct_layer_width
+
+NEG_INF = float("-inf")
+
+
+def verify_forest(
+    state: DecodeState,
+    forest: Forest,
+    config: SamplingConfig,
+    vocab: int,
+    eos: torch.Tensor,
+    generator: torch.Generator,
+    width_generator: torch.Generator,
+) -> Generator[ScoreCall, ForestLogprobs, Outcome]:
+    """Score the forest in one target call and verify it layer by layer."""
+    assert state.depth is not None, "plan the iteration first (Engine.next_iteration)"
+    batch = state.alive.shape[0]
+    counters = zero_counters(batch)
+    roots = Roots(state.tokens, state.length, state.alive, state.origin)
+    scored = yield ScoreCall(roots, list(forest.layers))
+    counters["target"] += state.alive.any(dim=1).long()
+    for layer in forest.layers:
+        counters["proposed"] += layer.exists.sum(dim=1)
+    assert scored.roots is not None
+    node_logp = [scored.roots.double()] + [lp.double() for lp in scored.layers]
+    walk = _Walk(state, forest, config, vocab, eos, generator, width_generator, counters)
+    for level in range(1, int(state.depth.max()) + 2):
+        if not walk.step(level, node_logp[level - 1]):
+            break
+    return walk.outcome()
+
+
+class _Walk:
+    """One iteration's verification in progress: which sessions still verify, their parents."""
+
+    def __init__(
+        self,
+        state: DecodeState,
+        forest: Forest,
+        config: SamplingConfig,
+        vocab: int,
+        eos: torch.Tensor,
+        generator: torch.Generator,
+        width_generator: torch.Generator,
+        counters: dict[str, torch.Tensor],
+    ) -> None:
+        self.state, self.forest, self.config, self.vocab, self.eos = (
+            state, forest, config, vocab, eos
+        )  # fmt: skip
+        self.generator, self.width_generator, self.counters = generator, width_generator, counters
+        assert state.depth is not None
+        self.depth = state.depth
+        batch, self.width = state.alive.shape
+        self.live = state.alive.any(dim=1)
+        self.out = Outputs.empty(batch, self.width)
+        self.valid, self.parent_score = state.alive.clone(), state.score.clone()
+        self.remaining = state.remaining
+        self.pending = self.live.clone()  # sessions whose output slots are still open
+        self.passed_layers = torch.zeros(batch, dtype=torch.long)
+        self.widths: list[torch.Tensor] = []
+        self.alphas: list[torch.Tensor] = []
+        self.finished = Pool()
+
+    @property
+    def distinct(self) -> bool:
+        return self.config.mode == "distinct"
+
+    def step(self, level: int, logp: torch.Tensor) -> bool:
+        """Layer `level`: bonus slots for sessions past their depth, else verification.
+        Returns False when no session is left to verify."""
+        if not bool(self.pending.any()):
+            return False
+        cfg, batch = self.config, self.valid.shape[0]
+        candidates = (self.parent_score[:, :, None] + logp).masked_fill(
+            ~self.valid[:, :, None], NEG_INF
+        )
+        candidates = candidates.reshape(batch, -1)
+        target = joint_filter(candidates, cfg.temperature, cfg.top_k, cfg.top_p)
+        bonus = self.pending & (self.depth < level)
+        if bool(bonus.any()):
+            index, exists = draw_slots(
+                target, self.width, self.remaining, self.distinct, self.generator
+            )
+            self.out.set(bonus, level - 1, index, exists, candidates)
+            self.pending &= ~bonus
+        verifying = self.pending & (self.depth >= level)
+        if not bool(verifying.any()):
+            return False  # every pending session took its bonus layer here
+        self._verify(level, target, candidates, verifying)
+        return True
+
+    def _verify(
+        self, level: int, target: torch.Tensor, candidates: torch.Tensor, verifying: torch.Tensor
+    ) -> None:
+        """Verify drafted layer `level` for the `verifying` sessions."""
+        layer = self.forest.layers[level - 1]
+        table, probs = self.forest.tables[level - 1], self.forest.probs[level - 1]
+        drafts = layer.parent * self.vocab + layer.token
+        valid_rows = self.valid.repeat_interleave(self.vocab, dim=1)
+        parent_valid = self.valid.gather(1, layer.parent) & layer.exists
+        self.counters["drafted"] += (parent_valid & verifying[:, None]).sum(dim=1)
+        in_layer = torch.where(verifying, layer.exists.sum(dim=1), 0)
+        k = self._layer_width(target, table, valid_rows, in_layer)
+        self.widths.append(torch.where(verifying, k, -1))
+        # alpha_1 = sum min(P_l, Q_l) = 1 - TV: first-draft acceptance (theory predictor)
+        alpha = torch.minimum(target, table).sum(dim=1)
+        self.alphas.append(torch.where(verifying, alpha, -1.0))
+        verdict = verify_layer(
+            target, table, valid_rows, drafts, probs, layer.exists, parent_valid, k, verifying,
+            self.distinct, self.generator, epsilon=self.config.epsilon,
+        )  # fmt: skip
+        self.counters["accepted"] += verdict.count * verifying
+        self.counters["epsilon_bias"] += torch.where(verifying, verdict.bias, 0.0)
+        passed = verifying & (verdict.count == k)
+        failed = verifying & ~passed
+        if bool(failed.any()):
+            index, exists = fill_failed_layer(
+                verdict, drafts, target, self.width, self.remaining, self.distinct, self.generator
+            )
+            self.out.set(failed, level - 1, index, exists, candidates)
+            self.pending &= ~failed
+        self._passed(level, layer, target, candidates, drafts, verdict, passed)
+
+    def _layer_width(
+        self,
+        target: torch.Tensor,
+        table: torch.Tensor,
+        valid_rows: torch.Tensor,
+        in_layer: torch.Tensor,
+    ) -> torch.Tensor:
+        """K per session: the remaining width, or the dynamic-width rule (spec §5)."""
+        cfg = self.config
+        if cfg.fixed_width:
+            return self.remaining.clone()
+        if self.distinct:  # the DP assumes i.i.d. drafts: simulate the distinct rule
+            return distinct_layer_width(
+                target, table, valid_rows, in_layer, cfg.threshold, cfg.w_min, self.remaining,
+                self.width_generator,
+            )  # fmt: skip
+        return layer_width(
+            target, table * valid_rows, in_layer, cfg.threshold, cfg.w_min, self.remaining
+        )
+
+    def _passed(
+        self,
+        level: int,
+        layer: ForestLayer,
+        target: torch.Tensor,
+        candidates: torch.Tensor,
+        drafts: torch.Tensor,
+        verdict: LayerVerdict,
+        passed: torch.Tensor,
+    ) -> None:
+        """Accepted drafts of passed layers become the next parents; EOS ones leave."""
+        self.passed_layers += passed.long()
+        accepted = verdict.accepted & passed[:, None]
+        node_score = candidates.gather(1, drafts)
+        finished_here = accepted & torch.isin(layer.token, self.eos)
+        if bool(finished_here.any()):
+            state = self.state
+            seq, seq_len = sequences(
+                state.tokens, state.length, self.forest.layers,
+                torch.full_like(self.depth, level),
+                torch.arange(layer.token.shape[1]).expand_as(layer.token),
+            )  # fmt: skip
+            pool_add(self.finished, seq, seq_len, state.prompt_len, node_score, finished_here,
+                     True, self.config.max_new_tokens)  # fmt: skip
+            self.remaining = self.remaining - finished_here.sum(dim=1)
+        self.valid = accepted & ~finished_here
+        self.parent_score = node_score
+        # Every accepted beam of the layer finished. With width left (dynamic width: K < R)
+        # the open slots are fresh draws from P_l, exactly as in the fail branch.
+        emptied = passed & ~self.valid.any(dim=1)
+        refill = emptied & (self.remaining > 0)
+        if bool(refill.any()):
+            rest = target * ~verdict.chosen if self.distinct else target
+            index, exists = draw_slots(
+                rest, self.width, self.remaining, self.distinct, self.generator
+            )
+            self.out.set(refill, level - 1, index, exists, candidates)
+        self.pending &= ~emptied
+
+    def outcome(self) -> Outcome:
+        """The next input beams from the filled output slots, and what to count."""
+        state, out, batch = self.state, self.out, self.valid.shape[0]
+        produced = out.exists.any(dim=1)
+        emitted = torch.where(produced, out.layer + 1, self.passed_layers) * self.live
+        beams = next_beams(
+            state.tokens, state.length, state.prompt_len, self.forest.layers, out,
+            self.remaining, self.live, self.finished, vocab=self.vocab, eos=self.eos,
+            lean_memory=self.config.lean_memory, max_new_tokens=self.config.max_new_tokens,
+        )  # fmt: skip
+        empty = torch.empty(batch, 0)
+        return Outcome(
+            tokens=beams.tokens,
+            length=beams.length,
+            score=beams.score,
+            alive=beams.alive,
+            remaining=beams.remaining,
+            origin=beams.origin,
+            emitted=emitted,
+            finished=self.finished,
+            record={
+                "accepted_layers": self.passed_layers,
+                "widths": torch.stack(self.widths, dim=1) if self.widths else empty,
+                "alphas": torch.stack(self.alphas, dim=1) if self.alphas else empty,
+            },
+            counters=self.counters,
+        )
