@@ -16,7 +16,6 @@ from tokenizers.models import WordLevel
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from dsbd_core import models
-from dsbd_core.models import loading
 from dsbd_core.models import (
     LoadedModel,
     ModelSourceError,
@@ -25,6 +24,7 @@ from dsbd_core.models import (
     encode_prompt,
     keep_first_layers,
     load_causal_lm,
+    loading,
     stop_token_ids,
 )
 

@@ -38,7 +38,8 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from dsbd_core.algorithm.scorer import ForestLayer, ForestLogprobs, Roots
-from dsbd_core.models.loading import ModelSourceError, _hub_offline, resolve_source
+from dsbd_core.models.errors import ModelSourceError
+from dsbd_core.models.loading import _hub_offline, resolve_source
 from dsbd_core.models.transformer_scorer import SessionCache, TransformerScorer
 
 SPLIT_FIELDS = ("num_attention_heads", "num_key_value_heads", "intermediate_size")

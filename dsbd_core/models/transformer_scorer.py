@@ -24,83 +24,33 @@ restricted to the prefix columns plus the columns of the path nodes this scorer 
 along the sequence axis. The token id of every cache column is kept, so a compaction whose
 kept tokens do not equal the new beam's leading tokens falls back to a re-prefill instead of
 returning wrong distributions.
+
+The forward layout (inputs, tree mask, output scatter) lives in `forest_plan`, the per-session
+cache, its compaction and the stacking of several sessions' caches in `kv_cache`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from dsbd_core.algorithm.scorer import ForestLayer, ForestLogprobs, Origin, Roots
+from dsbd_core.models.forest_plan import (
+    _additive_mask,
+    _padding_allowed,
+    _Plan,
+    _plan_forward,
+    _record,
+    _scatter_outputs,
+)
+from dsbd_core.models.kv_cache import PAD_COLUMN, SessionCache, _compact, _Session, _stack_caches
+
+__all__ = ["PAD_COLUMN", "SUPPORTED_ATTENTION", "SessionCache", "TransformerScorer"]
+
 
 SUPPORTED_ATTENTION = ("sdpa", "eager")
-PAD_COLUMN = -1  # token id recorded for a padding column of the cache (never a real token)
-
-
-@dataclass
-class _LayerPlacement:
-    """Where the nodes of one fed forest layer of one session sit in the cache.
-
-    row:       [M] long — local cache row (tree) of each node, -1 for a padding node.
-    column:    [M] long — cache column of each node, -1 for a padding node.
-    ancestors: [M, l] long — cache columns of the node's ancestors at layers 1..l, itself last;
-               a node's mask row over the node part is exactly these columns.
-    """
-
-    row: torch.Tensor
-    column: torch.Tensor
-    ancestors: torch.Tensor
-
-
-@dataclass
-class _Session:
-    """The KV cache of one session and what each of its columns holds.
-
-    rows:          [n] long — root index (in `R`) of each cache row, i.e. the alive roots.
-    tokens:        [n, length] long — the roots' full token sequences.
-    cache:         the model's cache, batch rows = `rows`; None when nothing is cached yet.
-    column_tokens: [n, C] long — token id of every cache column (PAD_COLUMN for padding slots).
-    prefix_cols:   number of leading columns that are root tokens (the root prefix cached).
-    layers:        placements of the forest layers fed since `set_roots`.
-    """
-
-    rows: torch.Tensor
-    tokens: torch.Tensor
-    cache: DynamicCache | None
-    column_tokens: torch.Tensor
-    prefix_cols: int
-    layers: list[_LayerPlacement] = field(default_factory=list)
-
-    @property
-    def length(self) -> int:
-        return self.tokens.shape[1]
-
-    @property
-    def cached_cols(self) -> int:
-        return self.column_tokens.shape[1]
-
-    @property
-    def roots_fed(self) -> bool:
-        return self.prefix_cols == self.length
-
-
-SessionCache = _Session  # public name: what export_sessions / import_sessions carry
-
-
-@dataclass
-class _Plan:
-    """The padded model input of one session forward and where to read its outputs."""
-
-    input_ids: torch.Tensor  # [n, q]
-    position_ids: torch.Tensor  # [n, q]
-    allowed: torch.Tensor  # [n, q, C + q] bool
-    keep: torch.Tensor  # [n, q] bool: positions whose logits are needed
-    uncached: int  # root tokens fed in this forward (0 if the roots were already fed)
-    placements: list[_LayerPlacement]
-    node_index: list[torch.Tensor]  # per layer: indices of the existing nodes
 
 
 class TransformerScorer:
@@ -369,240 +319,3 @@ class TransformerScorer:
         )
         self.forward_calls += 1
         return output.logits.to(self._out_dtype).log_softmax(-1), output.past_key_values
-
-
-def _scatter_outputs(
-    b: int,
-    session: _Session,
-    plan: _Plan,
-    logprobs: torch.Tensor,
-    rank: torch.Tensor,
-    roots: torch.Tensor | None,
-    outs: list[torch.Tensor],
-) -> None:
-    """Write one session's root and node log-probs; `rank` maps its (row, query) to kept rows."""
-    if plan.uncached > 0 and roots is not None:
-        roots[b, session.rows] = logprobs[rank[:, plan.uncached - 1]]
-    for out, placement, index in zip(outs, plan.placements, plan.node_index, strict=True):
-        if index.numel() > 0:
-            row = placement.row[index]
-            query = placement.column[index] - session.cached_cols
-            out[b, index] = logprobs[rank[row, query]]
-
-
-def _stack_caches(sessions: list[tuple[_Session, int]], rows: int, width: int) -> DynamicCache:
-    """One cache for several sessions: session rows at their offsets, columns left-aligned."""
-    template = next((s.cache for s, _ in sessions if s.cache is not None), None)
-    if template is None or width == 0:
-        return DynamicCache()
-    data = []
-    for index, layer in enumerate(template.layers):
-        heads, dim = layer.keys.shape[1], layer.keys.shape[3]
-        keys = layer.keys.new_zeros(rows, heads, width, dim)
-        values = layer.values.new_zeros(rows, heads, width, dim)
-        for session, start in sessions:
-            if session.cache is None or session.cached_cols == 0:
-                continue
-            own = session.cache.layers[index]
-            block = slice(start, start + session.rows.numel())
-            keys[block, :, : session.cached_cols] = own.keys
-            values[block, :, : session.cached_cols] = own.values
-        data.append((keys, values))
-    return DynamicCache(ddp_cache_data=data)
-
-
-def _plan_forward(
-    b: int, session: _Session, layers: Sequence[ForestLayer], root_count: int
-) -> _Plan:
-    """Lay out one session's forward: root tail then each tree's nodes, per row (spec §6.1)."""
-    device = session.tokens.device
-    n = session.rows.numel()
-    c_old = session.cached_cols
-    uncached = session.length - session.prefix_cols
-    if uncached > 0 and c_old != session.prefix_cols:
-        raise AssertionError("nodes cached before the roots were fed")
-    local_of_root = torch.full((root_count,), -1, dtype=torch.long, device=device)
-    local_of_root[session.rows] = torch.arange(n, device=device)
-    fill = torch.zeros(n, dtype=torch.long, device=device)  # nodes placed per row so far
-    previous = session.layers[-1] if session.layers else None
-    placements: list[_LayerPlacement] = []
-    node_index: list[torch.Tensor] = []
-    for offset, layer in enumerate(layers):
-        depth = len(session.layers) + offset + 1
-        placement, index = _place_layer(
-            b, layer, depth, previous, local_of_root, fill, uncached + c_old
-        )
-        placements.append(placement)
-        node_index.append(index)
-        previous = placement
-    q_len = uncached + int(fill.max()) if n > 0 else 0
-    input_ids = torch.zeros(n, q_len, dtype=torch.long, device=device)
-    position_ids = torch.zeros(n, q_len, dtype=torch.long, device=device)
-    keep = torch.zeros(n, q_len, dtype=torch.bool, device=device)
-    allowed = _padding_allowed(n, q_len, c_old, device)
-    if uncached > 0:
-        input_ids[:, :uncached] = session.tokens[:, session.prefix_cols :]
-        position_ids[:, :uncached] = torch.arange(
-            session.prefix_cols, session.length, device=device
-        )
-        columns = torch.arange(c_old + q_len, device=device)
-        queries = torch.arange(uncached, device=device)
-        allowed[:, :uncached] = columns[None, :] <= (c_old + queries)[:, None]  # causal
-        keep[:, uncached - 1] = True
-    for depth_offset, (layer, placement, index) in enumerate(
-        zip(layers, placements, node_index, strict=True)
-    ):
-        depth = len(session.layers) + depth_offset + 1
-        row = placement.row[index]
-        query = placement.column[index] - c_old
-        input_ids[row, query] = layer.token[b, index]
-        position_ids[row, query] = session.length - 1 + depth
-        allowed[row, query, : session.length] = True  # the whole root prefix
-        allowed[row[:, None], query[:, None], placement.ancestors[index]] = True
-        keep[row, query] = True
-    return _Plan(input_ids, position_ids, allowed, keep, uncached, placements, node_index)
-
-
-def _place_layer(
-    b: int,
-    layer: ForestLayer,
-    depth: int,
-    previous: _LayerPlacement | None,
-    local_of_root: torch.Tensor,
-    fill: torch.Tensor,
-    first_node_column: int,
-) -> tuple[_LayerPlacement, torch.Tensor]:
-    """Give every existing node of a layer its tree row and cache column; updates `fill`.
-
-    Nodes of one tree are placed in node order after the nodes already placed in that row in
-    this forward, so ancestors always precede descendants (their columns are smaller).
-    """
-    device = fill.device
-    m = layer.token.shape[1]
-    index = layer.exists[b].nonzero().squeeze(1)
-    parent = layer.parent[b, index]
-    if depth == 1:
-        row = local_of_root[parent]
-        parent_ancestors = torch.empty(index.numel(), 0, dtype=torch.long, device=device)
-    else:
-        if previous is None:
-            raise ValueError(f"layer {depth} given before layer {depth - 1} was fed")
-        row = previous.row[parent]
-        parent_ancestors = previous.ancestors[parent]
-    if bool((row < 0).any()):
-        raise ValueError(f"session {b}, layer {depth}: a node's parent is dead or padding")
-    one_hot = torch.nn.functional.one_hot(row, fill.numel())  # [k, n]
-    rank = (one_hot.cumsum(0) - one_hot).gather(1, row[:, None]).squeeze(1)
-    column = first_node_column + fill[row] + rank
-    fill += one_hot.sum(0)
-    placement = _LayerPlacement(
-        row=torch.full((m,), -1, dtype=torch.long, device=device),
-        column=torch.full((m,), -1, dtype=torch.long, device=device),
-        ancestors=torch.full((m, depth), -1, dtype=torch.long, device=device),
-    )
-    placement.row[index] = row
-    placement.column[index] = column
-    placement.ancestors[index] = torch.cat([parent_ancestors, column[:, None]], dim=1)
-    return placement, index
-
-
-def _padding_allowed(n: int, q_len: int, c_old: int, device: torch.device) -> torch.Tensor:
-    """Start every query row as padding: it sees only its own column (finite softmax)."""
-    allowed = torch.zeros(n, q_len, c_old + q_len, dtype=torch.bool, device=device)
-    queries = torch.arange(q_len, device=device)
-    allowed[:, queries, c_old + queries] = True
-    return allowed
-
-
-def _additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """[n, q, kv] bool -> [n, 1, q, kv] additive mask (0 allowed, dtype-min disallowed)."""
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
-    return mask.masked_fill_(~allowed, torch.finfo(dtype).min).unsqueeze(1)
-
-
-def _record(session: _Session, cache: DynamicCache, plan: _Plan) -> None:
-    """Remember what the forward appended to the cache (token ids, placements, root prefix)."""
-    fed = plan.input_ids.clone()
-    real = plan.keep.clone()
-    real[:, : plan.uncached] = True  # root tokens are real even where no logits were kept
-    fed[~real] = PAD_COLUMN
-    session.cache = cache
-    session.column_tokens = torch.cat([session.column_tokens, fed], dim=1)
-    session.prefix_cols = session.length
-    session.layers.extend(plan.placements)
-
-
-def _compact(
-    old: _Session, tokens: torch.Tensor, old_root: torch.Tensor, path: torch.Tensor
-) -> tuple[DynamicCache, torch.Tensor] | None:
-    """Gather the old cache down to the new roots' accepted paths (spec §6.4).
-
-    tokens: [n, length] the new roots; old_root: [n] old root index; path: [n, D] node per layer.
-    Returns the new cache and column tokens, or None when a re-prefill is needed (unknown old
-    root, nothing kept, or kept token ids differing from the new beams').
-    """
-    device = tokens.device
-    local_of_root = torch.full(
-        (max(int(old.rows.max()), int(old_root.max())) + 1,), -1, dtype=torch.long, device=device
-    )
-    local_of_root[old.rows] = torch.arange(old.rows.numel(), device=device)
-    if bool((old_root < 0).any()):
-        return None
-    old_row = local_of_root[old_root]
-    if bool((old_row < 0).any()) or old.cache is None:
-        return None
-    path_columns = _path_columns(old, old_row, path)
-    columns = torch.cat(
-        [torch.arange(old.prefix_cols, device=device).expand(old_row.numel(), -1), path_columns],
-        dim=1,
-    )[:, : tokens.shape[1] - 1]  # the last token of a beam is always fed again
-    kept = columns.shape[1]
-    if kept == 0:
-        return None
-    column_tokens = old.column_tokens[old_row].gather(1, columns)
-    if not torch.equal(column_tokens, tokens[:, :kept]):
-        return None
-    data = []
-    for layer in old.cache.layers:
-        data.append(
-            (
-                _gather_columns(layer.keys, old_row, columns),
-                _gather_columns(layer.values, old_row, columns),
-            )
-        )
-    return DynamicCache(ddp_cache_data=data), column_tokens
-
-
-def _path_columns(old: _Session, old_row: torch.Tensor, path: torch.Tensor) -> torch.Tensor:
-    """[n, K] cache columns of the path nodes every new root keeps (same K for all rows).
-
-    A row keeps its path while each node was fed, lies in the row's tree and descends from the
-    previously kept node (its ancestor columns equal the kept ones); all rows are cut to the
-    shortest kept path because a session's cache rows share one length.
-    """
-    n = old_row.numel()
-    columns = torch.empty(n, 0, dtype=torch.long, device=old_row.device)
-    going = torch.ones(n, dtype=torch.bool, device=old_row.device)
-    for depth in range(min(path.shape[1], len(old.layers))):
-        placement = old.layers[depth]
-        node = path[:, depth]
-        safe = node.clamp(0, placement.row.numel() - 1)
-        column = placement.column[safe]
-        ancestors = placement.ancestors[safe]
-        going &= (node >= 0) & (node < placement.row.numel())
-        going &= (placement.row[safe] == old_row) & (column >= 0)
-        going &= (ancestors[:, :depth] == columns).all(dim=1)
-        if not bool(going.all()):
-            break
-        columns = torch.cat([columns, column[:, None]], dim=1)
-    return columns
-
-
-def _gather_columns(
-    states: torch.Tensor, old_row: torch.Tensor, columns: torch.Tensor
-) -> torch.Tensor:
-    """[rows, heads, C, dim] -> [n, heads, K, dim]: row old_row[i], columns columns[i]."""
-    selected = states.index_select(0, old_row)
-    heads, dim = selected.shape[1], selected.shape[3]
-    index = columns[:, None, :, None].expand(-1, heads, -1, dim)
-    return selected.gather(2, index)

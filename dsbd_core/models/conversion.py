@@ -1,0 +1,60 @@
+"""The conversion cache: build a model directory once under `cache_root()`, atomically.
+
+Converting a GGUF file de-quantises every tensor and takes ~20 s, so it is done once into a
+float32 safetensors directory; `_cached` writes every cache entry to a temporary name and renames
+it into place, so a crash or a concurrent run never leaves a half-written entry behind.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from dsbd_core.models.presets import cache_root
+
+
+def _converted_gguf(path: Path) -> Path:
+    """Cache directory for an arbitrary GGUF file, keyed by its path, size and mtime."""
+    stat = path.resolve().stat()
+    key = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
+    digest = hashlib.sha256(key.encode()).hexdigest()[:12]
+    return _cached(f"gguf-{path.stem}-{digest}", lambda out: _convert_gguf(path, out))
+
+
+def _cached(name: str, build: Callable[[Path], None]) -> Path:
+    """`cache_root()/name`, built by `build(tmp_dir)` then renamed into place if missing."""
+    final = cache_root() / name
+    if final.is_dir():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=final.parent))
+    try:
+        build(tmp)
+        tmp.chmod(0o755)  # mkdtemp makes it private; the cache is an ordinary directory
+        try:
+            tmp.rename(final)
+        except OSError:
+            if not final.is_dir():  # a concurrent run that finished first is fine
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def _convert_gguf(gguf: Path, out: Path) -> None:
+    """De-quantise `gguf` into a float32 transformers directory `out` (weights and tokenizer)."""
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+    )
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    # The weights are de-quantised float32 by now; without this save_pretrained refuses them.
+    del model.config.quantization_config
+    model.hf_quantizer = None
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)

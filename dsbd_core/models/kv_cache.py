@@ -1,0 +1,165 @@
+"""The KV cache of one scoring session, and its compaction to the next iteration's roots.
+
+Caches are compacted at `set_roots` (spec §6.4): new row `o` = old row `origin.root[o]`
+restricted to the prefix columns plus the columns of the path nodes this scorer fed, gathered
+along the sequence axis. The token id of every cache column is kept, so a compaction whose
+kept tokens do not equal the new beam's leading tokens falls back to a re-prefill instead of
+returning wrong distributions. Several sessions' caches are stacked into one when their
+forwards are batched.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache
+
+PAD_COLUMN = -1  # token id recorded for a padding column of the cache (never a real token)
+
+
+@dataclass
+class _LayerPlacement:
+    """Where the nodes of one fed forest layer of one session sit in the cache.
+
+    row:       [M] long — local cache row (tree) of each node, -1 for a padding node.
+    column:    [M] long — cache column of each node, -1 for a padding node.
+    ancestors: [M, l] long — cache columns of the node's ancestors at layers 1..l, itself last;
+               a node's mask row over the node part is exactly these columns.
+    """
+
+    row: torch.Tensor
+    column: torch.Tensor
+    ancestors: torch.Tensor
+
+
+@dataclass
+class _Session:
+    """The KV cache of one session and what each of its columns holds.
+
+    rows:          [n] long — root index (in `R`) of each cache row, i.e. the alive roots.
+    tokens:        [n, length] long — the roots' full token sequences.
+    cache:         the model's cache, batch rows = `rows`; None when nothing is cached yet.
+    column_tokens: [n, C] long — token id of every cache column (PAD_COLUMN for padding slots).
+    prefix_cols:   number of leading columns that are root tokens (the root prefix cached).
+    layers:        placements of the forest layers fed since `set_roots`.
+    """
+
+    rows: torch.Tensor
+    tokens: torch.Tensor
+    cache: DynamicCache | None
+    column_tokens: torch.Tensor
+    prefix_cols: int
+    layers: list[_LayerPlacement] = field(default_factory=list)
+
+    @property
+    def length(self) -> int:
+        return self.tokens.shape[1]
+
+    @property
+    def cached_cols(self) -> int:
+        return self.column_tokens.shape[1]
+
+    @property
+    def roots_fed(self) -> bool:
+        return self.prefix_cols == self.length
+
+
+SessionCache = _Session  # public name: what export_sessions / import_sessions carry
+
+
+def _stack_caches(sessions: list[tuple[_Session, int]], rows: int, width: int) -> DynamicCache:
+    """One cache for several sessions: session rows at their offsets, columns left-aligned."""
+    template = next((s.cache for s, _ in sessions if s.cache is not None), None)
+    if template is None or width == 0:
+        return DynamicCache()
+    data = []
+    for index, layer in enumerate(template.layers):
+        heads, dim = layer.keys.shape[1], layer.keys.shape[3]
+        keys = layer.keys.new_zeros(rows, heads, width, dim)
+        values = layer.values.new_zeros(rows, heads, width, dim)
+        for session, start in sessions:
+            if session.cache is None or session.cached_cols == 0:
+                continue
+            own = session.cache.layers[index]
+            block = slice(start, start + session.rows.numel())
+            keys[block, :, : session.cached_cols] = own.keys
+            values[block, :, : session.cached_cols] = own.values
+        data.append((keys, values))
+    return DynamicCache(ddp_cache_data=data)
+
+
+def _compact(
+    old: _Session, tokens: torch.Tensor, old_root: torch.Tensor, path: torch.Tensor
+) -> tuple[DynamicCache, torch.Tensor] | None:
+    """Gather the old cache down to the new roots' accepted paths (spec §6.4).
+
+    tokens: [n, length] the new roots; old_root: [n] old root index; path: [n, D] node per layer.
+    Returns the new cache and column tokens, or None when a re-prefill is needed (unknown old
+    root, nothing kept, or kept token ids differing from the new beams').
+    """
+    device = tokens.device
+    local_of_root = torch.full(
+        (max(int(old.rows.max()), int(old_root.max())) + 1,), -1, dtype=torch.long, device=device
+    )
+    local_of_root[old.rows] = torch.arange(old.rows.numel(), device=device)
+    if bool((old_root < 0).any()):
+        return None
+    old_row = local_of_root[old_root]
+    if bool((old_row < 0).any()) or old.cache is None:
+        return None
+    path_columns = _path_columns(old, old_row, path)
+    columns = torch.cat(
+        [torch.arange(old.prefix_cols, device=device).expand(old_row.numel(), -1), path_columns],
+        dim=1,
+    )[:, : tokens.shape[1] - 1]  # the last token of a beam is always fed again
+    kept = columns.shape[1]
+    if kept == 0:
+        return None
+    column_tokens = old.column_tokens[old_row].gather(1, columns)
+    if not torch.equal(column_tokens, tokens[:, :kept]):
+        return None
+    data = []
+    for layer in old.cache.layers:
+        data.append(
+            (
+                _gather_columns(layer.keys, old_row, columns),
+                _gather_columns(layer.values, old_row, columns),
+            )
+        )
+    return DynamicCache(ddp_cache_data=data), column_tokens
+
+
+def _path_columns(old: _Session, old_row: torch.Tensor, path: torch.Tensor) -> torch.Tensor:
+    """[n, K] cache columns of the path nodes every new root keeps (same K for all rows).
+
+    A row keeps its path while each node was fed, lies in the row's tree and descends from the
+    previously kept node (its ancestor columns equal the kept ones); all rows are cut to the
+    shortest kept path because a session's cache rows share one length.
+    """
+    n = old_row.numel()
+    columns = torch.empty(n, 0, dtype=torch.long, device=old_row.device)
+    going = torch.ones(n, dtype=torch.bool, device=old_row.device)
+    for depth in range(min(path.shape[1], len(old.layers))):
+        placement = old.layers[depth]
+        node = path[:, depth]
+        safe = node.clamp(0, placement.row.numel() - 1)
+        column = placement.column[safe]
+        ancestors = placement.ancestors[safe]
+        going &= (node >= 0) & (node < placement.row.numel())
+        going &= (placement.row[safe] == old_row) & (column >= 0)
+        going &= (ancestors[:, :depth] == columns).all(dim=1)
+        if not bool(going.all()):
+            break
+        columns = torch.cat([columns, column[:, None]], dim=1)
+    return columns
+
+
+def _gather_columns(
+    states: torch.Tensor, old_row: torch.Tensor, columns: torch.Tensor
+) -> torch.Tensor:
+    """[rows, heads, C, dim] -> [n, heads, K, dim]: row old_row[i], columns columns[i]."""
+    selected = states.index_select(0, old_row)
+    heads, dim = selected.shape[1], selected.shape[3]
+    index = columns[:, None, :, None].expand(-1, heads, -1, dim)
+    return selected.gather(2, index)
