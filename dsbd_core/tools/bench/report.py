@@ -9,6 +9,7 @@ from __future__ import annotations
 import statistics
 from collections import Counter, defaultdict
 from pathlib import Path
+from typing import Any
 
 from dsbd_core.tools.bench.quality import paired_bootstrap, ratio_bootstrap
 from dsbd_core.tools.bench.schema import BenchResult, Interval, MethodRecord, MethodSummary
@@ -269,7 +270,24 @@ def write_plots(result: BenchResult, out_dir: Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
     summary = result.summary
-    paths = []
+    return [
+        _plot_speed_quality(plt, summary, out_dir),
+        _plot_accepted_length(plt, summary, out_dir),
+        _plot_width_histogram(plt, summary, out_dir),
+    ]
+
+
+def _save_figure(plt: Any, fig: Any, path: Path) -> Path:
+    """Lay out, write at the one resolution all the plots share, and free the figure."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _plot_speed_quality(plt: Any, summary: dict[str, MethodSummary], out_dir: Path) -> Path:
+    """speed_quality.png: time vs beam sampling against answer quality (and pass@1 when the
+    run scored HumanEval), one point per method, coloured by W."""
     humaneval = any(s.pass_at_1 is not None for s in summary.values())
     fig, axes = plt.subplots(
         1, 2 if humaneval else 1, figsize=(13 if humaneval else 8, 5.5), squeeze=False
@@ -281,39 +299,45 @@ def write_plots(result: BenchResult, out_dir: Path) -> list[Path]:
         for key, s in summary.items():
             if s.time_vs_reference is None or getattr(s, field) is None:
                 continue
-            t = s.time_vs_reference
-            ax.errorbar(
-                t.value,
-                getattr(s, field),
-                xerr=[[t.value - t.low], [t.high - t.value]],
-                fmt="o",
-                color=f"C{min(s.width, 9)}",
-                capsize=3,
-            )
-            if s.cpu_vs_reference is not None:  # CPU time: robust to a busy shared machine
-                ax.plot(
-                    s.cpu_vs_reference.value,
-                    getattr(s, field),
-                    marker="x",
-                    ms=6,
-                    color=f"C{min(s.width, 9)}",
-                )
-            ax.annotate(
-                key,
-                (t.value, getattr(s, field)),
-                fontsize=7,
-                xytext=(3, 3),
-                textcoords="offset points",
-            )
+            _speed_quality_point(ax, key, s, s.time_vs_reference, getattr(s, field))
         ax.axvline(1.0, color="grey", lw=0.8, ls="--")
         ax.set_xlabel("time per token / beam sampling's at the same W (o wall, 95% CI; x CPU time)")
         ax.set_ylabel(label)
         ax.set_title("speed vs quality (colour = W; left of the line = faster)", fontsize=9)
-    fig.tight_layout()
-    paths.append(out_dir / "speed_quality.png")
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
+    return _save_figure(plt, fig, out_dir / "speed_quality.png")
 
+
+def _speed_quality_point(ax: Any, key: str, s: MethodSummary, t: Interval, quality: float) -> None:
+    """One method on the speed/quality plane: wall-time ratio `t` (vs beam sampling) with its
+    95 % CI as an error bar, and the CPU-time ratio as a cross."""
+    ax.errorbar(
+        t.value,
+        quality,
+        xerr=[[t.value - t.low], [t.high - t.value]],
+        fmt="o",
+        color=f"C{min(s.width, 9)}",
+        capsize=3,
+    )
+    if s.cpu_vs_reference is not None:  # CPU time: robust to a busy shared machine
+        ax.plot(
+            s.cpu_vs_reference.value,
+            quality,
+            marker="x",
+            ms=6,
+            color=f"C{min(s.width, 9)}",
+        )
+    ax.annotate(
+        key,
+        (t.value, quality),
+        fontsize=7,
+        xytext=(3, 3),
+        textcoords="offset points",
+    )
+
+
+def _plot_accepted_length(plt: Any, summary: dict[str, MethodSummary], out_dir: Path) -> Path:
+    """accepted_length.png: per-position acceptance (left) and the accepted-length histogram
+    (right) of the speculative methods."""
     spec_methods = {k: s for k, s in summary.items() if s.position_acceptance}
     fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5))
     for i, (key, s) in enumerate(spec_methods.items()):
@@ -346,11 +370,11 @@ def write_plots(result: BenchResult, out_dir: Path) -> list[Path]:
     right.set_title("accepted length per iteration", fontsize=9)
     if spec_methods:
         left.legend(fontsize=7)
-    fig.tight_layout()
-    paths.append(out_dir / "accepted_length.png")
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
+    return _save_figure(plt, fig, out_dir / "accepted_length.png")
 
+
+def _plot_width_histogram(plt: Any, summary: dict[str, MethodSummary], out_dir: Path) -> Path:
+    """width_histogram.png: the widths K of the verified layers of the methods with W > 1."""
     width_methods = {k: s for k, s in summary.items() if s.width_histogram and s.width > 1}
     fig, ax = plt.subplots(figsize=(9, 5))
     for i, (key, s) in enumerate(width_methods.items()):
@@ -372,8 +396,4 @@ def write_plots(result: BenchResult, out_dir: Path) -> list[Path]:
     ax.set_title("verified widths (fixed width: always W; dynamic: the threshold rule)", fontsize=9)
     if width_methods:
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    paths.append(out_dir / "width_histogram.png")
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
-    return paths
+    return _save_figure(plt, fig, out_dir / "width_histogram.png")
