@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from dsbd_core.tools.bench.cli import add_arguments, main
+from dsbd.bench_command import add_arguments, main
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(prog="benchmarks/bench.py", description=__doc__)

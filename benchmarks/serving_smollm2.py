@@ -38,7 +38,7 @@ from batching_smollm2 import PROMPTS  # benchmarks/ is on sys.path when run as a
 
 from dsbd_core import SamplingConfig
 from dsbd_core.algorithm.decoders import generate
-from dsbd_core.models import encode_prompt, load_causal_lm, stop_token_ids
+from dsbd_core.models import LoadedModel, encode_prompt, load_causal_lm, stop_token_ids
 from dsbd_core.models.transformer_scorer import TransformerScorer
 
 REPO = Path(__file__).resolve().parent.parent
@@ -93,7 +93,7 @@ def http_decode(url: str, prompt_ids: list[int], knobs: dict, max_new: int, seed
     return out
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-new-tokens", type=int, default=32)
@@ -101,7 +101,97 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=8765)
     parser.add_argument("--batch-wait-s", type=float, default=0.01)
     parser.add_argument("--out", default="benchmarks/results/serving_smollm2.json")
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def measure_latency(
+    args: argparse.Namespace,
+    url: str,
+    pair: tuple[LoadedModel, LoadedModel],
+    prompts: list[list[int]],
+    stops: tuple[int, ...],
+    knobs: dict,
+) -> dict:
+    """Figure 1: per-token latency in-process vs over HTTP, one request at a time, alternating.
+
+    `pair` is the (target, draft) loaded in this process; `adaptive: false` on the HTTP side
+    makes both sides decode the very same tokens, which `same_tokens` checks.
+    """
+    target, draft = pair
+    method = knobs["method"]
+    config_knobs = {k: v for k, v in knobs.items() if k != "method"}
+    latency = {"in_process": [], "distributed": [], "server_side": [], "same_tokens": []}
+    for round_ in range(args.rounds):
+        for i, ids in enumerate(prompts):
+            seed = 1000 * round_ + i
+            config = SamplingConfig(max_new_tokens=args.max_new_tokens, seed=seed,
+                                    eos_token_ids=stops, **config_knobs)  # fmt: skip
+            order = (0, 1) if (round_ + i) % 2 == 0 else (1, 0)
+            for side in order:
+                if side == 0:
+                    start = time.perf_counter()
+                    local = generate(method, TransformerScorer(target.model), ids, config,
+                                     TransformerScorer(draft.model))  # fmt: skip
+                    local_s = time.perf_counter() - start
+                else:
+                    remote = http_decode(url, ids, knobs, args.max_new_tokens, seed)
+            tokens = local.stats.tokens_emitted
+            latency["in_process"].append(local_s / tokens)
+            latency["distributed"].append(remote["client_seconds"] / tokens)
+            latency["server_side"].append(remote["stats"]["serving"]["wall_seconds"] / tokens)
+            latency["same_tokens"].append(
+                [b["token_ids"] for b in remote["beams"]] == [b.token_ids for b in local.beams]
+            )
+    ratios = [d / p for d, p in zip(latency["distributed"], latency["in_process"],
+                                    strict=True)]  # fmt: skip
+    return {
+        "per_token_s": {
+            k: statistics.median(v) for k, v in latency.items() if k != "same_tokens"
+        },  # fmt: skip
+        "latency_ratio_median": statistics.median(ratios),
+        "latency_ratio_mean": statistics.fmean(ratios),
+        "same_tokens_fraction": sum(latency["same_tokens"]) / len(latency["same_tokens"]),
+        "pairs": len(ratios),
+    }
+
+
+def measure_concurrency(
+    args: argparse.Namespace, url: str, prompts: list[list[int]], knobs: dict
+) -> dict:
+    """Figure 2: the same N requests one by one vs all at once over HTTP, alternating."""
+    # concurrency: the same N requests one by one vs all at once, alternating
+    seq, conc, batches = [], [], []
+    for round_ in range(args.rounds):
+        for mode in ("seq", "conc") if round_ % 2 == 0 else ("conc", "seq"):
+            seeds = [5000 + 100 * round_ + i for i in range(len(prompts))]
+            start = time.perf_counter()
+            if mode == "seq":
+                outs = [http_decode(url, ids, knobs, args.max_new_tokens, s)
+                        for ids, s in zip(prompts, seeds, strict=True)]  # fmt: skip
+            else:
+                with ThreadPoolExecutor(len(prompts)) as pool:
+                    futures = [
+                        pool.submit(http_decode, url, ids, knobs, args.max_new_tokens, s)
+                        for ids, s in zip(prompts, seeds, strict=True)
+                    ]
+                    outs = [f.result() for f in futures]
+                for out in outs:
+                    batches += out["stats"]["serving"]["verify_batch_requests"]
+            seconds = time.perf_counter() - start
+            tokens = sum(o["stats"]["tokens_emitted"] for o in outs)
+            (seq if mode == "seq" else conc).append(tokens / seconds)
+    return {
+        "throughput_tokens_per_s": {
+            "sequential": statistics.median(seq),
+            "concurrent": statistics.median(conc),
+        },
+        "concurrency_gain": statistics.median([c / s for c, s in zip(conc, seq, strict=True)]),
+        "mean_verifier_batch_requests_concurrent": statistics.fmean(batches),
+    }
+
+
+def main() -> None:
+    args = parse_args()
     torch.set_num_threads(1)
     target, draft = load_causal_lm("smollm2"), load_causal_lm("smollm2-draft")
     stops = stop_token_ids(target)
@@ -115,73 +205,10 @@ def main() -> None:
                      "batch_wait_s": args.batch_wait_s}  # fmt: skip
     try:
         for name, knobs in CONFIGS.items():
-            method = knobs["method"]
-            config_knobs = {k: v for k, v in knobs.items() if k != "method"}
             # warm both paths (first calls pay imports, allocator growth, caches)
             http_decode(url, prompts[0], knobs, 4, 0)
-            latency = {"in_process": [], "distributed": [], "server_side": [], "same_tokens": []}
-            for round_ in range(args.rounds):
-                for i, ids in enumerate(prompts):
-                    seed = 1000 * round_ + i
-                    config = SamplingConfig(max_new_tokens=args.max_new_tokens, seed=seed,
-                                            eos_token_ids=stops, **config_knobs)  # fmt: skip
-                    order = (0, 1) if (round_ + i) % 2 == 0 else (1, 0)
-                    for side in order:
-                        if side == 0:
-                            start = time.perf_counter()
-                            local = generate(method, TransformerScorer(target.model), ids, config,
-                                             TransformerScorer(draft.model))  # fmt: skip
-                            local_s = time.perf_counter() - start
-                        else:
-                            remote = http_decode(url, ids, knobs, args.max_new_tokens, seed)
-                    tokens = local.stats.tokens_emitted
-                    latency["in_process"].append(local_s / tokens)
-                    latency["distributed"].append(remote["client_seconds"] / tokens)
-                    latency["server_side"].append(
-                        remote["stats"]["serving"]["wall_seconds"] / tokens
-                    )
-                    latency["same_tokens"].append(
-                        [b["token_ids"] for b in remote["beams"]]
-                        == [b.token_ids for b in local.beams]
-                    )
-            ratios = [d / p for d, p in zip(latency["distributed"], latency["in_process"],
-                                            strict=True)]  # fmt: skip
-            entry = {
-                "per_token_s": {
-                    k: statistics.median(v) for k, v in latency.items() if k != "same_tokens"
-                },  # fmt: skip
-                "latency_ratio_median": statistics.median(ratios),
-                "latency_ratio_mean": statistics.fmean(ratios),
-                "same_tokens_fraction": sum(latency["same_tokens"]) / len(latency["same_tokens"]),
-                "pairs": len(ratios),
-            }
-            # concurrency: the same N requests one by one vs all at once, alternating
-            seq, conc, batches = [], [], []
-            for round_ in range(args.rounds):
-                for mode in ("seq", "conc") if round_ % 2 == 0 else ("conc", "seq"):
-                    seeds = [5000 + 100 * round_ + i for i in range(len(prompts))]
-                    start = time.perf_counter()
-                    if mode == "seq":
-                        outs = [http_decode(url, ids, knobs, args.max_new_tokens, s)
-                                for ids, s in zip(prompts, seeds, strict=True)]  # fmt: skip
-                    else:
-                        with ThreadPoolExecutor(len(prompts)) as pool:
-                            futures = [
-                                pool.submit(http_decode, url, ids, knobs, args.max_new_tokens, s)
-                                for ids, s in zip(prompts, seeds, strict=True)
-                            ]
-                            outs = [f.result() for f in futures]
-                        for out in outs:
-                            batches += out["stats"]["serving"]["verify_batch_requests"]
-                    seconds = time.perf_counter() - start
-                    tokens = sum(o["stats"]["tokens_emitted"] for o in outs)
-                    (seq if mode == "seq" else conc).append(tokens / seconds)
-            entry["throughput_tokens_per_s"] = {"sequential": statistics.median(seq),
-                                                "concurrent": statistics.median(conc)}  # fmt: skip
-            entry["concurrency_gain"] = statistics.median(
-                [c / s for c, s in zip(conc, seq, strict=True)]
-            )
-            entry["mean_verifier_batch_requests_concurrent"] = statistics.fmean(batches)
+            entry = measure_latency(args, url, (target, draft), prompts, stops, knobs)
+            entry.update(measure_concurrency(args, url, prompts, knobs))
             results[name] = entry
             print(name, json.dumps(entry, indent=1), flush=True)
     finally:

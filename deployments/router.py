@@ -9,101 +9,50 @@ Streaming sends the *committed* prefix of the best beam: the tokens every curren
 starts with, which no later iteration can change (`decode_session.committed_tokens`). Beams of a
 beam search can disagree for a while, so text arrives in steps; with one beam (`sample`, `sps`)
 it is every token as it is accepted. A client that disconnects cancels the decode and frees its
-caches.
+caches (deployments/streaming.py).
 
 Bad input is answered with HTTP 400 and an OpenAI-style error naming the field, the value given
 and what is allowed (including this server's configured `Limits`); an unknown model with 404;
 a missing or wrong API key (when one is configured) with 401; more concurrent decodes than
 `max_concurrent_sessions` with 429; a decode past `request_timeout_s` with 504, its sessions
-freed.
+freed (deployments/api_errors.py; `Limits`: deployments/router_limits.py).
+
+This module holds the ingress app and the `Router` class: the routes and what they share per
+replica (handles, tokenizer, admission). The replies are built in deployments/openai_responses.py.
 """
 
 import asyncio
-import json
-import time
-import weakref
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ray import serve
 
+from deployments.api_errors import (
+    APIError,
+    api_error_handler,
+    requested_config,
+    timeout_body,
+    validation_error_handler,
+)
 from deployments.api_models import (
-    AssistantMessage,
-    ChatChoice,
     ChatCompletionRequest,
-    ChatCompletionResponse,
-    CompletionChoice,
     CompletionRequest,
-    CompletionResponse,
     GenerateRequest,
     ModelCard,
     ModelList,
-    Usage,
 )
 from deployments.auth import APIKeyGuard, guard_with, read_api_key
-from deployments.decode_session import (
-    DecodeSession,
-    Handles,
-    accepted_per_position,
-    committed_tokens,
-)
+from deployments.decode_session import DecodeSession, Handles, accepted_per_position
 from deployments.observability import RequestObserver, note_method
-from dsbd_core.algorithm.config import SamplingConfig, config_error_message
-from dsbd_core.algorithm.decoders import METHODS_WITH_DRAFT, method_config
-from dsbd_core.algorithm.result import Beam, DecodeResult
+from deployments.openai_responses import BeamText, completion_response
+from deployments.router_limits import Limits, RouterOptions, check_config
+from deployments.streaming import DecodeStream, sse_events
+from dsbd_core.algorithm.config import SamplingConfig
+from dsbd_core.algorithm.decoders import METHODS_WITH_DRAFT
+from dsbd_core.algorithm.result import DecodeResult
 from dsbd_core.models import load_tokenizer
-
-
-class Limits(BaseModel):
-    """What one request may ask of this server (checked before any model work: HTTP 400/429)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    max_prompt_tokens: int = Field(4096, ge=1, description="Prompt length in tokens.")
-    max_new_tokens: int = Field(1024, ge=1, description="max_tokens / max_new_tokens.")
-    max_width: int = Field(16, ge=1, description="Beam width W.")
-    max_draft_width: int = Field(32, ge=1, description="Draft beams per layer W_S.")
-    max_gamma: int = Field(8, ge=0, description="Draft depth.")
-    max_n: int = Field(16, ge=1, description="Beams returned (OpenAI n).")
-    max_concurrent_sessions: int = Field(
-        256, ge=1, description="Decodes one router replica runs at once; more get HTTP 429."
-    )
-    request_timeout_s: float = Field(
-        600.0, gt=0, description="A decode still running after this is stopped: HTTP 504."
-    )
-
-
-class RouterOptions(BaseModel):
-    """What the router needs besides the handles."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    model_name: str = Field("smollm2", description="The id /v1/models lists and requests name.")
-    tokenizer: str = Field("smollm2", description="Where the target's tokenizer is read from.")
-    default_max_tokens: int = Field(64, ge=1, le=32768)
-    limits: Limits = Limits()
-    api_key_file: str | None = Field(
-        None, description="A file holding the API key clients must send (Bearer); without it, "
-        "the DSBD_API_KEY environment variable; neither: no key. Never the key itself: Serve "
-        "logs its application arguments.",
-    )  # fmt: skip
-
-
-class APIError(Exception):
-    """An error a client can act on: HTTP status, message, offending parameter."""
-
-    def __init__(
-        self, status: int, message: str, param: str | None = None, *,
-        kind: str | None = None, code: str | None = None, headers: dict[str, str] | None = None,
-    ) -> None:  # fmt: skip
-        super().__init__(message)
-        self.status, self.message, self.param = status, message, param
-        self.kind, self.code, self.headers = kind, code, headers
-
 
 app = FastAPI(
     title="dsbd",
@@ -114,66 +63,12 @@ app = FastAPI(
 # included), the key guard runs before FastAPI reads or validates the body.
 app.add_middleware(APIKeyGuard)  # the API key, when one is set (deployments/auth.py)
 app.add_middleware(RequestObserver)  # request spans and metrics (deployments/observability.py)
-
-
-@app.exception_handler(APIError)
-async def _api_error(request: Request, error: APIError) -> JSONResponse:
-    response = _error(error.status, error.message, error.param, kind=error.kind, code=error.code)
-    response.headers.update(error.headers or {})
-    return response
-
-
-@app.exception_handler(RequestValidationError)
-async def _validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
-    lines, param = [], None
-    for item in error.errors():
-        loc = [str(p) for p in item.get("loc", ()) if p != "body"]
-        field = ".".join(loc) or "body"
-        param = param or field
-        value = item.get("input")
-        message = str(item.get("msg", "invalid")).removeprefix("Value error, ")
-        if not loc:  # a model-level rule: its message names the fields itself
-            lines.append(message)
-            continue
-        shown = "" if isinstance(value, dict) else f"={value!r}"
-        lines.append(f"{field}{shown}: {message}")
-    return _error(400, "; ".join(lines), param)
-
-
-def _error(
-    status: int, message: str, param: str | None, *, kind: str | None = None,
-    code: str | None = None,
-) -> JSONResponse:  # fmt: skip
-    kind = kind or ("invalid_request_error" if status < 500 else "server_error")
-    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
-    return JSONResponse(body, status_code=status)
+# Every client error answers one OpenAI-style shape (deployments/api_errors.py).
+app.add_exception_handler(APIError, api_error_handler)
+app.add_exception_handler(RequestValidationError, validation_error_handler)
 
 
 # Module helpers stay above the class: Serve pickles the ingress class when it is decorated.
-def _requested_config(build: Callable[[], SamplingConfig]) -> SamplingConfig:
-    """The request's SamplingConfig, or 400 for a combination of knobs no decoder accepts (its
-    cross-field rules). Only here is a pydantic error the client's: anywhere else it is a bug
-    of the server and must show as one (500), not be passed off as bad input."""
-    try:
-        return build()
-    except ValidationError as error:
-        loc = error.errors()[0]["loc"]
-        raise APIError(400, config_error_message(error).replace("\n", "; "),
-                       str(loc[0]) if loc else None) from None  # fmt: skip
-
-
-def _timeout_body(limits: Limits) -> dict[str, Any]:
-    message = (f"the decode did not finish within request_timeout_s={limits.request_timeout_s}; "
-               "it was stopped and its sessions freed; ask for fewer tokens or retry")  # fmt: skip
-    return {"error": {"message": message, "type": "timeout", "param": None, "code": 504}}
-
-
-def _loop_time(deadline: float) -> float:
-    """A time.monotonic() deadline on the running loop's clock."""
-    loop = asyncio.get_running_loop()
-    return loop.time() + (deadline - time.monotonic())
-
-
 def _replica_status(info: dict[str, Any]) -> dict[str, Any]:
     out = {
         "replica": info["replica"],
@@ -187,37 +82,6 @@ def _replica_status(info: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-class _DecodeStream(StreamingResponse):
-    """A streamed decode that always ends: however the response ends (finished, client gone,
-    cancelled before its first chunk) its body is closed, which frees the decode's sessions,
-    and its admission is counted out (`leave`). Starlette leaves an interrupted body iterator
-    to the garbage collector, and one it never started holds no `finally` at all."""
-
-    def __init__(self, body: AsyncIterator[str], leave: Callable[[], None]) -> None:
-        super().__init__(body, media_type="text/event-stream")
-        self._leave = leave
-        weakref.finalize(self, leave)  # a response that is dropped without ever being run
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            try:
-                await self.body_iterator.aclose()  # type: ignore[attr-defined]
-            finally:
-                self._leave()
-
-
-def _finish(beam: Beam) -> str:
-    return "stop" if beam.finished else "length"
-
-
-def _usage(prompt_ids: list[int], beams: list[Beam]) -> Usage:
-    completion = sum(len(b.token_ids) for b in beams)
-    return Usage(prompt_tokens=len(prompt_ids), completion_tokens=completion,
-                 total_tokens=len(prompt_ids) + completion)  # fmt: skip
-
-
 @serve.deployment(name="Router", max_ongoing_requests=256)
 @serve.ingress(app)
 class Router:
@@ -227,6 +91,7 @@ class Router:
         self.options = RouterOptions.model_validate(options)
         self.handles = Handles(draft=draft, verifier=verifier, controller=controller)
         self.tokenizer, self.stop_ids = load_tokenizer(self.options.tokenizer)
+        self.texts = BeamText(self.tokenizer)
         self._info: dict[str, Any] | None = None
         guard_with(read_api_key(self.options.api_key_file))  # this process's app demands it
         self._running = 0  # decodes in progress here (max_concurrent_sessions)
@@ -280,7 +145,7 @@ class Router:
             prompt_ids = self._chat_ids([{"role": "user", "content": request.prompt}])
         else:
             prompt_ids = self.tokenizer.encode(request.prompt)
-        config = _requested_config(lambda: request.sampling_config(self.stop_ids))
+        config = requested_config(lambda: request.sampling_config(self.stop_ids))
         config = await self._config(config, request.method, prompt_ids,
                                     tokens_field="max_new_tokens")  # fmt: skip
         session = self._session(config, request.method, request.adaptive)
@@ -294,7 +159,7 @@ class Router:
             "prompt_tokens": len(prompt_ids),
             "beams": [
                 {
-                    "text": self._text(beam),
+                    "text": self.texts.text(beam),
                     "token_ids": beam.token_ids,
                     "log_likelihood": beam.log_likelihood,
                     "score": beam.score,
@@ -309,7 +174,7 @@ class Router:
     async def _openai(self, request: Any, prompt_ids: list[int], *, chat: bool) -> Any:
         stop_ids = self._stop_token_ids(request.stop_strings)
         stops = tuple(sorted(set(self.stop_ids) | set(stop_ids)))
-        config = _requested_config(
+        config = requested_config(
             lambda: request.sampling_config(stops, self.options.default_max_tokens)
         )
         config = await self._config(config, request.method, prompt_ids)
@@ -319,93 +184,14 @@ class Router:
         session = self._session(config, request.method, request.adaptive)
         if request.stream:
             leave = self._admit()
-            return _DecodeStream(self._stream(session, request, prompt_ids, chat=chat), leave)
+            events = sse_events(session, request, prompt_ids, chat=chat,
+                                model_name=self.options.model_name, limits=self.options.limits,
+                                texts=self.texts)  # fmt: skip
+            return DecodeStream(events, leave)
         result = await self._run(session, prompt_ids)
         beams = result.beams[: request.n]
-        usage = _usage(prompt_ids, beams)
-        if chat:
-            return ChatCompletionResponse(
-                model=self.options.model_name,
-                usage=usage,
-                choices=[
-                    ChatChoice(
-                        index=i,
-                        message=AssistantMessage(content=self._text(b)),
-                        finish_reason=_finish(b),
-                    )  # fmt: skip
-                    for i, b in enumerate(beams)
-                ],
-            )
-        return CompletionResponse(
-            model=self.options.model_name,
-            usage=usage,
-            choices=[
-                CompletionChoice(index=i, text=self._text(b), finish_reason=_finish(b))
-                for i, b in enumerate(beams)
-            ],
-        )
-
-    async def _stream(
-        self, session: DecodeSession, request: Any, prompt_ids: list[int], *, chat: bool
-    ) -> AsyncIterator[str]:
-        """SSE chunks: committed text of the best beam as it grows, then the final beams."""
-        created = int(time.time())
-        ident = f"{'chatcmpl' if chat else 'cmpl'}-{session.session}"
-
-        def chunk(index: int, text: str | None, finish: str | None, first: bool = False) -> str:
-            if chat:
-                delta: dict[str, Any] = {}
-                if first:
-                    delta["role"] = "assistant"
-                if text:
-                    delta["content"] = text
-                choice = {"index": index, "delta": delta, "logprobs": None,
-                          "finish_reason": finish}  # fmt: skip
-                kind = "chat.completion.chunk"
-            else:
-                choice = {"index": index, "text": text or "", "logprobs": None,
-                          "finish_reason": finish}  # fmt: skip
-                kind = "text_completion"
-            body = {"id": ident, "object": kind, "created": created,
-                    "model": self.options.model_name, "choices": [choice]}  # fmt: skip
-            return f"data: {json.dumps(body)}\n\n"
-
-        sent = ""
-        if chat:
-            yield chunk(0, None, None, first=True)
-        deadline = time.monotonic() + self.options.limits.request_timeout_s
-        iterations = session.iterations(prompt_ids)
-        try:
-            while True:
-                try:
-                    async with asyncio.timeout_at(_loop_time(deadline)):
-                        state = await anext(iterations)
-                except StopAsyncIteration:
-                    break
-                except TimeoutError:
-                    yield f"data: {json.dumps(_timeout_body(self.options.limits))}\n\n"
-                    return
-                text = self._decode(committed_tokens(state))
-                if text.startswith(sent) and len(text) > len(sent) and not text.endswith("\ufffd"):
-                    yield chunk(0, text[len(sent) :], None)
-                    sent = text
-        finally:
-            await iterations.aclose()  # frees the sessions (also on a client that went away)
-        beams = session.result().beams[: request.n]
-        for index, beam in enumerate(beams):
-            text = self._text(beam)
-            rest = text[len(sent) :] if index == 0 and text.startswith(sent) else text
-            if index > 0 and chat:
-                yield chunk(index, None, None, first=True)
-            yield chunk(index, rest, _finish(beam))
-        options = request.stream_options or {}
-        if options.get("include_usage"):
-            usage = _usage(prompt_ids, beams).model_dump()
-            body = {"id": ident, "object": "chat.completion.chunk" if chat else "text_completion",
-                    "created": created, "model": self.options.model_name, "choices": [],
-                    "usage": usage}  # fmt: skip
-            yield f"data: {json.dumps(body)}\n\n"
-        yield "data: [DONE]\n\n"
+        return completion_response(self.options.model_name, prompt_ids, beams, self.texts,
+                                   chat=chat)  # fmt: skip
 
     def _admit(self) -> Callable[[], None]:
         """Count a decode in, or refuse it (429) when this router runs too many already;
@@ -432,7 +218,7 @@ class Router:
             async with asyncio.timeout(self.options.limits.request_timeout_s):
                 return await session.run(prompt_ids)
         except TimeoutError:
-            body = _timeout_body(self.options.limits)["error"]
+            body = timeout_body(self.options.limits)["error"]
             raise APIError(504, body["message"], None) from None
         finally:
             leave()
@@ -454,37 +240,7 @@ class Router:
         when the client set it, else the width it defaults to."""
         note_method(method)  # for dsbd_requests{method=...}, also when the checks refuse it
         info = await self._model_info()
-        vocab = int(info["vocab_size"])
-        bad = [t for t in prompt_ids if not 0 <= t < vocab]
-        if bad:
-            raise APIError(400, f"prompt_ids: token id {bad[0]} out of range; allowed "
-                           f"0..{vocab - 1}", "prompt_ids")  # fmt: skip
-        config = method_config(method, config)
-        limits = self.options.limits
-        draft_field = "draft_width" if config.draft_width is not None else "width"
-        for field, value, limit, name in (
-            ("prompt", len(prompt_ids), limits.max_prompt_tokens, "max_prompt_tokens"),
-            (tokens_field, config.max_new_tokens, limits.max_new_tokens, "max_new_tokens"),
-            ("width", config.width, limits.max_width, "max_width"),
-            (draft_field, config.draft_beams, limits.max_draft_width, "max_draft_width"),
-            ("gamma", config.gamma if method in METHODS_WITH_DRAFT else 0, limits.max_gamma,
-             "max_gamma"),
-        ):  # fmt: skip
-            if value > limit:
-                shown = f"prompt of {value} tokens" if field == "prompt" else f"{field}={value}"
-                raise APIError(400, f"{shown} exceeds this server's limit {name}={limit}", field)
-        gamma = config.gamma if method in METHODS_WITH_DRAFT else 0
-        needed = len(prompt_ids) + config.max_new_tokens + gamma + 1
-        limit = int(info["max_positions"])
-        if needed > limit:
-            raise APIError(
-                400,
-                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({config.max_new_tokens}) + gamma "
-                f"({gamma}) + 1 = {needed} exceeds the model's {limit} positions; allowed: a "
-                f"shorter prompt or a smaller {tokens_field}",
-                tokens_field,
-            )
-        return config
+        return check_config(config, method, prompt_ids, info, self.options.limits, tokens_field)
 
     async def _model_info(self) -> dict[str, Any]:
         if self._info is None:
@@ -513,15 +269,5 @@ class Router:
         )
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def _decode(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
-    def _text(self, beam: Beam) -> str:
-        """The beam's text without its stop token (OpenAI leaves the stop sequence out)."""
-        ids = beam.token_ids
-        if beam.finished and ids:
-            ids = ids[:-1]
-        return self._decode(ids)
-
-
-__all__ = ["Router", "RouterOptions", "DecodeResult", "app"]
+__all__ = ["Limits", "Router", "RouterOptions", "DecodeResult", "app"]

@@ -1,0 +1,293 @@
+"""The server of tests/test_serving.py and the helpers its tests share (no tests here).
+
+`running_server` starts `dsbd serve --config FILE` with `write_config`'s four applications on
+tiny float64 models, under `strace -f` when strace exists, and stops it with SIGINT, checking
+nothing was left running; tests/test_serving.py wraps it in its one module-scoped `server`
+fixture. `stop`, `leftovers` and `free_port` are also used by other server tests.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+import requests
+import torch
+import yaml
+
+from dsbd_core import SamplingConfig
+from dsbd_core.algorithm.decoders import METHODS_WITH_DRAFT, generate
+from dsbd_core.models import load_causal_lm, load_tokenizer
+from dsbd_core.models.transformer_scorer import TransformerScorer
+
+from .tiny_models import build_pair
+
+REPO = Path(__file__).parent.parent
+MODEL = "tiny"
+API_KEY = "sk-test-7f3a9"
+GUARD = {"max_prompt_tokens": 24, "max_new_tokens": 240, "max_width": 4, "max_gamma": 3,
+         "max_n": 2, "max_concurrent_sessions": 2, "request_timeout_s": 1.5}  # fmt: skip
+
+# This process's own connections (the server's are traced with strace): the last test of
+# tests/test_serving.py checks that all of them went to loopback.
+_connections: list[Any] = []
+
+
+def _audit(event: str, args: tuple) -> None:
+    if event == "socket.connect":
+        _connections.append(args[1])
+
+
+sys.addaudithook(_audit)
+
+# The decodes the distributed path is compared on with the in-process engine.
+CASES = [
+    ("dsbd", {"width": 3, "gamma": 3, "threshold": 0.6}),
+    ("dsbd", {"width": 2, "draft_width": 3, "gamma": 2, "threshold": None,
+              "mode": "with_replacement"}),
+    ("dsbd", {"width": 3, "gamma": 2, "lean_memory": True}),
+    ("beam", {"width": 3}),
+    ("sps", {"gamma": 4}),
+]  # fmt: skip
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def write_config(root: Path, target: Path, draft: Path) -> Path:
+    """The module's Serve config (four applications) and API key file, written under `root`;
+    also used to start the same server by hand (`DSBD_TEST_SERVER`)."""
+    models = {"target": {"source": str(target), "dtype": "float64"},
+              "draft": {"source": str(draft), "dtype": "float64"}}  # fmt: skip
+    small = {"num_cpus": 0.1}
+    config = {
+        "applications": [
+            {"name": "dsbd", "route_prefix": "/", "import_path": "deployments.app:build_app",
+             "args": {"model_name": MODEL, **models, "router_resources": small,
+                      "draft_resources": small, "verifier_resources": small}},
+            {"name": "spread", "route_prefix": "/spread",
+             "import_path": "deployments.app:build_app",
+             "args": {"model_name": MODEL, **models, "session_affinity": False,
+                      "router_resources": small,
+                      "draft_resources": {**small, "min_replicas": 2, "max_replicas": 2},
+                      "verifier_resources": {**small, "min_replicas": 2, "max_replicas": 2}}},
+            {"name": "tp", "route_prefix": "/tp", "import_path": "deployments.app:build_app",
+             "args": {"model_name": MODEL, "target": {**models["target"], "tp_size": 2},
+                      "draft": models["draft"], "router_resources": small,
+                      "draft_resources": small,
+                      "verifier_resources": {**small, "health_check_period_s": 1,
+                                             "health_check_timeout_s": 20}}},
+            {"name": "guarded", "route_prefix": "/guarded",
+             "import_path": "deployments.app:build_app",
+             "args": {"model_name": MODEL, **models, "router_resources": small,
+                      "draft_resources": small, "verifier_resources": small,
+                      "default_max_tokens": 16, "api_key_file": str(root / "key"),
+                      "limits": GUARD}},
+        ]
+    }  # fmt: skip
+    (root / "key").write_text(API_KEY + "\n")
+    (root / "serve.yaml").write_text(yaml.safe_dump(config))
+    return root / "serve.yaml"
+
+
+@contextlib.contextmanager
+def running_server(root: Path) -> Iterator[dict[str, Any]]:
+    """The module's server, started under `root`: url, model dirs, strace dir, log and pid."""
+    # "URL MODELS_DIR [PID]": reuse a running server (development only: one started by hand
+    # with `write_config`'s config; PID, its `dsbd serve` process, for the memory figures)
+    external = os.environ.get("DSBD_TEST_SERVER")
+    if external:
+        url, models_dir, *pid = external.split()
+        yield {"url": url, "target": Path(models_dir) / "target",
+               "draft": Path(models_dir) / "draft", "trace": None, "log": None,
+               "pid": int(pid[0]) if pid else None}  # fmt: skip
+        return
+    target, draft = build_pair(root / "models")
+    write_config(root, target, draft)
+    port, ready = free_port(), root / "ready"
+    command = [str(REPO / ".venv/bin/dsbd"), "serve", "--config", str(root / "serve.yaml"),
+               "--port", str(port), "--num-cpus", "8", "--ready-file", str(ready)]  # fmt: skip
+    if not Path(command[0]).exists():
+        command[0:1] = [sys.executable, "-m", "dsbd"]
+    trace = root / "trace"
+    trace.mkdir()
+    traced = shutil.which("strace") is not None
+    if traced:
+        command = ["strace", "-f", "-ff", "-qq", "--seccomp-bpf", "-e",
+                   "trace=connect,sendto,sendmsg", "-o", str(trace / "t"), *command]  # fmt: skip
+    log = (root / "server.log").open("w")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env,
+                               start_new_session=True)  # fmt: skip
+    deadline = time.monotonic() + 420
+    while not ready.exists():
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            pytest.fail(f"dsbd serve did not start:\n{(root / 'server.log').read_text()[-4000:]}")
+        time.sleep(1)
+    while True:  # the file may be seen before it is fully written
+        try:
+            info = json.loads(ready.read_text())
+            break
+        except json.JSONDecodeError:
+            time.sleep(0.2)
+    url = info["url"]
+    assert url == f"http://127.0.0.1:{port}"
+    try:
+        yield {"url": url, "target": target, "draft": draft, "trace": trace if traced else None,
+               "log": root / "server.log", "pid": info["pid"]}  # fmt: skip
+    finally:
+        # SIGINT to dsbd serve itself: strace, the session leader, would only detach
+        stop(process, lambda: os.kill(info["pid"], signal.SIGINT))
+
+
+def stop(process: subprocess.Popen, interrupt: Any) -> None:
+    """Interrupt a server, kill its session if it hangs, and check nothing was left running."""
+    interrupt()
+    try:
+        process.wait(timeout=90)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+    assert not leftovers(process.pid), "the server left processes behind"
+
+
+def leftovers(session: int, wait_s: float = 30.0) -> list[int]:
+    """Processes still alive in a session after its leader exited (killed if any remain)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        found = subprocess.run(["pgrep", "-s", str(session)], capture_output=True, text=True)
+        pids = [int(x) for x in found.stdout.split()]
+        if not pids or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    return pids
+
+
+def in_process_decoder(server: dict[str, Any]) -> Any:
+    """In-process decoding of the same models: what every distributed decode must equal."""
+    target = load_causal_lm(str(server["target"]), dtype=torch.float64)
+    draft = load_causal_lm(str(server["draft"]), dtype=torch.float64)
+    _, stop_ids = load_tokenizer(str(server["target"]))
+
+    def decode(method: str, prompt_ids: list[int], **knobs: Any):
+        config = SamplingConfig(eos_token_ids=stop_ids, **knobs)
+        return generate(
+            method, TransformerScorer(target.model), prompt_ids, config,
+            draft=TransformerScorer(draft.model) if method in METHODS_WITH_DRAFT else None,
+        )  # fmt: skip
+
+    return decode
+
+
+def client(server, prefix: str = "") -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server['url']}{prefix}/v1", api_key="unused", max_retries=0)
+
+
+def native(server, body: dict, prefix: str = "") -> dict:
+    response = requests.post(f"{server['url']}{prefix}/v1/dsbd/generate", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def status(server, prefix: str = "") -> dict:
+    return requests.get(f"{server['url']}{prefix}/v1/dsbd/status", timeout=30).json()
+
+
+def assert_same(got: dict, want) -> None:
+    assert [b["token_ids"] for b in got["beams"]] == [b.token_ids for b in want.beams]
+    for a, b in zip(got["beams"], want.beams, strict=True):
+        assert abs(a["log_likelihood"] - b.log_likelihood) < 1e-9
+    stats = {k: v for k, v in got["stats"].items() if k not in ("serving", "accepted_per_position")}
+    assert stats == json.loads(json.dumps(want.stats.as_dict()))
+
+
+IN_FLIGHT = 20  # decodes in flight when a replica is killed (issue 9)
+
+
+def decode_while_killing(server, reference, prefix: str, pid_of: Any,
+                         freeze_s: float = 0.0) -> list[dict]:  # fmt: skip
+    """Start 20 decodes; SIGKILL `pid_of(status)` once all 20 are in flight; all must come
+    back, each equal to the in-process engine's decode draw for draw (the lost iterations are
+    retried, re-prefilled on a live or replacement replica). With `freeze_s`, the process is
+    first stopped (SIGSTOP) for that long: the calls already routed to it then sit in it,
+    unanswered, when it dies, so the failure path is certain to run (a plain kill may land
+    between two calls, and Serve routes around a dead replica fast)."""
+    # 48 tokens: long enough that all 20 are open at once even on a loaded 2-core machine,
+    # where the router opens sessions slower than 24-token decodes of these models finish.
+    bodies = [{"prompt_ids": [30 + i % 50, 31, 32], "seed": 200 + i, "max_new_tokens": 48,
+               "width": 2 + i % 2, "gamma": 2, "adaptive": False}
+              for i in range(IN_FLIGHT)]  # fmt: skip
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        futures = [pool.submit(native, server, body, prefix) for body in bodies]
+        deadline = time.monotonic() + 60
+        while (now := status(server, prefix))["open_sessions"] < IN_FLIGHT:
+            assert time.monotonic() < deadline and not any(f.done() for f in futures), now
+            time.sleep(0.05)
+        pid = pid_of(now)
+        if freeze_s:
+            os.kill(pid, signal.SIGSTOP)
+            time.sleep(freeze_s)
+        os.kill(pid, signal.SIGKILL)
+        results = [f.result(timeout=240) for f in futures]  # none hangs
+    for body, got in zip(bodies, results, strict=True):
+        knobs = {k: v for k, v in body.items() if k not in ("prompt_ids", "adaptive")}
+        assert_same(got, reference("dsbd", body["prompt_ids"], **knobs))
+    return results
+
+
+def _alive(pid: int) -> bool:
+    return Path(f"/proc/{pid}").exists() and "zombie" not in _state(pid)
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/status").read_text().lower()
+    except OSError:
+        return "zombie"
+
+
+def guarded(server, body: dict, key: str | None = API_KEY, path: str = "completions"):
+    headers = {"Authorization": f"Bearer {key}"} if key is not None else {}
+    return requests.post(f"{server['url']}/guarded/v1/{path}", headers=headers, timeout=60,
+                         json={"model": MODEL, "prompt": "one two", **body})  # fmt: skip
+
+
+def wait_drained(server, prefix: str = "", timeout_s: float = 60) -> dict:
+    """Status once no session is open or cached anywhere (fails after `timeout_s`)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        now = status(server, prefix)
+        if now["open_sessions"] == 0 and now["verifier"]["cached_sessions"] == 0 \
+                and now["draft"]["cached_sessions"] == 0:  # fmt: skip
+            return now
+        assert time.monotonic() < deadline, f"sessions still held: {now}"
+        time.sleep(0.2)
+
+
+def _is_ip(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        return False
+    return True
