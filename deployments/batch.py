@@ -12,15 +12,16 @@ models' forwards (deployments/batch_decoder.py); the records are written as Parq
 Lines, one file per write task, into the output directory. A final line counts the rows decoded,
 failed and skipped, and the tokens per second.
 
-Every flag is checked before Ray starts (exit 2, naming the flag and the value). Ray is started
-through `deployments.local_ray` (loopback only) and shut down at the end, unless `--address` or
-`RAY_ADDRESS` names a running cluster (a KubeRay RayJob: the entrypoint is this command), which
-is then only connected to, and disconnected from.
+The flags live in dsbd/batch_command.py, which checks every one before Ray starts (exit 2,
+naming the flag and the value) and hands a `BatchJob` of already validated settings to
+`run_job`; the output and model checks it calls (`check_output`, `check_models`) are here,
+next to the manifest they read. Ray is started through `deployments.local_ray` (loopback only)
+and shut down at the end, unless an address or `RAY_ADDRESS` names a running cluster (a KubeRay
+RayJob: the entrypoint is `dsbd batch`), which is then only connected to, and disconnected from.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -28,21 +29,19 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
-from deployments.batch_decoder import DecoderSettings, RowDefaults, check_n
-from deployments.batch_output import EXTENSIONS, OutputDir, OutputFormat
-from deployments.batch_rows import INPUT_SUFFIXES, InputRows, input_format, read_input
-from dsbd_core.algorithm.decoders import METHODS, method_config
+from deployments.batch_decoder import DecoderSettings
+from deployments.batch_output import OutputDir
+from deployments.batch_rows import InputRows
 
-DEFAULT_TARGET = "smollm2"
-DEFAULT_DRAFT = "smollm2-draft"
 # Settings that decide a row's result; a re-run on the same output must repeat them.
 _RESULT_SETTINGS = ("target", "draft", "dtype", "defaults")
 
 
 class UsageError(Exception):
-    """Bad command-line input: printed as `dsbd: error: ...`, exit status 2."""
+    """Bad command-line input: printed as `dsbd: error: ...`, exit status 2 (raised by the
+    checks here and by dsbd/batch_command.py; the message names the flag)."""
 
 
 class JobOptions(BaseModel):
@@ -57,75 +56,21 @@ class JobOptions(BaseModel):
     ray_num_cpus: int | None = Field(None, ge=1, description="CPUs of the local Ray.")
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The batch flags besides SamplingConfig's (dsbd/cli.py adds those, as for generate)."""
-    io = parser.add_argument_group("input and output")
-    suffixes = ", ".join(INPUT_SUFFIXES)
-    io.add_argument("--input", required=True, help=f"prompts file ({suffixes}); local or URI")
-    io.add_argument(
-        "--output",
-        required=True,
-        help="output directory; its suffix (.parquet, .jsonl) picks the format",
-    )
-    io.add_argument(
-        "--format",
-        choices=tuple(EXTENSIONS),
-        help="output format (default: --output's suffix, else parquet)",
-    )
-    io.add_argument(
-        "--overwrite",
-        action="store_true",
-        help="delete what --output holds and decode every row (default: resume, skip done ids)",
-    )
-    model = parser.add_argument_group("models and row defaults (a row's own fields win)")
-    model.add_argument("--method", choices=METHODS, default="dsbd", help="default: dsbd")
-    model.add_argument("--target", default=DEFAULT_TARGET, help="preset, dir, .gguf or hub id")
-    model.add_argument("--draft", default=DEFAULT_DRAFT, help="draft model; same vocabulary")
-    model.add_argument(
-        "--chat",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="chat-template `prompt` rows (default: when the tokenizer has a template)",
-    )
-    model.add_argument("--n", type=int, help="beams per record, best first (default: all)")
-    model.add_argument(
-        "--dtype",
-        choices=("float32", "bfloat16", "float64"),
-        default="float32",
-        help="model weights and activations (default: float32)",
-    )
-    model.add_argument(
-        "--max-prompt-tokens", type=int, default=4096, help="longer prompts are error records"
-    )
-    ray = parser.add_argument_group("Ray")
-    ray.add_argument(
-        "--address",
-        default=None,
-        help="a running Ray cluster ('auto', or host:port); default: $RAY_ADDRESS, else a "
-        "local loopback-only Ray started for this job",
-    )
-    ray.add_argument("--concurrency", type=int, default=1, help="actors (default: 1)")
-    ray.add_argument("--batch-size", type=int, default=8, help="rows per actor call (default: 8)")
-    ray.add_argument("--num-cpus", type=float, default=1.0, help="CPUs per actor (default: 1)")
-    ray.add_argument(
-        "--num-gpus",
-        type=float,
-        default=None,
-        help="GPUs per actor (default: 1 with --device cuda, else 0)",
-    )
-    ray.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="default: cpu")
-    ray.add_argument("--threads", type=int, help="torch threads per actor (default: --num-cpus)")
-    ray.add_argument("--ray-num-cpus", type=int, help="CPUs of the local Ray (default: all)")
-    ray.add_argument("--no-progress", action="store_true", help="no progress bars")
+@dataclass
+class BatchJob:
+    """A checked command line: the input rows, the output, how actors load and run."""
+
+    rows: InputRows
+    out: OutputDir
+    settings: DecoderSettings
+    options: JobOptions
 
 
-def main(args: argparse.Namespace) -> int:
-    """Run the job; returns the exit status."""
-    try:
-        job = _plan(args)
-    except UsageError as error:
-        print(f"dsbd: error: {error}", file=sys.stderr)
-        return 2
+def run_job(job: BatchJob, *, address: str | None = None, progress: bool = True) -> int:
+    """Run a checked job: skip the rows the output holds, decode the others on Ray, write
+    them, print the summary line; returns the exit status (1: Ray or the job failed, 130:
+    interrupted; rerunning resumes). `address`: a Ray cluster, else $RAY_ADDRESS, else a local
+    loopback-only Ray started (and shut down) for this job."""
     rows, out, settings, options = job.rows, job.out, job.settings, job.options
     state = out.scan()
     keys = rows.keys()
@@ -153,7 +98,7 @@ def main(args: argparse.Namespace) -> int:
         return 0
     run = time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:8]
     try:
-        initialized_here = _start_ray(args, options)
+        initialized_here = _start_ray(address, options)
     except Exception as error:  # e.g. no cluster at --address
         print(
             f"dsbd batch: cannot start or reach Ray: {type(error).__name__}: {error}",
@@ -162,7 +107,7 @@ def main(args: argparse.Namespace) -> int:
         return 1
     try:
         start = time.perf_counter()
-        _execute(rows.table(pending), out, run, settings, options, progress=not args.no_progress)
+        _execute(rows.table(pending), out, run, settings, options, progress=progress)
         seconds = time.perf_counter() - start
     except KeyboardInterrupt:
         print("dsbd batch: interrupted; rerun the same command to resume", file=sys.stderr)
@@ -187,128 +132,7 @@ def main(args: argparse.Namespace) -> int:
 
 
 # --------------------------------------------------------------------------- checks
-@dataclass
-class _Job:
-    """A checked command line: the input rows, the output, how actors load and run."""
-
-    rows: InputRows
-    out: OutputDir
-    settings: DecoderSettings
-    options: JobOptions
-
-
-def _plan(args: argparse.Namespace) -> _Job:
-    """Everything checked and read before Ray starts; raises UsageError."""
-    from dsbd.cli import config_from_args
-
-    in_fmt = input_format(args.input)
-    if in_fmt is None:
-        raise UsageError(
-            f"--input {args.input!r}: unknown suffix; allowed: {', '.join(INPUT_SUFFIXES)}"
-        )
-    if not _exists(args.input):
-        raise UsageError(f"--input {args.input!r}: no such file")
-    out_fmt = _output_format(args.output, args.format)
-    try:
-        config = config_from_args(args)
-    except ValidationError as error:
-        raise UsageError(_flag_errors(error)) from None
-    if args.n is not None:
-        try:
-            check_n(args.n, args.method, method_config(args.method, config))
-        except ValueError as error:
-            raise UsageError(f"--n: {error}") from None
-    num_gpus = args.num_gpus if args.num_gpus is not None else float(args.device == "cuda")
-    try:
-        options = JobOptions(
-            concurrency=args.concurrency,
-            batch_size=args.batch_size,
-            num_cpus=args.num_cpus,
-            num_gpus=num_gpus,
-            ray_num_cpus=args.ray_num_cpus,
-        )
-        threads = args.threads if args.threads is not None else max(1, int(args.num_cpus))
-        defaults = RowDefaults(
-            method=args.method,
-            n=args.n,
-            chat=args.chat,
-            max_prompt_tokens=args.max_prompt_tokens,
-            config=config.model_dump(exclude={"eos_token_ids"}),
-        )
-        settings = DecoderSettings(
-            target=args.target,
-            draft=args.draft,
-            dtype=args.dtype,
-            device=args.device,
-            threads=threads,
-            defaults=defaults,
-        )
-    except ValidationError as error:
-        raise UsageError(_flag_errors(error)) from None
-    local = not (args.address or os.environ.get("RAY_ADDRESS"))
-    cpus = options.ray_num_cpus or os.cpu_count() or 1
-    if local and options.concurrency * options.num_cpus > cpus:
-        raise UsageError(
-            f"--concurrency={options.concurrency} x --num-cpus={options.num_cpus:g} needs more "
-            f"CPUs than the local Ray's {cpus} (--ray-num-cpus); the actors would wait forever"
-        )
-    if args.device == "cuda" and num_gpus <= 0:
-        raise UsageError(f"--num-gpus={num_gpus:g}: --device cuda needs a GPU per actor")
-    out = OutputDir(args.output, out_fmt)
-    _check_output(out, settings, overwrite=args.overwrite)
-    _check_models(settings)
-    try:
-        rows = read_input(args.input, in_fmt)
-    except FileNotFoundError:
-        raise UsageError(f"--input {args.input!r}: no such file") from None
-    except Exception as error:  # unreadable Parquet, a directory, no permission ...
-        raise UsageError(f"--input {args.input!r}: cannot read it: {error}") from None
-    if args.overwrite:
-        out.clear()
-    return _Job(rows, out, settings, options)
-
-
-def _exists(path: str) -> bool:
-    import pyarrow.fs as pafs
-
-    from deployments.batch_rows import uri
-
-    filesystem, where = pafs.FileSystem.from_uri(uri(path))
-    return filesystem.get_file_info(where).type != pafs.FileType.NotFound
-
-
-def _output_format(path: str, flag: str | None) -> OutputFormat:
-    name = path.rstrip("/").rsplit("/", 1)[-1]
-    suffix = "." + name.rsplit(".", 1)[-1].lower() if "." in name else ""
-    by_suffix: dict[str, OutputFormat] = {
-        ".parquet": "parquet",
-        ".jsonl": "jsonl",
-        ".ndjson": "jsonl",
-    }
-    if suffix and suffix not in by_suffix:
-        raise UsageError(
-            f"--output {path!r}: unknown suffix {suffix!r}; allowed: "
-            f"{', '.join(by_suffix)} or none (then --format, default parquet)"
-        )
-    named = by_suffix.get(suffix)
-    if flag is not None and named is not None and flag != named:
-        raise UsageError(f"--format {flag} contradicts --output {path!r} ({named})")
-    return flag or named or "parquet"
-
-
-def _flag_errors(error: ValidationError) -> str:
-    """pydantic errors as `--flag=value: what is allowed` (one line each)."""
-    lines = []
-    for item in error.errors():
-        parts = [str(p) for p in item["loc"] if p not in ("defaults", "config")]
-        flag = "--" + parts[-1].replace("_", "-") if parts else "flags"
-        value = item.get("input")
-        shown = "" if isinstance(value, dict) else f"={value!r}"
-        lines.append(f"{flag}{shown}: {item['msg']}")
-    return "\n".join(lines)
-
-
-def _check_models(settings: DecoderSettings) -> None:
+def check_models(settings: DecoderSettings) -> None:
     """Presets converted once here (not in every actor at once); unknown sources refused."""
     from dsbd_core.models import ModelSourceError, resolve_source
 
@@ -319,12 +143,9 @@ def _check_models(settings: DecoderSettings) -> None:
             raise UsageError(f"{flag} {source!r}: {error}") from None
 
 
-def _manifest(settings: DecoderSettings, fmt: str) -> dict[str, Any]:
-    dumped = settings.model_dump(mode="json")
-    return {"format": fmt, **{k: dumped[k] for k in _RESULT_SETTINGS}}
-
-
-def _check_output(out: OutputDir, settings: DecoderSettings, *, overwrite: bool) -> None:
+def check_output(out: OutputDir, settings: DecoderSettings, *, overwrite: bool) -> None:
+    """Refuse an output that is not ours, or that other settings wrote (resuming would mix two
+    configurations' results); raises UsageError naming --output."""
     kind = out.kind()
     if kind == "file":
         raise UsageError(
@@ -354,6 +175,11 @@ def _check_output(out: OutputDir, settings: DecoderSettings, *, overwrite: bool)
         )
 
 
+def _manifest(settings: DecoderSettings, fmt: str) -> dict[str, Any]:
+    dumped = settings.model_dump(mode="json")
+    return {"format": fmt, **{k: dumped[k] for k in _RESULT_SETTINGS}}
+
+
 def _differences(now: Any, before: Any, path: str = "") -> list[tuple[str, Any, Any]]:
     if isinstance(now, dict) and isinstance(before, dict):
         found = []
@@ -364,13 +190,14 @@ def _differences(now: Any, before: Any, path: str = "") -> list[tuple[str, Any, 
 
 
 # --------------------------------------------------------------------------- Ray
-def _start_ray(args: argparse.Namespace, options: JobOptions) -> bool:
-    """Connect to a cluster or start a local loopback-only Ray; False if Ray was already up."""
+def _start_ray(address: str | None, options: JobOptions) -> bool:
+    """Connect to a cluster (`address`, else $RAY_ADDRESS) or start a local loopback-only Ray;
+    False if Ray was already up."""
     import ray
 
     if ray.is_initialized():  # a caller that runs Ray already (a notebook, the tests)
         return False
-    address = args.address or os.environ.get("RAY_ADDRESS")
+    address = address or os.environ.get("RAY_ADDRESS")
     if address:
         ray.init(address=address, configure_logging=False)
         return True
@@ -429,4 +256,4 @@ def _execute(
         decoded.write_datasink(JsonLinesDatasink(out.uri, run), ray_remote_args=light)
 
 
-__all__ = ["add_arguments", "main"]
+__all__ = ["BatchJob", "JobOptions", "UsageError", "check_models", "check_output", "run_job"]

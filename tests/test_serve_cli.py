@@ -21,7 +21,7 @@ import requests
 import yaml
 
 from deployments.app import AppArgs
-from deployments.serve_cli import load_config
+from dsbd.serve_command import load_config
 
 from .test_local_ray import is_loopback, peers
 from .test_serving import _free_port, stop

@@ -16,5 +16,7 @@ Modules (one purpose each):
   humaneval  HumanEval completions run in a sandboxed subprocess (no network, timeout)
   report     aggregates, table.md and the plots
   harness    the run loop: load the pair, warm up, interleave, checkpoint, resume
-  cli        the `dsbd bench` flags (dsbd/cli.py only hooks them in)
+
+The `dsbd bench` flags and entry are the CLI's (dsbd/bench_command.py): it builds the
+BenchConfig and calls `harness.run_bench`; nothing here reads a command line.
 """

@@ -1,4 +1,4 @@
-"""`dsbd bench` flags and entry (dsbd/cli.py only calls `add_arguments` and `main`).
+"""`dsbd bench`: the flags and entry of the benchmark (the harness is dsbd_core.tools.bench).
 
     dsbd bench                                  # smollm2 pair, quick mode
     dsbd bench --pair qwen-coder --full         # HumanEval subset, long run (resumable)
@@ -6,7 +6,9 @@
     dsbd bench --report-only --out DIR [--extra-records other.jsonl]
 
 Flags are validated (pydantic, the method grammar) before any model loads; invalid values exit
-with status 2 and name the flag, the value and what is allowed.
+with status 2 and name the flag, the value and what is allowed. The CLI builds the BenchConfig
+and hands it to the harness, which never reads a command line (benchmarks/bench.py reuses
+`add_arguments` and `main` as a script).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
 
@@ -22,7 +25,22 @@ from dsbd_core.tools.bench.methods import GRAMMAR, MethodNameError, parse_method
 from dsbd_core.tools.bench.pairs import PAIRS
 from dsbd_core.tools.bench.prompts import PROMPT_SETS
 
+if TYPE_CHECKING:
+    from dsbd_core.tools.bench.schema import BenchConfig
+
 DEFAULT_OUT = "benchmarks/results/bench_{pair}_{mode}"
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    """Register `dsbd bench` and its flags."""
+    bench = commands.add_parser(
+        "bench",
+        help="benchmark every decoder side by side (speed, model calls, memory, quality)",
+        description="Decode a fixed prompt set with sampling, SpS, beam sampling, DSBD and "
+        "transformers' own generate, methods interleaved per prompt in one process; writes "
+        "results.json, table.md and plots (benchmarks/README.md explains every figure).",
+    )
+    add_arguments(bench)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -93,7 +111,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
-def build_config(args: argparse.Namespace):
+def build_config(args: argparse.Namespace) -> BenchConfig:
     """BenchConfig from the flags (raises ValueError / ValidationError naming the flag)."""
     from dsbd_core.tools.bench.prompts import HUMANEVAL_SUBSET
     from dsbd_core.tools.bench.schema import BenchConfig

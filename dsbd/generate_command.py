@@ -1,0 +1,176 @@
+"""`dsbd generate`: decode one prompt in-process and print the beams and the statistics.
+
+    dsbd generate --method dsbd --prompt "Why is the sky blue?"
+
+The flags are validated (SamplingConfig) before anything heavy is imported: transformers and
+the models load only once the command line is known to be valid, so bad input exits 2 at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import TYPE_CHECKING, Any
+
+from pydantic import ValidationError
+
+from dsbd.common import DEFAULT_DRAFT, DEFAULT_TARGET, fail
+from dsbd.sampling_flags import add_config_flags, config_from_args
+from dsbd_core.algorithm.config import SamplingConfig, config_error_message
+from dsbd_core.algorithm.decoders import METHODS, METHODS_WITH_DRAFT, generate
+
+if TYPE_CHECKING:
+    from dsbd_core.algorithm.result import DecodeResult
+    from dsbd_core.models import LoadedModel
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    """Register `dsbd generate` and its flags (the SamplingConfig ones included)."""
+    parser = commands.add_parser("generate", help="decode one prompt and print beams + stats")
+    parser.add_argument("--method", choices=METHODS, default="dsbd", help="default: dsbd")
+    parser.add_argument("--prompt", required=True, help="the prompt text")
+    parser.add_argument(
+        "--target", default=DEFAULT_TARGET, help="preset, local dir, .gguf file or hub id"
+    )
+    parser.add_argument(
+        "--draft", default=DEFAULT_DRAFT, help="draft model (dsbd and sps only); same vocabulary"
+    )
+    parser.add_argument(
+        "--chat",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="wrap the prompt in the tokenizer's chat template (default: when it has one)",
+    )
+    parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    add_config_flags(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    """`dsbd generate`: the config is checked first (exit 2 naming the field), then decoded."""
+    try:
+        config = config_from_args(args)
+    except ValidationError as error:
+        print(config_error_message(error), file=sys.stderr)
+        return 2
+    return _generate(args, config)
+
+
+def _generate(args: argparse.Namespace, config: SamplingConfig) -> int:
+    import torch
+    from transformers.utils import logging as hf_logging
+
+    from dsbd_core.models import (
+        ModelSourceError,
+        VocabularyMismatchError,
+        check_same_vocabulary,
+        encode_prompt,
+        load_causal_lm,
+        stop_token_ids,
+    )
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    start = time.perf_counter()
+    try:
+        target = load_causal_lm(args.target)
+        draft = load_causal_lm(args.draft) if args.method in METHODS_WITH_DRAFT else None
+        if draft is not None:
+            check_same_vocabulary(target, draft)
+        prompt_ids = encode_prompt(target, args.prompt, chat=args.chat)
+    except (ModelSourceError, VocabularyMismatchError) as error:
+        return fail(str(error))
+    config = SamplingConfig(**{**config.model_dump(), "eos_token_ids": stop_token_ids(target)})
+    load_s = time.perf_counter() - start
+
+    from dsbd_core.models.transformer_scorer import TransformerScorer
+
+    start = time.perf_counter()
+    result = generate(
+        args.method,
+        TransformerScorer(target.model),
+        prompt_ids,
+        config,
+        draft=TransformerScorer(draft.model) if draft is not None else None,
+    )
+    decode_s = time.perf_counter() - start
+    report = _report(args, config, target, draft, prompt_ids, result, load_s, decode_s)
+    if args.json:
+        print(json.dumps(report))
+    else:
+        _print_report(report)
+    return 0
+
+
+def _report(
+    args: argparse.Namespace,
+    config: SamplingConfig,
+    target: LoadedModel,
+    draft: LoadedModel | None,
+    prompt_ids: list[int],
+    result: DecodeResult,
+    load_s: float,
+    decode_s: float,
+) -> dict[str, Any]:
+    """Everything one run says, as plain data (the `--json` output; the text view reads it)."""
+    decode_text = target.tokenizer.decode
+    stats = result.stats
+    return {
+        "method": args.method,
+        "target": target.name,
+        "draft": draft.name if draft is not None else None,
+        "prompt": args.prompt,
+        "prompt_tokens": len(prompt_ids),
+        "config": config.model_dump(mode="json"),
+        "beams": [
+            {
+                "text": decode_text(beam.token_ids, skip_special_tokens=True),
+                "token_ids": beam.token_ids,
+                "log_likelihood": beam.log_likelihood,
+                "score": beam.score,
+                "finished": beam.finished,
+            }
+            for beam in result.beams
+        ],
+        "stats": stats.as_dict(),
+        "load_s": load_s,
+        "decode_s": decode_s,
+        "tokens_per_s": stats.tokens_emitted / decode_s if decode_s > 0 else 0.0,
+    }
+
+
+def _print_report(report: dict[str, Any]) -> None:
+    beams = report["beams"]
+    stats = report["stats"]
+    print(beams[0]["text"].strip())
+    if len(beams) > 1:
+        print("\nother beams:")
+        for rank, beam in enumerate(beams[1:], start=2):
+            text = " ".join(beam["text"].split())
+            text = text if len(text) <= 80 else text[:77] + "..."
+            print(f"  {rank}. score {beam['score']:.3f}  {text}")
+    widths = [w for iteration in stats["widths"] for w in iteration]
+    mean_width = sum(widths) / len(widths) if widths else 0.0
+    draft = f", draft {report['draft']}" if report["draft"] else ""
+    print(
+        f"\n[{report['method']}: target {report['target']}{draft}; "
+        f"{report['prompt_tokens']} prompt tokens]\n"
+        f"iterations {stats['iterations']}, target passes {stats['target_forward_passes']}, "
+        f"draft passes {stats['draft_forward_passes']}, tokens {stats['tokens_emitted']}, "
+        f"target passes/token {stats['target_passes_per_token']:.2f}\n"
+        f"acceptance {stats['acceptance_rate']:.2f} "
+        f"({stats['accepted_tokens']}/{stats['drafted_tokens']} drafted), "
+        f"mean accepted length {stats['mean_accepted_length']:.2f}, "
+        f"mean verified width {mean_width:.2f}\n"
+        f"decode {report['decode_s']:.2f} s ({report['tokens_per_s']:.1f} tokens/s), "
+        f"model load {report['load_s']:.2f} s"
+    )
+    if report["config"]["epsilon"] > 0:
+        print(
+            f"epsilon {report['config']['epsilon']:g} (lossy: trades exactness for speed), "
+            f"bias bound {stats['epsilon_bias_bound']:.3f}"
+        )

@@ -1,0 +1,142 @@
+"""`dsbd serve` and `dsbd ray-env`: the flags, the Serve config file, the loopback settings.
+
+The config is a Ray Serve config file (the schema `serve run` / `serve deploy` read: one or more
+applications, each `import_path: deployments.app:build_app` with `args` = `AppArgs`, optional
+per-deployment overrides); without `--config` the embedded defaults are served. Every flag and
+the whole config are validated here (exit 2 naming the field) before any Ray process starts;
+deployments.serve_cli then prepares the models, starts Ray and serves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from deployments.serve_cli import DEFAULT_IMPORT_PATH
+from dsbd.common import fail
+from dsbd_core.algorithm.config import config_error_message
+
+
+def add_serve_parser(commands: argparse._SubParsersAction) -> None:
+    """Register `dsbd serve` (argparse only: Ray loads when serving)."""
+    serve = commands.add_parser(
+        "serve",
+        help="serve the HTTP API (OpenAI-compatible + native) on a local, loopback-only Ray",
+        description="Start Ray on loopback, deploy router, draft, verifier and width controller "
+        "(Ray Serve), print the URL and serve until Ctrl-C.",
+    )
+    add_arguments(serve)
+
+
+def add_ray_env_parser(commands: argparse._SubParsersAction) -> None:
+    """Register `dsbd ray-env` (no flags)."""
+    commands.add_parser(
+        "ray-env",
+        help="print NAME=value settings that keep a Ray you start yourself on loopback "
+        "(env $(dsbd ray-env) serve run serve_config.yaml)",
+    )
+
+
+def add_arguments(serve: argparse.ArgumentParser) -> None:
+    """The flags of `dsbd serve`."""
+    serve.add_argument("--config", type=Path, help="Serve config YAML (default: embedded models)")
+    serve.add_argument("--host", default="127.0.0.1", help="HTTP host (default: 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=8000, help="HTTP port (default: 8000)")
+    serve.add_argument("--num-cpus", type=float, default=None, help="CPUs Ray may schedule on")
+    serve.add_argument(
+        "--ready-file",
+        type=Path,
+        help='once every application runs, write {"url": ..., "pid": ...} (JSON) here',
+    )
+    serve.add_argument(
+        "--timeout", type=float, default=600.0, help="seconds to wait for the deployments"
+    )
+    serve.add_argument(
+        "--metrics-port", type=int, default=0, metavar="PORT",
+        help="Prometheus port of Ray's metrics agent, serving /metrics on 127.0.0.1 "
+        "(default 0: a free port, printed and written to --ready-file)",
+    )  # fmt: skip
+    serve.add_argument(
+        "--tp-size", type=int, default=None, metavar="N",
+        help="shard every application's target over N tensor-parallel ranks "
+        "(overrides target.tp_size of the config)",
+    )  # fmt: skip
+
+
+def print_ray_env() -> int:
+    """`dsbd ray-env`: NAME=value lines that keep a Ray started by someone else on loopback.
+
+    For `serve run serve_config.yaml`, which starts Ray itself with a plain `ray.init()`:
+    `env $(dsbd ray-env) serve run serve_config.yaml` scopes them to that one command (HOME
+    points at a fresh folder holding Ray's bootstrap config, see deployments.local_ray).
+    """
+    from deployments.local_ray import loopback_environment
+
+    for name, value in loopback_environment().items():
+        print(f"{name}={shlex.quote(value)}")
+    return 0
+
+
+def load_config(path: Path | None, host: str, port: int, tp_size: int | None = None) -> Any:
+    """The validated Serve config (ServeDeploySchema); exits with a clear message if bad."""
+    from ray.serve.schema import ServeDeploySchema
+
+    if path is None:
+        raw: dict[str, Any] = {
+            "applications": [{"name": "dsbd", "route_prefix": "/",
+                              "import_path": DEFAULT_IMPORT_PATH, "args": {}}]
+        }  # fmt: skip
+    else:
+        try:
+            raw = yaml.safe_load(path.read_text()) or {}
+        except (OSError, yaml.YAMLError) as error:
+            message = f"--config {str(path)!r}: cannot read it as YAML: {error}"
+            raise SystemExit(fail(message)) from None
+    raw["http_options"] = {**raw.get("http_options", {}), "host": host, "port": port}
+    try:
+        schema = ServeDeploySchema.model_validate(raw)
+    except ValidationError as error:
+        raise SystemExit(fail(f"--config: {config_error_message(error)}")) from None
+    from deployments.app import AppArgs
+
+    for app in schema.applications:
+        if app.import_path == DEFAULT_IMPORT_PATH:
+            if tp_size is not None:  # the flag wins over the file
+                args = dict(app.args or {})
+                target = AppArgs().target.model_dump() | dict(args.get("target") or {})
+                app.args = args | {"target": target | {"tp_size": tp_size}}
+            try:
+                AppArgs.model_validate(app.args or {})
+            except ValidationError as error:
+                message = config_error_message(error).replace("\n", f"\n  {app.name}.args.")
+                raise SystemExit(fail(f"--config: {app.name}.args.{message}")) from None
+    return schema
+
+
+def run(args: argparse.Namespace) -> int:
+    """`dsbd serve`: validate the flags and the config, prepare the models, then serve."""
+    from deployments.serve_cli import ServeOptions, ServeSetupError, prepare_models, serve
+
+    if args.tp_size is not None and args.tp_size < 1:
+        raise SystemExit(fail(f"--tp-size={args.tp_size}: must be >= 1"))
+    if not 0 <= args.metrics_port <= 65535:
+        raise SystemExit(fail(f"--metrics-port={args.metrics_port}: allowed 0..65535"))
+    schema = load_config(args.config, args.host, args.port, args.tp_size)
+    try:
+        prepare_models(schema)
+    except ServeSetupError as error:
+        raise SystemExit(fail(str(error))) from None
+    options = ServeOptions(
+        host=args.host,
+        port=args.port,
+        num_cpus=args.num_cpus,
+        metrics_port=args.metrics_port,
+        ready_file=args.ready_file,
+        timeout=args.timeout,
+    )
+    return serve(schema, options)
