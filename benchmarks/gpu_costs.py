@@ -7,11 +7,10 @@ whatever device it is given, at the sizes of the paper's pairs (a 68M draft shap
 JackFram/llama-68m, a 7B target shaped like Llama-2-7B, bf16), with random weights: a forward's
 time depends on shapes, not on weight values.
 
-What is timed is the engine's own path, not an approximation: `Engine`
-(dsbd_core/algorithm/engine.py)
-decodes a random prompt of the given context length with `TransformerScorer`s over the two
-models, and a thin wrapper times every `ScoreCall` it makes (`set_roots` + `forward`, the KV
-compaction included), with a device synchronisation on both sides:
+What is timed is the engine's own path, not an approximation: the decode loop
+(dsbd_core/algorithm/loop.py) decodes a random prompt of the given context length with
+`TransformerScorer`s over the two models, and a thin wrapper times every `ScoreCall` it makes
+(`set_roots` + `forward`, the KV compaction included), with a device synchronisation on both sides:
 
 (a) draft step: DSBD's gamma draft calls of an iteration, one per draft layer: the first
     feeds the W roots' new tokens (`set_roots` + `forward([])`), the others one layer of W

@@ -88,7 +88,7 @@ def predicted_length(estimate: AcceptanceEstimate, config: SamplingConfig, metho
     if method in ("sample", "beam"):
         return 0.0
     width = 1 if method == "sps" else config.width
-    draft_width = 1 if method == "sps" else config.draft_beams
+    draft_width = 1 if method == "sps" else config.effective_draft_width
     threshold = None if method == "sps" else config.threshold
     a = layer_pass_probability(estimate.alpha, draft_width, width, threshold, config.w_min)
     return expected_accepted_length(a, config.gamma)
@@ -140,7 +140,7 @@ def main() -> None:
                 alphas = [a for layer in st.layer_alphas for a in layer]
                 rows[family][name].append({
                     "method": method, "gamma": config.gamma if method not in ("sample", "beam")
-                    else 0, "draft_width": config.draft_beams, "seconds": seconds,
+                    else 0, "draft_width": config.effective_draft_width, "seconds": seconds,
                     "cpu_seconds": cpu_seconds,
                     "tokens": st.tokens_emitted, "iterations": st.iterations,
                     "target_passes": st.target_forward_passes,

@@ -3,8 +3,7 @@
 `threshold = t` promises that a verified layer passes with probability >= t (spec §5.2). With
 distinct drafts (the default mode) the width used to come from the DP of spec §5.1, which
 assumes i.i.d. drafts; `dsbd_core/algorithm/width_distinct.py` now estimates the distinct rule
-itself.
-This script decodes the same prompts with both width rules in one process, alternating which
+itself. This script decodes the same prompts with both width rules in one process, alternating which
 goes first per prompt, and reports per rule: the realized pass rate of verified layers (against
 t), the widths chosen, target and draft forward passes per token, accepted layers per iteration,
 wall and CPU time per token, and the target log-likelihood per token of the answer (the quality

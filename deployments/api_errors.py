@@ -8,7 +8,7 @@ so every route, and FastAPI's own request validation, answers the same shape.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
@@ -16,9 +16,6 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
 from dsbd_core.algorithm.config import SamplingConfig, config_error_message
-
-if TYPE_CHECKING:
-    from deployments.router_limits import Limits
 
 
 class APIError(Exception):
@@ -78,7 +75,8 @@ def requested_config(build: Callable[[], SamplingConfig]) -> SamplingConfig:
                        str(loc[0]) if loc else None) from None  # fmt: skip
 
 
-def timeout_body(limits: Limits) -> dict[str, Any]:
-    message = (f"the decode did not finish within request_timeout_s={limits.request_timeout_s}; "
+def timeout_body(request_timeout_s: float) -> dict[str, Any]:
+    """The 504 body of a decode stopped at the server's `request_timeout_s` limit."""
+    message = (f"the decode did not finish within request_timeout_s={request_timeout_s}; "
                "it was stopped and its sessions freed; ask for fewer tokens or retry")  # fmt: skip
     return {"error": {"message": message, "type": "timeout", "param": None, "code": 504}}

@@ -2,10 +2,10 @@
 
 Ray Data's actor pool (`map_batches(BatchDecoder, compute=ActorPoolStrategy(...))`) builds one
 `BatchDecoder` per actor; each call gets a batch of input rows (Arrow) and returns one output
-record per row. The rows of a batch are decoded together by `dsbd_core.algorithm.lockstep`: every
-row
-keeps its own method, knobs and seed, and all rows share each iteration's draft and target
-forwards, so a row's result is exactly what `dsbd generate` decodes for it alone with its seed.
+record per row. The rows of a batch are decoded together by `dsbd_core.algorithm.lockstep`:
+every row keeps its own method, knobs and seed, and all rows share each iteration's draft and
+target forwards, so a row's result is exactly what `dsbd generate` decodes for it alone with
+its seed.
 
 A row that cannot be decoded (unknown field, invalid knob, empty or too long prompt, token id
 out of range, a failure while decoding) becomes a record with `error` naming the field, the

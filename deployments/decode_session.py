@@ -139,7 +139,7 @@ class DecodeSession:
         """Run the decode; yields the state after every iteration (for streaming)."""
         start = time.perf_counter()
         limits = Knobs(gamma=self.config.gamma if self.uses_draft else 0,
-                       draft_width=self.config.draft_beams)  # fmt: skip
+                       draft_width=self.config.effective_draft_width)  # fmt: skip
         controller = RemoteKnobs(self, limits)
         decode = Decode(self.config, self.vocab_size, [prompt_ids], uses_draft=self.uses_draft,
                         controller=controller)  # fmt: skip
@@ -192,7 +192,10 @@ class DecodeSession:
         config = call.config
         assert state.depth is not None
         retries = len(self.stats.retries)
-        knobs = Knobs(gamma=config.gamma if self.uses_draft else 0, draft_width=config.draft_beams)
+        knobs = Knobs(
+            gamma=config.gamma if self.uses_draft else 0,
+            draft_width=config.effective_draft_width,
+        )
         with observer.iteration(state.iteration, knobs.gamma, knobs.draft_width,
                                 int(state.depth.max())) as observed:  # fmt: skip
             reply = await self._iteration(replace(call, trace=observed.trace), draft=draft)

@@ -218,7 +218,7 @@ class Router:
             async with asyncio.timeout(self.options.limits.request_timeout_s):
                 return await session.run(prompt_ids)
         except TimeoutError:
-            body = timeout_body(self.options.limits)["error"]
+            body = timeout_body(self.options.limits.request_timeout_s)["error"]
             raise APIError(504, body["message"], None) from None
         finally:
             leave()

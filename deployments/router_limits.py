@@ -64,7 +64,7 @@ def check_config(
         ("prompt", len(prompt_ids), limits.max_prompt_tokens, "max_prompt_tokens"),
         (tokens_field, config.max_new_tokens, limits.max_new_tokens, "max_new_tokens"),
         ("width", config.width, limits.max_width, "max_width"),
-        (draft_field, config.draft_beams, limits.max_draft_width, "max_draft_width"),
+        (draft_field, config.effective_draft_width, limits.max_draft_width, "max_draft_width"),
         ("gamma", config.gamma if method in METHODS_WITH_DRAFT else 0, limits.max_gamma,
          "max_gamma"),
     ):  # fmt: skip

@@ -88,7 +88,7 @@ async def sse_events(
             except StopAsyncIteration:
                 break
             except TimeoutError:
-                yield f"data: {json.dumps(timeout_body(limits))}\n\n"
+                yield f"data: {json.dumps(timeout_body(limits.request_timeout_s))}\n\n"
                 return
             text = texts.decode(committed_tokens(state))
             if text.startswith(sent) and len(text) > len(sent) and not text.endswith("\ufffd"):

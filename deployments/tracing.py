@@ -226,7 +226,7 @@ def call_attributes(session: str, call: Any) -> dict[str, Any]:
         "dsbd.session": session,
         "dsbd.iteration": int(state.iteration),
         "dsbd.width": int(config.width),
-        "dsbd.draft_width": int(config.draft_beams),
+        "dsbd.draft_width": int(config.effective_draft_width),
         "dsbd.depth": depth,
         "dsbd.beams": int(state.alive.sum()),
     }

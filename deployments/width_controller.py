@@ -20,7 +20,7 @@ from dsbd_core.algorithm.control import Knobs
 
 
 @dataclass
-class _Session:
+class _SessionKnobs:
     limits: Knobs
     rho: float
     iterations: int
@@ -37,14 +37,14 @@ class WidthController:
     def __init__(self, policy: dict[str, Any] | None = None, session_ttl_s: float = 600.0) -> None:
         self.policy = PolicyConfig.model_validate(policy or {})
         self.session_ttl_s = session_ttl_s
-        self._sessions: dict[str, _Session] = {}
+        self._sessions: dict[str, _SessionKnobs] = {}
         self._closed: dict[str, float] = {}  # session -> when closed (see `close`)
         self._rho = self.policy.prior_pass_rate  # replica-wide mean, the prior of new sessions
 
     async def open(self, session: str, limits: Knobs, adaptive: bool = True) -> Knobs:
         """Register a request; returns its first iteration's knobs."""
         self._expire()
-        state = _Session(limits, self._rho, 0, adaptive, time.monotonic())
+        state = _SessionKnobs(limits, self._rho, 0, adaptive, time.monotonic())
         if session not in self._closed:  # else: a late open of a request that has ended
             self._sessions[session] = state
         return self._knobs(state)
@@ -73,7 +73,7 @@ class WidthController:
         """Open sessions and the replica-wide layer pass rate."""
         return {"open_sessions": len(self._sessions), "pass_rate": self._rho}
 
-    def _knobs(self, state: _Session) -> Knobs:
+    def _knobs(self, state: _SessionKnobs) -> Knobs:
         if not state.adaptive:
             return state.limits
         return choose_knobs(

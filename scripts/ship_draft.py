@@ -5,10 +5,10 @@
 
 A `cut` draft shares its (frozen, tied) embedding with the target, so only its own tensors are
 stored, in float16 (`dsbd_core.models.write_delta`), under
-`dsbd_core/models/drafts/smollm2-distilled/`
-with `training.json` (settings, step, training time, held-out figures). The `smollm2-distilled`
-preset rebuilds a standard transformers directory from it and the target (once, into the cache).
-The rebuilt draft is checked against the original (same logits up to float16 round-off).
+`dsbd_core/models/drafts/smollm2-distilled/` with `training.json` (settings, step, training time,
+held-out figures). The `smollm2-distilled` preset rebuilds a standard transformers directory from it
+and the target (once, into the cache). The rebuilt draft is checked against the original (same
+logits up to float16 round-off).
 """
 
 from __future__ import annotations

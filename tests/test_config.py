@@ -45,6 +45,6 @@ def test_unknown_field_is_refused() -> None:
 
 def test_defaults_and_derived_values() -> None:
     cfg = SamplingConfig(width=4)
-    assert cfg.draft_beams == 4 and not cfg.fixed_width
+    assert cfg.effective_draft_width == 4 and not cfg.fixed_width
     assert SamplingConfig(threshold=None).fixed_width
-    assert SamplingConfig(width=2, draft_width=5).draft_beams == 5
+    assert SamplingConfig(width=2, draft_width=5).effective_draft_width == 5

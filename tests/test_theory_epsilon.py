@@ -1,10 +1,9 @@
 """The ε over-acceptance knob in the product (sd-theory spec §5.4, §9.3 item 6).
 
 Measured through the real verifier (`dsbd_core.algorithm.verify.verify_layer`, one beam) and
-compared with
-the closed forms of `dsbd_core.tools.theory.overaccept`: rejection `Σ (Q - P - ε)_+`, least bias
-`Σ min(ε, (Q - P)_+)` and Decoding-OPT's output law (target P, draft Q). Then the engine: ε = 0
-reports no bias, ε > 0 accepts more, reports a bias bound, and the bias it really introduces
+compared with the closed forms of `dsbd_core.tools.theory.overaccept`: rejection `Σ (Q - P - ε)_+`,
+least bias `Σ min(ε, (Q - P)_+)` and Decoding-OPT's output law (target P, draft Q). Then the engine:
+ε = 0 reports no bias, ε > 0 accepts more, reports a bias bound, and the bias it really introduces
 stays below that bound. (ε = 0 exactness itself is the unchanged tests/test_exactness.py.)
 """
 

@@ -109,7 +109,7 @@ def test_plan_config_keeps_the_request_and_sets_only_speed_knobs() -> None:
     assert method == "beam" and config == request
     assert plan_config(Plan(0, 1, 0.0, 1.0, 1.0), SamplingConfig(width=1))[0] == "sample"
     method, config = plan_config(Plan(2, 6, 0.5, 1.75, 2.0), request)
-    assert method == "dsbd" and (config.gamma, config.draft_beams) == (2, 6)
+    assert method == "dsbd" and (config.gamma, config.effective_draft_width) == (2, 6)
     assert config.model_copy(update={"gamma": 3, "draft_width": None}) == request
 
 

@@ -74,8 +74,9 @@ class SamplingConfig(BaseModel):
         return self
 
     @property
-    def draft_beams(self) -> int:
-        """Draft width W_S actually used."""
+    def effective_draft_width(self) -> int:
+        """The draft width W_S: `draft_width`, or the beam width W when it is not set (the
+        field stays None then, so an error can name the field the client actually set)."""
         return self.draft_width if self.draft_width is not None else self.width
 
     @property

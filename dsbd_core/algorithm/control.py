@@ -43,7 +43,7 @@ class FixedKnobs:
     """The request's own gamma and W_S every iteration (reproducible experiments, baselines)."""
 
     def __init__(self, config: SamplingConfig) -> None:
-        self._knobs = Knobs(gamma=config.gamma, draft_width=config.draft_beams)
+        self._knobs = Knobs(gamma=config.gamma, draft_width=config.effective_draft_width)
 
     def knobs(self, state: DecodeState) -> Knobs:
         return self._knobs

@@ -35,7 +35,7 @@ def draft_forest(
     depth_max = int(depth.max())
     if depth_max == 0:
         return NO_FOREST
-    batch, width_s = alive.shape[0], config.draft_beams
+    batch, width_s = alive.shape[0], config.effective_draft_width
     logq = (yield ScoreCall(Roots(state.tokens, state.length, alive, state.origin), [])).roots
     assert logq is not None
     parent_ok, sigma = alive, state.score

@@ -114,7 +114,7 @@ class Decode:
     def _config(self, knobs: Knobs) -> SamplingConfig:
         """The config with this iteration's knobs (the config itself when they are its own)."""
         config = self.config
-        if knobs.gamma == config.gamma and knobs.draft_width == config.draft_beams:
+        if knobs.gamma == config.gamma and knobs.draft_width == config.effective_draft_width:
             return config
         return config.model_copy(update={"gamma": knobs.gamma, "draft_width": knobs.draft_width})
 

@@ -1,16 +1,15 @@
 """Dynamic width for distinct drafts: Pr[N >= k] of the without-replacement rule, by simulation.
 
 The width DP of spec §5.1 (`dsbd_core.algorithm.width`) is exact for i.i.d. drafts. In `distinct`
-mode
-(the default) the drafts are drawn without replacement and verified with the conditional rule of
-spec §4.5, and there the DP is only an approximation (spec §4.5 says so; docs/ALGORITHM.md
-decision 9). It is a good one when the layer's mass is spread over many candidates, and a bad
-one when it is concentrated: the i.i.d. chain may accept the one likely token again and again,
-the distinct rule needs as many *different* accepted candidates as the width. On a layer with
-one input beam and a 0.9-probability next token (lean mode, code) the DP puts Pr[N >= 3] at
-0.86 where the distinct rule achieves 0.60, so `threshold = 0.7` asked for width 3 and the layer
-failed 40% of the time instead of at most 30% (measured on the Qwen pair: lean layers passed
-0.49 of the time at t = 0.7; tests/test_width_distinct.py reproduces the gap).
+mode (the default) the drafts are drawn without replacement and verified with the conditional rule
+of spec §4.5, and there the DP is only an approximation (spec §4.5 says so; docs/ALGORITHM.md
+decision 9). It is a good one when the layer's mass is spread over many candidates, and a bad one
+when it is concentrated: the i.i.d. chain may accept the one likely token again and again, the
+distinct rule needs as many *different* accepted candidates as the width. On a layer with one input
+beam and a 0.9-probability next token (lean mode, code) the DP puts Pr[N >= 3] at 0.86 where the
+distinct rule achieves 0.60, so `threshold = 0.7` asked for width 3 and the layer failed 40% of the
+time instead of at most 30% (measured on the Qwen pair: lean layers passed 0.49 of the time at t =
+0.7; tests/test_width_distinct.py reproduces the gap).
 
 So for distinct drafts the count distribution is estimated by running the real rule: `samples`
 simulated layers per session, drafts drawn by `draw_distinct` and verified by `verify_layer`

@@ -15,7 +15,7 @@ import torch
 from transformers import DynamicCache
 
 from dsbd_core.algorithm.scorer import ForestLayer
-from dsbd_core.models.kv_cache import PAD_COLUMN, _LayerPlacement, _Session
+from dsbd_core.models.kv_cache import PAD_COLUMN, SessionCache, _LayerPlacement
 
 
 @dataclass
@@ -33,7 +33,7 @@ class _Plan:
 
 def _scatter_outputs(
     b: int,
-    session: _Session,
+    session: SessionCache,
     plan: _Plan,
     logprobs: torch.Tensor,
     rank: torch.Tensor,
@@ -51,7 +51,7 @@ def _scatter_outputs(
 
 
 def _plan_forward(
-    b: int, session: _Session, layers: Sequence[ForestLayer], root_count: int
+    b: int, session: SessionCache, layers: Sequence[ForestLayer], root_count: int
 ) -> _Plan:
     """Lay out one session's forward: root tail then each tree's nodes, per row (spec §6.1)."""
     device = session.tokens.device
@@ -159,7 +159,7 @@ def _additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return mask.masked_fill_(~allowed, torch.finfo(dtype).min).unsqueeze(1)
 
 
-def _record(session: _Session, cache: DynamicCache, plan: _Plan) -> None:
+def _record(session: SessionCache, cache: DynamicCache, plan: _Plan) -> None:
     """Remember what the forward appended to the cache (token ids, placements, root prefix)."""
     fed = plan.input_ids.clone()
     real = plan.keep.clone()

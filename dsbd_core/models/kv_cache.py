@@ -34,7 +34,7 @@ class _LayerPlacement:
 
 
 @dataclass
-class _Session:
+class SessionCache:
     """The KV cache of one session and what each of its columns holds.
 
     rows:          [n] long — root index (in `R`) of each cache row, i.e. the alive roots.
@@ -65,10 +65,7 @@ class _Session:
         return self.prefix_cols == self.length
 
 
-SessionCache = _Session  # public name: what export_sessions / import_sessions carry
-
-
-def _stack_caches(sessions: list[tuple[_Session, int]], rows: int, width: int) -> DynamicCache:
+def _stack_caches(sessions: list[tuple[SessionCache, int]], rows: int, width: int) -> DynamicCache:
     """One cache for several sessions: session rows at their offsets, columns left-aligned."""
     template = next((s.cache for s, _ in sessions if s.cache is not None), None)
     if template is None or width == 0:
@@ -90,7 +87,7 @@ def _stack_caches(sessions: list[tuple[_Session, int]], rows: int, width: int) -
 
 
 def _compact(
-    old: _Session, tokens: torch.Tensor, old_root: torch.Tensor, path: torch.Tensor
+    old: SessionCache, tokens: torch.Tensor, old_root: torch.Tensor, path: torch.Tensor
 ) -> tuple[DynamicCache, torch.Tensor] | None:
     """Gather the old cache down to the new roots' accepted paths (spec §6.4).
 
@@ -130,7 +127,7 @@ def _compact(
     return DynamicCache(ddp_cache_data=data), column_tokens
 
 
-def _path_columns(old: _Session, old_row: torch.Tensor, path: torch.Tensor) -> torch.Tensor:
+def _path_columns(old: SessionCache, old_row: torch.Tensor, path: torch.Tensor) -> torch.Tensor:
     """[n, K] cache columns of the path nodes every new root keeps (same K for all rows).
 
     A row keeps its path while each node was fed, lies in the row's tree and descends from the

@@ -33,6 +33,7 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from dsbd_core.models.conversion import _cached, _convert_gguf, _converted_gguf
 from dsbd_core.models.deltas import build_from_delta
+from dsbd_core.models.draft_variants import output_size
 from dsbd_core.models.errors import ModelSourceError, VocabularyMismatchError
 from dsbd_core.models.presets import (
     _DRAFT_K,
@@ -62,7 +63,7 @@ class LoadedModel:
     @property
     def vocab_size(self) -> int:
         """Size of the logits' last dimension (may exceed the tokenizer's size: padding rows)."""
-        return self.model.get_output_embeddings().weight.shape[0]
+        return output_size(self.model)
 
 
 def load_causal_lm(source: str, *, dtype: torch.dtype = torch.float32) -> LoadedModel:

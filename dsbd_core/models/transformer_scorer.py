@@ -37,6 +37,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from dsbd_core.algorithm.scorer import ForestLayer, ForestLogprobs, Origin, Roots
+from dsbd_core.models.draft_variants import output_size
 from dsbd_core.models.forest_plan import (
     _additive_mask,
     _padding_allowed,
@@ -45,7 +46,7 @@ from dsbd_core.models.forest_plan import (
     _record,
     _scatter_outputs,
 )
-from dsbd_core.models.kv_cache import PAD_COLUMN, SessionCache, _compact, _Session, _stack_caches
+from dsbd_core.models.kv_cache import PAD_COLUMN, SessionCache, _compact, _stack_caches
 
 __all__ = ["PAD_COLUMN", "SUPPORTED_ATTENTION", "SessionCache", "TransformerScorer"]
 
@@ -76,7 +77,7 @@ class TransformerScorer:
             )
         self.model = model.eval()
         self.forward_calls = 0
-        self._sessions: list[_Session | None] = []
+        self._sessions: list[SessionCache | None] = []
         self._out_device = torch.device("cpu")
         self._root_count = 0
         self._roots_pending = False
@@ -86,10 +87,7 @@ class TransformerScorer:
     @property
     def vocab_size(self) -> int:
         """The logits' last dimension (the output embedding size, else config.vocab_size)."""
-        head = self.model.get_output_embeddings()
-        if head is not None and getattr(head, "weight", None) is not None:
-            return int(head.weight.shape[0])
-        return int(self.model.config.get_text_config(decoder=True).vocab_size)
+        return output_size(self.model)
 
     def set_roots(self, roots: Roots) -> None:
         """Start an iteration: compact each session's cache to the new roots (or drop it)."""
@@ -212,8 +210,8 @@ class TransformerScorer:
         length: int,
         alive: torch.Tensor,
         origin: Origin | None,
-        old: _Session | None,
-    ) -> _Session | None:
+        old: SessionCache | None,
+    ) -> SessionCache | None:
         """The session's state for a new iteration: compacted cache, or empty for a prefill."""
         rows = alive.nonzero().squeeze(1)
         if rows.numel() == 0:
@@ -225,14 +223,14 @@ class TransformerScorer:
             compacted = _compact(old, root_tokens, origin.root[b, rows], origin.path[b, rows])
             if compacted is not None:
                 cache, column_tokens = compacted
-                return _Session(rows, root_tokens, cache, column_tokens, column_tokens.shape[1])
+                return SessionCache(rows, root_tokens, cache, column_tokens, column_tokens.shape[1])
         empty = torch.empty(rows.numel(), 0, dtype=torch.long, device=tokens.device)
-        return _Session(rows, root_tokens, None, empty, 0)
+        return SessionCache(rows, root_tokens, None, empty, 0)
 
     def _forward_session(
         self,
         b: int,
-        session: _Session,
+        session: SessionCache,
         plan: _Plan,
         roots: torch.Tensor | None,
         outs: list[torch.Tensor],
@@ -247,7 +245,7 @@ class TransformerScorer:
 
     def _forward_sessions(
         self,
-        work: list[tuple[int, _Session, _Plan]],
+        work: list[tuple[int, SessionCache, _Plan]],
         roots: torch.Tensor | None,
         outs: list[torch.Tensor],
     ) -> None:

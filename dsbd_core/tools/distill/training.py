@@ -65,7 +65,7 @@ def train(
     settings = {"spec": asdict(spec), "train": asdict(config), "cache": meta}
     data, trainee, run = _start_or_resume(target, cache_dir, run_dir, spec, config, settings)
     say = log or (lambda message: None)
-    session = _Session(
+    session = _TrainingCall(
         target, cache_dir, run_dir, config, settings, data, trainee, run, cache_temperature, say
     )
     session.describe_draft(spec)
@@ -115,7 +115,7 @@ def _start_or_resume(
 
 
 def _train_steps(
-    session: _Session, bar: TrainingBar, stopping: Callable[[int], bool]
+    session: _TrainingCall, bar: TrainingBar, stopping: Callable[[int], bool]
 ) -> tuple[dict, int]:
     """Train until `config.steps` or until `stopping(steps trained by this call)`, checkpointing
     every `checkpoint_every` steps, at the end and when stopping. Returns the last status record
@@ -143,7 +143,7 @@ def _train_steps(
     return status, this_run
 
 
-class _Session:
+class _TrainingCall:
     """One call of `train`: the run's data, draft and state, and what a step, an epoch
     boundary, an evaluation and a checkpoint need of them."""
 

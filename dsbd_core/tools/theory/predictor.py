@@ -119,9 +119,8 @@ def layer_pass_probability(
     """Predicted probability that a verified layer gets the K acceptances it needs.
 
     Fixed width (`threshold=None`): K = W. Dynamic width: DSBD's rule K = max{k : P(N≥k) ≥ t}
-    clamped to [w_min, W], evaluated on the same Binomial model (dsbd_core/algorithm/width.py does
-    it on
-    the exact residual chain)."""
+    clamped to [w_min, W], evaluated on the same Binomial model (dsbd_core/algorithm/width.py
+    does it on the exact residual chain)."""
     tail = np.cumsum(acceptance_count_pmf(alpha, draft_width)[::-1])[::-1]  # P(N >= k)
     tail = np.append(tail, 0.0)  # P(N >= W_S + 1) = 0
     if threshold is None:
