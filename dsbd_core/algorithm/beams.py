@@ -43,13 +43,14 @@ class Outputs:
         layer: int,
         index: torch.Tensor,
         exists: torch.Tensor,
-        candidates: torch.Tensor,
+        score: torch.Tensor,
     ) -> None:
-        """Record the output slots of `sessions`: children of forest layer `layer`."""
+        """Record the output slots of `sessions`: children of forest layer `layer` at `index`
+        with true log-likelihoods `score`."""
         self.layer[sessions] = layer
         self.index[sessions] = index[sessions]
         self.exists[sessions] = exists[sessions]
-        self.score[sessions] = candidates.gather(1, index)[sessions]
+        self.score[sessions] = score[sessions]
 
 
 def ancestry(

@@ -14,12 +14,11 @@ from collections.abc import Generator
 
 import torch
 
+from dsbd_core.algorithm.candidates import Scores, layer_candidates
 from dsbd_core.algorithm.config import SamplingConfig
 from dsbd_core.algorithm.distributions import draw_distinct, draw_with_replacement, joint_filter
 from dsbd_core.algorithm.scorer import ForestLayer, ForestLogprobs, Roots, ScoreCall
 from dsbd_core.algorithm.state import NO_FOREST, DecodeState, Forest
-
-NEG_INF = float("-inf")
 
 
 def draft_forest(
@@ -35,15 +34,14 @@ def draft_forest(
     depth_max = int(depth.max())
     if depth_max == 0:
         return NO_FOREST
-    batch, width_s = alive.shape[0], config.effective_draft_width
+    width_s = config.effective_draft_width
     logq = (yield ScoreCall(Roots(state.tokens, state.length, alive, state.origin), [])).roots
     assert logq is not None
     parent_ok, sigma = alive, state.score
     layers, tables, probs = [], [], []
     for level in range(1, depth_max + 1):
         ok = parent_ok & (depth >= level)[:, None]
-        candidates = (sigma[:, :, None] + logq.double()).masked_fill(~ok[:, :, None], NEG_INF)
-        candidates = candidates.reshape(batch, -1)
+        candidates = layer_candidates(sigma, logq, ok)
         table = joint_filter(candidates, config.temperature, config.top_k, config.top_p)
         if config.mode == "distinct":
             index, prob, exists = draw_distinct(table, width_s, generator)
@@ -54,8 +52,7 @@ def draft_forest(
         layers.append(layer)
         tables.append(table)
         probs.append(prob)
-        sigma = candidates.gather(1, index) * 1.0
-        sigma = torch.where(exists, sigma, torch.zeros_like(sigma))
+        sigma = torch.where(exists, Scores(sigma, logq).of(index), 0.0)
         parent_ok = exists & ~torch.isin(layer.token, eos)
         if level < depth_max:
             logq = (yield ScoreCall(None, [layer])).layers[0]

@@ -59,7 +59,7 @@ class LayerVerdict:
 def verify_layer(
     target: torch.Tensor,
     proposal: torch.Tensor,
-    valid_rows: torch.Tensor,
+    valid_rows: torch.Tensor | None,
     drafts: torch.Tensor,
     draft_prob: torch.Tensor,
     draft_exists: torch.Tensor,
@@ -73,21 +73,30 @@ def verify_layer(
     """Run the acceptance chain of one layer.
 
     target: [B, N] P_l over (parents x V); proposal: [B, N] the full draft table Q_l the drafts
-    were drawn from; valid_rows: [B, N] bool, candidates whose parent is a valid target beam;
-    drafts: [B, m] flat candidate index of each draft; draft_prob: [B, m] its exact draw
-    probability (conditional on the earlier drafts in distinct mode); draft_exists /
-    parent_valid: [B, m] bool; width: [B] K, the acceptances needed; active: [B] sessions that
-    verify this layer. Uniforms are drawn before the loop so K cannot depend on them.
+    were drawn from; valid_rows: [B, N] bool, candidates whose parent is a valid target beam
+    (None: every parent is valid); drafts: [B, m] flat candidate index of each draft;
+    draft_prob: [B, m] its exact draw probability (conditional on the earlier drafts in
+    distinct mode); draft_exists / parent_valid: [B, m] bool; width: [B] K, the acceptances
+    needed; active: [B] sessions that verify this layer. Uniforms are drawn before the loop so
+    K cannot depend on them.
     epsilon: over-acceptance ε >= 0 (module doc); 0 = exact.
+
+    Cost: the tables are N = parents x vocabulary wide (hundreds of thousands of entries for a
+    real model), so the loop touches them only where the chain really changes: an acceptance
+    resets it to P (distinct: P without the chosen candidates, kept up to date in place), a
+    rejection moves it to the residual; drafts no session can use cost nothing N-wide.
     """
     batch, m = drafts.shape
-    restricted = proposal * valid_rows  # Q~: mass of rejected parents dropped, not renormalised
-    chain = target.clone()
-    reset = target
+    # Q~: mass of rejected parents dropped, not renormalised. Distinct mode zeroes the drafted
+    # candidates in place (q^(j) = norm(Q~ without d_1..d_{j-1}), below), hence the copy.
+    restricted = proposal * valid_rows if valid_rows is not None else proposal
+    if distinct and restricted is proposal:
+        restricted = proposal.clone()
+    chain = target
+    target_left = target  # distinct: P without the chosen candidates (a copy once one is chosen)
     count = torch.zeros(batch, dtype=torch.long)
     accepted = torch.zeros(batch, m, dtype=torch.bool)
     chosen = torch.zeros_like(target, dtype=torch.bool)
-    drafted = torch.zeros_like(target, dtype=torch.bool)
     drafted_mass = torch.zeros(batch, dtype=target.dtype)
     uniforms = torch.rand(batch, m, generator=generator, dtype=target.dtype)
     bias = torch.zeros(batch, dtype=target.dtype)
@@ -95,8 +104,11 @@ def verify_layer(
     for j in range(m):
         d = drafts[:, j : j + 1]
         live = active & draft_exists[:, j] & (count < width)
+        was_drafted = draft_exists[:, j]
+        if not bool(live.any()) and (not distinct or not bool(was_drafted.any())):
+            continue  # nothing of this draft reaches a chain or a later proposal
         if distinct:
-            step_proposal = restricted * ~drafted / (1.0 - drafted_mass).clamp_min(1e-300)[:, None]
+            step_proposal = restricted / (1.0 - drafted_mass).clamp_min(1e-300)[:, None]
         else:
             step_proposal = restricted
         numerator = chain.gather(1, d)[:, 0]
@@ -109,18 +121,45 @@ def verify_layer(
         rejected = live & ~ok
         accepted[:, j] = ok
         count = count + ok.long()
+        after_reject = residual(chain, step_proposal) if bool(rejected.any()) else None
+        reset = target
         if distinct:
-            hit = torch.zeros_like(chosen).scatter(1, d, True)
-            chosen = chosen | (hit & ok[:, None])
-            reset = normalise(target * ~chosen)
-            was_drafted = draft_exists[:, j]
+            if bool(ok.any()):
+                chosen.scatter_(1, d, chosen.gather(1, d) | ok[:, None])
+                if target_left is target:
+                    target_left = target.clone()
+                left = target_left.gather(1, d)
+                target_left.scatter_(1, d, torch.where(ok[:, None], 0.0, left))
+                reset = normalise(target_left)
             drafted_mass = drafted_mass + torch.where(
                 was_drafted, proposal.gather(1, d)[:, 0], torch.zeros_like(drafted_mass)
             )
-            drafted = drafted | (hit & was_drafted[:, None])
-        after_reject = residual(chain, step_proposal)
-        chain = torch.where(ok[:, None], reset, torch.where(rejected[:, None], after_reject, chain))
+            # q^(j+1) excludes d_j: zero it where it was drafted (its mass left via drafted_mass)
+            kept = restricted.gather(1, d)
+            restricted.scatter_(1, d, torch.where(was_drafted[:, None], 0.0, kept))
+        chain = _next_chain(chain, ok, reset, rejected, after_reject)
     return LayerVerdict(accepted=accepted, count=count, chain=chain, chosen=chosen, bias=bias)
+
+
+def _next_chain(
+    chain: torch.Tensor,
+    ok: torch.Tensor,
+    reset: torch.Tensor,
+    rejected: torch.Tensor,
+    after_reject: torch.Tensor | None,
+) -> torch.Tensor:
+    """P (or P without the chosen) where the draft was accepted, the residual where it was
+    rejected, the chain unchanged elsewhere; whole rows are taken as they are when every row
+    went the same way (one session: always)."""
+    if after_reject is not None and bool(rejected.all()):
+        return after_reject
+    if bool(ok.all()):
+        return reset
+    if after_reject is not None:
+        chain = torch.where(rejected[:, None], after_reject, chain)
+    if bool(ok.any()):
+        chain = torch.where(ok[:, None], reset, chain)
+    return chain
 
 
 def fill_failed_layer(

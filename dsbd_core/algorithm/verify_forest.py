@@ -22,6 +22,7 @@ from collections.abc import Generator
 import torch
 
 from dsbd_core.algorithm.beams import Outputs, next_beams, pool_add, sequences
+from dsbd_core.algorithm.candidates import Scores, layer_candidates
 from dsbd_core.algorithm.config import SamplingConfig
 from dsbd_core.algorithm.distributions import joint_filter
 from dsbd_core.algorithm.scorer import ForestLayer, ForestLogprobs, Roots, ScoreCall
@@ -52,7 +53,10 @@ def verify_forest(
     for layer in forest.layers:
         counters["proposed"] += layer.exists.sum(dim=1)
     assert scored.roots is not None
-    node_logp = [scored.roots.double()] + [lp.double() for lp in scored.layers]
+    # The tables stay in the dtype the scorer returns: float64 for float64 models (exactness
+    # tests), float32 otherwise (bfloat16/float32 models: every table op costs half). Scores
+    # (log-likelihoods) are always accumulated in float64 (`_Walk.scores`).
+    node_logp = [scored.roots] + list(scored.layers)
     walk = _Walk(state, forest, config, vocab, eos, generator, width_generator, counters)
     for level in range(1, int(state.depth.max()) + 2):
         if not walk.step(level, node_logp[level - 1]):
@@ -100,33 +104,35 @@ class _Walk:
         Returns False when no session is left to verify."""
         if not bool(self.pending.any()):
             return False
-        cfg, batch = self.config, self.valid.shape[0]
-        candidates = (self.parent_score[:, :, None] + logp).masked_fill(
-            ~self.valid[:, :, None], NEG_INF
-        )
-        candidates = candidates.reshape(batch, -1)
+        cfg = self.config
+        candidates = layer_candidates(self.parent_score, logp, self.valid)
         target = joint_filter(candidates, cfg.temperature, cfg.top_k, cfg.top_p)
+        scores = Scores(self.parent_score, logp)
         bonus = self.pending & (self.depth < level)
         if bool(bonus.any()):
             index, exists = draw_slots(
                 target, self.width, self.remaining, self.distinct, self.generator
             )
-            self.out.set(bonus, level - 1, index, exists, candidates)
+            self.out.set(bonus, level - 1, index, exists, scores.of(index))
             self.pending &= ~bonus
         verifying = self.pending & (self.depth >= level)
         if not bool(verifying.any()):
             return False  # every pending session took its bonus layer here
-        self._verify(level, target, candidates, verifying)
+        self._verify(level, target, scores, verifying)
         return True
 
     def _verify(
-        self, level: int, target: torch.Tensor, candidates: torch.Tensor, verifying: torch.Tensor
+        self, level: int, target: torch.Tensor, scores: Scores, verifying: torch.Tensor
     ) -> None:
         """Verify drafted layer `level` for the `verifying` sessions."""
         layer = self.forest.layers[level - 1]
         table, probs = self.forest.tables[level - 1], self.forest.probs[level - 1]
+        table = table.to(target.dtype)  # a forest from a float32 draft, verified in float64
         drafts = layer.parent * self.vocab + layer.token
-        valid_rows = self.valid.repeat_interleave(self.vocab, dim=1)
+        # None: every parent valid (the common case; no N-wide mask to build or apply)
+        valid_rows = (
+            None if bool(self.valid.all()) else self.valid.repeat_interleave(self.vocab, dim=1)
+        )
         parent_valid = self.valid.gather(1, layer.parent) & layer.exists
         self.counters["drafted"] += (parent_valid & verifying[:, None]).sum(dim=1)
         in_layer = torch.where(verifying, layer.exists.sum(dim=1), 0)
@@ -147,15 +153,15 @@ class _Walk:
             index, exists = fill_failed_layer(
                 verdict, drafts, target, self.width, self.remaining, self.distinct, self.generator
             )
-            self.out.set(failed, level - 1, index, exists, candidates)
+            self.out.set(failed, level - 1, index, exists, scores.of(index))
             self.pending &= ~failed
-        self._passed(level, layer, target, candidates, drafts, verdict, passed)
+        self._passed(level, layer, target, scores, drafts, verdict, passed)
 
     def _layer_width(
         self,
         target: torch.Tensor,
         table: torch.Tensor,
-        valid_rows: torch.Tensor,
+        valid_rows: torch.Tensor | None,
         in_layer: torch.Tensor,
     ) -> torch.Tensor:
         """K per session: the remaining width, or the dynamic-width rule (spec §5)."""
@@ -167,16 +173,15 @@ class _Walk:
                 target, table, valid_rows, in_layer, cfg.threshold, cfg.w_min, self.remaining,
                 self.width_generator,
             )  # fmt: skip
-        return layer_width(
-            target, table * valid_rows, in_layer, cfg.threshold, cfg.w_min, self.remaining
-        )
+        restricted = table * valid_rows if valid_rows is not None else table
+        return layer_width(target, restricted, in_layer, cfg.threshold, cfg.w_min, self.remaining)
 
     def _passed(
         self,
         level: int,
         layer: ForestLayer,
         target: torch.Tensor,
-        candidates: torch.Tensor,
+        scores: Scores,
         drafts: torch.Tensor,
         verdict: LayerVerdict,
         passed: torch.Tensor,
@@ -184,7 +189,7 @@ class _Walk:
         """Accepted drafts of passed layers become the next parents; EOS ones leave."""
         self.passed_layers += passed.long()
         accepted = verdict.accepted & passed[:, None]
-        node_score = candidates.gather(1, drafts)
+        node_score = scores.of(drafts)
         finished_here = accepted & torch.isin(layer.token, self.eos)
         if bool(finished_here.any()):
             state = self.state
@@ -207,7 +212,7 @@ class _Walk:
             index, exists = draw_slots(
                 rest, self.width, self.remaining, self.distinct, self.generator
             )
-            self.out.set(refill, level - 1, index, exists, candidates)
+            self.out.set(refill, level - 1, index, exists, scores.of(index))
         self.pending &= ~emptied
 
     def outcome(self) -> Outcome:
