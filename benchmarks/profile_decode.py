@@ -102,7 +102,7 @@ def main() -> None:
     parser.add_argument(
         "--draft-head-tokens",
         type=int,
-        default=None,
+        default=0,
         help="restrict the draft head to K frequent tokens (0: full head)",
     )
     parser.add_argument("--seed", type=int, default=0)

@@ -6,6 +6,10 @@ gives Q == P. Each layer records the full draft table Q_l and the exact draw pro
 every draft (conditional on the earlier drafts of the layer in distinct mode): verification
 needs both, and uses them whatever the draft model is (a quantised draft or one with a restricted
 head stays exact, since the q the verifier sees is the q the draft drew from).
+
+A draft whose head scores only K tokens (`ForestLogprobs.support`) is sampled on its K-wide
+tables: candidate (parent, j) is token support[j]. The forest then carries the compact tables
+and the support, and the verifier spreads them over the vocabulary (`Forest.full_table`).
 """
 
 from __future__ import annotations
@@ -35,8 +39,10 @@ def draft_forest(
     if depth_max == 0:
         return NO_FOREST
     width_s = config.effective_draft_width
-    logq = (yield ScoreCall(Roots(state.tokens, state.length, alive, state.origin), [])).roots
+    scored = yield ScoreCall(Roots(state.tokens, state.length, alive, state.origin), [])
+    logq, support = scored.roots, scored.support
     assert logq is not None
+    width = logq.shape[-1]  # V, or K for a restricted head
     parent_ok, sigma = alive, state.score
     layers, tables, probs = [], [], []
     for level in range(1, depth_max + 1):
@@ -48,7 +54,8 @@ def draft_forest(
         else:
             index, exists = draw_with_replacement(table, width_s, generator)
             prob = table.gather(1, index)
-        layer = ForestLayer(parent=index // vocab, token=index % vocab, exists=exists)
+        token = index % width if support is None else support[index % width]
+        layer = ForestLayer(parent=index // width, token=token, exists=exists)
         layers.append(layer)
         tables.append(table)
         probs.append(prob)
@@ -56,4 +63,4 @@ def draft_forest(
         parent_ok = exists & ~torch.isin(layer.token, eos)
         if level < depth_max:
             logq = (yield ScoreCall(None, [layer])).layers[0]
-    return Forest(layers=layers, tables=tables, probs=probs)
+    return Forest(layers=layers, tables=tables, probs=probs, support=support)

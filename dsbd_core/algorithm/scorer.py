@@ -66,11 +66,16 @@ class ForestLogprobs:
 
     roots:  [B, R, V] at the end of every root beam, or None if the roots were already fed.
     layers: one [B, M_l, V] tensor per layer passed to `forward`, at each node.
+    support: None, or [K] long: the distributions are compact, over these K token ids only
+            (the last dimension is K, not V), every other token has probability 0. A draft
+            whose head scores only its K most frequent tokens answers so: its tables, draws and
+            the forest it sends are K wide instead of V wide (`draft_forest.py`).
     Entries of dead rows / padding nodes are unspecified (finite) and never read.
     """
 
     roots: torch.Tensor | None
     layers: list[torch.Tensor]
+    support: torch.Tensor | None = None
 
 
 @dataclass

@@ -290,4 +290,4 @@ def _split(
     if width is not None and scored.roots is not None:
         roots = scored.roots[rows, :width]
     layers = [out[rows, : x.token.shape[1]] for out, x in zip(scored.layers, own, strict=False)]
-    return ForestLogprobs(roots=roots, layers=layers)
+    return ForestLogprobs(roots=roots, layers=layers, support=scored.support)

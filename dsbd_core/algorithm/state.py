@@ -83,8 +83,21 @@ class Forest:
     """The draft's proposal for one iteration (spec §3): travels from draft to verifier."""
 
     layers: list[ForestLayer]
-    tables: list[torch.Tensor]  # per layer: the full draft table Q_l [B, parents x V]
+    tables: list[torch.Tensor]  # per layer: the draft table Q_l [B, parents x V] (or x K)
     probs: list[torch.Tensor]  # per layer: exact draw probability of every draft [B, W_S]
+    # None, or [K] long: the tables are over these tokens only (a restricted draft head), the
+    # draft's probability of every other token is 0.
+    support: torch.Tensor | None = None
+
+    def full_table(self, level: int, vocab: int) -> torch.Tensor:
+        """Layer `level`'s (1-based) draft table over every (parent, token): [B, parents x V]."""
+        table = self.tables[level - 1]
+        if self.support is None:
+            return table
+        batch, k = table.shape[0], self.support.numel()
+        full = table.new_zeros(batch, table.shape[1] // k, vocab)
+        full.index_copy_(2, self.support, table.view(batch, -1, k))
+        return full.view(batch, -1)
 
 
 NO_FOREST = Forest([], [], [])  # what an iteration without drafted layers verifies

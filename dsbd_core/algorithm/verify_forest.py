@@ -126,8 +126,8 @@ class _Walk:
     ) -> None:
         """Verify drafted layer `level` for the `verifying` sessions."""
         layer = self.forest.layers[level - 1]
-        table, probs = self.forest.tables[level - 1], self.forest.probs[level - 1]
-        table = table.to(target.dtype)  # a forest from a float32 draft, verified in float64
+        table = self.forest.full_table(level, self.vocab).to(target.dtype)  # float32 -> float64
+        probs = self.forest.probs[level - 1]
         drafts = layer.parent * self.vocab + layer.token
         # None: every parent valid (the common case; no N-wide mask to build or apply)
         valid_rows = (

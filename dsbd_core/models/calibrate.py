@@ -96,6 +96,7 @@ def engine_costs(
 
     Timed on the decode loop with instant scorers at depth 0 (a beam step: a W x V table) and
     at depth `gamma` (gamma draft layers and gamma + 1 verified tables of W x V each)."""
+
     def per_iteration(depth: int) -> float:
         config = SamplingConfig(width=width, gamma=max(depth, 1), threshold=None, seed=0,
                                 max_new_tokens=iterations * (depth + 1) + 1)  # fmt: skip
@@ -130,8 +131,12 @@ def machine() -> dict[str, object]:
                 break
     except OSError:
         pass
-    return {"cpu": cpu, "torch": torch.__version__, "threads": torch.get_num_threads(),
-            "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
+    return {
+        "cpu": cpu,
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+    }
 
 
 def calibrate(

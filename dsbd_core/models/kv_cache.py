@@ -116,12 +116,16 @@ def _compact(
     column_tokens = old.column_tokens[old_row].gather(1, columns)
     if not torch.equal(column_tokens, tokens[:, :kept]):
         return None
+    prefix = min(old.prefix_cols, kept)  # columns[:, :prefix] is 0..prefix-1 in every row
+    same_rows = old_row.numel() == old.rows.numel() and bool(
+        (old_row == torch.arange(old_row.numel(), device=device)).all()
+    )
     data = []
     for layer in old.cache.layers:
         data.append(
             (
-                _gather_columns(layer.keys, old_row, columns),
-                _gather_columns(layer.values, old_row, columns),
+                _gather_columns(layer.keys, old_row, columns, prefix, same_rows),
+                _gather_columns(layer.values, old_row, columns, prefix, same_rows),
             )
         )
     return DynamicCache(ddp_cache_data=data), column_tokens
@@ -153,10 +157,22 @@ def _path_columns(old: SessionCache, old_row: torch.Tensor, path: torch.Tensor) 
 
 
 def _gather_columns(
-    states: torch.Tensor, old_row: torch.Tensor, columns: torch.Tensor
+    states: torch.Tensor,
+    old_row: torch.Tensor,
+    columns: torch.Tensor,
+    prefix: int,
+    same_rows: bool,
 ) -> torch.Tensor:
-    """[rows, heads, C, dim] -> [n, heads, K, dim]: row old_row[i], columns columns[i]."""
-    selected = states.index_select(0, old_row)
+    """[rows, heads, C, dim] -> [n, heads, K, dim]: row old_row[i], columns columns[i].
+
+    The first `prefix` columns are the same contiguous range in every row (the cached prefix),
+    so they are sliced; only the path columns after them (a few per row) are gathered. A
+    gather over the whole cache would need an index as large as the cache itself (int64: four
+    times a bfloat16 cache) and cost more than the forward's own cache copy.
+    """
+    selected = states if same_rows else states.index_select(0, old_row)
+    if columns.shape[1] == prefix:
+        return selected[:, :, :prefix]
     heads, dim = selected.shape[1], selected.shape[3]
-    index = columns[:, None, :, None].expand(-1, heads, -1, dim)
-    return selected.gather(2, index)
+    index = columns[:, None, prefix:, None].expand(-1, heads, -1, dim)
+    return torch.cat([selected[:, :, :prefix], selected.gather(2, index)], dim=2)

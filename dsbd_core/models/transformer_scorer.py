@@ -37,7 +37,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from dsbd_core.algorithm.scorer import ForestLayer, ForestLogprobs, Origin, Roots
-from dsbd_core.models.draft_variants import output_size
+from dsbd_core.models.draft_variants import compact_logits, head_support, output_size
 from dsbd_core.models.forest_plan import (
     _additive_mask,
     _padding_allowed,
@@ -47,6 +47,7 @@ from dsbd_core.models.forest_plan import (
     _scatter_outputs,
 )
 from dsbd_core.models.kv_cache import PAD_COLUMN, SessionCache, _compact, _stack_caches
+from dsbd_core.models.packed_forward import packed_forward, worth_packing
 
 __all__ = ["PAD_COLUMN", "SUPPORTED_ATTENTION", "SessionCache", "TransformerScorer"]
 
@@ -61,7 +62,7 @@ class TransformerScorer:
     the model forwards done (one per session with work per `forward` call).
     """
 
-    def __init__(self, model: PreTrainedModel) -> None:
+    def __init__(self, model: PreTrainedModel, *, pack: bool = True) -> None:
         attn = getattr(model.config, "_attn_implementation", None)
         if attn not in SUPPORTED_ATTENTION:
             raise ValueError(
@@ -77,6 +78,7 @@ class TransformerScorer:
             )
         self.model = model.eval()
         self.forward_calls = 0
+        self.pack = pack
         self._sessions: list[SessionCache | None] = []
         self._out_device = torch.device("cpu")
         self._root_count = 0
@@ -114,7 +116,8 @@ class TransformerScorer:
         if not self._sessions:
             raise RuntimeError("forward called before set_roots")
         batch = len(self._sessions)
-        vocab = self.vocab_size
+        support = head_support(self.model)  # a restricted draft head answers K-wide
+        vocab = self.vocab_size if support is None else support.numel()
         dtype = self._out_dtype
         device = self._device
         want_roots = self._roots_pending
@@ -133,7 +136,7 @@ class TransformerScorer:
             )
             for x in layers
         ]
-        with torch.inference_mode():
+        with torch.inference_mode(), compact_logits(self.model):
             work = []
             for b, session in enumerate(self._sessions):
                 if session is None:
@@ -150,6 +153,7 @@ class TransformerScorer:
         return ForestLogprobs(
             roots=roots.to(to_out) if roots is not None else None,
             layers=[x.to(to_out) for x in outs],
+            support=support.to(to_out) if support is not None else None,
         )
 
     def release(self) -> None:
@@ -238,7 +242,7 @@ class TransformerScorer:
         """One session alone: run its forward on its own cache (no copies)."""
         cache = session.cache if session.cache is not None else DynamicCache()
         logprobs, cache = self._run(plan.input_ids, plan.position_ids, plan.allowed, plan.keep,
-                                    cache)  # fmt: skip
+                                    _real(plan), cache)  # fmt: skip
         rank = plan.keep.flatten().cumsum(0).view_as(plan.keep) - 1  # row-major order of kept
         _scatter_outputs(b, session, plan, logprobs, rank, roots, outs)
         _record(session, cache, plan)
@@ -264,6 +268,7 @@ class TransformerScorer:
         input_ids = torch.zeros(rows, q_len, dtype=torch.long, device=device)
         position_ids = torch.zeros(rows, q_len, dtype=torch.long, device=device)
         keep = torch.zeros(rows, q_len, dtype=torch.bool, device=device)
+        real = torch.zeros(rows, q_len, dtype=torch.bool, device=device)
         allowed = _padding_allowed(rows, q_len, width, device)
         starts = []
         start = 0
@@ -273,13 +278,14 @@ class TransformerScorer:
             input_ids[block, :q] = plan.input_ids
             position_ids[block, :q] = plan.position_ids
             keep[block, :q] = plan.keep
+            real[block, :q] = _real(plan)
             allowed[block, :q, :c] = plan.allowed[:, :, :c]
             allowed[block, :q, width : width + q] = plan.allowed[:, :, c:]
             starts.append(start)
             start += n
         cache = _stack_caches([(s, st) for (_, s, _), st in zip(work, starts, strict=True)],
                               rows, width)  # fmt: skip
-        logprobs, cache = self._run(input_ids, position_ids, allowed, keep, cache)
+        logprobs, cache = self._run(input_ids, position_ids, allowed, keep, real, cache)
         rank = keep.flatten().cumsum(0).view_as(keep) - 1
         for (b, session, plan), first in zip(work, starts, strict=True):
             n, q, c = session.rows.numel(), plan.input_ids.shape[1], session.cached_cols
@@ -304,9 +310,19 @@ class TransformerScorer:
         position_ids: torch.Tensor,
         allowed: torch.Tensor,
         keep: torch.Tensor,
+        real: torch.Tensor,
         cache: DynamicCache,
     ) -> tuple[torch.Tensor, DynamicCache]:
-        """The model forward: log-probs at the kept positions (row-major) and the grown cache."""
+        """The model forward: log-probs at the kept positions (row-major) and the grown cache.
+
+        An input that is mostly padding (uneven trees) runs packed into one row
+        (`packed_forward`); the outputs and the cache layout are the padded forward's.
+        """
+        self.forward_calls += 1
+        if self.pack and worth_packing(real):
+            logits, cache = packed_forward(self.model, input_ids, position_ids, allowed, keep,
+                                           real, cache)  # fmt: skip
+            return torch.log_softmax(logits, dim=-1, dtype=self._out_dtype), cache
         output = self.model(
             input_ids=input_ids,
             attention_mask=_additive_mask(allowed, self._model_dtype),
@@ -315,5 +331,12 @@ class TransformerScorer:
             use_cache=True,
             logits_to_keep=keep,
         )
-        self.forward_calls += 1
-        return output.logits.to(self._out_dtype).log_softmax(-1), output.past_key_values
+        logprobs = torch.log_softmax(output.logits, dim=-1, dtype=self._out_dtype)
+        return logprobs, output.past_key_values
+
+
+def _real(plan: _Plan) -> torch.Tensor:
+    """[n, q] the slots that hold a token (root tokens and existing nodes), not padding."""
+    real = plan.keep.clone()
+    real[:, : plan.uncached] = True
+    return real
