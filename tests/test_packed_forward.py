@@ -61,8 +61,13 @@ def test_decodes_with_and_without_packing_draw_the_same(arch: str) -> None:
     config = SamplingConfig(width=3, draft_width=5, gamma=3, threshold=None, max_new_tokens=14,
                             seed=2)  # fmt: skip
     results = [
-        generate("dsbd", TransformerScorer(model, pack=pack), [3, 1, 4, 1, 5], config,
-                 TransformerScorer(draft, pack=pack))  # fmt: skip
+        generate(
+            "dsbd",
+            TransformerScorer(model, pack=pack),
+            [3, 1, 4, 1, 5],
+            config,
+            TransformerScorer(draft, pack=pack),
+        )  # fmt: skip
         for pack in (True, False)
     ]
     packed, padded = results
