@@ -22,7 +22,7 @@ from deployments.router import Limits, Router, RouterOptions
 from deployments.tensor_parallel import worker_bundle
 from deployments.verifier import Verifier
 from deployments.width_controller import WidthController
-from deployments.width_policy import PolicyConfig
+from dsbd_core.algorithm.cost_model import CostPolicy
 
 # Resources Ray schedules by name that `Resources` sets through its own fields.
 BUILTIN_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
@@ -109,7 +109,9 @@ class AppArgs(BaseModel):
     api_key_file: str | None = Field(
         None, description="File holding the API key (else DSBD_API_KEY; neither: no key)."
     )
-    policy: PolicyConfig = PolicyConfig()
+    cost_policy: CostPolicy = Field(
+        CostPolicy(), description="Priors of the cost model that chooses each iteration's depth."
+    )
     router_resources: Resources = Resources(num_cpus=0.1, max_replicas=4, max_ongoing_requests=256)
     draft_resources: Resources = Resources(num_cpus=0.5)
     verifier_resources: Resources = Resources(num_cpus=1.0)
@@ -157,7 +159,7 @@ def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
     verifier = Verifier.options(**config.verifier_resources.options(config.target), **routing).bind(
         config.target.model_dump()
     )
-    controller = WidthController.bind(config.policy.model_dump(), config.target.session_ttl_s)
+    controller = WidthController.bind(config.cost_policy.model_dump(), config.target.session_ttl_s)
     router_options = RouterOptions(
         model_name=config.model_name,
         tokenizer=config.target.source,

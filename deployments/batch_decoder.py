@@ -23,6 +23,7 @@ from deployments.batch_output import OUTPUT_SCHEMA, error_record
 from deployments.batch_rows import BatchRow, parse_row
 from dsbd_core.algorithm.config import SamplingConfig
 from dsbd_core.algorithm.decoders import method_config
+from dsbd_core.models.pair import DraftOptions
 
 
 class RowDefaults(BaseModel):
@@ -44,9 +45,13 @@ class DecoderSettings(BaseModel):
 
     target: str
     draft: str
-    dtype: Literal["float32", "bfloat16", "float64"] = "float32"
+    dtype: Literal["auto", "float32", "bfloat16", "float64"] = "auto"
     device: Literal["cpu", "cuda"] = "cpu"
     threads: int = Field(1, ge=1)
+    draft_variant: DraftOptions = DraftOptions()
+    fixed_knobs: bool = Field(
+        False, description="Draft gamma layers every iteration instead of the cost model's choice."
+    )
     defaults: RowDefaults = RowDefaults()
 
 
@@ -84,9 +89,8 @@ class BatchDecoder:
         import torch
         from transformers.utils import logging as hf_logging
 
-        from deployments.model_replica import DTYPES
         from dsbd_core.algorithm.session_batch import SessionBatcher
-        from dsbd_core.models import check_same_vocabulary, load_causal_lm, stop_token_ids
+        from dsbd_core.models.pair import load_pair
         from dsbd_core.models.transformer_scorer import TransformerScorer
 
         self.settings = DecoderSettings.model_validate(settings)
@@ -94,13 +98,15 @@ class BatchDecoder:
         torch.set_num_threads(s.threads)
         hf_logging.set_verbosity_error()
         hf_logging.disable_progress_bar()
-        self.target = load_causal_lm(s.target, dtype=DTYPES[s.dtype])
-        self.draft = load_causal_lm(s.draft, dtype=DTYPES[s.dtype])
-        check_same_vocabulary(self.target, self.draft)
-        self.target.model.to(s.device)
-        self.draft.model.to(s.device)
+        pair = load_pair(s.target, s.draft, dtype=s.dtype, device=s.device,
+                         draft_options=s.draft_variant)  # fmt: skip
+        assert pair.draft is not None
+        self.target, self.draft = pair.target, pair.draft
+        # the cost model's calibration: measured once per machine and cached (same tokens for
+        # the same seed on every actor of the machine)
+        self.calibration = None if s.fixed_knobs else pair.calibration(say=lambda _: None)
         self.tokenizer = self.target.tokenizer
-        self.stop_ids = stop_token_ids(self.target)
+        self.stop_ids = pair.stop_ids
         self.vocab_size = self.target.vocab_size
         config = self.target.model.config
         self.max_positions = int(getattr(config, "max_position_embeddings", 0) or 1 << 20)
@@ -128,7 +134,8 @@ class BatchDecoder:
             shapes.append(n)
         if requests:
             try:
-                results, _ = decode_lockstep(requests, self.target_batcher, self.draft_batcher)
+                results, _ = decode_lockstep(requests, self.target_batcher, self.draft_batcher,
+                                             controller=self._controller)  # fmt: skip
             except Exception as error:  # the shared decode broke: every row of it fails
                 message = f"the batch failed while decoding: {type(error).__name__}: {error}"
                 for k in where:
@@ -137,6 +144,14 @@ class BatchDecoder:
                 for k, request, n, outcome in zip(where, requests, shapes, results, strict=True):
                     records[k] = self._record(rows[k], request, n, outcome, len(requests))
         return pa.Table.from_pylist(records, schema=OUTPUT_SCHEMA)
+
+    def _controller(self, request: Any, config: SamplingConfig, uses_draft: bool) -> Any:
+        """A row's knob controller: the cost model (None: the row's own gamma every time)."""
+        from dsbd_core.algorithm.cost_model import CostController
+
+        if self.calibration is None or not uses_draft:
+            return None
+        return CostController(config, self.calibration)
 
     # ----------------------------------------------------------------- rows
     def _request(self, text: str) -> tuple[Any, int | None]:

@@ -9,8 +9,10 @@ through the object store and never through this process. The verifier's reply ca
 beams and their `Origin` (the accepted paths), which the next `IterationCall` brings to the
 draft for its cache compaction.
 
-The width controller is asked for the next iteration's knobs after each iteration without
-waiting for the answer: the iteration after uses it (one iteration of lag, no latency).
+Each iteration's draft depth is chosen by the cost model in this process
+(`dsbd_core.algorithm.cost_model.CostController`, from the pair's calibration, which the
+replicas measured, and this request's own history): no call per iteration, and the same tokens
+for the same seed whatever the load (`adaptive: false`: the request's knobs as given).
 
 A replica lost mid-iteration (its process died, or its tensor-parallel group broke) costs a
 retry of that iteration, not the request: the router's state only changes when a reply is
@@ -39,10 +41,12 @@ from deployments.messages import IterationCall, VerifyReply
 from deployments.observability import SessionObserver
 from deployments.tensor_parallel import TensorParallelBroken
 from dsbd_core.algorithm.config import SamplingConfig
-from dsbd_core.algorithm.control import Knobs
+from dsbd_core.algorithm.control import Controller, FixedKnobs, Knobs
+from dsbd_core.algorithm.cost_model import Calibration, CostController, CostPolicy, ForwardCosts
 from dsbd_core.algorithm.loop import Decode, Propose, Verify
 from dsbd_core.algorithm.result import DecodeResult
 from dsbd_core.algorithm.state import DecodeState, Outcome
+from dsbd_core.models.calibrate import assemble
 
 
 @dataclass
@@ -80,35 +84,29 @@ class ServingStats:
         return out
 
 
-class RemoteKnobs:
-    """The loop's controller, answered by the WidthController deployment with one iteration of
-    lag: `observe` asks for the next knobs without waiting; `knobs` takes the answer once it is
-    there and keeps the last ones until then."""
+_CALIBRATIONS: dict[int, Calibration | None] = {}  # per router process: the pair's, once
 
-    def __init__(self, session: DecodeSession, first: Knobs) -> None:
-        self.session, self.latest = session, first
-        self.plan: asyncio.Future | None = None
 
-    def knobs(self, state: DecodeState) -> Knobs:
-        if self.plan is not None and self.plan.done():
-            with contextlib.suppress(Exception):  # no new knobs: keep the last ones
-                self.latest = self.plan.result()
-            self.plan = None
-        return self.latest
-
-    def observe(self, state: DecodeState, outcome: Outcome, knobs: Knobs) -> None:
-        if not self.session.uses_draft or self.plan is not None:
-            return
-        assert state.depth is not None
-        accepted, depth = int(outcome.record["accepted_layers"][0]), int(state.depth.max())
-        controller, name = self.session.handles.controller, self.session.session
-        self.plan = asyncio.ensure_future(
-            self.session.receive(controller.plan.remote(name, accepted, depth))
-        )
-
-    def cancel(self) -> None:
-        if self.plan is not None:
-            self.plan.cancel()
+async def pair_calibration(handles: Handles) -> Calibration | None:
+    """The cost model's calibration of the deployed pair, built once per router process from
+    the forward costs its replicas measured at start-up (cached per machine, so every router
+    on the same machine gets the same figures) and the engine's, measured here. None where a
+    replica reports none (a tensor-parallel target): the requests then run fixed knobs."""
+    key = id(handles.verifier)
+    if key not in _CALIBRATIONS:
+        verifier = await handles.verifier.info.remote()
+        draft = await handles.draft.info.remote()
+        if verifier.get("costs") is None or draft.get("costs") is None:
+            _CALIBRATIONS[key] = None
+        else:
+            description = (f"target {verifier['dtype']}; draft {draft['dtype']}, "
+                           f"{draft.get('variant') or 'as loaded'}")  # fmt: skip
+            _CALIBRATIONS[key] = await asyncio.to_thread(
+                assemble, ForwardCosts.model_validate(verifier["costs"]),
+                ForwardCosts.model_validate(draft["costs"]), int(verifier["vocab_size"]),
+                draft.get("support_size"), description,
+            )  # fmt: skip
+    return _CALIBRATIONS[key]
 
 
 class DecodeSession:
@@ -133,6 +131,7 @@ class DecodeSession:
         self.session = uuid.uuid4().hex
         self.stats = ServingStats(self.session)
         self.state: DecodeState | None = None
+        self.controller: Controller | None = None
         self._result: DecodeResult | None = None
 
     async def iterations(self, prompt_ids: list[int]) -> AsyncIterator[DecodeState]:
@@ -140,14 +139,14 @@ class DecodeSession:
         start = time.perf_counter()
         limits = Knobs(gamma=self.config.gamma if self.uses_draft else 0,
                        draft_width=self.config.effective_draft_width)  # fmt: skip
-        controller = RemoteKnobs(self, limits)
+        self.controller = await self._controller()
         decode = Decode(self.config, self.vocab_size, [prompt_ids], uses_draft=self.uses_draft,
-                        controller=controller)  # fmt: skip
+                        controller=self.controller)  # fmt: skip
         state = self.state = decode.state
         observer = SessionObserver(self.session)  # spans and metrics (deployments/observability)
         steps = decode.steps()
         try:  # the open call too: a request cancelled while it runs still closes its session
-            controller.latest = await self.receive(
+            await self.receive(
                 self.handles.controller.open.remote(self.session, limits, self.adaptive)
             )
             try:
@@ -170,7 +169,6 @@ class DecodeSession:
                 yield state
         finally:
             steps.close()
-            controller.cancel()
             self.stats.wall_seconds = time.perf_counter() - start
             observer.close()
             self._release()
@@ -180,6 +178,21 @@ class DecodeSession:
         async for _ in self.iterations(prompt_ids):
             pass
         return self.result()
+
+    async def _controller(self) -> Controller:
+        """The cost model (`adaptive`, a drafting method, a calibrated pair), else the
+        request's own knobs every iteration."""
+        if self.adaptive and self.uses_draft:
+            calibration = await pair_calibration(self.handles)
+            if calibration is not None:
+                policy = await self._policy()
+                return CostController(self.config, calibration, policy)
+        return FixedKnobs(self.config)
+
+    async def _policy(self) -> CostPolicy:
+        if "policy" not in _POLICY:
+            _POLICY["policy"] = await self.handles.controller.cost_policy.remote()
+        return _POLICY["policy"]
 
     def result(self) -> DecodeResult:
         assert self._result is not None, "run the decode to its end first"
@@ -270,6 +283,7 @@ class DecodeSession:
             task.add_done_callback(_RELEASING.discard)
 
 
+_POLICY: dict[str, CostPolicy] = {}  # the application's cost policy, read once per router
 _RELEASING: set[asyncio.Task] = set()  # keeps release tasks referenced until they finish
 _LOST = (RayActorError, ActorUnavailableError, ReplicaUnavailableError,
          DeploymentUnavailableError, TensorParallelBroken)  # fmt: skip

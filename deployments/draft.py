@@ -24,6 +24,7 @@ class Draft(ModelReplica):
     """Holds the draft model; one replica per accelerator in production."""
 
     SERVICE, SPAN = DRAFT, "dsbd.draft"
+    CHEAP_VARIANT = True
 
     async def propose(self, session: str, call: IterationCall) -> DraftReply:
         """The forest of one request's iteration (drafted together with concurrent ones)."""

@@ -26,13 +26,17 @@ from pydantic import BaseModel, ConfigDict, Field
 from deployments.continuous_batch import ContinuousBatcher
 from deployments.messages import IterationCall, SideReport
 from deployments.tracing import BatchSpans, replica_id
+from dsbd_core.algorithm.cost_model import ForwardCosts
 from dsbd_core.algorithm.session_batch import Job, SessionBatcher
-from dsbd_core.models import load_causal_lm
+from dsbd_core.models import load_causal_lm, stop_token_ids
+from dsbd_core.models.calibrate import model_costs
+from dsbd_core.models.draft_variants import head_support
+from dsbd_core.models.dtypes import dtype_name, resolve_dtype
+from dsbd_core.models.pair import DraftOptions, model_identity, prepare_draft
 from dsbd_core.models.tensor_parallel import INIT_TIMEOUT_S
 from dsbd_core.models.transformer_scorer import TransformerScorer
 
 _ACTIVE_S = 1.0  # a session with a call this recent is expected to call again soon
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
 
 class ModelOptions(BaseModel):
@@ -41,7 +45,15 @@ class ModelOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     source: str = Field(..., description="Preset, transformers directory, .gguf file or hub id.")
-    dtype: str = Field("float32", pattern="^(float32|bfloat16|float64)$")
+    dtype: str = Field(
+        "auto", pattern="^(auto|float32|bfloat16|float64)$",
+        description="auto: bfloat16 on CUDA and on CPUs with AMX/AVX512-BF16, else float32.",
+    )  # fmt: skip
+    variant: DraftOptions = Field(
+        DraftOptions(),
+        description="Draft deployment only: int8 linear layers and a head restricted to the "
+        "most frequent tokens (exact either way; dsbd_core.models.pair.DraftOptions).",
+    )
     threads: int = Field(1, ge=1, le=256, description="torch intra-op threads of the replica.")
     session_ttl_s: float = Field(300.0, gt=0, description="Free a session's cache after this.")
     max_sessions: int = Field(256, ge=1, description="Caches kept at most (LRU beyond).")
@@ -77,16 +89,21 @@ class ModelReplica:
 
     SERVICE = "dsbd-model"  # the tracing service name (dsbd-draft, dsbd-verifier)
     SPAN = "dsbd.model"  # the name of the span of each call (dsbd.draft, dsbd.verify)
+    CHEAP_VARIANT = False  # the Draft applies `ModelOptions.variant` (int8, restricted head)
 
     def __init__(self, options: dict[str, Any] | ModelOptions) -> None:
         self.options = ModelOptions.model_validate(options)
         torch.set_num_threads(self.options.threads)
+        torch_dtype, self.dtype_reason = resolve_dtype(self.options.dtype, self.options.device)
+        self.dtype_name = dtype_name(torch_dtype)
         self.tp_group: Any = None
+        self.costs: ForwardCosts | None = None  # measured forward costs (the cost model's)
+        self.variant, self.support_size = "", None
         if self.options.tp_size > 1:
             from deployments.tensor_parallel import TensorParallelScorer
 
             self.tp_group = TensorParallelScorer(
-                self.options.source, tp_size=self.options.tp_size, dtype=self.options.dtype,
+                self.options.source, tp_size=self.options.tp_size, dtype=self.dtype_name,
                 device=self.options.device, threads=self.options.threads,
                 placement_strategy=self.options.tp_placement,
                 init_timeout_s=self.options.tp_init_timeout_s,
@@ -95,11 +112,19 @@ class ModelReplica:
             self.vocab_size = self.tp_group.vocab_size
             self.max_positions = self.tp_group.max_positions
         else:
-            loaded = load_causal_lm(self.options.source, dtype=DTYPES[self.options.dtype])
-            model = loaded.model.to(self.options.device)
+            loaded = load_causal_lm(self.options.source, dtype=torch_dtype)
+            loaded.model.to(self.options.device)
+            if self.CHEAP_VARIANT:
+                self.variant = prepare_draft(loaded, self.options.variant, stop_token_ids(loaded))
+                support = head_support(loaded.model)
+                self.support_size = support.numel() if support is not None else None
+            model = loaded.model
             self.vocab_size = loaded.vocab_size
             self.max_positions = int(getattr(model.config, "max_position_embeddings", 0) or 1 << 20)
             self.scorer = TransformerScorer(model)
+            identity = {"model": model_identity(loaded), "dtype": self.dtype_name,
+                        "device": self.options.device, "variant": self.variant}  # fmt: skip
+            self.costs = model_costs(model, identity)
         self.batcher = SessionBatcher(
             self.scorer, ttl_s=self.options.session_ttl_s, max_sessions=self.options.max_sessions
         )
@@ -180,6 +205,11 @@ class ModelReplica:
             "cached_sessions": self.batcher.cached,
             "calls_run": self.calls_run,
             "tp_size": self.options.tp_size,
+            "dtype": self.dtype_name,
+            "dtype_reason": self.dtype_reason,
+            "variant": self.variant,
+            "support_size": self.support_size,
+            "costs": self.costs.model_dump() if self.costs is not None else None,
         }
         if self.tp_group is not None:
             info["tp_ranks"] = {"pids": self.tp_group.pids, "device": self.tp_group.info["device"]}

@@ -80,8 +80,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ... (default: cpu)")
     parser.add_argument(
-        "--dtype", choices=("float32", "float64", "bfloat16", "float16"), default="float32"
+        "--dtype", choices=("auto", "float32", "float64", "bfloat16", "float16"), default="auto",
+        help="auto (default): bfloat16 on CUDA and on CPUs with AMX/AVX512-BF16, else float32; "
+        "every method (transformers' too) runs the same loaded models",
+    )  # fmt: skip
+    parser.add_argument(
+        "--draft-quantize",
+        choices=("auto", "none", "int8"),
+        default="auto",
+        help="the draft's int8 linear layers (see dsbd generate --help)",
     )
+    parser.add_argument(
+        "--draft-head-tokens",
+        type=int,
+        default=None,
+        metavar="K",
+        help="restrict the draft's head to K frequent tokens (0: full head)",
+    )
+    parser.add_argument("--recalibrate", action="store_true",
+                        help="measure the cost model's calibration again")  # fmt: skip
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default: 1)")
     parser.add_argument(
         "--warmup-tokens",
@@ -153,6 +170,8 @@ def build_config(args: argparse.Namespace) -> BenchConfig:
         top_p=args.top_p,
         device=args.device,
         dtype=args.dtype,
+        draft_quantize=args.draft_quantize,
+        draft_head_tokens=args.draft_head_tokens,
         threads=args.threads,
         warmup_tokens=args.warmup_tokens,
         humaneval_timeout_s=args.humaneval_timeout,
@@ -189,9 +208,8 @@ def main(args: argparse.Namespace) -> int:
         print(str(error), file=sys.stderr)
         return 2
     try:
-        harness.run_bench(
-            config, out, fresh=args.fresh, progress=not args.no_progress, extra_records=extra
-        )
+        harness.run_bench(config, out, fresh=args.fresh, progress=not args.no_progress,
+                          extra_records=extra, recalibrate=args.recalibrate)  # fmt: skip
     except harness.ResumeMismatchError as error:
         print(str(error), file=sys.stderr)
         return 2

@@ -59,3 +59,33 @@ def resolve_device(flag: str) -> torch.device:
             f"--device {flag!r}: this machine has {count} CUDA device(s): cuda:0..cuda:{count - 1}"
         )
     return torch.device(text)
+
+
+def add_pair_flags(parser: argparse.ArgumentParser, *, knobs: bool = True) -> None:
+    """How the models run: dtype, the draft's variant, and (when `knobs`) the cost model."""
+    group = parser.add_argument_group("models")
+    group.add_argument(
+        "--dtype", choices=("auto", "float32", "bfloat16", "float64"), default="auto",
+        help="auto (default): bfloat16 on CUDA and on CPUs with AMX/AVX512-BF16, else float32",
+    )  # fmt: skip
+    group.add_argument(
+        "--draft-quantize", choices=("auto", "none", "int8"), default="auto",
+        help="int8 dynamic quantisation of the draft's linear layers (exact either way); "
+        "auto (default): where it measures faster on this CPU",
+    )  # fmt: skip
+    group.add_argument(
+        "--draft-head-tokens", type=int, default=None, metavar="K",
+        help="restrict the draft's head to the K most frequent tokens (exact either way); "
+        "0: the full head; default: 32768 for vocabularies over 65536, else the full head",
+    )  # fmt: skip
+    if knobs:
+        group.add_argument(
+            "--fixed-knobs", action="store_true",
+            help="draft exactly --gamma layers of --draft-width beams every iteration, instead "
+            "of the cost model choosing the depth per iteration (reproducible experiments)",
+        )  # fmt: skip
+        group.add_argument(
+            "--recalibrate", action="store_true",
+            help="measure the cost model's forward costs again (else they are read from the "
+            "cache where this machine measured them once)",
+        )  # fmt: skip

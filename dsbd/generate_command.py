@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
-from dsbd.common import DEFAULT_DRAFT, DEFAULT_TARGET, fail
+from dsbd.common import DEFAULT_DRAFT, DEFAULT_TARGET, add_pair_flags, fail
 from dsbd.sampling_flags import add_config_flags, config_from_args
 from dsbd_core.algorithm.config import SamplingConfig, config_error_message
 from dsbd_core.algorithm.decoders import METHODS, METHODS_WITH_DRAFT, generate
@@ -24,6 +24,7 @@ from dsbd_core.algorithm.decoders import METHODS, METHODS_WITH_DRAFT, generate
 if TYPE_CHECKING:
     from dsbd_core.algorithm.result import DecodeResult
     from dsbd_core.models import LoadedModel
+    from dsbd_core.models.pair import DraftOptions
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
@@ -45,60 +46,67 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    add_pair_flags(parser)
     add_config_flags(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     """`dsbd generate`: the config is checked first (exit 2 naming the field), then decoded."""
+    from dsbd_core.models.pair import DraftOptions
+
     try:
         config = config_from_args(args)
+        options = DraftOptions(quantize=args.draft_quantize, head_tokens=args.draft_head_tokens)
     except ValidationError as error:
         print(config_error_message(error), file=sys.stderr)
         return 2
-    return _generate(args, config)
+    return _generate(args, config, options)
 
 
-def _generate(args: argparse.Namespace, config: SamplingConfig) -> int:
+def _generate(args: argparse.Namespace, config: SamplingConfig, options: DraftOptions) -> int:
     import torch
     from transformers.utils import logging as hf_logging
 
-    from dsbd_core.models import (
-        ModelSourceError,
-        VocabularyMismatchError,
-        check_same_vocabulary,
-        encode_prompt,
-        load_causal_lm,
-        stop_token_ids,
-    )
+    from dsbd_core.algorithm.cost_model import CostController
+    from dsbd_core.models import ModelSourceError, VocabularyMismatchError
+    from dsbd_core.models.pair import load_pair
+    from dsbd_core.models.transformer_scorer import TransformerScorer
 
     if args.threads:
         torch.set_num_threads(args.threads)
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     start = time.perf_counter()
+    uses_draft = args.method in METHODS_WITH_DRAFT
     try:
-        target = load_causal_lm(args.target)
-        draft = load_causal_lm(args.draft) if args.method in METHODS_WITH_DRAFT else None
-        if draft is not None:
-            check_same_vocabulary(target, draft)
-        prompt_ids = encode_prompt(target, args.prompt, chat=args.chat)
-    except (ModelSourceError, VocabularyMismatchError) as error:
-        return fail(str(error))
-    config = SamplingConfig(**{**config.model_dump(), "eos_token_ids": stop_token_ids(target)})
+        pair = load_pair(args.target, args.draft if uses_draft else None, dtype=args.dtype,
+                         draft_options=options)  # fmt: skip
+        prompt_ids = pair.encode(args.prompt, chat=args.chat)
+    except (ModelSourceError, VocabularyMismatchError, ValidationError, ValueError) as error:
+        return fail(
+            str(error).splitlines()[0] if isinstance(error, ValidationError) else str(error)
+        )
+    config = SamplingConfig(**{**config.model_dump(), "eos_token_ids": pair.stop_ids})
+    say = (lambda _: None) if args.json else (lambda text: print(text, file=sys.stderr))
+    controller = None
+    if uses_draft and not args.fixed_knobs:
+        calibration = pair.calibration(force=args.recalibrate, say=say)
+        controller = CostController(config, calibration)
     load_s = time.perf_counter() - start
-
-    from dsbd_core.models.transformer_scorer import TransformerScorer
-
     start = time.perf_counter()
     result = generate(
         args.method,
-        TransformerScorer(target.model),
+        TransformerScorer(pair.target.model),
         prompt_ids,
         config,
-        draft=TransformerScorer(draft.model) if draft is not None else None,
+        draft=TransformerScorer(pair.draft.model) if pair.draft is not None else None,
+        controller=controller,
     )
     decode_s = time.perf_counter() - start
-    report = _report(args, config, target, draft, prompt_ids, result, load_s, decode_s)
+    report = _report(args, config, pair.target, pair.draft, prompt_ids, result, load_s, decode_s)
+    report["models"] = pair.describe()
+    report["dtype"] = pair.dtype_name
+    report["knobs"] = "fixed" if controller is None else {"gamma": controller.chosen}
     if args.json:
         print(json.dumps(report))
     else:
@@ -167,8 +175,10 @@ def _print_report(report: dict[str, Any]) -> None:
         f"mean accepted length {stats['mean_accepted_length']:.2f}, "
         f"mean verified width {mean_width:.2f}\n"
         f"decode {report['decode_s']:.2f} s ({report['tokens_per_s']:.1f} tokens/s), "
-        f"model load {report['load_s']:.2f} s"
+        f"model load {report['load_s']:.2f} s\n{report['models']}"
     )
+    if report["knobs"] != "fixed":
+        print(f"draft depth per iteration (cost model): {report['knobs']['gamma']}")
     if report["config"]["epsilon"] > 0:
         print(
             f"epsilon {report['config']['epsilon']:g} (lossy: trades exactness for speed), "

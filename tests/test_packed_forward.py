@@ -77,9 +77,9 @@ def test_decodes_with_and_without_packing_draw_the_same(arch: str) -> None:
     assert packed.stats.as_dict() == padded.stats.as_dict()
 
 
-def test_worth_packing_needs_real_padding() -> None:
+def test_forests_of_several_trees_run_packed() -> None:
     assert not packed_module.worth_packing(torch.ones(4, 1, dtype=torch.bool))  # a beam step
-    assert not packed_module.worth_packing(torch.ones(3, 6, dtype=torch.bool))  # no padding
+    assert not packed_module.worth_packing(torch.ones(1, 6, dtype=torch.bool))  # one row
     uneven = torch.zeros(3, 8, dtype=torch.bool)
     uneven[0], uneven[1:, :2] = True, True
     assert packed_module.worth_packing(uneven)

@@ -1,18 +1,22 @@
-"""The cost model: per iteration, the draft depth (and draft width) that emits tokens fastest.
+"""The cost model: per iteration, the draft depth that emits tokens fastest (0: a beam step).
 
-An iteration of depth gamma costs one target forward over the roots' new tokens and the forest
-(W_S nodes per layer), gamma draft forwards and the engine's own work, and emits on average
-E(gamma) = 1 + rho + ... + rho^gamma tokens per beam, rho being the probability that a drafted
-layer passes verification. gamma = 0 is a plain beam-sampling step (one target forward over the
-W beams' last tokens). The controller picks the (gamma, W_S) with the most tokens per second
-and so turns speculation off wherever it would not pay: DSBD is then never much slower than
-beam sampling, whatever the draft.
+An iteration of depth gamma >= 1 costs one target forward over the W roots' new tokens and the
+gamma x W_S forest nodes, gamma draft forwards (the roots' new tokens, then one layer of W_S
+nodes each) and the engine's own work, and emits on average E(gamma) = 1 + rho + ... + rho^gamma
+tokens per beam, rho being the probability that a drafted layer passes verification (kept per
+layer depth, given that the layer above passed: a draft that agrees tends to keep agreeing, so
+deeper layers pass more often than the first). gamma = 0
+is a plain beam-sampling step: one target forward over the W roots, one token. The controller
+picks the gamma (up to the request's) with the most tokens per second, so speculation is off
+wherever it would not pay and DSBD is never much slower than beam sampling, whatever the draft.
 
-Costs come from a `Calibration`: forward times measured once per machine, models, dtype and
-device (`dsbd_core.models.calibrate`, cached on disk), so the choice is a deterministic function
-of the calibration and the request's own history: the same seed, settings and machine decode the
-same tokens. rho is estimated from the request's own iterations (a Beta prior, `prior_pass_rate`
-with weight `prior_weight`, updated with every verified layer), separately per draft width.
+The forward costs come from a `Calibration`, measured once per machine, models, dtype and device
+(`dsbd_core.models.calibrate`, cached on disk), so the choice is a deterministic function of the
+calibration and the request's own history: the same seed, settings and machine decode the same
+tokens. The pass rates are the request's own: Beta priors (`CostPolicy`) updated with every
+verified layer, older evidence fading by `memory` per iteration. A request
+that turned speculation off still drafts one layer every `probe_every` iterations, so that it
+notices when its draft starts to agree again.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from dsbd_core.algorithm.state import DecodeState, Outcome
 
 
 class ForwardCosts(BaseModel):
-    """Seconds of one model forward by the number of tokens it feeds (one cached row)."""
+    """Seconds of one model forward by the number of tokens it feeds."""
 
     model_config = ConfigDict(frozen=True)
 
@@ -35,28 +39,33 @@ class ForwardCosts(BaseModel):
     seconds: list[float] = Field(..., min_length=1)
 
     def at(self, tokens: float) -> float:
-        """Piecewise-linear in the measured points, extended linearly past the last one."""
+        """Piecewise-linear in the measured points, extended linearly past the last two."""
         xs, ys = self.tokens, self.seconds
         if len(xs) == 1 or tokens <= xs[0]:
             return ys[0]
-        i = min(bisect.bisect_left(xs, tokens), len(xs) - 1)
+        i = min(max(bisect.bisect_left(xs, tokens), 1), len(xs) - 1)
         x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
         return y0 + (y1 - y0) * (tokens - x0) / (x1 - x0)
 
 
 class Calibration(BaseModel):
-    """What one target/draft pair costs on this machine (dtype, device, threads)."""
+    """What one target/draft pair costs on one machine (dtype, device, threads)."""
 
     model_config = ConfigDict(frozen=True)
 
     target: ForwardCosts
     draft: ForwardCosts | None = None
-    # The engine's own work per iteration: fixed, and per drafted layer per candidate of the
-    # layer's table (vocabulary x parent beams): sampling, filtering, verification, width rule.
-    engine_fixed_s: float = Field(0.0, ge=0)
-    engine_per_candidate_s: float = Field(0.0, ge=0)
-    vocab_size: int = Field(1, ge=1)
+    # The engine's own work per iteration, measured on the decode loop with instant models: a
+    # beam step (W x V tables), and what every drafted layer adds.
+    engine_step_s: float = Field(0.0, ge=0)
+    engine_layer_s: float = Field(0.0, ge=0)
+    engine_width: int = Field(1, ge=1, description="The beam width W the engine was timed at.")
     description: str = ""
+
+    def engine_seconds(self, width: int, gamma: int) -> float:
+        """Engine time of an iteration: its tables grow with W (work per candidate)."""
+        scale = width / self.engine_width
+        return scale * (self.engine_step_s + gamma * self.engine_layer_s)
 
 
 class CostPolicy(BaseModel):
@@ -64,47 +73,58 @@ class CostPolicy(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    prior_pass_rate: float = Field(0.5, ge=0, le=1, description="rho before any layer is seen.")
-    prior_weight: float = Field(2.0, gt=0, description="Layers the prior counts as.")
+    prior_first: float = Field(
+        0.6, ge=0, le=1, description="Pass rate of a first drafted layer before any is seen."
+    )
+    prior_next: float = Field(
+        0.8, ge=0, le=1,
+        description="Pass rate of a deeper layer given the one above it passed, before any is "
+        "seen: layers are not independent (a draft that agrees keeps agreeing).",
+    )  # fmt: skip
+    prior_weight: float = Field(2.0, gt=0, description="Layers each prior counts as.")
     memory: float = Field(
-        0.9, gt=0, le=1, description="Weight of older evidence per iteration (1: no forgetting)."
+        0.85, gt=0, le=1, description="Weight of older evidence per iteration (1: never fades)."
     )
     probe_every: int = Field(
-        8, ge=1, description="Draft at least one layer every this many iterations, so that a "
-        "request that turned speculation off notices when its draft starts to agree again.",
-    )  # fmt: skip
-    draft_widths: str = Field(
-        "request", pattern="^(request|adapt)$",
-        description="request: W_S as the request sets it; adapt: also try 2 W_S and W_S // 2.",
+        6, ge=1, description="Draft >= 1 layer every this many iterations while speculation "
+        "is off, to notice a draft that agrees again.",
     )  # fmt: skip
 
 
-class _PassRate:
-    """Exponentially forgotten pass counts of verified layers (one draft width)."""
+def expected_tokens(pass_rates: list[float], gamma: int) -> float:
+    """1 + r1 + r1 r2 + ... : tokens per beam an iteration of depth gamma emits, r_k being the
+    probability that layer k passes given that layer k - 1 did."""
+    total, reach = 1.0, 1.0
+    for rate in pass_rates[:gamma]:
+        reach *= rate
+        total += reach
+    return total
 
-    def __init__(self, policy: CostPolicy) -> None:
-        self.policy = policy
-        self.passed = policy.prior_pass_rate * policy.prior_weight
-        self.tried = policy.prior_weight
 
-    def add(self, passed: int, tried: int) -> None:
-        keep = self.policy.memory
-        prior = self.policy.prior_pass_rate * self.policy.prior_weight
-        self.passed = keep * self.passed + (1 - keep) * prior + passed
-        self.tried = keep * self.tried + (1 - keep) * self.policy.prior_weight + tried
+class _Rate:
+    """Pass counts of one layer depth, older evidence fading."""
+
+    def __init__(self, prior: float, weight: float) -> None:
+        self.prior, self.weight = prior, weight
+        self.passed, self.tried = prior * weight, weight
+
+    def add(self, passed: float, tried: float, memory: float) -> None:
+        self.passed = memory * self.passed + (1 - memory) * self.prior * self.weight + passed
+        self.tried = memory * self.tried + (1 - memory) * self.weight + tried
 
     @property
     def rate(self) -> float:
         return self.passed / self.tried
 
 
-def expected_tokens(rho: float, gamma: int) -> float:
-    """1 + rho + ... + rho^gamma: tokens per beam an iteration of depth gamma emits."""
-    return sum(rho**i for i in range(gamma + 1))
-
-
 class CostController:
-    """Chooses gamma (0 = a plain beam step) and W_S per iteration to maximise tokens/second."""
+    """Chooses each iteration's gamma (0 = a plain beam step) to maximise tokens per second.
+
+    The draft width W_S is the request's (`effective_draft_width`); gamma is at most the
+    request's. Pass rates are kept per layer depth, conditional on the layer above passing.
+    A `Controller` (`control.py`): the decode loop asks `knobs` before every iteration and
+    calls `observe` with its outcome.
+    """
 
     def __init__(
         self,
@@ -117,71 +137,56 @@ class CostController:
         self.config = config
         self.calibration = calibration
         self.policy = policy or CostPolicy()
-        self.uses_draft = uses_draft and calibration.draft is not None
-        self.gamma_max = config.gamma if self.uses_draft else 0
-        self.widths = self._draft_widths()
-        self.rates = {w: _PassRate(self.policy) for w in self.widths}
-        self.iterations = 0
-        self.last_emitted = 1.0  # tokens per beam the last iteration emitted (root tails)
-        self.choices: list[tuple[int, int]] = []
+        self.gamma_max = config.gamma if uses_draft and calibration.draft is not None else 0
+        self.draft_width = config.effective_draft_width
+        p = self.policy
+        self.rates = [_Rate(p.prior_first if k == 0 else p.prior_next, p.prior_weight)
+                      for k in range(self.gamma_max)]  # fmt: skip
+        self.since_draft = 0  # iterations since the last one that drafted
+        self.chosen: list[int] = []  # gamma of every iteration (reported with the stats)
 
     def knobs(self, state: DecodeState) -> Knobs:
-        best = (0, self.widths[0])
-        if self.gamma_max > 0:
-            best_rate = self.tokens_per_second(0, self.widths[0])
-            for width in self.widths:
-                for gamma in range(1, self.gamma_max + 1):
-                    rate = self.tokens_per_second(gamma, width)
-                    if rate > best_rate * (1 + 1e-9):
-                        best, best_rate = (gamma, width), rate
-            if best[0] == 0 and self.iterations % self.policy.probe_every == 0:
-                best = (1, self.widths[0])
-        self.choices.append(best)
-        return Knobs(gamma=best[0], draft_width=best[1])
+        gamma = self.best_gamma()
+        if gamma == 0 and self.gamma_max > 0 and self.since_draft + 1 >= self.policy.probe_every:
+            gamma = 1
+        self.chosen.append(gamma)
+        return Knobs(gamma=gamma, draft_width=self.draft_width)
 
     def observe(self, state: DecodeState, outcome: Outcome, knobs: Knobs) -> None:
-        self.iterations += 1
-        live = state.live if state.live is not None else state.alive.any(dim=1)
-        if state.depth is None or not bool(live.any()):
+        if state.depth is None or state.live is None or not bool(state.live.any()):
             return
-        rows = live.nonzero()[:, 0]
-        emitted = outcome.emitted[rows].double().mean()
-        self.last_emitted = float(emitted)
-        if knobs.gamma == 0 or knobs.draft_width not in self.rates:
+        depth = state.depth[state.live]
+        if knobs.gamma == 0 or not bool((depth > 0).any()):
+            self.since_draft += 1
             return
-        accepted = outcome.record["accepted_layers"][rows]
-        depth = state.depth[rows]
-        tried = int(torch_minimum(depth, accepted + 1).sum())
-        self.rates[knobs.draft_width].add(int(accepted.sum()), tried)
+        self.since_draft = 0
+        accepted = outcome.record["accepted_layers"][state.live]
+        for k, rate in enumerate(self.rates):  # layer k + 1: tried when layer k passed
+            tried = (depth > k) & (accepted >= k)
+            passed = tried & (accepted > k)
+            rate.add(float(passed.sum()), float(tried.sum()), self.policy.memory)
 
-    # ------------------------------------------------------------------ the model
-    def iteration_seconds(self, gamma: int, draft_width: int) -> float:
-        """Predicted seconds of an iteration of depth gamma with W_S = draft_width."""
+    @property
+    def pass_rates(self) -> list[float]:
+        return [rate.rate for rate in self.rates]
+
+    def best_gamma(self) -> int:
+        """The depth with the most expected tokens per second (ties: the shallower)."""
+        best, best_rate = 0, self.tokens_per_second(0)
+        for gamma in range(1, self.gamma_max + 1):
+            rate = self.tokens_per_second(gamma)
+            if rate > best_rate * (1 + 1e-9):
+                best, best_rate = gamma, rate
+        return best
+
+    def iteration_seconds(self, gamma: int) -> float:
+        """Predicted seconds of an iteration of depth gamma."""
         cal, width = self.calibration, self.config.width
-        tails = width * max(self.last_emitted, 1.0)  # the roots' new tokens, fed by both models
-        seconds = cal.target.at(tails + gamma * draft_width)
-        seconds += cal.engine_fixed_s
+        seconds = cal.target.at(width + gamma * self.draft_width)
+        seconds += cal.engine_seconds(width, gamma)
         if gamma > 0 and cal.draft is not None:
-            seconds += cal.draft.at(tails) + (gamma - 1) * cal.draft.at(draft_width)
-            candidates = cal.vocab_size * (width + draft_width)
-            seconds += gamma * candidates * cal.engine_per_candidate_s
-        else:
-            seconds += cal.vocab_size * width * cal.engine_per_candidate_s
+            seconds += cal.draft.at(width) + (gamma - 1) * cal.draft.at(self.draft_width)
         return seconds
 
-    def tokens_per_second(self, gamma: int, draft_width: int) -> float:
-        rho = self.rates[draft_width].rate if gamma > 0 else 0.0
-        return expected_tokens(rho, gamma) / self.iteration_seconds(gamma, draft_width)
-
-    def _draft_widths(self) -> list[int]:
-        asked = self.config.effective_draft_width
-        if self.policy.draft_widths == "request":
-            return [asked]
-        return sorted({asked, max(1, asked // 2), 2 * asked})
-
-
-def torch_minimum(a, b):  # noqa: ANN001, ANN201 - tensors
-    """Elementwise minimum (kept here so this module reads without a torch import above)."""
-    import torch
-
-    return torch.minimum(a, b)
+    def tokens_per_second(self, gamma: int) -> float:
+        return expected_tokens(self.pass_rates, gamma) / self.iteration_seconds(gamma)

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dsbd_core.algorithm.config import SamplingConfig
+from dsbd_core.algorithm.control import Controller
 from dsbd_core.algorithm.decoders import METHODS_WITH_DRAFT, method_config
 from dsbd_core.algorithm.loop import Decode, Propose, SideCall, Verify
 from dsbd_core.algorithm.result import DecodeResult
@@ -36,6 +37,10 @@ class Request:
     prompt_ids: list[int]
     config: SamplingConfig
     method: str = "dsbd"
+
+
+# (request, the config its method runs with, whether it drafts) -> its controller, or None
+ControllerFactory = Callable[["Request", SamplingConfig, bool], Controller | None]
 
 
 @dataclass
@@ -60,8 +65,15 @@ class LockstepReport:
 class _Loops:
     """The requests' decode loops and the side call each one waits on."""
 
-    def __init__(self, requests: list[Request], vocab: int, has_draft: bool, start: float,
-                 clock: Callable[[], float]) -> None:  # fmt: skip
+    def __init__(
+        self,
+        requests: list[Request],
+        vocab: int,
+        has_draft: bool,
+        start: float,
+        clock: Callable[[], float],
+        controller: ControllerFactory | None,
+    ) -> None:
         self.out = [RequestResult(None, None, None, 0.0) for _ in requests]
         self.loops: dict[int, Generator[SideCall, Any, list[DecodeResult]]] = {}
         self.waiting: dict[int, SideCall] = {}
@@ -74,7 +86,9 @@ class _Loops:
                         f"method={request.method!r} needs a draft model; none was given"
                     )
                 config = method_config(request.method, request.config)
-                decode = Decode(config, vocab, [list(request.prompt_ids)], uses_draft=uses_draft)
+                chosen = controller(request, config, uses_draft) if controller else None
+                decode = Decode(config, vocab, [list(request.prompt_ids)], uses_draft=uses_draft,
+                                controller=chosen)  # fmt: skip
                 self.out[i].seed = decode.state.seed
                 self.loops[i] = decode.steps()
                 self.send(i, None)
@@ -119,11 +133,15 @@ def decode_lockstep(
     draft: SessionBatcher | None = None,
     *,
     clock: Callable[[], float] = time.perf_counter,
+    controller: ControllerFactory | None = None,
 ) -> tuple[list[RequestResult], LockstepReport]:
-    """Decode every request to its end, sharing each iteration's forwards; one result each."""
+    """Decode every request to its end, sharing each iteration's forwards; one result each.
+
+    `controller(request, its method's config, uses_draft)` gives each request its knob
+    controller (None, or no factory: the request's own gamma and W_S every iteration)."""
     key_prefix = uuid.uuid4().hex  # batchers may hold other calls' sessions: keys must not clash
     vocab = target.scorer.vocab_size
-    loops = _Loops(requests, vocab, draft is not None, clock(), clock)
+    loops = _Loops(requests, vocab, draft is not None, clock(), clock, controller)
     report = LockstepReport()
 
     def key(i: int) -> str:

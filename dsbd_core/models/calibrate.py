@@ -21,7 +21,7 @@ import json
 import os
 import platform
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -34,6 +34,7 @@ from dsbd_core.algorithm.scorer import ForestLayer, ForestLogprobs, Roots
 from dsbd_core.models.presets import cache_root
 
 CONTEXT = 256
+ENGINE_WIDTH = 3
 TOKEN_POINTS = (1, 4, 8, 16, 32, 48)
 REPEATS = 3
 _FORMAT = 1
@@ -44,7 +45,8 @@ def forward_costs(
 ) -> ForwardCosts:
     """Median seconds of a forward feeding n tokens after a cached `CONTEXT`-token prefix."""
     device = next(model.parameters()).device
-    ids = (torch.arange(CONTEXT + max(points)) * 7919 % 1000 + 10)[None, :].to(device)
+    vocab = int(model.config.get_text_config(decoder=True).vocab_size)
+    ids = (torch.arange(CONTEXT + max(points)) * 7919 % min(vocab, 1000))[None, :].to(device)
     seconds = []
     with torch.inference_mode():
         prefix = model(input_ids=ids[:, :CONTEXT], use_cache=True).past_key_values
@@ -63,13 +65,15 @@ def forward_costs(
 
 
 class _InstantScorer:
-    """A scorer that answers every call at once with fixed random log-probabilities."""
+    """A scorer that answers every call at once with fixed random log-probabilities (K-wide
+    over `support` when given, like a restricted draft head)."""
 
-    def __init__(self, vocab_size: int, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, vocab_size: int, support: torch.Tensor | None = None) -> None:
         self._vocab = vocab_size
+        self._support = support
+        width = support.numel() if support is not None else vocab_size
         generator = torch.Generator().manual_seed(0)
-        self._row = torch.randn(vocab_size, generator=generator, dtype=dtype).mul_(3)
-        self._row = self._row.log_softmax(-1)
+        self._row = (torch.randn(width, generator=generator) * 3).log_softmax(-1)
         self._roots = (0, 0)
 
     @property
@@ -83,36 +87,40 @@ class _InstantScorer:
         batch, rows = self._roots
         roots = self._row.expand(batch, rows, -1) if rows else None
         self._roots = (batch, 0)
-        return ForestLogprobs(roots, [self._row.expand(*x.token.shape, -1) for x in layers])
+        out = [self._row.expand(*x.token.shape, -1) for x in layers]
+        return ForestLogprobs(roots, out, self._support)
 
     def release(self) -> None:
         """Nothing is held."""
 
 
 def engine_costs(
-    vocab_size: int, width: int = 3, gamma: int = 2, iterations: int = 6
+    vocab_size: int,
+    support: torch.Tensor | None = None,
+    width: int = 3,
+    gamma: int = 2,
+    iterations: int = 6,
 ) -> tuple[float, float]:
-    """(fixed seconds, seconds per layer candidate) of the engine's own work per iteration.
+    """(seconds of a beam step, seconds each drafted layer adds) of the engine's own work.
 
-    Timed on the decode loop with instant scorers at depth 0 (a beam step: a W x V table) and
-    at depth `gamma` (gamma draft layers and gamma + 1 verified tables of W x V each)."""
+    Timed on the decode loop with instant models, at depth 0 (a beam step) and at `gamma`
+    (fixed width, W_S = W), the draft answering over `support` like the real one."""
 
     def per_iteration(depth: int) -> float:
         config = SamplingConfig(width=width, gamma=max(depth, 1), threshold=None, seed=0,
                                 max_new_tokens=iterations * (depth + 1) + 1)  # fmt: skip
-        method_draft = depth > 0
-        scorer = _InstantScorer(vocab_size)
-        decode = Decode(config, vocab_size, [[1, 2, 3]], uses_draft=method_draft,
+        drafting = depth > 0
+        decode = Decode(config, vocab_size, [[1, 2, 3]], uses_draft=drafting,
                         controller=FixedKnobs(config))  # fmt: skip
+        draft = _InstantScorer(vocab_size, support) if drafting else None
         start = time.perf_counter()
-        result = run_decode(decode, scorer, _InstantScorer(vocab_size) if method_draft else None)
+        result = run_decode(decode, _InstantScorer(vocab_size), draft)
         return (time.perf_counter() - start) / max(result[0].stats.iterations, 1)
 
     per_iteration(gamma)  # warm up
-    beam, deep = per_iteration(0), per_iteration(gamma)
-    per_candidate = max(deep - beam, 0.0) / (gamma * vocab_size * 2 * width)
-    fixed = max(beam - vocab_size * width * per_candidate, 0.0)
-    return fixed, per_candidate
+    step = min(per_iteration(0) for _ in range(2))
+    deep = min(per_iteration(gamma) for _ in range(2))
+    return step, max(deep - step, 0.0) / gamma
 
 
 def calibration_key(parts: dict[str, object]) -> str:
@@ -139,37 +147,83 @@ def machine() -> dict[str, object]:
     }
 
 
+def _cached(name: str, parts: dict[str, object], measure: Callable[[], str], force: bool) -> str:
+    """The text `measure()` produced for `parts` on this machine (measured once, then read)."""
+    key = calibration_key({"what": name, **parts, **machine()})
+    folder = os.environ.get("DSBD_CALIBRATION_DIR") or str(cache_root() / "calibration")
+    path = Path(folder) / f"{name}-{key}.json"
+    if path.is_file() and not force:
+        return path.read_text()
+    text = measure()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(f".{os.getpid()}.partial")
+    partial.write_text(text)
+    partial.replace(path)  # atomic: concurrent processes read a whole file or none
+    return text
+
+
+def model_costs(
+    model: torch.nn.Module, identity: dict[str, object], *, force: bool = False
+) -> ForwardCosts:
+    """`forward_costs` of a model, measured once per machine (what a serving replica reports)."""
+    text = _cached("forward", identity, lambda: forward_costs(model).model_dump_json(), force)
+    return ForwardCosts.model_validate_json(text)
+
+
+def pair_engine_costs(
+    vocab_size: int, support_size: int | None, *, force: bool = False
+) -> tuple[float, float]:
+    """`engine_costs` for a vocabulary and a draft's support size, measured once per machine."""
+    support = torch.arange(support_size) if support_size else None
+
+    def measure() -> str:
+        return json.dumps(engine_costs(vocab_size, support, width=ENGINE_WIDTH))
+
+    parts = {"vocab": vocab_size, "support": support_size, "width": ENGINE_WIDTH}
+    step, layer = json.loads(_cached("engine", parts, measure, force))
+    return float(step), float(layer)
+
+
+def assemble(
+    target: ForwardCosts,
+    draft: ForwardCosts | None,
+    vocab_size: int,
+    support_size: int | None,
+    description: str = "",
+    *,
+    force: bool = False,
+) -> Calibration:
+    """A calibration from the two models' measured costs (the router builds it from what its
+    replicas report) and the engine's, measured here."""
+    step, layer = pair_engine_costs(vocab_size, support_size, force=force)
+    return Calibration(target=target, draft=draft, engine_step_s=step, engine_layer_s=layer,
+                       engine_width=ENGINE_WIDTH, description=description)  # fmt: skip
+
+
 def calibrate(
     target: torch.nn.Module,
     draft: torch.nn.Module | None,
     identity: dict[str, object],
     vocab_size: int,
     *,
+    draft_support: torch.Tensor | None = None,
     force: bool = False,
-    say=print,  # noqa: ANN001 - where progress goes
+    say: Callable[[str], None] = print,
 ) -> Calibration:
-    """The pair's calibration: from the cache, or measured now (a few seconds to a minute)."""
-    key = calibration_key({**identity, **machine()})
-    path = Path(os.environ.get("DSBD_CALIBRATION_DIR", cache_root() / "calibration")) / (
-        key + ".json"
-    )
-    if path.is_file() and not force:
-        return Calibration.model_validate_json(path.read_text())
-    say(f"calibrating the cost model ({identity.get('description', key)}) ...")
+    """The pair's calibration: from the cache, or measured now (seconds to a minute)."""
     start = time.perf_counter()
-    target_costs = forward_costs(target)
-    draft_costs = forward_costs(draft) if draft is not None else None
-    fixed, per_candidate = engine_costs(vocab_size)
-    calibration = Calibration(
-        target=target_costs, draft=draft_costs, engine_fixed_s=fixed,
-        engine_per_candidate_s=per_candidate, vocab_size=vocab_size,
-        description=str(identity.get("description", "")),
-    )  # fmt: skip
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_suffix(".partial")
-    partial.write_text(calibration.model_dump_json(indent=1))
-    partial.replace(path)
-    say(f"calibrated in {time.perf_counter() - start:.0f} s: {path}")
+    description = str(identity.get("description", ""))
+    say(f"cost model calibration (measured once per machine, then cached): {description}")
+    common = {k: v for k, v in identity.items() if k not in ("target", "draft", "description")}
+    target_costs = model_costs(target, {"model": identity.get("target"), **common}, force=force)
+    draft_costs = None
+    if draft is not None:
+        draft_id = {"model": identity.get("draft"), **common}
+        draft_costs = model_costs(draft, draft_id, force=force)
+    support = draft_support.numel() if draft_support is not None else None
+    calibration = assemble(target_costs, draft_costs, vocab_size, support, description,
+                           force=force)  # fmt: skip
+    say(f"calibration ready in {time.perf_counter() - start:.1f} s")
     return calibration
 
 

@@ -15,8 +15,13 @@ from typing import Literal
 import torch
 
 DtypeName = Literal["auto", "float32", "bfloat16", "float64"]
-DTYPE_NAMES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float64")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+DTYPE_NAMES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float64", "float16")
+DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+    "float16": torch.float16,
+}
 
 
 def cpu_has_bf16_matmul() -> bool:

@@ -1,26 +1,40 @@
 """A target and its draft, loaded the way every entry point runs them.
 
 `dsbd generate`, `dsbd bench`, `dsbd batch` and the serving replicas all load models through
-here, so that they share one meaning of `dtype: auto` (`dtypes.py`) and of the draft options
-(`DraftOptions`: int8 layers and a restricted head, `draft_variants.py`); what was chosen is
-described in one line that every entry point prints and records with its results.
+here, so that they share one meaning of `dtype: auto` (`dtypes.py`), of the draft options
+(`DraftOptions`: int8 layers and a restricted head, `draft_variants.py`) and of the cost model's
+calibration (`calibrate.py`); what was chosen is described in one line that every entry point
+prints and records with its results.
 """
 
 from __future__ import annotations
 
-import time
+import copy
+import hashlib
+import json
+import os
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from dsbd_core.algorithm.config import SamplingConfig
-from dsbd_core.models.draft_variants import quantize_int8, restrict_head
+from dsbd_core.algorithm.cost_model import Calibration
+from dsbd_core.models.calibrate import calibrate, forward_costs, machine
+from dsbd_core.models.draft_variants import head_support, quantize_int8, restrict_head
 from dsbd_core.models.dtypes import dtype_name, resolve_dtype
 from dsbd_core.models.loading import LoadedModel, check_same_vocabulary, load_causal_lm
+from dsbd_core.models.presets import cache_root
 from dsbd_core.models.token_frequencies import frequent_tokens
 from dsbd_core.models.tokens import encode_prompt, stop_token_ids
+
+# A vocabulary this large gets a restricted draft head by default: its output layer is then a
+# large share of a small draft's weights (Qwen2.5: 151936 x 896, 136M of 494M parameters).
+LARGE_VOCABULARY = 65536
+AUTO_HEAD_TOKENS = 32768
 
 
 class DraftOptions(BaseModel):
@@ -31,13 +45,20 @@ class DraftOptions(BaseModel):
     quantize: Literal["none", "int8", "auto"] = Field(
         "auto",
         description="int8 dynamic quantisation of the draft's linear layers (CPU only). auto: "
-        "on a CPU, whichever of int8 and the model dtype runs a draft step faster here.",
+        "on a CPU, int8 where a draft step measures faster in int8 than in the model dtype "
+        "(measured once per machine and cached); never for float64 models.",
     )
-    head_tokens: int = Field(
-        0, ge=0,
+    head_tokens: int | None = Field(
+        None, ge=0,
         description="Restrict the draft's output layer to this many most frequent tokens "
-        "(FR-Spec; the draft never proposes another token). 0: the full vocabulary.",
+        f"(FR-Spec; the draft never proposes another token). 0: the full vocabulary. None "
+        f"(auto): {AUTO_HEAD_TOKENS} when the vocabulary exceeds {LARGE_VOCABULARY}, else 0.",
     )  # fmt: skip
+
+    def head_for(self, vocab_size: int) -> int:
+        if self.head_tokens is not None:
+            return self.head_tokens
+        return AUTO_HEAD_TOKENS if vocab_size > LARGE_VOCABULARY else 0
 
 
 @dataclass
@@ -49,6 +70,7 @@ class LoadedPair:
     dtype: torch.dtype
     dtype_reason: str
     draft_variant: str  # e.g. "int8 linear layers, head 32770 of 151936 tokens"
+    device: str = "cpu"
 
     @property
     def dtype_name(self) -> str:
@@ -70,6 +92,33 @@ class LoadedPair:
         return SamplingConfig(max_new_tokens=max_new_tokens, seed=seed,
                               eos_token_ids=self.stop_ids)  # fmt: skip
 
+    def identity(self) -> dict[str, object]:
+        """What the pair's costs depend on besides the machine (the calibration's cache key)."""
+        return {
+            "target": model_identity(self.target),
+            "draft": model_identity(self.draft) if self.draft else None,
+            "draft_variant": self.draft_variant,
+            "dtype": self.dtype_name,
+            "device": self.device,
+            "description": self.describe(),
+        }
+
+    def calibration(
+        self, *, force: bool = False, say: Callable[[str], None] = print
+    ) -> Calibration:
+        """The cost model's calibration for this pair here (measured once, then cached)."""
+        draft = self.draft.model if self.draft is not None else None
+        support = head_support(draft) if draft is not None else None
+        return calibrate(self.target.model, draft, self.identity(), self.target.vocab_size,
+                         draft_support=support, force=force, say=say)  # fmt: skip
+
+
+def model_identity(loaded: LoadedModel) -> str:
+    """A short hash of a model's source and configuration (stands for its weights)."""
+    config = loaded.model.config.to_json_string(use_diff=False)
+    text = f"{loaded.name}|{loaded.path}|{config}"
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
 
 def load_pair(
     target: str,
@@ -85,62 +134,55 @@ def load_pair(
     loaded_target = load_causal_lm(target, dtype=torch_dtype)
     loaded_target.model.to(device)
     if draft is None:
-        return LoadedPair(loaded_target, None, torch_dtype, reason, "")
+        return LoadedPair(loaded_target, None, torch_dtype, reason, "", device)
     loaded_draft = load_causal_lm(draft, dtype=torch_dtype)
     check_same_vocabulary(loaded_target, loaded_draft)
     loaded_draft.model.to(device)
-    variant = prepare_draft(loaded_draft, draft_options or DraftOptions(), stop_token_ids(
-        loaded_target))  # fmt: skip
-    return LoadedPair(loaded_target, loaded_draft, torch_dtype, reason, variant)
+    options = draft_options or DraftOptions()
+    variant = prepare_draft(loaded_draft, options, stop_token_ids(loaded_target))
+    return LoadedPair(loaded_target, loaded_draft, torch_dtype, reason, variant, device)
 
 
 def prepare_draft(draft: LoadedModel, options: DraftOptions, stop_ids: tuple[int, ...] = ()) -> str:
     """Apply the draft options to `draft.model` in place; returns what was done, in words."""
     done = []
     vocab = draft.vocab_size
-    if options.head_tokens:
-        keep = frequent_tokens(draft.tokenizer, vocab, options.head_tokens, stop_ids)
+    head = options.head_for(vocab)
+    if head and head < vocab:
+        keep = frequent_tokens(draft.tokenizer, vocab, head, stop_ids)
         restrict_head(draft.model, keep)
         done.append(f"head {keep.numel()} of {vocab} tokens")
     quantize = options.quantize
     if quantize == "auto":
-        quantize = _faster_on_this_cpu(draft) if draft.model.device.type == "cpu" else "none"
+        # float64 is the dtype of exactness tests: the draft stays as loaded there
+        usable = draft.model.device.type == "cpu" and draft.model.dtype != torch.float64
+        quantize = _faster_on_this_cpu(draft) if usable else "none"
     if quantize == "int8":
         quantize_int8(draft.model)
         done.append("int8 linear layers")
     else:
         done.append(f"{dtype_name(draft.model.dtype)} linear layers")
-    return ", ".join(reversed(done)) if done else "as loaded"
+    return ", ".join(reversed(done))
 
 
 def _faster_on_this_cpu(draft: LoadedModel) -> Literal["none", "int8"]:
-    """Time a cached 4-token draft step in its dtype and int8-quantised (a copy); the faster.
+    """Whether a 4-token draft step is faster int8-quantised than as loaded, here.
 
-    Measured once per process and draft (a second or two): whether int8 wins depends on the
-    CPU (int8 dot-product units) and on the model's width.
+    Measured once per machine and draft, and cached next to the calibrations: the draft's
+    variant changes its q and so the seeded tokens, which must not depend on timing noise.
     """
-    import copy
-
+    key = {"draft": model_identity(draft), "dtype": dtype_name(draft.model.dtype), **machine()}
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()
+    folder = os.environ.get("DSBD_CALIBRATION_DIR") or str(cache_root() / "calibration")
+    path = Path(folder) / f"int8-{digest[:20]}.json"
+    if path.is_file():
+        return json.loads(path.read_text())["choice"]
     quantized = quantize_int8(copy.deepcopy(draft.model))
-    return "int8" if _step_seconds(quantized) < _step_seconds(draft.model) else "none"
-
-
-def _step_seconds(model: torch.nn.Module, context: int = 64, tokens: int = 4) -> float:
-    """Median time of a forward over `tokens` new tokens after a `context`-token prefix."""
-    ids = torch.arange(1, context + tokens + 1).remainder(1000)[None, :].to(model.device)
-    times = []
-    with torch.inference_mode():
-        prefix = model(input_ids=ids[:, :context], use_cache=True).past_key_values
-        for _ in range(5):
-            cache = copy_cache(prefix)
-            start = time.perf_counter()
-            model(input_ids=ids[:, context:], past_key_values=cache, use_cache=True)
-            times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
-
-
-def copy_cache(cache):  # noqa: ANN001, ANN201 - a transformers Cache
-    """A deep copy of a KV cache (a forward appends to the cache it is given)."""
-    import copy
-
-    return copy.deepcopy(cache)
+    as_loaded = forward_costs(draft.model, points=(4,)).seconds[0]
+    int8 = forward_costs(quantized, points=(4,)).seconds[0]
+    choice: Literal["none", "int8"] = "int8" if int8 < as_loaded else "none"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(f".{os.getpid()}.partial")
+    partial.write_text(json.dumps({"choice": choice, "int8_s": int8, "as_loaded_s": as_loaded}))
+    partial.replace(path)
+    return choice

@@ -36,13 +36,6 @@ from dsbd_core.tools.bench.runners import (
 )
 from dsbd_core.tools.bench.schema import BenchConfig, BenchResult, MethodRecord
 
-DTYPES = {
-    "float32": torch.float32,
-    "float64": torch.float64,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
-
 
 class ResumeMismatchError(ValueError):
     """The output directory holds a run with another config."""
@@ -56,28 +49,29 @@ def run_bench(
     progress: bool = True,
     extra_records: list[MethodRecord] | None = None,
     say: Callable[[str], None] = print,
+    recalibrate: bool = False,
 ) -> BenchResult:
     """Run (or resume) a benchmark and write its outputs into `out_dir`."""
-    from dsbd_core.models import check_same_vocabulary, encode_prompt, load_causal_lm
-    from dsbd_core.models import stop_token_ids as stop_ids_of
+    from dsbd_core.models import encode_prompt
+    from dsbd_core.models.pair import DraftOptions, load_pair
 
     specs = parse_methods(",".join(config.methods), gamma=config.gamma)
     prompts = prompt_set(config.prompt_set)[: config.prompts]
     records = _open_run(config, out_dir, fresh)
     torch.set_num_threads(config.threads)
     device = torch.device(config.device)
-    dtype = DTYPES[config.dtype]
-    say(f"loading target {config.target} ...")
-    target = load_causal_lm(config.target, dtype=dtype)
-    target.model.to(device)
-    draft = None
-    if config.draft and any(s.uses_draft for s in specs):
-        say(f"loading draft {config.draft} ...")
-        draft = load_causal_lm(config.draft, dtype=dtype)
-        draft.model.to(device)
-        check_same_vocabulary(target, draft)
-    pair = Pair(target, draft, device, stop_ids_of(target))
-    prompt_ids = [encode_prompt(target, p.text, chat=p.chat) for p in prompts]
+    say(f"loading target {config.target} and draft {config.draft} ...")
+    draft_name = config.draft if config.draft and any(s.uses_draft for s in specs) else None
+    options = DraftOptions(quantize=config.draft_quantize,  # type: ignore[arg-type]
+                           head_tokens=config.draft_head_tokens)  # fmt: skip
+    loaded = load_pair(config.target, draft_name, dtype=config.dtype, device=str(device),
+                       draft_options=options)  # fmt: skip
+    say(loaded.describe())
+    calibration = None
+    if loaded.draft is not None and any(s.uses_draft and not s.fixed_knobs for s in specs):
+        calibration = loaded.calibration(force=recalibrate, say=say)
+    pair = Pair(loaded.target, loaded.draft, device, loaded.stop_ids, calibration)
+    prompt_ids = [encode_prompt(loaded.target, p.text, chat=p.chat) for p in prompts]
     _write_prompts(out_dir / "prompts.jsonl", prompts, prompt_ids)
     energy = EnergyMeter(device)
     sandbox = config.sandbox or default_sandbox()
@@ -95,7 +89,7 @@ def run_bench(
 
     probe = (
         probe_assisted_beams(pair, prompt_ids[0], base_config(0))
-        if draft is not None and any(not s.engine for s in specs)
+        if pair.draft is not None and any(not s.engine for s in specs)
         else {"skipped": "no transformers baseline with a draft in this run"}
     )
     done = {(r.prompt_id, r.method) for r in records}
@@ -133,7 +127,8 @@ def run_bench(
         transformers_settings=_hf_settings(specs, pair, base_config(0)),
         transformers_assisted_with_beams=probe,
         energy_note=energy.reason or "NVML total-energy counter of the GPU",
-        notes=[f"HumanEval sandbox: {sandbox}"] if any(p.task_id for p in prompts) else [],
+        notes=[f"models: {loaded.describe()}"]
+        + ([f"HumanEval sandbox: {sandbox}"] if any(p.task_id for p in prompts) else []),
         summary=summarize(all_records),
         records=all_records,
     )

@@ -5,16 +5,24 @@
     beam-w{W}                    beam sampling of width W (our engine)
     dsbd-w{W}-g{G}-fixed         DSBD, fixed width W
     dsbd-w{W}-g{G}-t{T}          DSBD, dynamic width with threshold T (w_min 1)
+    ...-ws{S}                    draft width W_S = S (default: W)
     ...-wmin{M}                  smallest width M (dynamic width only)
     ...-lean                     memory-lean DSBD (one beam kept between iterations, spec §7)
+    ...-fk                       fixed knobs: draft exactly G layers every iteration (default:
+                                 the cost model chooses the depth per iteration, up to G)
     hf-sample                    transformers `generate(do_sample=True)`
     hf-beam-w{W}                 transformers `generate(num_beams=W, do_sample=True)`
     hf-assisted                  transformers `generate(assistant_model=draft, do_sample=True)`
+    search-w{W}                  deterministic beam search of width W (our engine, beam_search)
+    spec-search-w{W}-g{G}        speculative beam search (spec_beam_search): the same tokens as
+                                 search-w{W}; takes -ws{S} and -fk like dsbd
+    hf-search-w{W}               transformers `generate(num_beams=W, do_sample=False)`
 
 `g{G}` may be left out (the run's `--gamma` applies); names are canonicalised (gamma always
 written, `t0.90` -> `t0.9`) so the same method has one name in every result file.
 Every method has a width W; its *reference* is our beam sampling at the same W (`sample` for
-W = 1), which is what time ratios and quality differences are taken against.
+W = 1), which is what time ratios and quality differences are taken against; for the search
+families it is our plain beam search at the same W (`search-w{W}`).
 """
 
 from __future__ import annotations
@@ -25,12 +33,20 @@ from typing import Literal
 
 from dsbd_core.algorithm.config import SamplingConfig
 
-Family = Literal["sample", "sps", "beam", "dsbd", "hf-sample", "hf-beam", "hf-assisted"]
-ENGINE_FAMILIES = ("sample", "sps", "beam", "dsbd")
-DRAFT_FAMILIES = ("sps", "dsbd", "hf-assisted")
+Family = Literal[
+    "sample", "sps", "beam", "dsbd", "hf-sample", "hf-beam", "hf-assisted", "search",
+    "spec-search", "hf-search",
+]  # fmt: skip
+ENGINE_FAMILIES = ("sample", "sps", "beam", "dsbd", "search", "spec-search")
+DRAFT_FAMILIES = ("sps", "dsbd", "hf-assisted", "spec-search")
+SEARCH_FAMILIES = ("search", "spec-search", "hf-search")
+# our decoders' names (dsbd_core.algorithm.decoders) where they differ from the family's
+_ENGINE_METHOD = {"search": "beam_search", "spec-search": "spec_beam_search"}
 GRAMMAR = (
-    "sample | sps[-g<G>] | beam-w<W> | dsbd-w<W>[-g<G>](-fixed|-t<T>)[-wmin<M>][-lean] | "
-    "hf-sample | hf-beam-w<W> | hf-assisted"
+    "sample | sps[-g<G>][-fk] | beam-w<W> | "
+    "dsbd-w<W>[-g<G>](-fixed|-t<T>)[-ws<S>][-wmin<M>][-lean][-fk] | "
+    "hf-sample | hf-beam-w<W> | hf-assisted | "
+    "search-w<W> | spec-search-w<W>[-g<G>][-ws<S>][-fk] | hf-search-w<W>"
 )
 
 
@@ -48,6 +64,8 @@ class MethodSpec:
     threshold: float | None = None  # dsbd dynamic width; None = fixed width
     w_min: int = 1
     lean: bool = False
+    draft_width: int | None = None  # W_S; None = W
+    fixed_knobs: bool = False  # draft gamma layers every iteration (no cost model)
 
     @property
     def name(self) -> str:
@@ -55,15 +73,22 @@ class MethodSpec:
         if self.family in ("sample", "hf-sample", "hf-assisted"):
             return self.family
         if self.family == "sps":
-            return f"sps-g{self.gamma}"
-        if self.family in ("beam", "hf-beam"):
+            return f"sps-g{self.gamma}" + ("-fk" if self.fixed_knobs else "")
+        if self.family in ("beam", "hf-beam", "search", "hf-search"):
             return f"{self.family}-w{self.width}"
+        if self.family == "spec-search":
+            ws = f"-ws{self.draft_width}" if self.draft_width not in (None, self.width) else ""
+            return f"spec-search-w{self.width}-g{self.gamma}{ws}" + ("-fk" * self.fixed_knobs)
         parts = [f"dsbd-w{self.width}", f"g{self.gamma}"]
         parts.append("fixed" if self.threshold is None else f"t{self.threshold:g}")
+        if self.draft_width is not None and self.draft_width != self.width:
+            parts.append(f"ws{self.draft_width}")
         if self.w_min != 1:
             parts.append(f"wmin{self.w_min}")
         if self.lean:
             parts.append("lean")
+        if self.fixed_knobs:
+            parts.append("fk")
         return "-".join(parts)
 
     @property
@@ -78,13 +103,15 @@ class MethodSpec:
     @property
     def reference(self) -> str:
         """The method time ratios and quality differences are taken against."""
+        if self.family in SEARCH_FAMILIES:
+            return f"search-w{self.width}"
         return "sample" if self.width == 1 else f"beam-w{self.width}"
 
     def engine_method(self) -> str:
         """The `dsbd_core.algorithm.decoders` method name."""
         if not self.engine:
             raise ValueError(f"{self.name} is not an engine method")
-        return self.family
+        return _ENGINE_METHOD.get(self.family, self.family)
 
     def sampling_config(self, base: SamplingConfig) -> SamplingConfig:
         """`base` with this method's width, depth, threshold, w_min and lean flag."""
@@ -92,17 +119,22 @@ class MethodSpec:
         if self.gamma is not None:
             update["gamma"] = self.gamma
         if self.family == "dsbd":
-            update.update(threshold=self.threshold, lean_memory=self.lean)
+            update.update(threshold=self.threshold, lean_memory=self.lean,
+                          draft_width=self.draft_width)  # fmt: skip
+        if self.family == "spec-search":
+            update["draft_width"] = self.draft_width
         return SamplingConfig(**{**base.model_dump(), **update})  # validated (model_copy is not)
 
 
-_OPTION = re.compile(r"^(w|g|t|wmin)(\d+(?:\.\d+)?)$")
+_OPTION = re.compile(r"^(w|g|t|ws|wmin)(\d+(?:\.\d+)?)$")
 
 
 def parse_method(text: str, *, gamma: int) -> MethodSpec:
     """Parse one method name; `gamma` fills in a left-out `g<G>`."""
     name = text.strip()
-    for family in ("hf-sample", "hf-assisted", "hf-beam", "sample", "sps", "beam", "dsbd"):
+    families = ("hf-sample", "hf-assisted", "hf-beam", "hf-search", "spec-search", "search",
+                "sample", "sps", "beam", "dsbd")  # fmt: skip
+    for family in families:
         if name == family or name.startswith(family + "-"):
             rest = name[len(family) + 1 :].split("-") if name != family else []
             return _build(family, rest, gamma, text)
@@ -116,7 +148,7 @@ def _build(family: str, rest: list[str], gamma: int, text: str) -> MethodSpec:
         match = _OPTION.match(part)
         if match:
             values[match.group(1)] = float(match.group(2))
-        elif part in ("fixed", "lean"):
+        elif part in ("fixed", "lean", "fk"):
             flags.add(part)
         else:
             raise MethodNameError(f"method={text!r}: unknown part {part!r}; allowed: {GRAMMAR}")
@@ -127,13 +159,17 @@ def _build(family: str, rest: list[str], gamma: int, text: str) -> MethodSpec:
         "sps": {"g"},
         "beam": {"w"},
         "hf-beam": {"w"},
-        "dsbd": {"w", "g", "t", "wmin"},
+        "dsbd": {"w", "g", "t", "ws", "wmin"},
+        "search": {"w"},
+        "hf-search": {"w"},
+        "spec-search": {"w", "g", "ws"},
     }[family]
     extra = set(values) - allowed
-    if extra or (flags and family != "dsbd"):
+    fk_ok = ("sps", "dsbd", "spec-search")
+    if extra or (flags - {"fk"} and family != "dsbd") or ("fk" in flags and family not in fk_ok):
         bad = sorted(extra) or sorted(flags)
         raise MethodNameError(f"method={text!r}: {family} takes no {bad}; allowed: {GRAMMAR}")
-    if family in ("beam", "hf-beam", "dsbd") and "w" not in values:
+    if family in ("beam", "hf-beam", "dsbd", *SEARCH_FAMILIES) and "w" not in values:
         raise MethodNameError(f"method={text!r}: {family} needs a width w<W>; allowed: {GRAMMAR}")
     if family == "dsbd" and ("t" in values) == ("fixed" in flags):
         raise MethodNameError(f"method={text!r}: dsbd needs exactly one of -fixed or -t<T>")
@@ -141,10 +177,12 @@ def _build(family: str, rest: list[str], gamma: int, text: str) -> MethodSpec:
     spec = MethodSpec(
         family=family,  # type: ignore[arg-type]
         width=width,
-        gamma=int(values.get("g", gamma)) if family in ("sps", "dsbd") else None,
+        gamma=int(values.get("g", gamma)) if family in ("sps", "dsbd", "spec-search") else None,
         threshold=values.get("t"),
         w_min=int(values.get("wmin", 1)),
         lean="lean" in flags,
+        draft_width=int(values["ws"]) if "ws" in values else None,
+        fixed_knobs="fk" in flags,
     )
     try:  # the config model validates ranges (width 1..64, 0 <= t <= 1, w_min <= width, ...)
         spec.sampling_config(SamplingConfig())

@@ -6,8 +6,9 @@ the sample for sampling methods) and the number of decoding steps the time is di
 * ours: `DecodeStats.tokens_emitted`, the length of the longest generated sequence (for
   beam methods the steps taken, since every beam grows by one token per step);
 * transformers' sampling and assisted generation: the generated length of the one sequence;
-* transformers' beam sampling: its steps, i.e. its target forward calls (one per step, the
-  first being the prefill), since the returned best beam can be shorter than the search ran.
+* transformers' beam sampling and beam search: its steps, i.e. its target forward calls (one
+  per step, the first being the prefill), since the returned best beam can be shorter than the
+  search ran.
 
 transformers is given every sampling knob explicitly (temperature, top_k = 0, top_p, no
 repetition penalty, our stop ids) so neither a model's generation_config nor transformers'
@@ -23,7 +24,8 @@ import torch
 from transformers import GenerationConfig
 
 from dsbd_core.algorithm.config import SamplingConfig
-from dsbd_core.algorithm.decoders import generate
+from dsbd_core.algorithm.cost_model import Calibration, CostController
+from dsbd_core.algorithm.decoders import generate, method_config
 from dsbd_core.models import LoadedModel
 from dsbd_core.models.transformer_scorer import TransformerScorer
 from dsbd_core.tools.bench.measure import ForwardCounter
@@ -38,6 +40,7 @@ class Pair:
     draft: LoadedModel | None
     device: torch.device
     stop_ids: tuple[int, ...]
+    calibration: Calibration | None = None  # the cost model's (None: fixed knobs only)
     target_counter: ForwardCounter = field(init=False)
     draft_counter: ForwardCounter | None = field(init=False)
 
@@ -74,23 +77,31 @@ def run_engine(
     draft = TransformerScorer(pair.draft.model) if spec.uses_draft and pair.draft else None
     if spec.uses_draft and draft is None:
         raise ValueError(f"{spec.name} needs a draft model; the run has none")
-    result = generate(
-        spec.engine_method(), TransformerScorer(pair.target.model), prompt_ids, config, draft
-    )
+    controller = None
+    if spec.uses_draft and not spec.fixed_knobs and pair.calibration is not None:
+        run_config = method_config(spec.engine_method(), config)
+        controller = CostController(run_config, pair.calibration)
+    result = generate(spec.engine_method(), TransformerScorer(pair.target.model), prompt_ids,
+                      config, draft, controller)  # fmt: skip
     best = result.best
+    stats = result.stats.as_dict()
+    if controller is not None:
+        stats["knob_gamma"] = controller.chosen  # the depth the cost model chose per iteration
     return Decoded(
         answer_ids=list(best.token_ids),
         tokens=result.stats.tokens_emitted,
-        engine_stats=result.stats.as_dict(),
+        engine_stats=stats,
         engine_loglik=best.log_likelihood,
     )
 
 
 def hf_generation_config(spec: MethodSpec, base: SamplingConfig, pair: Pair) -> GenerationConfig:
-    """transformers' config for a method, every knob that shapes the distribution explicit."""
+    """transformers' config for a method, every knob that shapes the distribution explicit
+    (`hf-search`: deterministic beam search, `do_sample=False`, where the sampling knobs do
+    not apply)."""
     return GenerationConfig(
-        do_sample=True,
-        num_beams=spec.width if spec.family == "hf-beam" else 1,
+        do_sample=spec.family != "hf-search",
+        num_beams=spec.width if spec.family in ("hf-beam", "hf-search") else 1,
         temperature=base.temperature,
         top_k=base.top_k,  # 0 = off (None would mean transformers' default, 50)
         top_p=base.top_p,
@@ -108,7 +119,7 @@ def hf_generation_config(spec: MethodSpec, base: SamplingConfig, pair: Pair) -> 
 def run_hf(
     spec: MethodSpec, pair: Pair, prompt_ids: list[int], base: SamplingConfig, seed: int
 ) -> Decoded:
-    """Decode with transformers' `generate` (hf-sample, hf-beam, hf-assisted)."""
+    """Decode with transformers' `generate` (hf-sample, hf-beam, hf-assisted, hf-search)."""
     if spec.family == "hf-assisted" and pair.draft is None:
         raise ValueError(f"{spec.name} needs a draft model; the run has none")
     ids = torch.tensor([prompt_ids], dtype=torch.long, device=pair.device)
@@ -123,7 +134,7 @@ def run_hf(
         )
     generated = out.sequences[0, len(prompt_ids) :].tolist()
     answer = cut_at_stop(generated, pair.stop_ids)
-    steps = pair.target_counter.calls if spec.family == "hf-beam" else len(generated)
+    steps = pair.target_counter.calls if spec.family in ("hf-beam", "hf-search") else len(generated)
     return Decoded(answer_ids=answer, tokens=steps)
 
 

@@ -40,7 +40,9 @@ class BenchConfig(BaseModel):
     top_k: int = Field(ge=0)
     top_p: float = Field(gt=0, le=1)
     device: str
-    dtype: str
+    dtype: str = Field(description="auto, or the dtype every model runs in")
+    draft_quantize: str = Field("none", description="the draft's linear layers: none/int8/auto")
+    draft_head_tokens: int | None = Field(0, description="restricted draft head (0: full)")
     threads: int = Field(ge=1)
     warmup_tokens: int = Field(ge=0, description="tokens of the unrecorded warm-up decodes")
     humaneval_timeout_s: float = Field(gt=0)
