@@ -116,3 +116,39 @@ def test_a_restricted_int8_draft_decodes_and_proposes_only_its_tokens() -> None:
     plain = generate("dsbd", TransformerScorer(target), [1, 2, 3], config,
                      TransformerScorer(_tiny(1)))  # fmt: skip
     assert len(plain.best.token_ids) == len(result.best.token_ids) == 12
+
+
+def _lumped(target: torch.Tensor, table: torch.Tensor, support: torch.Tensor, vocab: int):
+    """What verify_forest hands the width rules for a restricted head: the support's columns
+    and one column with the target's mass outside them."""
+    batch, parents = target.shape[0], target.shape[1] // vocab
+    p = target.view(batch, parents, vocab)[:, :, support].reshape(batch, -1)
+    q = table.view(batch, parents, vocab)[:, :, support].reshape(batch, -1)
+    outside = target.sum(1, keepdim=True) - p.sum(1, keepdim=True)
+    return torch.cat([p, outside], 1), torch.cat([q, torch.zeros_like(outside)], 1)
+
+
+def test_width_rules_on_the_support_equal_the_full_layer() -> None:
+    """One column for the target mass outside the draft's support changes nothing the width
+    rules compute: the i.i.d. DP is identical, the distinct estimate agrees within its noise."""
+    from dsbd_core.algorithm.width import acceptance_alphas, layer_width
+    from dsbd_core.algorithm.width_distinct import distinct_count_tails
+
+    gen = torch.Generator().manual_seed(3)
+    vocab, parents = 50, 3
+    support = torch.arange(0, vocab, 3)
+    target = torch.rand(2, parents * vocab, generator=gen, dtype=torch.float64) ** 4
+    target /= target.sum(1, keepdim=True)
+    table = torch.zeros_like(target).view(2, parents, vocab)
+    table[:, :, support] = torch.rand(2, parents, support.numel(), generator=gen,
+                                      dtype=torch.float64) ** 4  # fmt: skip
+    table = table.view(2, -1) / table.view(2, -1).sum(1, keepdim=True)
+    p, q = _lumped(target, table, support, vocab)
+    full = acceptance_alphas(target, table, 4)
+    torch.testing.assert_close(acceptance_alphas(p, q, 4), full, rtol=0, atol=1e-12)
+    drafts, w_max = torch.tensor([4, 4]), torch.tensor([3, 3])
+    assert torch.equal(layer_width(p, q, drafts, 0.6, 1, w_max),
+                       layer_width(target, table, drafts, 0.6, 1, w_max))  # fmt: skip
+    tails = [distinct_count_tails(x, y, None, drafts, torch.Generator().manual_seed(1),
+                                  samples=4000) for x, y in ((target, table), (p, q))]  # fmt: skip
+    assert (tails[0] - tails[1]).abs().max() < 0.05

@@ -149,7 +149,10 @@ def distinct_count_tails(
         return tails
     p, q, valid = small_layer(target, table, valid_rows, keep, spread)
     key = torch.cat([p, q, valid.to(p.dtype), drafts[:, None].to(p.dtype)], dim=1)
-    unique, inverse = torch.unique(key, dim=0, return_inverse=True)
+    if batch == 1:  # nothing to share
+        unique, inverse = key, torch.zeros(1, dtype=torch.long)
+    else:
+        unique, inverse = torch.unique(key, dim=0, return_inverse=True)
     size = p.shape[1]
     p, q = unique[:, :size], unique[:, size : 2 * size]
     valid, counts = unique[:, 2 * size : 3 * size] > 0, unique[:, -1].long()
