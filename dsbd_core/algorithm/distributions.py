@@ -57,6 +57,8 @@ def _safe_softmax(x: torch.Tensor) -> torch.Tensor:
 def normalise(weights: torch.Tensor) -> torch.Tensor:
     """Rows divided by their sums; rows without mass stay zero."""
     total = weights.sum(dim=-1, keepdim=True)
+    if bool((total > 0).all()):
+        return weights / total  # the common case: one pass instead of three
     return torch.where(total > 0, weights / total.clamp_min(1e-300), torch.zeros_like(weights))
 
 

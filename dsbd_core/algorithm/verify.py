@@ -105,14 +105,14 @@ def verify_layer(
         d = drafts[:, j : j + 1]
         live = active & draft_exists[:, j] & (count < width)
         was_drafted = draft_exists[:, j]
+        if not bool((active & (count < width)).any()):
+            break  # every verifying session has its K acceptances: nothing left to decide
         if not bool(live.any()) and (not distinct or not bool(was_drafted.any())):
             continue  # nothing of this draft reaches a chain or a later proposal
-        if distinct:
-            step_proposal = restricted / (1.0 - drafted_mass).clamp_min(1e-300)[:, None]
-        else:
-            step_proposal = restricted
+        step_proposal = None  # q^(j), built only where needed (a rejection, or epsilon)
         numerator = chain.gather(1, d)[:, 0]
         if bonus is not None:
+            step_proposal = _step_proposal(restricted, drafted_mass, distinct)
             numerator = numerator + bonus.gather(1, d)[:, 0]
             beta = torch.minimum(bonus, (step_proposal - chain).clamp_min(0.0)).sum(dim=1)
             bias = bias + torch.where(live, beta, torch.zeros_like(beta))
@@ -121,7 +121,11 @@ def verify_layer(
         rejected = live & ~ok
         accepted[:, j] = ok
         count = count + ok.long()
-        after_reject = residual(chain, step_proposal) if bool(rejected.any()) else None
+        after_reject = None
+        if bool(rejected.any()):
+            if step_proposal is None:
+                step_proposal = _step_proposal(restricted, drafted_mass, distinct)
+            after_reject = residual(chain, step_proposal)
         reset = target
         if distinct:
             if bool(ok.any()):
@@ -139,6 +143,16 @@ def verify_layer(
             restricted.scatter_(1, d, torch.where(was_drafted[:, None], 0.0, kept))
         chain = _next_chain(chain, ok, reset, rejected, after_reject)
     return LayerVerdict(accepted=accepted, count=count, chain=chain, chosen=chosen, bias=bias)
+
+
+def _step_proposal(
+    restricted: torch.Tensor, drafted_mass: torch.Tensor, distinct: bool
+) -> torch.Tensor:
+    """The proposal of the current draft: Q~, and in distinct mode Q~ without the earlier
+    drafts (zeroed in `restricted` already), renormalised by the mass they took."""
+    if not distinct:
+        return restricted
+    return restricted / (1.0 - drafted_mass).clamp_min(1e-300)[:, None]
 
 
 def _next_chain(
