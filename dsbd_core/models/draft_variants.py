@@ -76,8 +76,74 @@ def restrict_head(model: PreTrainedModel, keep: torch.Tensor) -> PreTrainedModel
     return model
 
 
+class _Fused(nn.Module):
+    """Several linear layers that read the same input, as one: their weights stacked."""
+
+    def __init__(self, parts: list[nn.Linear]) -> None:
+        super().__init__()
+        weight = torch.cat([part.weight.detach() for part in parts])
+        has_bias = any(part.bias is not None for part in parts)
+        self.linear = nn.Linear(weight.shape[1], weight.shape[0], bias=has_bias)
+        self.linear.to(device=weight.device, dtype=weight.dtype)
+        with torch.no_grad():
+            self.linear.weight.copy_(weight)
+            if has_bias:
+                biases = [part.bias.detach() if part.bias is not None
+                          else weight.new_zeros(part.out_features) for part in parts]  # fmt: skip
+                self.linear.bias.copy_(torch.cat(biases))
+        bounds = torch.tensor([0] + [part.out_features for part in parts]).cumsum(0).tolist()
+        self.bounds = list(zip(bounds[:-1], bounds[1:], strict=True))
+        self._input: torch.Tensor | None = None
+        self._output: torch.Tensor | None = None
+
+    def part(self, x: torch.Tensor, index: int) -> torch.Tensor:
+        if self._input is not x:  # the first of the parts to read this input computes them all
+            self._input, self._output = x, self.linear(x)
+        assert self._output is not None
+        begin, end = self.bounds[index]
+        out = self._output[..., begin:end]
+        if index == len(self.bounds) - 1:
+            self._input = self._output = None  # the last part read: hold no activations
+        return out
+
+
+class _Part(nn.Module):
+    """One of a `_Fused` layer's outputs, where the model calls the original layer."""
+
+    def __init__(self, fused: _Fused, index: int, out_features: int) -> None:
+        super().__init__()
+        self.fused, self.index, self.out_features = fused, index, out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fused.part(x, self.index)
+
+
+def fuse_projections(model: PreTrainedModel) -> int:
+    """Stack each attention's q, k and v projections, and each MLP's gate and up projections,
+    into one linear layer (in place); returns how many groups were fused.
+
+    A small draft's step is a few hundred linear calls on a handful of rows, and each call has
+    a fixed cost (an int8 layer quantises its input first): the 0.5B Qwen draft's 168 calls per
+    forward become 96. The model code still calls q_proj, k_proj, v_proj (gate_proj, up_proj)
+    one after the other on the same input; the first call computes the stacked product, the
+    others take their slice of it. Same arithmetic, so the draft's q changes only by rounding.
+    """
+    groups = 0
+    for module in model.modules():
+        for names in (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")):
+            parts = [getattr(module, name, None) for name in names]
+            if all(type(part) is nn.Linear for part in parts):
+                fused = _Fused(parts)  # type: ignore[arg-type]
+                for index, (name, part) in enumerate(zip(names, parts, strict=True)):
+                    setattr(module, name, _Part(fused, index, part.out_features))  # type: ignore[union-attr]
+                module.add_module("_fused_" + names[0], fused)
+                groups += 1
+    return groups
+
+
 def quantize_int8(model: PreTrainedModel) -> PreTrainedModel:
-    """int8 dynamic quantisation of every `nn.Linear` (weights int8, activations float32).
+    """int8 dynamic quantisation of every `nn.Linear` (weights int8 per output channel,
+    activations quantised per call; the linear layers fused first where they share an input).
 
     `quantize_dynamic` works on float32 modules only, so the model is first made float32 (its
     non-linear parts then run in float32 as well).
@@ -85,12 +151,16 @@ def quantize_int8(model: PreTrainedModel) -> PreTrainedModel:
     if model.device.type != "cpu":
         raise ValueError(f"int8 dynamic quantisation runs on the CPU only, not {model.device}")
     model = model.to(torch.float32)
+    fuse_projections(model)
     use_int8_engine()
     with warnings.catch_warnings():  # torch warns that quantized tensor creation is deprecated
         warnings.simplefilter("ignore", UserWarning)
-        from torch.ao.quantization import quantize_dynamic
+        from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
 
-        quantize_dynamic(model, {nn.Linear}, dtype=torch.qint8, inplace=True)
+        # Per output channel: one scale per weight row. Per tensor, Qwen2.5-0.5B's acceptance
+        # against its 1.5B target fell from 0.874 (float) to 0.800; per channel it is 0.831
+        # (Σ min(p, q) on HumanEval continuations the target sampled).
+        quantize_dynamic(model, {nn.Linear: per_channel_dynamic_qconfig}, inplace=True)
     return model
 
 

@@ -159,7 +159,7 @@ def prepare_draft(draft: LoadedModel, options: DraftOptions, stop_ids: tuple[int
         quantize = _faster_on_this_cpu(draft) if usable else "none"
     if quantize == "int8":
         quantize_int8(draft.model)
-        done.append("int8 linear layers")
+        done.append("int8 linear layers (per channel, q/k/v and gate/up fused)")
     else:
         done.append(f"{dtype_name(draft.model.dtype)} linear layers")
     return ", ".join(reversed(done))
@@ -171,7 +171,8 @@ def _faster_on_this_cpu(draft: LoadedModel) -> Literal["none", "int8"]:
     Measured once per machine and draft, and cached next to the calibrations: the draft's
     variant changes its q and so the seeded tokens, which must not depend on timing noise.
     """
-    key = {"draft": model_identity(draft), "dtype": dtype_name(draft.model.dtype), **machine()}
+    key = {"draft": model_identity(draft), "dtype": dtype_name(draft.model.dtype),
+           "int8": "per-channel, fused", **machine()}  # fmt: skip
     digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()
     folder = os.environ.get("DSBD_CALIBRATION_DIR") or str(cache_root() / "calibration")
     path = Path(folder) / f"int8-{digest[:20]}.json"
