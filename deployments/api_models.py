@@ -3,8 +3,15 @@
 The DSBD knobs (width, gamma, threshold, ...) are accepted as extra body fields, which is where
 the `openai` client's `extra_body=` puts them. They are not declared twice: `DecodingKnobs` is
 built from `SamplingConfig`'s own fields, so limits, defaults and descriptions stay in one place
-and the HTTP API rejects exactly what the CLI rejects. OpenAI options dsbd cannot honour
-(penalties, logprobs, tools, ...) are refused with a message naming the field, not ignored.
+and the HTTP API rejects exactly what the CLI rejects. vLLM's beam-search extension fields are
+accepted as vLLM names them (`use_beam_search`, `length_penalty`, `early_stopping`; `n` is the
+beam width when `width` is not given), so a vLLM beam-search client works unchanged. OpenAI
+options dsbd cannot honour (penalties, tools, ...) are refused with a message naming the field,
+not ignored.
+
+logprobs follow OpenAI's documented ranges: chat `logprobs: true` with `top_logprobs` 0..20
+(`top_logprobs` needs `logprobs: true`), completions `logprobs` 0..5 (an integer: the number of
+alternatives). The native route takes `logprobs` 0..20 (SamplingConfig.logprobs).
 """
 
 from __future__ import annotations
@@ -18,15 +25,38 @@ from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
 from dsbd_core.algorithm.config import SamplingConfig
 from dsbd_core.algorithm.decoders import METHODS
 
-# SamplingConfig fields that OpenAI requests carry under their own names, or that the server fills.
-_OPENAI_NAMED = {"temperature", "top_p", "seed", "max_new_tokens", "eos_token_ids"}
-Method = Literal["dsbd", "beam", "sps", "sample"]
+# SamplingConfig fields that OpenAI requests carry under their own names, that the server fills,
+# or that other fields decide (`search`: `method` or `use_beam_search`; `logprobs`: the routes'
+# own logprobs fields).
+_OPENAI_NAMED = {"temperature", "top_p", "seed", "max_new_tokens", "eos_token_ids", "search",
+                 "logprobs"}  # fmt: skip
+Method = Literal["dsbd", "beam", "sps", "sample", "beam_search", "spec_beam_search"]
 assert set(Method.__args__) == set(METHODS)  # type: ignore[attr-defined]
+BEAM_METHODS = ("dsbd", "beam", "beam_search", "spec_beam_search")  # methods with W beams
+SEARCH_METHODS = ("beam_search", "spec_beam_search")
 
 DecodingKnobs: type[BaseModel] = create_model(  # type: ignore[call-overload]
     "DecodingKnobs",
     __config__=ConfigDict(extra="forbid"),
-    method=(Method, Field("dsbd", description="Decoder: dsbd, beam, sps or sample.")),
+    method=(
+        Method,
+        Field(
+            "dsbd",
+            description="Decoder: dsbd, beam, sps, sample, beam_search or spec_beam_search.",
+        ),
+    ),
+    use_beam_search=(
+        bool,
+        Field(
+            False,
+            description=(
+                "vLLM's field: deterministic beam search (the W best candidates each step) with"
+                " the given method: beam -> beam_search, dsbd -> spec_beam_search (the same"
+                " tokens, fewer target forwards), sample/sps -> greedy. On the OpenAI routes"
+                " `n` is then the width when `width` is not given (vLLM: n = beam width)."
+            ),
+        ),
+    ),
     adaptive=(
         bool,
         Field(
@@ -53,8 +83,6 @@ _NEUTRAL: dict[str, Any] = {
     "frequency_penalty": 0.0,
     "presence_penalty": 0.0,
     "logit_bias": None,
-    "logprobs": None,
-    "top_logprobs": None,
     "suffix": None,
     "tools": None,
     "tool_choice": None,
@@ -84,7 +112,6 @@ class _OpenAIRequest(DecodingKnobs):  # type: ignore[misc, valid-type]
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
-    logprobs: Any = None
     suffix: str | None = None
 
     @model_validator(mode="after")
@@ -95,11 +122,15 @@ class _OpenAIRequest(DecodingKnobs):  # type: ignore[misc, valid-type]
                 raise ValueError(
                     f"{name}={value!r} is not supported by dsbd; allowed: {neutral!r} (omit it)"
                 )
-        width = self.width  # type: ignore[attr-defined]
-        if self.method in ("dsbd", "beam") and self.n > width:
+        if self.use_beam_search and "width" not in self.model_fields_set:
+            self.width = self.n  # vLLM: n is the beam width
+        width = self.width
+        if self.method in BEAM_METHODS and self.n > width:
             raise ValueError(f"n={self.n} is larger than width={width}; allowed: 1 <= n <= width")
         if self.method in ("sample", "sps") and self.n > 1:
-            raise ValueError(f"n={self.n} needs a beam method (dsbd or beam); {self.method} has 1")
+            raise ValueError(
+                f"n={self.n} needs a beam method ({', '.join(BEAM_METHODS)}); {self.method} has 1"
+            )
         return self
 
     @property
@@ -108,17 +139,43 @@ class _OpenAIRequest(DecodingKnobs):  # type: ignore[misc, valid-type]
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
+    @property
+    def logprob_count(self) -> int | None:
+        """SamplingConfig.logprobs: the alternatives asked for, None when logprobs are not."""
+        raise NotImplementedError
+
     def sampling_config(
         self, eos_token_ids: tuple[int, ...], max_new_tokens: int
     ) -> SamplingConfig:
         """The SamplingConfig this request asks for (validated once more by SamplingConfig)."""
-        return _sampling_config(self, self.max_tokens or max_new_tokens, eos_token_ids)
+        return _sampling_config(self, self.max_tokens or max_new_tokens, eos_token_ids,
+                                self.logprob_count)  # fmt: skip
 
 
 class CompletionRequest(_OpenAIRequest):
     """POST /v1/completions."""
 
     prompt: str = Field(..., min_length=1, description="The prompt text.")
+    logprobs: int | None = Field(
+        None,
+        ge=0,
+        le=5,
+        description=(
+            "Log-probabilities of the returned tokens and of the `logprobs` most likely tokens"
+            " at each position (0..5, OpenAI's range; the target's raw distribution)."
+        ),
+    )
+
+    @field_validator("logprobs", mode="before")
+    @classmethod
+    def _count_not_flag(cls, value: Any) -> Any:
+        if isinstance(value, bool):  # pydantic would read true as 1
+            raise ValueError("completions take an integer 0..5 (the alternatives per token)")
+        return value
+
+    @property
+    def logprob_count(self) -> int | None:
+        return self.logprobs
 
 
 class ChatMessage(BaseModel):
@@ -146,7 +203,12 @@ class ChatCompletionRequest(_OpenAIRequest):
 
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, le=32768)
-    top_logprobs: int | None = None
+    logprobs: bool | None = Field(
+        None, description="Log-probabilities of the returned tokens (the target's raw ones)."
+    )
+    top_logprobs: int | None = Field(
+        None, ge=0, le=20, description="Most likely tokens per position, 0..20 (logprobs: true)."
+    )
     tools: list[Any] | None = None
     tool_choice: Any = None
     functions: list[Any] | None = None
@@ -162,7 +224,16 @@ class ChatCompletionRequest(_OpenAIRequest):
                     f"{self.max_completion_tokens} disagree; give one of them"
                 )
             self.max_tokens = self.max_completion_tokens
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError(
+                f"top_logprobs={self.top_logprobs} needs logprobs=true (got logprobs="
+                f"{self.logprobs!r}); allowed: top_logprobs 0..20 with logprobs=true"
+            )
         return self
+
+    @property
+    def logprob_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class GenerateRequest(DecodingKnobs):  # type: ignore[misc, valid-type]
@@ -177,6 +248,15 @@ class GenerateRequest(DecodingKnobs):  # type: ignore[misc, valid-type]
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     seed: int | None = Field(None, ge=0)
     max_new_tokens: int = Field(64, ge=1, le=32768)
+    logprobs: int | None = Field(
+        None,
+        ge=0,
+        le=20,
+        description=(
+            "Every beam's token log-probabilities and the `logprobs` most likely tokens at each"
+            " position (0..20; the target's raw distribution, summing to log_likelihood)."
+        ),
+    )
 
     @model_validator(mode="after")
     def _one_prompt(self) -> GenerateRequest:
@@ -185,18 +265,19 @@ class GenerateRequest(DecodingKnobs):  # type: ignore[misc, valid-type]
         return self
 
     def sampling_config(self, eos_token_ids: tuple[int, ...]) -> SamplingConfig:
-        return _sampling_config(self, self.max_new_tokens, eos_token_ids)
+        return _sampling_config(self, self.max_new_tokens, eos_token_ids, self.logprobs)
 
 
 def _sampling_config(
-    request: BaseModel, max_new_tokens: int, eos_token_ids: tuple[int, ...]
+    request: BaseModel, max_new_tokens: int, eos_token_ids: tuple[int, ...], logprobs: int | None
 ) -> SamplingConfig:
     """SamplingConfig from a request's knobs plus the fields OpenAI names its own way."""
     knobs = {
         name: getattr(request, name)
         for name in DecodingKnobs.model_fields
-        if name not in ("method", "adaptive")
+        if name not in ("method", "adaptive", "use_beam_search")
     }
+    search = request.use_beam_search or request.method in SEARCH_METHODS  # type: ignore[attr-defined]
     return SamplingConfig(
         **knobs,
         temperature=request.temperature,  # type: ignore[attr-defined]
@@ -204,6 +285,8 @@ def _sampling_config(
         seed=request.seed,  # type: ignore[attr-defined]
         max_new_tokens=max_new_tokens,
         eos_token_ids=eos_token_ids,
+        search=search,
+        logprobs=logprobs,
     )
 
 
@@ -214,10 +297,21 @@ class Usage(BaseModel):
     total_tokens: int
 
 
+class CompletionLogprobs(BaseModel):
+    """OpenAI completions' logprobs: per token its text, its log-probability, the most likely
+    tokens there (text -> log-probability; the chosen one included, as OpenAI does) and where
+    its text starts in the choice's text."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]] | None
+    text_offset: list[int]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: Literal["stop", "length"] | None
 
 
@@ -240,10 +334,30 @@ class AssistantMessage(BaseModel):
     content: str
 
 
+class TopLogprob(BaseModel):
+    """A token, its log-probability and the UTF-8 bytes of its text (OpenAI chat)."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprob(TopLogprob):
+    """A returned token with the most likely tokens at its position."""
+
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    """OpenAI chat's `choices[i].logprobs`."""
+
+    content: list[TokenLogprob] | None
+
+
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: Literal["stop", "length"] | None
 
 

@@ -1,16 +1,21 @@
-"""`dsbd batch`: decode a JSONL or Parquet file of prompts as a Ray Data job.
+"""`dsbd batch`: decode JSONL or Parquet files of prompts as a Ray Data job.
 
-    dsbd batch --input prompts.jsonl --output results.parquet [--width 3 --gamma 3 ...]
+    dsbd batch --input prompts/ --output results.parquet [--width 3 --gamma 3 ...]
 
-The job: the driver reads the input (deployments/batch_rows.py) and leaves out the rows the
-output already holds (deployments/batch_output.py); Ray Data then runs
+The job: the driver lists the input files (a file, or a directory of them) and makes one
+streaming pass over them (deployments/batch_input.py): every row's id and content hash,
+checked against the records the output already holds (deployments/batch_output.py), kept
+as 16-byte fingerprints, never the rows. Ray Data then runs
 
-    from_arrow(rows) -> map_batches(BatchDecoder, compute=ActorPoolStrategy(size=N)) -> write
+    read_datasource(splits of the input) -> map_batches(BatchDecoder, ActorPoolStrategy(N))
+        -> write
 
-where each actor loads target and draft once and decodes a batch of rows together, sharing the
-models' forwards (deployments/batch_decoder.py); the records are written as Parquet or JSON
-Lines, one file per write task, into the output directory. A final line counts the rows decoded,
-failed and skipped, and the tokens per second.
+where read tasks read their split of a file themselves and pass on only the rows to decode
+(deployments/batch_source.py), so rows stream from storage to the actors and the driver's
+memory does not grow with the input; each actor loads target and draft once and decodes a
+batch of rows together, sharing the models' forwards (deployments/batch_decoder.py); the
+records are written as Parquet or JSON Lines, one file per write task, into the output
+directory. A final line counts the rows decoded, failed and skipped, and the tokens per second.
 
 The flags live in dsbd/batch_command.py, which checks every one before Ray starts (exit 2,
 naming the flag and the value) and hands a `BatchJob` of already validated settings to
@@ -32,11 +37,11 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from deployments.batch_decoder import DecoderSettings
+from deployments.batch_input import InputError, InputFile, InputPlan, plan_input
 from deployments.batch_output import OutputDir
-from deployments.batch_rows import InputRows
 
 # Settings that decide a row's result; a re-run on the same output must repeat them.
-_RESULT_SETTINGS = ("target", "draft", "dtype", "defaults")
+_RESULT_SETTINGS = ("target", "draft", "dtype", "draft_variant", "fixed_knobs", "defaults")
 
 
 class UsageError(Exception):
@@ -58,39 +63,49 @@ class JobOptions(BaseModel):
 
 @dataclass
 class BatchJob:
-    """A checked command line: the input rows, the output, how actors load and run."""
+    """A checked command line: the input files, the output, how actors load and run."""
 
-    rows: InputRows
+    input: str  # --input as given (for messages)
+    files: list[InputFile]
     out: OutputDir
     settings: DecoderSettings
     options: JobOptions
 
 
 def run_job(job: BatchJob, *, address: str | None = None, progress: bool = True) -> int:
-    """Run a checked job: skip the rows the output holds, decode the others on Ray, write
-    them, print the summary line; returns the exit status (1: Ray or the job failed, 130:
-    interrupted; rerunning resumes). `address`: a Ray cluster, else $RAY_ADDRESS, else a local
-    loopback-only Ray started (and shut down) for this job."""
-    rows, out, settings, options = job.rows, job.out, job.settings, job.options
+    """Run a checked job: plan the input against the output, decode the rows not done on Ray,
+    write them, print the summary line; returns the exit status (1: Ray or the job failed,
+    130: interrupted; rerunning resumes). Raises UsageError (before Ray starts) for input it
+    cannot read. `address`: a Ray cluster, else $RAY_ADDRESS, else a local loopback-only Ray
+    started (and shut down) for this job."""
+    out, settings, options = job.out, job.settings, job.options
     state = out.scan()
-    keys = rows.keys()
-    pending = state.pending(keys)
-    skipped = len(rows) - len(pending)
+    started = time.perf_counter()
+    try:
+        plan = plan_input(job.files, state.final)
+    except InputError as error:
+        raise UsageError(f"--input {job.input!r}: {error}") from None
+    skipped = plan.rows - plan.todo
+    print(
+        f"dsbd batch: {plan.rows} rows in {len(job.files)} file(s) ({plan.size / 1e6:.1f} MB) "
+        f"planned in {time.perf_counter() - started:.1f} s: {plan.todo} to decode, {skipped} "
+        "done before",
+        file=sys.stderr,
+    )
     if state.moved:
         print(
             f"dsbd batch: {len(state.moved)} incomplete file(s) moved to _incomplete/; "
             "their rows are decoded again",
             file=sys.stderr,
         )
-    keep = state.final & set(keys)
-    dropped = out.drop_stale(state.files, {rows.id[i] for i in pending}, keep)
+    dropped = out.drop_stale(state.files, plan.redo, plan.keep)
     if dropped:
         print(
             f"dsbd batch: decoding again {dropped} row(s) that failed or changed since",
             file=sys.stderr,
         )
     out.write_manifest(_manifest(settings, out.fmt))
-    if not pending:
+    if not plan.todo:
         print(
             f"dsbd batch: 0 rows decoded, 0 failed, {skipped} skipped (done before); "
             f"output: {out.uri}"
@@ -107,7 +122,7 @@ def run_job(job: BatchJob, *, address: str | None = None, progress: bool = True)
         return 1
     try:
         start = time.perf_counter()
-        _execute(rows.table(pending), out, run, settings, options, progress=progress)
+        _execute(plan, out, run, settings, options, progress=progress)
         seconds = time.perf_counter() - start
     except KeyboardInterrupt:
         print("dsbd batch: interrupted; rerun the same command to resume", file=sys.stderr)
@@ -217,7 +232,7 @@ def _stop_ray(initialized_here: bool) -> None:
 
 
 def _execute(
-    table: Any,
+    plan: InputPlan,
     out: OutputDir,
     run: str,
     settings: DecoderSettings,
@@ -225,19 +240,31 @@ def _execute(
     *,
     progress: bool,
 ) -> None:
-    """read -> map_batches (actor pool) -> write, one block per batch of rows."""
+    """read (the plan's splits) -> map_batches (actor pool) -> write, a block per batch."""
     import ray
 
     from deployments.batch_decoder import BatchDecoder
     from deployments.batch_sink import JsonLinesDatasink, RunFiles
+    from deployments.batch_source import BatchInputDatasource
 
     context = ray.data.DataContext.get_current()
     context.enable_progress_bars = progress
     context.enable_rich_progress_bars = progress
     context.use_ray_tqdm = False
     size = options.batch_size
-    blocks = [table.slice(start, size) for start in range(0, table.num_rows, size)]
-    decoded = ray.data.from_arrow(blocks).map_batches(
+    source = BatchInputDatasource(plan.splits, size)
+    # Reads and writes reserve no CPU: with every CPU held by an actor they would otherwise
+    # wait until the pool finishes (the pool would wait for rows forever), and a job killed
+    # meanwhile would have written nothing. At most one read task per actor at a time: they
+    # stream, and Ray Data's backpressure holds them back when the actors fall behind.
+    light = {"num_cpus": 0}
+    rows = ray.data.read_datasource(
+        source,
+        override_num_blocks=len(source.splits),  # no further splitting of the blocks
+        concurrency=options.concurrency,
+        ray_remote_args=light,
+    )
+    decoded = rows.map_batches(
         BatchDecoder,
         fn_constructor_kwargs={"settings": settings.model_dump()},
         batch_size=size,
@@ -246,12 +273,11 @@ def _execute(
         num_cpus=options.num_cpus,
         num_gpus=options.num_gpus or None,
     )
-    # Writes reserve no CPU: with every CPU held by an actor they would otherwise wait until
-    # the pool finishes, and a job killed meanwhile would have written nothing.
-    light = {"num_cpus": 0}
     if out.fmt == "parquet":
         files = RunFiles(run, "parquet")
-        decoded.write_parquet(out.uri, filename_provider=files, ray_remote_args=light)
+        # a file per batch of rows: what an interrupted job loses, and resumes, is one batch
+        decoded.write_parquet(out.uri, filename_provider=files, ray_remote_args=light,
+                              max_rows_per_file=size)  # fmt: skip
     else:
         decoded.write_datasink(JsonLinesDatasink(out.uri, run), ray_remote_args=light)
 

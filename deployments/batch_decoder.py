@@ -19,6 +19,7 @@ from typing import Any, Literal
 import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from deployments.api_models import BEAM_METHODS
 from deployments.batch_output import OUTPUT_SCHEMA, error_record
 from deployments.batch_rows import BatchRow, parse_row
 from dsbd_core.algorithm.config import SamplingConfig
@@ -52,6 +53,9 @@ class DecoderSettings(BaseModel):
     fixed_knobs: bool = Field(
         False, description="Draft gamma layers every iteration instead of the cost model's choice."
     )
+    recalibrate: bool = Field(
+        False, description="Measure the cost model's forward costs again instead of the cache."
+    )
     defaults: RowDefaults = RowDefaults()
 
 
@@ -59,10 +63,12 @@ def check_n(n: int | None, method: str, config: SamplingConfig) -> None:
     """The rule of the HTTP API (deployments/api_models.py): n beams exist to be returned."""
     if n is None:
         return
-    if method in ("dsbd", "beam") and n > config.width:
+    if method in BEAM_METHODS and n > config.width:
         raise ValueError(f"n={n} is larger than width={config.width}; allowed: 1 <= n <= width")
     if method in ("sample", "sps") and n > 1:
-        raise ValueError(f"n={n} needs a beam method (dsbd or beam); {method} returns 1 beam")
+        raise ValueError(
+            f"n={n} needs a beam method ({', '.join(BEAM_METHODS)}); {method} returns 1 beam"
+        )
 
 
 def row_error_message(error: Exception) -> str:
@@ -104,7 +110,9 @@ class BatchDecoder:
         self.target, self.draft = pair.target, pair.draft
         # the cost model's calibration: measured once per machine and cached (same tokens for
         # the same seed on every actor of the machine)
-        self.calibration = None if s.fixed_knobs else pair.calibration(say=lambda _: None)
+        self.calibration = (
+            None if s.fixed_knobs else pair.calibration(force=s.recalibrate, say=lambda _: None)
+        )
         self.tokenizer = self.target.tokenizer
         self.stop_ids = pair.stop_ids
         self.vocab_size = self.target.vocab_size
@@ -241,6 +249,8 @@ class BatchDecoder:
                     "log_likelihood": b.log_likelihood,
                     "score": b.score,
                     "finished": b.finished,
+                    "token_logprobs": b.token_logprobs,
+                    "top_logprobs": _top_logprobs(b.top_logprobs),
                 }
                 for b in beams
             ],
@@ -256,3 +266,10 @@ class BatchDecoder:
         """The beam's text without its stop token (as the HTTP API returns it)."""
         ids = beam.token_ids[:-1] if beam.finished and beam.token_ids else beam.token_ids
         return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def _top_logprobs(tops: list[list[tuple[int, float]]] | None) -> list[list[dict]] | None:
+    """A beam's alternatives per token as records (None when the row asked for no logprobs)."""
+    if tops is None:
+        return None
+    return [[{"token_id": t, "logprob": p} for t, p in top] for top in tops]

@@ -32,11 +32,14 @@ from __future__ import annotations
 
 import json
 import posixpath
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import numpy as np
 import pyarrow as pa
 
+from deployments.batch_keys import KeySet, fingerprints
 from deployments.batch_rows import uri
 
 OutputFormat = Literal["parquet", "jsonl"]
@@ -52,6 +55,13 @@ BEAM = pa.struct(
         ("log_likelihood", pa.float64()),
         ("score", pa.float64()),
         ("finished", pa.bool_()),
+        # with `logprobs` asked (row field or --logprobs): each token's target log-probability
+        # and the most likely tokens at its position; null otherwise
+        ("token_logprobs", pa.list_(pa.float64())),
+        (
+            "top_logprobs",
+            pa.list_(pa.list_(pa.struct([("token_id", _INT), ("logprob", pa.float64())]))),
+        ),
     ]
 )
 STATS = pa.struct(
@@ -104,18 +114,13 @@ def error_record(row: dict[str, Any], kind: ErrorKind, error: str) -> dict[str, 
 class OutputState:
     """What an output directory already holds."""
 
-    final: set[tuple[str, str]] = field(default_factory=set)  # (id, row_hash) of final records
+    final: KeySet = field(default_factory=KeySet)  # (id, row_hash) of final records
     files: list[str] = field(default_factory=list)  # readable data files
     moved: list[str] = field(default_factory=list)  # unreadable files moved to _incomplete/
 
     def pending(self, keys: list[tuple[str, str]]) -> list[int]:
         """Positions of the input rows (their (id, row_hash)) that still need decoding."""
-        return [i for i, key in enumerate(keys) if key not in self.final]
-
-    @staticmethod
-    def stale(record: dict[str, Any], redo: set[str], keep: set[tuple[str, str]]) -> bool:
-        """An old record of a row decoded again: its id is redone and it is no kept row's."""
-        return record["id"] in redo and (record["id"], record["row_hash"]) not in keep
+        return np.flatnonzero(~self.final.contains(fingerprints(keys))).tolist()
 
 
 class OutputDir:
@@ -193,8 +198,10 @@ class OutputDir:
         return [{k: r.get(k) for k in keep} for r in records] if keep else records
 
     def scan(self) -> OutputState:
-        """The final records' (id, row_hash); unreadable files moved aside."""
+        """The final records' keys (as fingerprints: 16 bytes a record, whatever the output
+        holds); unreadable files moved aside."""
         state = OutputState()
+        final = []
         for path in self.data_files():
             try:
                 records = self.read(path, ["id", "row_hash", "error_kind"])
@@ -203,19 +210,27 @@ class OutputDir:
                 state.moved.append(path)
                 continue
             state.files.append(path)
-            for record in records:
-                if record["error_kind"] in (None, "invalid_row"):
-                    state.final.add((record["id"], record["row_hash"]))
+            done = (r for r in records if r["error_kind"] in (None, "invalid_row"))
+            final.append(fingerprints((r["id"], r["row_hash"]) for r in done))
+        state.final = KeySet.union(final)
         return state
 
-    def drop_stale(self, files: list[str], redo: set[str], keep: set[tuple[str, str]]) -> int:
-        """Remove the old records of rows decoded again (files rewritten atomically); how many."""
+    def drop_stale(
+        self, files: list[str], redo: KeySet | Iterable[str], keep: KeySet | Iterable[Any]
+    ) -> int:
+        """Remove the old records of rows decoded again: a record whose id is in `redo` (ids of
+        the rows to decode) and whose (id, row_hash) is not in `keep` (final records of rows
+        that are done). Files rewritten atomically; returns how many records went."""
+        redo, keep = KeySet.of(redo), KeySet.of(keep)
         dropped = 0
-        for path in files:
-            records = self.read(path)
-            fresh = [r for r in records if not OutputState.stale(r, redo, keep)]
-            if len(fresh) == len(records):
+        for path in files if len(redo) else []:
+            keys = self.read(path, ["id", "row_hash"])
+            stale = redo.contains(fingerprints(r["id"] for r in keys))
+            stale &= ~keep.contains(fingerprints((r["id"], r["row_hash"]) for r in keys))
+            if not stale.any():
                 continue
+            records = self.read(path)
+            fresh = [r for r, old in zip(records, stale.tolist(), strict=True) if not old]
             dropped += len(records) - len(fresh)
             if not fresh:
                 self.filesystem.delete_file(path)

@@ -1,26 +1,27 @@
-"""`dsbd batch` input: reading the prompts file, row ids, and the per-row request model.
+"""`dsbd batch` rows: the per-row request model, row ids and content hashes.
 
-The driver reads the input once (pyarrow, any filesystem pyarrow knows) and hands Ray Data one
-string column per row, `row` (the row as JSON), next to its `index` and `id`: parsing and
-validating happen in the actors, so a bad row becomes an error record instead of a crash. A
-JSONL column with mixed types (`"width": 2` in one row, `"width": "two"` in the next) would make
-Arrow's JSON reader fail the whole file; reading lines as text avoids that.
+The actors receive one string column per row, `row` (the row as JSON text: a JSONL line as
+it is, a Parquet row dumped), next to its `index`, `id`, `row_hash` and `problem`
+(`ROWS_SCHEMA`; deployments/batch_input.py reads the files, deployments/batch_source.py
+streams them to Ray Data). Parsing and validating happen in the actors, so a bad row becomes
+an error record instead of a crash. A JSONL column with mixed types (`"width": 2` in one row,
+`"width": "two"` in the next) would make Arrow's JSON reader fail the whole file; reading
+lines as text avoids that.
 
 Row ids: a row's `id` field (string or integer) if it has one, else `row<index>-<hash>`, where
-`index` is the row's position in the input (0-based, blank JSONL lines not counted) and `hash`
-the row's content hash: the first 12 hex digits of the SHA-256 of its canonical JSON (null
-fields left out, keys sorted, separators "," and ":"; the raw line if it is not JSON), so a row
-hashes the same from JSONL and from Parquet. The index tells duplicates apart. Every record
-also carries its row's hash (`row_hash`), so that a resume decodes again a row whose content
-changed under the same id. Ids must be unique: a repeated id is an error record for the later
-rows.
+`index` is the row's position in the whole input (0-based, across its files in their order,
+blank JSONL lines not counted) and `hash` the row's content hash: the first 12 hex digits of
+the SHA-256 of its canonical JSON (null fields left out, keys sorted, separators "," and ":";
+the raw line if it is not JSON), so a row hashes the same from JSONL and from Parquet. The
+index tells duplicates apart. Every record also carries its row's hash (`row_hash`), so that a
+resume decodes again a row whose content changed under the same id. Ids must be unique: a
+repeated id is an error record for the later rows.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
 from typing import Any, Literal
 
 import pyarrow as pa
@@ -74,7 +75,9 @@ class BatchRow(_RowKnobs):  # type: ignore[misc, valid-type]
     messages: list[ChatMessage] | None = Field(None, min_length=1, description="A chat.")
     prompt_ids: list[int] | None = Field(None, min_length=1, description="Prompt token ids.")
     chat: bool | None = Field(None, description="Chat-template `prompt` (default: --chat).")
-    method: Method | None = Field(None, description="dsbd, beam, sps or sample.")
+    method: Method | None = Field(
+        None, description="dsbd, beam, sps, sample, beam_search or spec_beam_search."
+    )
     n: int | None = Field(None, ge=1, le=64, description="Beams to return (default: all).")
 
     @field_validator("threshold", mode="before")
@@ -103,75 +106,17 @@ def parse_row(text: str) -> BatchRow:
         value = json.loads(text)
     except json.JSONDecodeError as error:
         raise ValueError(f"not valid JSON: {error}") from None
+    except RecursionError:
+        raise ValueError("not valid JSON: nested too deeply") from None
     if not isinstance(value, dict):
         raise ValueError(f"a row must be a JSON object, got {type(value).__name__}")
     return BatchRow.model_validate({k: v for k, v in value.items() if v is not None})
 
 
-@dataclass
-class InputRows:
-    """The rows of an input file, ready for Ray Data (one `ROWS_SCHEMA` record each)."""
-
-    index: list[int]
-    id: list[str]
-    row_hash: list[str]
-    row: list[str]
-    problem: list[str | None]
-
-    def __len__(self) -> int:
-        return len(self.id)
-
-    def keys(self) -> list[tuple[str, str]]:
-        """(id, row_hash) of every row: what a record must match to count as this row's."""
-        return list(zip(self.id, self.row_hash, strict=True))
-
-    def table(self, keep: list[int]) -> pa.Table:
-        """The rows at positions `keep` as an Arrow table."""
-        columns = ("index", "id", "row_hash", "row", "problem")
-        return pa.table(
-            {name: [getattr(self, name)[i] for i in keep] for name in columns}, schema=ROWS_SCHEMA
-        )
-
-
 def input_format(path: str) -> InputFormat | None:
-    """The format a path's suffix names, or None."""
+    """The format a path's suffix names (in any case), or None."""
     lower = path.lower().rstrip("/")
     return next((f for s, f in INPUT_SUFFIXES.items() if lower.endswith(s)), None)
-
-
-def read_input(path: str, fmt: InputFormat) -> InputRows:
-    """Read every row of the input (raises OSError / pyarrow errors when it cannot be read)."""
-    import pyarrow.fs as pafs
-
-    filesystem, where = pafs.FileSystem.from_uri(uri(path))
-    texts: list[str] = []
-    if fmt == "jsonl":
-        with filesystem.open_input_stream(where) as stream:
-            lines = stream.read().decode("utf-8-sig", errors="replace").splitlines()
-        texts = [line for line in lines if line.strip()]
-    else:
-        import pyarrow.parquet as pq
-
-        table = pq.read_table(where, filesystem=filesystem)
-        texts = [json.dumps(row, default=str) for row in table.to_pylist()]
-    rows = InputRows([], [], [], [], [])
-    first_at: dict[str, int] = {}
-    for index, text in enumerate(texts):
-        row_hash = content_hash(text)
-        row_id = _given_id(text)
-        if row_id is None:
-            row_id = f"row{index}-{row_hash}"
-        problem = None
-        if row_id in first_at:
-            problem = f"id={row_id!r} is also the id of row {first_at[row_id]}; ids must be unique"
-        else:
-            first_at[row_id] = index
-        rows.index.append(index)
-        rows.id.append(row_id)
-        rows.row_hash.append(row_hash)
-        rows.row.append(text)
-        rows.problem.append(problem)
-    return rows
 
 
 def uri(path: str) -> str:
@@ -183,25 +128,28 @@ def uri(path: str) -> str:
     return str(Path(path).expanduser().resolve())
 
 
-def _given_id(text: str) -> str | None:
+def row_key(text: str, index: int) -> tuple[str, str]:
+    """A row's id and content hash (see the module docstring), from its text (JSON parsed once):
+    the planning pass and the read tasks both call this, so both derive the same ids."""
     try:
         value = json.loads(text)
-    except json.JSONDecodeError:
-        return None
-    if isinstance(value, dict) and isinstance(value.get("id"), str | int):
-        if not isinstance(value["id"], bool):
-            return str(value["id"])
-    return None
+        if isinstance(value, dict):
+            value = {k: v for k, v in value.items() if v is not None}
+        canonical = json.dumps(value, sort_keys=True, separators=(",", ":"))
+    except (ValueError, RecursionError):  # not JSON (or nested too deeply to parse)
+        value, canonical = None, text
+    row_hash = hashlib.sha256(canonical.encode()).hexdigest()[:12]
+    given = value.get("id") if isinstance(value, dict) else None
+    if isinstance(given, str | int) and not isinstance(given, bool):
+        return str(given), row_hash
+    return f"row{index}-{row_hash}", row_hash
 
 
 def content_hash(text: str) -> str:
     """A row's content hash (see the module docstring)."""
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError:
-        canonical = text
-    else:
-        if isinstance(value, dict):
-            value = {k: v for k, v in value.items() if v is not None}
-        canonical = json.dumps(value, sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(canonical.encode()).hexdigest()[:12]
+    return row_key(text, 0)[1]
+
+
+def rows_table(rows: list[dict[str, Any]]) -> pa.Table:
+    """Rows (`ROWS_SCHEMA` dicts) as the Arrow block the actors receive."""
+    return pa.Table.from_pylist(rows, schema=ROWS_SCHEMA)

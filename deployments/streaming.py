@@ -4,7 +4,8 @@ Streaming sends the *committed* prefix of the best beam: the tokens every curren
 starts with, which no later iteration can change (`decode_session.committed_tokens`). Beams of a
 beam search can disagree for a while, so text arrives in steps; with one beam (`sample`, `sps`)
 it is every token as it is accepted. A client that disconnects cancels the decode and frees its
-caches (`DecodeStream`).
+caches (`DecodeStream`). With logprobs asked, every chunk carries the log-probs of the tokens
+whose text it adds (taken from the decode's state: the committed tokens' values are final too).
 """
 
 import asyncio
@@ -17,9 +18,12 @@ from typing import Any
 from fastapi.responses import StreamingResponse
 
 from deployments.api_errors import timeout_body
+from deployments.api_models import ChatLogprobs, CompletionLogprobs
 from deployments.decode_session import DecodeSession, committed_tokens
 from deployments.openai_responses import BeamText, finish_reason, usage
 from deployments.router_limits import Limits
+from dsbd_core.algorithm.logprobs import beam_lists, prefix_logprobs
+from dsbd_core.algorithm.state import DecodeState
 
 
 class DecodeStream(StreamingResponse):
@@ -53,32 +57,34 @@ async def sse_events(
     session: DecodeSession, request: Any, prompt_ids: list[int], *, chat: bool,
     model_name: str, limits: Limits, texts: BeamText,
 ) -> AsyncIterator[str]:  # fmt: skip
-    """SSE chunks: committed text of the best beam as it grows, then the final beams."""
+    """SSE chunks: committed text of the best beam as it grows, then the final beams; with
+    logprobs asked, each chunk carries those of the tokens its text adds."""
     created = int(time.time())
     ident = f"{'chatcmpl' if chat else 'cmpl'}-{session.session}"
+    kind = "chat.completion.chunk" if chat else "text_completion"
 
-    def chunk(index: int, text: str | None, finish: str | None, first: bool = False) -> str:
+    def chunk(index: int, text: str | None, finish: str | None, first: bool = False,
+              logprobs: Any = None) -> str:  # fmt: skip
+        shown = logprobs.model_dump() if logprobs is not None else None
         if chat:
             delta: dict[str, Any] = {}
             if first:
                 delta["role"] = "assistant"
             if text:
                 delta["content"] = text
-            choice = {"index": index, "delta": delta, "logprobs": None,
-                      "finish_reason": finish}  # fmt: skip
-            kind = "chat.completion.chunk"
+            choice = {"index": index, "delta": delta, "logprobs": shown, "finish_reason": finish}
         else:
-            choice = {"index": index, "text": text or "", "logprobs": None,
+            choice = {"index": index, "text": text or "", "logprobs": shown,
                       "finish_reason": finish}  # fmt: skip
-            kind = "text_completion"
         body = {"id": ident, "object": kind, "created": created,
                 "model": model_name, "choices": [choice]}  # fmt: skip
         return f"data: {json.dumps(body)}\n\n"
 
-    sent = ""
+    sent, sent_ids = "", 0  # the best beam's text streamed so far, and its tokens
     if chat:
         yield chunk(0, None, None, first=True)
     deadline = time.monotonic() + limits.request_timeout_s
+    stops = set(session.config.eos_token_ids)
     iterations = session.iterations(prompt_ids)
     try:
         while True:
@@ -90,23 +96,43 @@ async def sse_events(
             except TimeoutError:
                 yield f"data: {json.dumps(timeout_body(limits.request_timeout_s))}\n\n"
                 return
-            text = texts.decode(committed_tokens(state))
+            ids = committed_tokens(state)
+            if ids and ids[-1] in stops:  # a stop token is never part of the text
+                ids = ids[:-1]
+            text = texts.decode(ids)
             if text.startswith(sent) and len(text) > len(sent) and not text.endswith("\ufffd"):
-                yield chunk(0, text[len(sent) :], None)
-                sent = text
+                logprobs = _prefix_logprobs(texts, state, ids, sent_ids, chat)
+                yield chunk(0, text[len(sent) :], None, logprobs=logprobs)
+                sent, sent_ids = text, len(ids)
     finally:
         await iterations.aclose()  # frees the sessions (also on a client that went away)
     beams = session.result().beams[: request.n]
     for index, beam in enumerate(beams):
         text = texts.text(beam)
-        rest = text[len(sent) :] if index == 0 and text.startswith(sent) else text
+        resume = index == 0 and text.startswith(sent)
+        rest = text[len(sent) :] if resume else text
         if index > 0 and chat:
             yield chunk(index, None, None, first=True)
-        yield chunk(index, rest, finish_reason(beam))
+        logprobs = texts.beam_logprobs(beam, chat=chat, start=sent_ids if resume else 0)
+        yield chunk(index, rest, finish_reason(beam), logprobs=logprobs)
     options = request.stream_options or {}
     if options.get("include_usage"):
-        body = {"id": ident, "object": "chat.completion.chunk" if chat else "text_completion",
-                "created": created, "model": model_name, "choices": [],
-                "usage": usage(prompt_ids, beams).model_dump()}  # fmt: skip
+        body = {"id": ident, "object": kind, "created": created, "model": model_name,
+                "choices": [], "usage": usage(prompt_ids, beams).model_dump()}  # fmt: skip
         yield f"data: {json.dumps(body)}\n\n"
     yield "data: [DONE]\n\n"
+
+
+def _prefix_logprobs(
+    texts: BeamText, state: DecodeState, ids: list[int], start: int, chat: bool
+) -> ChatLogprobs | CompletionLogprobs | None:
+    """The log-probs of the committed tokens `ids[start:]` (None when none are tracked)."""
+    values = prefix_logprobs(state.logprobs, state.alive, state.pool.session,
+                             state.pool.logprobs, len(ids))  # fmt: skip
+    if values is None:
+        return None
+    chosen, tops = beam_lists(values.reshape(1), 0, len(ids))
+    chosen, tops = chosen[start:], tops[start:]
+    if chat:
+        return texts.chat_logprobs(ids[start:], chosen, tops)
+    return texts.completion_logprobs(ids, start, chosen, tops)

@@ -1,10 +1,11 @@
 """`dsbd batch`: the flags of the Ray Data batch job, and their checks.
 
-    dsbd batch --input prompts.jsonl --output results.parquet [--width 3 --gamma 3 ...]
+    dsbd batch --input prompts/ --output results.parquet [--width 3 --gamma 3 ...]
 
 Every flag is checked here before Ray starts (exit 2, naming the flag and the value): the
-SamplingConfig flags become the row defaults, the Ray flags `JobOptions`, the input is read and
-the output checked; the resulting `BatchJob` goes to deployments.batch.run_job, which runs the
+SamplingConfig flags become the row defaults, the Ray flags `JobOptions`, the input files are
+listed and the output checked; the resulting `BatchJob` goes to deployments.batch.run_job,
+which plans the input (an input it cannot read is exit 2 too, still before Ray) and runs the
 pipeline (see there and docs/BATCH.md).
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 from pydantic import ValidationError
 
@@ -24,19 +26,22 @@ from deployments.batch import (
     run_job,
 )
 from deployments.batch_decoder import DecoderSettings, RowDefaults, check_n
+from deployments.batch_input import InputError, find_input
 from deployments.batch_output import EXTENSIONS, OutputDir, OutputFormat
-from deployments.batch_rows import INPUT_SUFFIXES, input_format, read_input
-from dsbd.common import DEFAULT_DRAFT, DEFAULT_TARGET, fail
+from deployments.batch_rows import INPUT_SUFFIXES
+from dsbd.common import DEFAULT_DRAFT, DEFAULT_TARGET, add_pair_flags, fail
 from dsbd.sampling_flags import add_config_flags, config_from_args
 from dsbd_core.algorithm.decoders import METHODS, method_config
+from dsbd_core.models.pair import DraftOptions
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
     """Register `dsbd batch`: its own flags, then the SamplingConfig ones (as for generate)."""
     batch = commands.add_parser(
         "batch",
-        help="decode a JSONL/Parquet file of prompts as a Ray Data job (resumable)",
-        description="Read prompts (JSONL or Parquet), decode them on an actor pool that holds "
+        help="decode JSONL/Parquet files of prompts as a Ray Data job (resumable)",
+        description="Read prompts (a JSONL or Parquet file, or a directory of them, streamed "
+        "through Ray Data), decode them on an actor pool that holds "
         "target + draft (rows of a batch share forwards), write one record per row (beams, "
         "stats or error) as Parquet or JSONL. Re-run to resume: done ids are skipped. Row "
         "fields override the sampling flags below. See docs/BATCH.md.",
@@ -49,7 +54,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The batch flags besides SamplingConfig's (`add_parser` adds those, as for generate)."""
     io = parser.add_argument_group("input and output")
     suffixes = ", ".join(INPUT_SUFFIXES)
-    io.add_argument("--input", required=True, help=f"prompts file ({suffixes}); local or URI")
+    io.add_argument(
+        "--input",
+        required=True,
+        help=f"prompts: a file ({suffixes}) or a directory of such files (read recursively, "
+        "in path order); local or URI",
+    )
     io.add_argument(
         "--output",
         required=True,
@@ -77,14 +87,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     model.add_argument("--n", type=int, help="beams per record, best first (default: all)")
     model.add_argument(
-        "--dtype",
-        choices=("float32", "bfloat16", "float64"),
-        default="float32",
-        help="model weights and activations (default: float32)",
-    )
-    model.add_argument(
         "--max-prompt-tokens", type=int, default=4096, help="longer prompts are error records"
     )
+    add_pair_flags(parser)  # --dtype, the draft's variant, --fixed-knobs, --recalibrate
     _add_ray_arguments(parser.add_argument_group("Ray"))
 
 
@@ -115,20 +120,27 @@ def run(args: argparse.Namespace) -> int:
     """`dsbd batch`: check everything, then run the job; returns the exit status."""
     try:
         job = _plan(args)
+        return run_job(job, address=args.address, progress=not args.no_progress)
     except UsageError as error:
         return fail(str(error))
-    return run_job(job, address=args.address, progress=not args.no_progress)
 
 
 def _plan(args: argparse.Namespace) -> BatchJob:
     """Everything checked and read before Ray starts; raises UsageError."""
-    in_fmt = input_format(args.input)
-    if in_fmt is None:
-        raise UsageError(
-            f"--input {args.input!r}: unknown suffix; allowed: {', '.join(INPUT_SUFFIXES)}"
+    try:
+        listing = find_input(args.input)
+    except InputError as error:
+        raise UsageError(f"--input {args.input!r}: {error}") from None
+    except (OSError, ValueError) as error:  # no permission, an unreachable bucket, a bad URI
+        raise UsageError(f"--input {args.input!r}: cannot read it: {error}") from None
+    ignored = listing.ignored
+    if ignored:
+        shown = ", ".join(ignored[:3]) + (", ..." if len(ignored) > 3 else "")
+        print(
+            f"dsbd batch: --input {args.input!r}: left out {len(ignored)} file(s) of other "
+            f"suffixes ({shown}); read: {', '.join(INPUT_SUFFIXES)}",
+            file=sys.stderr,
         )
-    if not _exists(args.input):
-        raise UsageError(f"--input {args.input!r}: no such file")
     out_fmt = _output_format(args.output, args.format)
     try:
         config = config_from_args(args)
@@ -162,6 +174,11 @@ def _plan(args: argparse.Namespace) -> BatchJob:
             dtype=args.dtype,
             device=args.device,
             threads=threads,
+            draft_variant=DraftOptions(
+                quantize=args.draft_quantize, head_tokens=args.draft_head_tokens
+            ),
+            fixed_knobs=args.fixed_knobs,
+            recalibrate=args.recalibrate,
             defaults=defaults,
         )
     except ValidationError as error:
@@ -176,26 +193,17 @@ def _plan(args: argparse.Namespace) -> BatchJob:
     if args.device == "cuda" and num_gpus <= 0:
         raise UsageError(f"--num-gpus={num_gpus:g}: --device cuda needs a GPU per actor")
     out = OutputDir(args.output, out_fmt)
+    directory = listing.directory
+    if directory is not None and (out.path + "/").startswith(directory.rstrip("/") + "/"):
+        raise UsageError(
+            f"--output {args.output!r} is inside --input {args.input!r}: its records would be "
+            "read as prompts; allowed: an output directory outside the input"
+        )
     check_output(out, settings, overwrite=args.overwrite)
     check_models(settings)
-    try:
-        rows = read_input(args.input, in_fmt)
-    except FileNotFoundError:
-        raise UsageError(f"--input {args.input!r}: no such file") from None
-    except Exception as error:  # unreadable Parquet, a directory, no permission ...
-        raise UsageError(f"--input {args.input!r}: cannot read it: {error}") from None
     if args.overwrite:
         out.clear()
-    return BatchJob(rows, out, settings, options)
-
-
-def _exists(path: str) -> bool:
-    import pyarrow.fs as pafs
-
-    from deployments.batch_rows import uri
-
-    filesystem, where = pafs.FileSystem.from_uri(uri(path))
-    return filesystem.get_file_info(where).type != pafs.FileType.NotFound
+    return BatchJob(args.input, listing.files, out, settings, options)
 
 
 def _output_format(path: str, flag: str | None) -> OutputFormat:

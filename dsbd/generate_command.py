@@ -141,6 +141,11 @@ def _report(
                 "log_likelihood": beam.log_likelihood,
                 "score": beam.score,
                 "finished": beam.finished,
+                **(
+                    {"token_logprobs": beam.token_logprobs, "top_logprobs": beam.top_logprobs}
+                    if beam.token_logprobs is not None
+                    else {}
+                ),
             }
             for beam in result.beams
         ],

@@ -25,6 +25,26 @@ def _optional_float(text: str) -> float | None:
         raise argparse.ArgumentTypeError(f"expected a number or 'none', got {text!r}") from None
 
 
+def _optional_int(text: str) -> int | None:
+    """`--logprobs none` tracks nothing (the default)."""
+    if text.lower() == "none":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer or 'none', got {text!r}") from None
+
+
+def _early_stopping(text: str) -> bool | str:
+    """`--early-stopping true|false|never` (transformers' values)."""
+    value = text.lower()
+    if value in ("true", "false"):
+        return value == "true"
+    if value == "never":
+        return value
+    raise argparse.ArgumentTypeError(f"expected true, false or never, got {text!r}")
+
+
 # How each SamplingConfig field is read from the command line (eos ids come from the tokenizer).
 _FIELD_TYPES: dict[str, Callable[[str], Any]] = {
     "temperature": float,
@@ -39,8 +59,10 @@ _FIELD_TYPES: dict[str, Callable[[str], Any]] = {
     "seed": int,
     "length_penalty": float,
     "epsilon": float,
+    "early_stopping": _early_stopping,
+    "logprobs": _optional_int,
 }
-_BOOL_FIELDS = ("lean_memory",)
+_BOOL_FIELDS = ("lean_memory", "search")
 _NOT_FLAGS = ("eos_token_ids",)  # read from the target's tokenizer and generation config
 
 
@@ -58,7 +80,8 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
             kind = {"choices": get_args(Mode)}
         else:
             parse = _FIELD_TYPES[name]
-            metavar = "N" if parse is int else "X" if parse is float else "T|none"
+            metavar = {int: "N", float: "X", _optional_float: "T|none", _optional_int: "N|none",
+                       _early_stopping: "true|false|never"}[parse]  # fmt: skip
             kind = {"type": parse, "metavar": metavar}
         group.add_argument(flag, default=argparse.SUPPRESS, help=help_text, **kind)
 

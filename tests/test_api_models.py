@@ -101,7 +101,7 @@ def test_openai_chat_request_parses_and_response_is_understood() -> None:
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("presence_penalty", 0.5), ("frequency_penalty", 1.0), ("echo", True), ("logprobs", 2),
+    [("presence_penalty", 0.5), ("frequency_penalty", 1.0), ("echo", True),
      ("best_of", 3), ("logit_bias", {"5": 1.0})],
 )  # fmt: skip
 def test_options_dsbd_cannot_honour_are_refused_by_name(field: str, value: object) -> None:

@@ -39,8 +39,10 @@ from .tiny_models import build_pair
 
 REPO = Path(__file__).parent.parent
 DEFAULTS = {"max_new_tokens": 6, "width": 3, "gamma": 2}
+# --fixed-knobs: rows are compared with `generate` in-process, which drafts `gamma` layers
+# every iteration (the cost model's choices would draw other, equally exact, tokens)
 FLAGS = ["--max-new-tokens", "6", "--width", "3", "--gamma", "2", "--dtype", "float64",
-         "--batch-size", "4", "--max-prompt-tokens", "40"]  # fmt: skip
+         "--batch-size", "4", "--max-prompt-tokens", "40", "--fixed-knobs"]  # fmt: skip
 GOOD = [
     {"id": "chat", "prompt": "What is the capital of France?", "seed": 1},
     {"prompt": "one two three", "chat": False, "seed": 2, "width": 2, "n": 2},
@@ -50,6 +52,8 @@ GOOD = [
     {"id": 17, "prompt": "Beam search keeps", "seed": 5, "threshold": "none", "n": 1},
     {"id": "sample", "prompt": "The quick brown fox", "method": "sample", "temperature": 0.7},
     {"id": "lean", "prompt": "speculative decoding", "lean_memory": True, "w_min": 2, "seed": 6},
+    {"id": "search", "prompt": "one two", "chat": False, "method": "spec_beam_search",
+     "width": 2, "n": 2, "logprobs": 2, "length_penalty": 0.5},
 ]  # fmt: skip
 BAD = {
     "bad-width": ({"prompt": "x", "width": 0}, "width=0: Input should be greater than or equal"),
@@ -131,6 +135,12 @@ def check_records(
         for got, beam in zip(record["beams"], want.beams, strict=False):
             assert abs(got["log_likelihood"] - beam.log_likelihood) < 1e-9
             assert got["finished"] == beam.finished
+            if beam.token_logprobs is None:
+                assert got["token_logprobs"] is None and got["top_logprobs"] is None
+                continue
+            assert got["token_logprobs"] == pytest.approx(beam.token_logprobs, abs=1e-9)
+            tops = [[t["token_id"] for t in top] for top in got["top_logprobs"]]
+            assert tops == [[t for t, _ in top] for top in beam.top_logprobs]
         assert record["token_ids"] == want.best.token_ids
         assert record["finish_reason"] == ("stop" if want.best.finished else "length")
         assert record["method"] == row.get("method", "dsbd")

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dsbd_core.algorithm.logprobs import ForestLogprobTable, Segment, all_of, segment_of
 from dsbd_core.algorithm.scorer import ForestLayer, Origin
 from dsbd_core.algorithm.state import Pool
 
@@ -129,6 +130,7 @@ class NextBeams:
     alive: torch.Tensor
     remaining: torch.Tensor
     origin: Origin
+    order: torch.Tensor  # [B, W] the output slot each next beam comes from
 
 
 def next_beams(
@@ -184,4 +186,41 @@ def next_beams(
     untouched = ~live
     seq = torch.where(untouched[:, None, None], tokens, seq)
     new_score = torch.where(keep, new_score, 0.0)
-    return NextBeams(seq, seq_len, new_score, keep, remaining, origin)
+    return NextBeams(seq, seq_len, new_score, keep, remaining, origin, order)
+
+
+def node_logprobs(table: ForestLogprobTable, level: int, mask: torch.Tensor) -> Segment:
+    """Log-probs of the forest nodes of layer `level` selected by `mask` [B, M] (accepted
+    drafts that finished: the pool entries `pool_add` makes of them, in its order)."""
+    layer = table.layers[level - 1]
+    at = torch.full((layer.token.shape[0],), level - 1, dtype=torch.long)
+    return path_logprobs(table, at, layer.parent, layer.token, mask)
+
+
+def path_logprobs(
+    table: ForestLogprobTable,
+    level: torch.Tensor,
+    parent: torch.Tensor,
+    token: torch.Tensor,
+    mask: torch.Tensor,
+) -> Segment:
+    """Log-probs of the candidates (node `parent` [B, n] of layer `level` [B], `token`)
+    selected by `mask` (in `pool_add`'s order)."""
+    root, path = ancestry(table.layers, level, parent)
+    return segment_of(table.path_values(root, path, level, token), root, mask)
+
+
+def slot_logprobs(
+    table: ForestLogprobTable,
+    out: Outputs,
+    beams: NextBeams,
+    finished: torch.Tensor,
+    vocab: int,
+) -> tuple[Segment, Segment | None]:
+    """Log-probs of the output slots: of the next input beams (`beams`, from `next_beams`), and
+    of the slots in `finished` [B, W] that went to the pool (in `pool_add`'s order), if any."""
+    parent, new_token = out.index // vocab, out.index % vocab
+    root, path = ancestry(table.layers, out.layer, parent)
+    values = table.path_values(root, path, out.layer, new_token)
+    done = segment_of(values, root, finished) if bool(finished.any()) else None
+    return all_of(values, beams.origin.root, beams.order), done

@@ -6,6 +6,11 @@ All four run on `dsbd_core.algorithm.engine.Engine`, driven by the one decode lo
   beam    target beam sampling of width W (spec §1)
   sps     DSBD with W = W_S = 1 and fixed width (= standard speculative sampling)
   dsbd    DSBD as configured (fixed or dynamic width, full or lean memory)
+  beam_search       deterministic beam search of width W (= beam with `search`: the W best
+                    candidates each step, transformers' num_beams=W, do_sample=False)
+  spec_beam_search  speculative beam search (= dsbd with `search`): the draft's beams verified
+                    so that the tokens are beam_search's, with fewer target forwards
+`config.search` makes any method deterministic (sample: greedy; sps: speculative greedy).
 """
 
 from __future__ import annotations
@@ -18,9 +23,9 @@ from dsbd_core.algorithm.loop import Decode, run_decode
 from dsbd_core.algorithm.result import DecodeResult
 from dsbd_core.algorithm.scorer import ForestScorer
 
-Method = Literal["dsbd", "beam", "sps", "sample"]
+Method = Literal["dsbd", "beam", "sps", "sample", "beam_search", "spec_beam_search"]
 METHODS: tuple[str, ...] = get_args(Method)
-METHODS_WITH_DRAFT: tuple[str, ...] = ("sps", "dsbd")
+METHODS_WITH_DRAFT: tuple[str, ...] = ("sps", "dsbd", "spec_beam_search")
 
 
 def method_config(method: str, config: SamplingConfig) -> SamplingConfig:
@@ -37,6 +42,8 @@ def method_config(method: str, config: SamplingConfig) -> SamplingConfig:
         )
     if method == "dsbd":
         return config
+    if method in ("beam_search", "spec_beam_search"):
+        return config.model_copy(update={"search": True, "lean_memory": False})
     raise ValueError(f"method={method!r}: allowed methods are {', '.join(METHODS)}")
 
 

@@ -29,6 +29,7 @@ import torch
 from dsbd_core.algorithm.beams import pool_add
 from dsbd_core.algorithm.config import SamplingConfig
 from dsbd_core.algorithm.draft_forest import draft_forest
+from dsbd_core.algorithm.logprobs import TokenLogprobs, splice
 from dsbd_core.algorithm.result import DecodeResult, collect_results
 from dsbd_core.algorithm.scorer import ForestLogprobs, ScoreCall
 from dsbd_core.algorithm.state import NO_FOREST, DecodeState, Forest, Outcome, Pool, zero_counters
@@ -71,6 +72,10 @@ class Engine:
         tokens[:, :, :longest] = padded[:, None, :]
         alive = torch.zeros(batch, width, dtype=torch.bool)
         alive[:, 0] = True  # one input beam at the start (spec §11.6: no replicated prompt rows)
+        logprobs = None
+        if cfg.logprobs is not None:  # one more position than any beam reaches (`splice`)
+            top = min(cfg.logprobs, self.vocab)
+            logprobs = TokenLogprobs.zeros((batch, width), cfg.max_new_tokens + 1, top)
         return DecodeState(
             tokens=tokens,
             length=prompt_len.clone(),
@@ -83,6 +88,7 @@ class Engine:
             pool=Pool(),
             counters=zero_counters(batch),
             seed=cfg.seed if cfg.seed is not None else int(torch.randint(0, 2**62, ()).item()),
+            logprobs=logprobs,
         )
 
     def next_iteration(self, state: DecodeState, gamma: int | None = None) -> bool:
@@ -102,6 +108,8 @@ class Engine:
         if bool(retired.any()):
             pool_add(state.pool, state.tokens, state.length, state.prompt_len, state.score,
                      retired, False, self.config.max_new_tokens)  # fmt: skip
+            if state.logprobs is not None:
+                state.pool.logprobs.append(state.logprobs.rows(*retired.nonzero(as_tuple=True)))
             state.alive = state.alive & live[:, None]
         state.live = live
         # never overshoot the budget: an iteration emits at most depth + 1 tokens
@@ -140,6 +148,7 @@ class Engine:
         for name, increment in outcome.counters.items():
             state.counters[name] += increment
         state.pool.extend(outcome.finished)
+        splice_logprobs(state, outcome)
         state.history.append({"live": state.live, **outcome.record})
         state.iteration += 1
         state.steps += outcome.emitted
@@ -178,3 +187,15 @@ class Engine:
                 raise ValueError(
                     f"prompts[{i}]: token id {bad[0]} out of range; allowed 0..{self.vocab - 1}"
                 )
+
+
+def splice_logprobs(state: DecodeState, outcome: Outcome) -> None:
+    """Router side: the log-probs of the outcome's pool entries and next beams, each its input
+    row with what the iteration added (call before the state takes the outcome's beams)."""
+    if state.logprobs is None or outcome.logprobs is None:
+        return
+    start = state.length - state.prompt_len
+    for segment in outcome.logprobs.finished:
+        state.pool.logprobs.append(splice(state.logprobs, start, segment))
+    batch, width = state.alive.shape
+    state.logprobs = splice(state.logprobs, start, outcome.logprobs.beams).reshape(batch, width)

@@ -29,6 +29,7 @@ from dsbd_core.algorithm.control import Controller, FixedKnobs, Knobs
 from dsbd_core.algorithm.engine import Engine
 from dsbd_core.algorithm.result import DecodeResult
 from dsbd_core.algorithm.scorer import ForestLogprobs, ForestScorer, ScoreCall, drive
+from dsbd_core.algorithm.search_engine import engine_for
 from dsbd_core.algorithm.state import NO_FOREST, DecodeState, Forest, Outcome
 
 
@@ -45,7 +46,7 @@ class IterationCall:
     trace: dict[str, str] = field(default_factory=dict)
 
     def engine(self, vocab_size: int) -> Engine:
-        return Engine(self.config, vocab_size, uses_draft=self.uses_draft)
+        return engine_for(self.config, vocab_size, uses_draft=self.uses_draft)
 
     def propose_steps(self, vocab_size: int) -> Generator[ScoreCall, ForestLogprobs, Forest]:
         """The draft side as a generator of draft-model calls."""
@@ -91,7 +92,7 @@ class Decode:
     ) -> None:
         self.config = config
         self.uses_draft = uses_draft
-        self.engine = Engine(config, vocab_size, uses_draft=uses_draft)
+        self.engine = engine_for(config, vocab_size, uses_draft=uses_draft)
         self.controller = controller or FixedKnobs(config)
         self.state = self.engine.start(prompts)  # raises on a bad prompt, before any step
 

@@ -7,6 +7,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from dsbd_core.algorithm.logprobs import TokenLogprobs, beam_lists
+
 if TYPE_CHECKING:
     from dsbd_core.algorithm.state import Pool
 
@@ -24,6 +26,11 @@ class Beam:
     log_likelihood: float
     finished: bool
     score: float  # log_likelihood / len(token_ids) ** length_penalty: the final ranking key
+    # config.logprobs set: each token's target log-probability (the same raw distribution as
+    # log_likelihood, which is their sum) and its `config.logprobs` most likely alternatives
+    # (token id, log-probability), most likely first
+    token_logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 @dataclass
@@ -97,9 +104,11 @@ def collect_results(
     counters: dict[str, torch.Tensor],
     history: list[dict[str, torch.Tensor]],
     length_penalty: float,
+    keep: int | None = None,
 ) -> list[DecodeResult]:
-    """Every session's pooled beams ranked best-first, and its statistics from the counters and
-    the per-iteration records (tensors become Python numbers once, here, at the end)."""
+    """Every session's pooled beams ranked best-first (the best `keep` of them when given), and
+    its statistics from the counters and the per-iteration records (tensors become Python
+    numbers once, here, at the end)."""
     beams: list[list[Beam]] = [[] for _ in range(batch)]
     if pool.session:
         session = torch.cat(pool.session).tolist()
@@ -107,8 +116,14 @@ def collect_results(
         lengths = torch.cat(pool.length).tolist()
         scores = torch.cat(pool.score).tolist()
         finished = torch.cat(pool.finished).tolist()
-        for b, tok, n, s, f in zip(session, tokens, lengths, scores, finished, strict=True):
-            beams[b].append(Beam(tok[:n], s, f, s / max(n, 1) ** length_penalty))
+        logprobs = _cat(pool.logprobs) if pool.logprobs else None
+        for i, (b, tok, n, s, f) in enumerate(
+            zip(session, tokens, lengths, scores, finished, strict=True)
+        ):
+            beam = Beam(tok[:n], s, f, s / max(n, 1) ** length_penalty)
+            if logprobs is not None:
+                beam.token_logprobs, beam.top_logprobs = beam_lists(logprobs, i, n)
+            beams[b].append(beam)
     stats = [DecodeStats() for _ in range(batch)]
     columns = {name: counters[name].tolist() for name in counters}
     emitted = steps.tolist()
@@ -134,5 +149,13 @@ def collect_results(
     results = []
     for b in range(batch):
         ranked = sorted(beams[b], key=lambda beam: (-beam.score, beam.token_ids))
-        results.append(DecodeResult(beams=ranked, stats=stats[b]))
+        results.append(DecodeResult(beams=ranked[:keep], stats=stats[b]))
     return results
+
+
+def _cat(parts: list[TokenLogprobs]) -> TokenLogprobs:
+    return TokenLogprobs(
+        torch.cat([p.chosen for p in parts]),
+        torch.cat([p.top_ids for p in parts]),
+        torch.cat([p.top_logp for p in parts]),
+    )

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from dsbd_core.algorithm.logprobs import IterationLogprobs, TokenLogprobs
 from dsbd_core.algorithm.scorer import ForestLayer, Origin
 
 # Per-session integer counters. "proposed": draft tokens in the forest (every node drafted);
@@ -35,6 +36,9 @@ class Pool:
     length: list[torch.Tensor] = field(default_factory=list)
     score: list[torch.Tensor] = field(default_factory=list)
     finished: list[torch.Tensor] = field(default_factory=list)
+    # config.logprobs set: each entry's token log-probs ([n, T]), kept by the router (the
+    # verifier's pool entries get theirs in `Engine.advance`, from `Outcome.logprobs`)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
 
     def extend(self, other: Pool) -> None:
         """Append another pool's beams (an iteration's finished beams to the session's pool)."""
@@ -43,6 +47,7 @@ class Pool:
         self.length += other.length
         self.score += other.score
         self.finished += other.finished
+        self.logprobs += other.logprobs
 
 
 @dataclass
@@ -68,14 +73,21 @@ class DecodeState:
     history: list[dict[str, torch.Tensor]] = field(default_factory=list)
     live: torch.Tensor | None = None  # [B] sessions decoding in the current iteration
     depth: torch.Tensor | None = None  # [B] layers drafted in the current iteration
+    # config.logprobs set: the token log-probs of every beam's generated positions [B, W, T]
+    # (router side only: the verifier sends what an iteration adds, `logprobs.Segment`)
+    logprobs: TokenLogprobs | None = None
+    # deterministic beam search (config.search): the length-normalised scores of the best W
+    # finished hypotheses so far, best first, -inf where fewer have finished [B, W]
+    finished_scores: torch.Tensor | None = None
 
     def for_models(self) -> DecodeState:
-        """What the draft and the verifier need of the state: no pool, history or counters.
+        """What the draft and the verifier need of the state: no pool, history, counters or
+        log-probs.
 
         This is the message a serving router sends each iteration (a few KiB): the beams'
         tokens, scores and flags, the planned depth, and the `Origin` the caches compact from.
         """
-        return replace(self, pool=Pool(), counters={}, history=[])
+        return replace(self, pool=Pool(), counters={}, history=[], logprobs=None)
 
 
 @dataclass
@@ -120,3 +132,5 @@ class Outcome:
     finished: Pool  # beams that left decoding this iteration
     record: dict[str, torch.Tensor]  # accepted_layers, widths, alphas (per session)
     counters: dict[str, torch.Tensor]  # increments: COUNTERS (less "draft"), epsilon_bias
+    logprobs: IterationLogprobs | None = None  # config.logprobs set: what the beams added
+    finished_scores: torch.Tensor | None = None  # beam search: DecodeState.finished_scores

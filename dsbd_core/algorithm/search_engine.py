@@ -1,0 +1,68 @@
+"""The deterministic beam-search engine, and the one place an engine is chosen from a config.
+
+`SearchEngine` has the `Engine`'s steps and state (so the one decode loop, the lockstep batch
+decoder and the serving router run it unchanged); only its two sides differ: the draft runs
+`search_walk.draft_search`, the target `search_walk.verify_search`, and the session's W best
+finished hypotheses (`DecodeState.finished_scores`) travel with the state. Without a draft
+(`uses_draft=False`, method `beam_search`) every iteration is one plain search step; with one
+(`spec_beam_search`) an iteration may take several, the output being the same tokens.
+
+`engine_for` is what `loop.Decode` and `loop.IterationCall.engine` build: `Engine` for
+sampling methods, `SearchEngine` when `config.search` is set.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+
+import torch
+
+from dsbd_core.algorithm.config import SamplingConfig
+from dsbd_core.algorithm.engine import Engine
+from dsbd_core.algorithm.result import DecodeResult, collect_results
+from dsbd_core.algorithm.scorer import ForestLogprobs, ScoreCall
+from dsbd_core.algorithm.search_walk import draft_search, verify_search
+from dsbd_core.algorithm.state import NO_FOREST, DecodeState, Forest, Outcome
+
+
+def engine_for(config: SamplingConfig, vocab_size: int, *, uses_draft: bool) -> Engine:
+    """The engine that runs `config`: beam search when `config.search`, else sampling."""
+    kind = SearchEngine if config.search else Engine
+    return kind(config, vocab_size, uses_draft=uses_draft)
+
+
+class SearchEngine(Engine):
+    """Deterministic beam search (plain, or speculative with a draft); see `search.py`."""
+
+    def start(self, prompts: list[list[int]]) -> DecodeState:
+        """As `Engine.start`, with no finished hypothesis yet."""
+        state = super().start(prompts)
+        batch, width = state.alive.shape
+        state.finished_scores = torch.full((batch, width), float("-inf"), dtype=torch.float64)
+        return state
+
+    def propose_steps(self, state: DecodeState) -> Generator[ScoreCall, ForestLogprobs, Forest]:
+        """Draft side: the draft's own beam search for the planned depth."""
+        assert state.depth is not None, "call next_iteration first"
+        if not self.uses_draft:
+            return NO_FOREST
+        return (yield from draft_search(state, self.config, self.eos))
+
+    def verify_steps(
+        self, state: DecodeState, forest: Forest
+    ) -> Generator[ScoreCall, ForestLogprobs, Outcome]:
+        """Target side: one forward over the forest, the target's search steps through it."""
+        assert state.depth is not None, "call next_iteration first"
+        return (yield from verify_search(state, forest, self.config, self.vocab, self.eos))
+
+    def advance(self, state: DecodeState, outcome: Outcome) -> None:
+        """As `Engine.advance`, and the finished hypotheses' scores."""
+        super().advance(state, outcome)
+        state.finished_scores = outcome.finished_scores
+
+    def finish(self, state: DecodeState) -> list[DecodeResult]:
+        """The W best finished hypotheses of every session, best first."""
+        return collect_results(
+            state.tokens.shape[0], state.pool, state.steps, state.counters, state.history,
+            self.config.length_penalty, keep=self.config.width,
+        )  # fmt: skip

@@ -1,0 +1,194 @@
+"""Issue 20 over HTTP with the real `openai` client: logprobs (chat and completions, n = 2,
+streamed and not) and vLLM's beam-search fields, on `dsbd serve` with the tiny float64 pair.
+
+One server for the module, the one tests/test_serving.py starts (serving_harness.running_server);
+every served value is compared with the in-process engine's for the same seed (`adaptive:
+false`), as the other distributed-decode tests do.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import requests
+
+from deployments.openai_responses import BeamText
+from dsbd_core.models import load_tokenizer
+
+from .serving_harness import MODEL, client, in_process_decoder, native, running_server
+
+MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
+KNOBS = {"width": 2, "gamma": 2, "adaptive": False}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory):
+    """One `dsbd serve` for the whole module (serving_harness.running_server)."""
+    with running_server(tmp_path_factory.mktemp("serving-api")) as info:
+        yield info
+
+
+@pytest.fixture(scope="module")
+def reference(server):
+    return in_process_decoder(server)
+
+
+@pytest.fixture(scope="module")
+def texts(server) -> BeamText:
+    tokenizer, _ = load_tokenizer(str(server["target"]))
+    return BeamText(tokenizer)
+
+
+def _prompt_ids(texts: BeamText, chat: bool) -> list[int]:
+    tokenizer = texts.tokenizer
+    if not chat:
+        return tokenizer.encode("one two")
+    text = tokenizer.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def _request(api, chat: bool, stream: bool, **extra: Any):
+    common = {"model": MODEL, "max_tokens": 10, "seed": 4, "n": 2, "stream": stream}
+    if chat:
+        return api.chat.completions.create(messages=MESSAGES, logprobs=True, top_logprobs=3,
+                                           extra_body=KNOBS, **common, **extra)  # fmt: skip
+    return api.completions.create(prompt="one two", logprobs=3, extra_body=KNOBS, **common,
+                                  **extra)  # fmt: skip
+
+
+def _per_choice(chunks, chat: bool) -> dict[int, list]:
+    """The logprobs entries of a stream, per choice: (token, logprob, top tokens)."""
+    out: dict[int, list] = {}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            logprobs = choice.logprobs
+            if logprobs is None:
+                continue
+            if chat:
+                entries = [(c.token, c.logprob, [t.token for t in c.top_logprobs])
+                           for c in logprobs.content]  # fmt: skip
+            else:
+                entries = [(t, p, sorted(top)) for t, p, top in zip(
+                    logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs, strict=True
+                )]  # fmt: skip
+            out.setdefault(choice.index, []).extend(entries)
+    return out
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_logprobs_equal_the_in_process_decode_streamed_and_not(server, reference, texts, chat):
+    api = client(server)
+    whole = _request(api, chat, False)
+    want = reference("dsbd", _prompt_ids(texts, chat), seed=4, max_new_tokens=10, logprobs=3,
+                     width=2, gamma=2)  # fmt: skip
+    assert len(whole.choices) == 2
+    for choice, beam in zip(whole.choices, want.beams, strict=True):
+        visible = texts.visible_ids(beam)
+        assert visible, "an empty beam checks nothing"
+        if chat:
+            content = choice.logprobs.content
+            assert [c.token for c in content] == [texts.piece(t) for t in visible]
+            got = [c.logprob for c in content]
+            tops = [[t.token for t in c.top_logprobs] for c in content]
+        else:
+            assert choice.logprobs.tokens == [texts.piece(t) for t in visible]
+            got = choice.logprobs.token_logprobs
+            tops = [list(top) for top in choice.logprobs.top_logprobs]
+            assert choice.logprobs.text_offset[0] == 0
+        assert got == pytest.approx(beam.token_logprobs[: len(visible)], abs=1e-9)
+        for top, alternatives, token in zip(tops, beam.top_logprobs, visible, strict=False):
+            expected = [texts.piece(t) for t, _ in alternatives]
+            if not chat:  # OpenAI completions: the chosen token is listed too
+                expected.append(texts.piece(token))
+            assert sorted(set(top)) == sorted(set(expected))
+    # streamed: each chunk carries the logprobs of the tokens it adds; together, the same
+    streamed = _per_choice(list(_request(api, chat, True)), chat)
+    expected = _per_choice([whole], chat)
+    assert sorted(streamed) == sorted(expected) == [0, 1]
+    for index, entries in expected.items():
+        assert [(t, top) for t, _, top in streamed[index]] == [(t, top) for t, _, top in entries]
+        assert [p for _, p, _ in streamed[index]] == pytest.approx([p for _, p, _ in entries])
+
+
+def test_the_native_route_returns_every_tokens_logprob_summing_to_the_log_likelihood(
+    server, reference
+) -> None:
+    body = {"prompt_ids": [5, 17, 42], "seed": 3, "max_new_tokens": 12, "logprobs": 2,
+            "method": "dsbd", "width": 3, "gamma": 2, "adaptive": False}  # fmt: skip
+    got = native(server, body)
+    want = reference("dsbd", [5, 17, 42], seed=3, max_new_tokens=12, logprobs=2, width=3, gamma=2)
+    for served, beam in zip(got["beams"], want.beams, strict=True):
+        assert served["token_ids"] == beam.token_ids
+        assert served["token_logprobs"] == pytest.approx(beam.token_logprobs, abs=1e-9)
+        assert sum(served["token_logprobs"]) == pytest.approx(served["log_likelihood"], abs=1e-9)
+        assert [[t["token_id"] for t in top] for top in served["top_logprobs"]] == [
+            [t for t, _ in top] for top in beam.top_logprobs
+        ]
+
+
+@pytest.mark.parametrize("method", [None, "beam"])
+def test_a_vllm_beam_search_client_works_unchanged(server, reference, texts, method) -> None:
+    """`use_beam_search` with n = 2 (the width, as vLLM), length_penalty and the default
+    method (speculative) or `beam` (plain): the same beams as the in-process beam search."""
+    extra: dict[str, Any] = {"use_beam_search": True, "length_penalty": 0.7}
+    if method:
+        extra["method"] = method
+    api = client(server)
+    completion = api.completions.create(model=MODEL, prompt="one two", max_tokens=12, n=2,
+                                        extra_body=extra)  # fmt: skip
+    want = reference("beam_search", _prompt_ids(texts, False), width=2, length_penalty=0.7,
+                     max_new_tokens=12)  # fmt: skip
+    assert [c.text for c in completion.choices] == [texts.text(b) for b in want.beams]
+    chat = api.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12, n=2,
+                                       logprobs=True, extra_body=extra)  # fmt: skip
+    want = reference("beam_search", _prompt_ids(texts, True), width=2, length_penalty=0.7,
+                     max_new_tokens=12, logprobs=0)  # fmt: skip
+    assert [c.message.content for c in chat.choices] == [texts.text(b) for b in want.beams]
+    for choice, beam in zip(chat.choices, want.beams, strict=True):
+        visible = texts.visible_ids(beam)
+        assert [c.logprob for c in choice.logprobs.content] == pytest.approx(
+            beam.token_logprobs[: len(visible)], abs=1e-9
+        )
+    stream = api.completions.create(model=MODEL, prompt="one two", max_tokens=12, n=2,
+                                    stream=True, extra_body=extra)  # fmt: skip
+    texts_streamed: dict[int, str] = {}
+    for chunk in stream:
+        for c in chunk.choices:
+            texts_streamed[c.index] = texts_streamed.get(c.index, "") + c.text
+    assert texts_streamed == {i: c.text for i, c in enumerate(completion.choices)}
+
+
+def test_speculative_search_matches_plain_with_fewer_target_forwards(server) -> None:
+    body = {"prompt_ids": [5, 17, 42, 99], "max_new_tokens": 16, "width": 3, "gamma": 3,
+            "adaptive": False}  # fmt: skip
+    plain = native(server, {**body, "method": "beam_search"})
+    speculative = native(server, {**body, "method": "spec_beam_search"})
+    tokens = [b["token_ids"] for b in plain["beams"]]
+    assert [b["token_ids"] for b in speculative["beams"]] == tokens
+    assert plain["stats"]["target_forward_passes"] == plain["stats"]["tokens_emitted"]
+    print("served beam search, W=3, 16 tokens: target forwards plain "
+          f"{plain['stats']['target_forward_passes']}, speculative "
+          f"{speculative['stats']['target_forward_passes']}")  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "fragment"),
+    [
+        ("chat/completions", {"messages": MESSAGES, "top_logprobs": 2},
+         "top_logprobs=2 needs logprobs=true"),
+        ("chat/completions", {"messages": MESSAGES, "logprobs": True, "top_logprobs": 30},
+         "top_logprobs=30"),
+        ("completions", {"prompt": "x", "logprobs": 9}, "logprobs=9"),
+        ("completions", {"prompt": "x", "use_beam_search": True, "n": 3, "width": 2},
+         "n=3 is larger than width=2"),
+        ("completions", {"prompt": "x", "use_beam_search": True, "early_stopping": "soon"},
+         "early_stopping"),
+    ],
+)  # fmt: skip
+def test_bad_logprob_and_beam_search_fields_get_400(server, path, body, fragment) -> None:
+    response = requests.post(f"{server['url']}/v1/{path}", json={"model": MODEL, **body},
+                             timeout=60)  # fmt: skip
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert fragment in error["message"] and error["type"] == "invalid_request_error"
