@@ -166,6 +166,7 @@ def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
         default_max_tokens=config.default_max_tokens,
         limits=config.limits,
         api_key_file=config.api_key_file,
+        router_replicas=config.router_resources.max_replicas,  # memory admission's share
     )
     return Router.options(**config.router_resources.options()).bind(
         draft, verifier, controller, router_options.model_dump()

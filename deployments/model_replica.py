@@ -23,7 +23,9 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+from deployments.admission import device_free_bytes, kv_bytes_per_token, replica_memory
 from deployments.continuous_batch import ContinuousBatcher
+from deployments.faults import fault_point
 from deployments.messages import IterationCall, SideReport
 from deployments.tracing import BatchSpans, replica_id
 from dsbd_core.algorithm.cost_model import ForwardCosts
@@ -33,7 +35,7 @@ from dsbd_core.models.calibrate import model_costs
 from dsbd_core.models.draft_variants import head_support
 from dsbd_core.models.dtypes import dtype_name, resolve_dtype
 from dsbd_core.models.pair import DraftOptions, model_identity, prepare_draft
-from dsbd_core.models.tensor_parallel import INIT_TIMEOUT_S
+from dsbd_core.models.tensor_parallel import INIT_TIMEOUT_S, model_config
 from dsbd_core.models.transformer_scorer import TransformerScorer
 
 _ACTIVE_S = 1.0  # a session with a call this recent is expected to call again soon
@@ -78,6 +80,18 @@ class ModelOptions(BaseModel):
         "their shards, the barrier after it: ranks loading a large model finish minutes apart), "
         "and the timeout of each collective of the group; a call that hangs is cut after 600 s.",
     )  # fmt: skip
+    session_memory_bytes: int | None = Field(
+        None, ge=1,
+        description="Memory the sessions' KV caches may take on this replica's device (per TP "
+        "rank), the copies a batched forward makes included; the router admits decodes "
+        "against it (HTTP 429 past it, 400 for one that never fits; deployments/admission.py). "
+        "None: session_memory_fraction of the device's free memory when the replica starts.",
+    )  # fmt: skip
+    session_memory_fraction: float = Field(
+        0.5, gt=0, le=1,
+        description="The share of the device's free memory at start-up (after loading the "
+        "model) that is the session budget when session_memory_bytes is not set.",
+    )  # fmt: skip
 
 
 class SessionReleased(RuntimeError):
@@ -111,6 +125,9 @@ class ModelReplica:
             self.scorer: Any = self.tp_group
             self.vocab_size = self.tp_group.vocab_size
             self.max_positions = self.tp_group.max_positions
+            kv = kv_bytes_per_token(model_config(self.options.source), torch_dtype,
+                                    self.options.tp_size)  # fmt: skip
+            free = min(info.get("free_bytes", 0) for info in self.tp_group.rank_infos)
         else:
             loaded = load_causal_lm(self.options.source, dtype=torch_dtype)
             loaded.model.to(self.options.device)
@@ -125,6 +142,10 @@ class ModelReplica:
             identity = {"model": model_identity(loaded), "dtype": self.dtype_name,
                         "device": self.options.device, "variant": self.variant}  # fmt: skip
             self.costs = model_costs(model, identity)
+            kv = kv_bytes_per_token(model.config, torch_dtype)
+            free = device_free_bytes(self.options.device)
+        self.memory = replica_memory(kv, self.options.session_memory_bytes,
+                                     self.options.session_memory_fraction, free)  # fmt: skip
         self.batcher = SessionBatcher(
             self.scorer, ttl_s=self.options.session_ttl_s, max_sessions=self.options.max_sessions
         )
@@ -143,6 +164,7 @@ class ModelReplica:
             self._sweeper = asyncio.get_running_loop().create_task(self._sweep_forever())
         async with self._lock:
             self.calls_run += len(jobs)
+            fault_point(type(self).__name__.lower(), calls=len(jobs))  # off unless tests ask
             start = time.perf_counter()
             results, report = await asyncio.to_thread(self.batcher.run, jobs)
             seconds = time.perf_counter() - start
@@ -210,6 +232,7 @@ class ModelReplica:
             "variant": self.variant,
             "support_size": self.support_size,
             "costs": self.costs.model_dump() if self.costs is not None else None,
+            "memory": self.memory,  # KV bytes per token and the session budget (admission)
         }
         if self.tp_group is not None:
             info["tp_ranks"] = {"pids": self.tp_group.pids, "device": self.tp_group.info["device"]}

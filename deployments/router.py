@@ -4,6 +4,8 @@ Routes: `POST /v1/completions`, `POST /v1/chat/completions` (the `openai` client
 DSBD knobs go in `extra_body`; `n` returns the top-n beams; `stream: true` streams SSE),
 `GET /v1/models`, `POST /v1/dsbd/generate` (all beams and the full speculative-decoding
 statistics), `GET /healthz`; FastAPI serves the OpenAPI schema at `/openapi.json` and `/docs`.
+OpenAI's `logprobs` and vLLM's beam-search fields (`use_beam_search`, `length_penalty`, `n`)
+are accepted (deployments/api_models.py).
 
 Streaming sends the *committed* prefix of the best beam: the tokens every current candidate
 starts with, which no later iteration can change (`decode_session.committed_tokens`). Beams of a
@@ -22,6 +24,7 @@ replica (handles, tokenizer, admission). The replies are built in deployments/op
 """
 
 import asyncio
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -29,6 +32,7 @@ from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from ray import serve
 
+from deployments.admission import MemoryLedger, router_view, session_charge
 from deployments.api_errors import (
     APIError,
     api_error_handler,
@@ -46,9 +50,10 @@ from deployments.api_models import (
 from deployments.auth import APIKeyGuard, guard_with, read_api_key
 from deployments.decode_session import DecodeSession, Handles, accepted_per_position
 from deployments.observability import RequestObserver, note_method
-from deployments.openai_responses import BeamText, completion_response
+from deployments.openai_responses import BeamText, completion_response, native_beam_logprobs
 from deployments.router_limits import Limits, RouterOptions, check_config
 from deployments.streaming import DecodeStream, sse_events
+from deployments.tracing import replica_id
 from dsbd_core.algorithm.config import SamplingConfig
 from dsbd_core.algorithm.decoders import METHODS_WITH_DRAFT
 from dsbd_core.algorithm.result import DecodeResult
@@ -95,6 +100,7 @@ class Router:
         self._info: dict[str, Any] | None = None
         guard_with(read_api_key(self.options.api_key_file))  # this process's app demands it
         self._running = 0  # decodes in progress here (max_concurrent_sessions)
+        self._memory = MemoryLedger()  # their session memory (deployments/admission.py)
 
     # ----------------------------------------------------------------- routes
     @app.get("/healthz")
@@ -106,15 +112,19 @@ class Router:
     @app.get("/v1/dsbd/status")
     async def status(self) -> dict[str, Any]:
         """Load as the width controller sees it, and one verifier and one draft replica: id,
-        pid, cached sessions and, when tensor-parallel, its ranks (pids, device)."""
+        pid, cached sessions and, when tensor-parallel, its ranks (pids, device); the router
+        replica that answers (id, pid, session memory it admitted: benchmarks/chaos.py)."""
         load = await self.handles.controller.load.remote()
         verifier = await self.handles.verifier.info.remote()
         draft = await self.handles.draft.info.remote()
+        router = {"replica": replica_id(), "pid": os.getpid(), "running": self._running,
+                  "admitted_memory_bytes": dict(self._memory.admitted)}  # fmt: skip
         return {
             "model": self.options.model_name,
             **load,
             "verifier": _replica_status(verifier),
             "draft": _replica_status(draft),
+            "router": router,
         }
 
     @app.get("/v1/models")
@@ -164,6 +174,11 @@ class Router:
                     "log_likelihood": beam.log_likelihood,
                     "score": beam.score,
                     "finished": beam.finished,
+                    **(
+                        native_beam_logprobs(beam, self.texts)
+                        if beam.token_logprobs is not None
+                        else {}
+                    ),
                 }
                 for beam in result.beams
             ],
@@ -183,7 +198,7 @@ class Router:
                            f"{self.options.limits.max_n}", "n")  # fmt: skip
         session = self._session(config, request.method, request.adaptive)
         if request.stream:
-            leave = self._admit()
+            leave = self._admit(session, len(prompt_ids))
             events = sse_events(session, request, prompt_ids, chat=chat,
                                 model_name=self.options.model_name, limits=self.options.limits,
                                 texts=self.texts)  # fmt: skip
@@ -193,13 +208,17 @@ class Router:
         return completion_response(self.options.model_name, prompt_ids, beams, self.texts,
                                    chat=chat)  # fmt: skip
 
-    def _admit(self) -> Callable[[], None]:
-        """Count a decode in, or refuse it (429) when this router runs too many already;
+    def _admit(self, session: DecodeSession, prompt_len: int) -> Callable[[], None]:
+        """Count a decode in, or refuse it (429) when this router runs too many already or
+        their session memory leaves no room for its KV caches (deployments/admission.py);
         returns what counts it out, once however often it is called."""
         limit = self.options.limits.max_concurrent_sessions
         if self._running >= limit:
             raise APIError(429, f"this server runs {limit} decodes at once "
                            "(max_concurrent_sessions); retry shortly", None)  # fmt: skip
+        view = (self._info or {}).get("admission")
+        charge = session_charge(session.config, session.uses_draft, prompt_len, view)
+        self._memory.take(charge, view)
         self._running += 1
         counted = True
 
@@ -208,12 +227,13 @@ class Router:
             if counted:
                 counted = False
                 self._running -= 1
+                self._memory.give_back(charge)
 
         return leave
 
     async def _run(self, session: DecodeSession, prompt_ids: list[int]) -> DecodeResult:
         """Decode within the request deadline (504 past it; the sessions are freed either way)."""
-        leave = self._admit()
+        leave = self._admit(session, len(prompt_ids))
         try:
             async with asyncio.timeout(self.options.limits.request_timeout_s):
                 return await session.run(prompt_ids)
@@ -244,7 +264,10 @@ class Router:
 
     async def _model_info(self) -> dict[str, Any]:
         if self._info is None:
-            self._info = await self.handles.verifier.info.remote()
+            info = await self.handles.verifier.info.remote()
+            draft = await self.handles.draft.info.remote()  # its session memory (admission)
+            info["admission"] = router_view(info, draft, self.options.router_replicas)
+            self._info = info
         return self._info
 
     def _check_model(self, model: str) -> None:

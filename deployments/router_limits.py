@@ -7,6 +7,7 @@ server's configured limit, so a client can fix the request without reading the s
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from deployments.admission import check_fits
 from deployments.api_errors import APIError
 from dsbd_core.algorithm.config import SamplingConfig
 from dsbd_core.algorithm.decoders import METHODS_WITH_DRAFT, method_config
@@ -45,6 +46,10 @@ class RouterOptions(BaseModel):
         "the DSBD_API_KEY environment variable; neither: no key. Never the key itself: Serve "
         "logs its application arguments.",
     )  # fmt: skip
+    router_replicas: int = Field(
+        1, ge=1, description="The router deployment's max_replicas: each router replica admits "
+        "decodes against this share of the replicas' session memory (deployments/admission.py).",
+    )  # fmt: skip
 
 
 def check_config(
@@ -52,7 +57,8 @@ def check_config(
     tokens_field: str,
 ) -> SamplingConfig:  # fmt: skip
     """The method's config, checked against `limits` and what the model (`info`, the verifier's
-    vocab_size and max_positions) can hold; see `Router._config` for the fields it names."""
+    vocab_size and max_positions, and `admission`: the replicas' session memory as this router
+    shares it) can hold; see `Router._config` for the fields it names."""
     vocab = int(info["vocab_size"])
     bad = [t for t in prompt_ids if not 0 <= t < vocab]
     if bad:
@@ -82,4 +88,6 @@ def check_config(
             f"shorter prompt or a smaller {tokens_field}",
             tokens_field,
         )
+    check_fits(config, method in METHODS_WITH_DRAFT, len(prompt_ids), info.get("admission"),
+               tokens_field)  # fmt: skip
     return config

@@ -45,6 +45,8 @@ from ray.util.placement_group import (
 )
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from deployments.admission import device_free_bytes
+from deployments.faults import fault_point
 from dsbd_core.models.tensor_parallel import (
     INIT_TIMEOUT_S,
     ShardedScorer,
@@ -129,6 +131,7 @@ class TPWorker:
     def call(self, method: str, *args: Any) -> Any:
         """Run one scorer method on this rank (all ranks get the same calls, in order)."""
         assert self.scorer is not None, "setup first"
+        fault_point(f"tp-rank{self.rank}", method)  # off unless tests ask (deployments/faults)
         result = getattr(self.scorer, method)(*args)
         return result if self.rank == 0 else None
 
@@ -168,6 +171,7 @@ def _join_and_load(
         "cuda_initialized": torch.cuda.is_initialized(),
         "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
         "group_timeout_s": timeout_s,
+        "free_bytes": device_free_bytes(device),  # the session budget's default (admission)
     }
 
 

@@ -1,0 +1,486 @@
+"""Chaos: N clients against `dsbd serve` for T minutes while replicas are SIGKILLed again and again.
+
+Starts `dsbd serve` itself (loopback only; the embedded SmolLM2 pair, or `--config FILE` and
+`--app NAME`), then runs `--clients` clients back to back for `--duration` seconds: the request
+mix of benchmarks/load.py (OpenAI and native routes, streams, clients that go away mid-decode
+on purpose) plus seeded requests (`adaptive: false`, a seed: a `--seeded-share` of all
+requests). Every 30 to 60 s (`--kill-every`) it SIGKILLs a random Router, Draft or Verifier
+replica process (`--targets`), its pid read from `/v1/dsbd/status` and checked to be a
+descendant of the server, then measures the recovery: the time until the status names a live
+replica of that deployment other than the killed one and a small DSBD request (draft and
+verifier) succeeds. No kill in the last `--quiet-tail` seconds, so latency after the kills is
+measured too.
+
+Afterwards it stops the server and decodes every seeded request in-process with the same
+models, loaded as the replicas load them (`dsbd_core.models.pair.load_pair` with the
+application's `ModelOptions`, same dtype and draft variant), and compares the tokens.
+
+A client behaves as the openai client does by default: a request answered with no response,
+408, 409, 429 or a 5xx is sent again up to `--client-retries` (2) more times. A killed Router
+replica takes the decodes it runs with it (the decode loop lives in the router), and Serve's
+proxy answers those 500: the client's retry is what saves them, and the report counts them
+(`client_retries`, `status_5xx_answered`). A killed Draft or Verifier replica costs the server a
+retried iteration (`retries`), never the request nor a client retry.
+
+Reports (`--out`, default benchmarks/results/chaos.json, plus a PNG of latency over time with
+the kills marked): requests sent, completed, abandoned on purpose, failed after the client's
+retries (by status and cause: which kill the request overlapped), 5xx (final answers, and every
+5xx answered), retries (iterations the server retried: `stats.serving.retries` of native
+responses; requests a client sent again), recovery per kill and its maximum, latency p50/p99
+before, during and after the kills, and the seeded comparison. Targets (issue 21): 0 failed,
+0 5xx, seeded equal to the in-process tokens, every replica back within 60 s.
+
+    .venv/bin/python benchmarks/chaos.py                                   # 32 x 10 min
+    .venv/bin/python benchmarks/chaos.py --config serve.yaml --clients 8 --duration 90 --kills 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import signal
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import load  # benchmarks/ is on sys.path when this runs as a script
+import server_process
+from load import ABANDONED, MIX, LoadConfig, Record, body_for, percentiles, send
+
+SIDES = ("router", "draft", "verifier")
+PROBE = {"prompt_ids": [5, 6, 7], "max_new_tokens": 2, "width": 2, "gamma": 1, "seed": 0,
+         "adaptive": False}  # fmt: skip  # DSBD: one call to the draft and one to the verifier
+
+
+@dataclass
+class ChaosConfig:
+    clients: int = 32
+    duration_s: float = 600.0
+    kill_every_s: tuple[float, float] = (30.0, 60.0)
+    first_kill_s: float | None = None  # default: a draw from kill_every_s
+    quiet_tail_s: float = 60.0
+    max_kills: int | None = None
+    targets: tuple[str, ...] = SIDES
+    seed: int = 0
+    max_tokens: int = 8
+    seeded_share: float = 0.25
+    request_timeout_s: float = 300.0
+    recovery_timeout_s: float = 180.0
+    client_retries: int = 2  # what the openai client retries by default (see `attempt`)
+
+
+@dataclass
+class Kill:
+    side: str
+    pid: int
+    at_s: float
+    recovered_s: float | None = None  # seconds from the kill to recovery (None: not in time)
+    new_pid: int | None = None
+    probe_status: int | None = None
+
+
+@dataclass
+class Run:
+    url: str
+    model: str
+    server_pid: int
+    t0: float = field(default_factory=time.monotonic)
+    records: list[Record] = field(default_factory=list)
+    retries: list[int] = field(default_factory=list)  # per native response: retried iterations
+    retry_causes: list[str] = field(default_factory=list)
+    seeded: list[dict[str, Any]] = field(default_factory=list)  # body + beams returned
+    kills: list[Kill] = field(default_factory=list)
+    client_retried: list[Record] = field(default_factory=list)  # attempts a client retried
+
+    def now(self) -> float:
+        return time.monotonic() - self.t0
+
+
+def seeded_body(index: int, max_tokens: int) -> dict[str, Any]:
+    """A seeded, fixed-knob DSBD request: token ids valid in any vocabulary of >= 256."""
+    prompt = [16 + (index * 7 + k * 13) % 230 for k in range(3 + index % 5)]
+    return {"prompt_ids": prompt, "seed": 1000 + index, "max_new_tokens": max_tokens,
+            "width": 2 + index % 2, "gamma": 2, "adaptive": False}  # fmt: skip
+
+
+async def native(http: aiohttp.ClientSession, run: Run, kind: str, body: dict[str, Any]) -> Record:
+    """A native request; keeps its retries and, for a seeded one, the beams it returned."""
+    start = time.monotonic()
+    status, error, tokens = 0, None, 0
+    try:
+        async with http.post(run.url + "/v1/dsbd/generate", json=body) as response:
+            status = response.status
+            reply = await response.json(content_type=None)
+        if status != 200:
+            error = json.dumps(reply)[:300]
+        else:
+            retries = reply["stats"]["serving"]["retries"]
+            run.retries.append(len(retries))
+            run.retry_causes += [r.split(": ")[1] if ": " in r else r for r in retries]
+            tokens = sum(len(b["token_ids"]) for b in reply["beams"])
+            if kind == "seeded/generate":
+                run.seeded.append({"body": body, "beams": [
+                    {"token_ids": b["token_ids"], "log_likelihood": b["log_likelihood"]}
+                    for b in reply["beams"]]})  # fmt: skip
+    except Exception as exc:  # no (complete) response: counted by its type
+        error = f"{type(exc).__name__}: {exc}"[:300]
+    return Record(kind, start - run.t0, time.monotonic() - start, status, error, tokens)
+
+
+def retryable(status: int) -> bool:
+    """What the openai client retries (`max_retries`, 2 by default): no response or a broken
+    body (0, -1 here), 408, 409, 429 and every 5xx."""
+    return status in (0, -1, 408, 409, 429) or status >= 500
+
+
+async def attempt(
+    http: aiohttp.ClientSession, run: Run, config: ChaosConfig, load_config: LoadConfig,
+    kind: str, route: str, body: dict[str, Any],
+) -> Record:  # fmt: skip
+    """One request as a client sends it: retried like the openai client (up to
+    `client_retries` more attempts, back-off 0.5 s doubling); every retried attempt is kept in
+    `run.client_retried`, and the record returned spans all attempts. A router replica that is
+    killed takes the decodes it runs with it (the decode loop lives there): Serve's proxy
+    answers them 500, which a client retries; a draft or verifier kill must cost none."""
+    first = time.monotonic()
+    for tries in range(config.client_retries + 1):
+        if route.endswith("/generate"):
+            record = await native(http, run, kind, body)
+        else:
+            record = await send(http, load_config, kind, route, body, run.t0)
+        if not retryable(record.status) or tries == config.client_retries:
+            break
+        run.client_retried.append(record)
+        await asyncio.sleep(0.5 * 2**tries)
+    record.start_s = round(first - run.t0, 3)
+    record.latency_s = time.monotonic() - first
+    return record
+
+
+async def client(
+    http: aiohttp.ClientSession, run: Run, config: ChaosConfig, load_config: LoadConfig,
+    index: int, stop_at: float,
+) -> None:  # fmt: skip
+    rng = random.Random(config.seed * 1000 + index)
+    round_ = 0
+    while time.monotonic() < stop_at:
+        number = index + round_ * config.clients  # every request of the run has its own seed
+        if rng.random() < config.seeded_share:
+            kind, route = "seeded/generate", "/v1/dsbd/generate"
+            body = seeded_body(number, config.max_tokens)
+        else:
+            kind, route, extras = MIX[(index + round_) % len(MIX)]
+            body = body_for(load_config, route, extras, number)
+        run.records.append(await attempt(http, run, config, load_config, kind, route, body))
+        round_ += 1
+
+
+async def status(http: aiohttp.ClientSession, url: str) -> dict[str, Any] | None:
+    with contextlib.suppress(Exception):
+        async with asyncio.timeout(15):
+            async with http.get(url + "/v1/dsbd/status") as response:
+                if response.status == 200:
+                    return await response.json()
+    return None
+
+
+def pid_of(state: dict[str, Any], side: str) -> int:
+    return int(state[side]["pid"])
+
+
+async def kill_one(http: aiohttp.ClientSession, run: Run, side: str) -> Kill | None:
+    """SIGKILL the `side` replica the status names (a descendant of our server only)."""
+    state = await status(http, run.url)
+    if state is None:
+        return None
+    pid = pid_of(state, side)
+    if pid not in server_process.descendants(run.server_pid):
+        raise RuntimeError(f"{side} pid {pid} is not a process of the server we started")
+    os.kill(pid, signal.SIGKILL)
+    return Kill(side, pid, round(run.now(), 2))
+
+
+async def recover(http: aiohttp.ClientSession, run: Run, kill: Kill, timeout_s: float) -> None:
+    """Wait until a live replica of the killed deployment (not the killed pid) answers in the
+    status and a probe request through draft and verifier succeeds."""
+    deadline = time.monotonic() + timeout_s
+    replaced = False
+    while time.monotonic() < deadline:
+        if not replaced:
+            state = await status(http, run.url)
+            pid = pid_of(state, kill.side) if state else None
+            alive = set(server_process.descendants(run.server_pid))
+            replaced = pid is not None and pid != kill.pid and pid in alive
+            kill.new_pid = pid if replaced else None
+        if replaced:
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(max(1.0, deadline - time.monotonic())):
+                    async with http.post(run.url + "/v1/dsbd/generate", json=PROBE) as response:
+                        kill.probe_status = response.status
+                        await response.read()
+                if kill.probe_status == 200:
+                    kill.recovered_s = round(run.now() - kill.at_s, 2)
+                    return
+        await asyncio.sleep(0.25)
+
+
+async def killer(
+    http: aiohttp.ClientSession, run: Run, config: ChaosConfig, stop_at: float
+) -> None:
+    """One kill every `kill_every_s` (uniform), each after the previous one recovered."""
+    rng = random.Random(config.seed)
+    low, high = config.kill_every_s
+    next_at = config.first_kill_s if config.first_kill_s is not None else rng.uniform(low, high)
+    last_allowed = config.duration_s - config.quiet_tail_s
+    while next_at <= last_allowed and (config.max_kills is None or
+                                       len(run.kills) < config.max_kills):  # fmt: skip
+        await asyncio.sleep(max(0.0, next_at - run.now()))
+        if time.monotonic() >= stop_at:
+            return
+        kill = await kill_one(http, run, rng.choice(config.targets))
+        if kill is None:  # no status now (a router down): try again shortly
+            next_at = run.now() + 2
+            continue
+        run.kills.append(kill)
+        print(f"[{kill.at_s:7.1f} s] SIGKILL {kill.side} pid {kill.pid}", flush=True)
+        await recover(http, run, kill, config.recovery_timeout_s)
+        print(f"[{run.now():7.1f} s] {kill.side} recovered after {kill.recovered_s} s "
+              f"(new pid {kill.new_pid})", flush=True)  # fmt: skip
+        next_at = max(run.now(), kill.at_s + rng.uniform(low, high))
+
+
+async def drive(run: Run, config: ChaosConfig) -> dict[str, Any]:
+    """The clients and the killer; then the sessions left (load.drain)."""
+    load_config = LoadConfig(url=run.url, clients=config.clients, duration_s=config.duration_s,
+                             model=run.model, max_tokens=config.max_tokens,
+                             request_timeout_s=config.request_timeout_s)  # fmt: skip
+    timeout = aiohttp.ClientTimeout(total=config.request_timeout_s)
+    connector = aiohttp.TCPConnector(limit=config.clients + 8)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as http:
+        async with http.post(run.url + "/v1/dsbd/generate", json=PROBE) as response:
+            assert response.status == 200, await response.text()  # warm, and the app works
+        run.t0 = time.monotonic()
+        stop_at = run.t0 + config.duration_s
+        kills = asyncio.create_task(killer(http, run, config, stop_at))
+        await asyncio.gather(*(client(http, run, config, load_config, i, stop_at)
+                               for i in range(config.clients)))  # fmt: skip
+        wall = run.now()
+        await kills
+        return {"wall_s": round(wall, 2), "sessions_after": await load.drain(http, load_config)}
+
+
+def phase(record: Record, run: Run) -> str:
+    """before the first kill, during (first kill to last recovery), after."""
+    if not run.kills:
+        return "before"
+    first = run.kills[0].at_s
+    last = run.kills[-1].at_s + (run.kills[-1].recovered_s or 0.0)
+    return "before" if record.start_s < first else "during" if record.start_s < last else "after"
+
+
+def cause(record: Record, run: Run) -> str:
+    """What a failure overlapped: the kill during the request's lifetime, if any."""
+    end = record.start_s + record.latency_s
+    during = [k for k in run.kills if record.start_s <= k.at_s + (k.recovered_s or 0) and
+              k.at_s <= end]  # fmt: skip
+    where = f"{during[0].side} kill at {during[0].at_s} s" if during else "no kill in flight"
+    return f"{record.status} ({where}): {(record.error or '')[:120]}"
+
+
+def summarise(run: Run, config: ChaosConfig, extra: dict[str, Any]) -> dict[str, Any]:
+    records = run.records
+    ok = [r for r in records if r.status == 200]
+    failed = [r for r in records if r.status not in (200, ABANDONED)]
+    by_status: dict[str, int] = {}
+    for r in failed:
+        by_status[str(r.status)] = by_status.get(str(r.status), 0) + 1
+    recoveries = [k.recovered_s for k in run.kills]
+    latency = {name: percentiles([r.latency_s for r in ok if phase(r, run) == name])
+               for name in ("before", "during", "after")}  # fmt: skip
+    return {
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "config": asdict(config),
+        "model": run.model,
+        "duration_s": config.duration_s,
+        "clients": config.clients,
+        "kills": len(run.kills),
+        "sent": len(records),
+        "completed": len(ok),
+        "abandoned": sum(1 for r in records if r.status == ABANDONED),
+        "failed": len(failed),
+        "status_5xx": sum(1 for r in records if 500 <= r.status < 600),
+        # every 5xx the server answered, those a client then retried included
+        "status_5xx_answered": sum(
+            1 for r in [*records, *run.client_retried] if 500 <= r.status < 600
+        ),
+        "retries": sum(run.retries),  # iterations the server retried (a replica lost)
+        "native_responses": len(run.retries),
+        "native_responses_with_retries": sum(1 for n in run.retries if n),
+        "client_retries": len(run.client_retried),  # requests a client sent again (`attempt`)
+        "client_retried_by_status": dict(Counter(str(r.status) for r in run.client_retried)),
+        "client_retry_causes": sorted({cause(r, run) for r in run.client_retried})[:20],
+        "max_recovery_s": max((r for r in recoveries if r is not None), default=None),
+        "all_recovered": all(r is not None for r in recoveries),
+        "failed_by_status": by_status,
+        "failed_causes": sorted({cause(r, run) for r in failed})[:20],
+        "retry_causes": sorted(set(run.retry_causes))[:20],
+        "kill_log": [asdict(k) for k in run.kills],
+        "latency_s": {"all": percentiles([r.latency_s for r in ok]), **latency},
+        **extra,
+        "requests": [asdict(r) for r in records],
+    }
+
+
+def compare_seeded(app: Any, seeded: list[dict[str, Any]]) -> dict[str, Any]:
+    """Decode every seeded request in-process with the server's models, loaded as its replicas
+    load them, and compare the beams (token ids; log-likelihoods within 1e-6)."""
+    import torch
+
+    from dsbd_core import SamplingConfig
+    from dsbd_core.algorithm.decoders import generate
+    from dsbd_core.models import load_tokenizer
+    from dsbd_core.models.dtypes import resolve_dtype
+    from dsbd_core.models.pair import load_pair
+    from dsbd_core.models.transformer_scorer import TransformerScorer
+
+    target, draft = app.target, app.draft
+    if resolve_dtype(target.dtype, target.device)[0] != resolve_dtype(draft.dtype, draft.device)[0]:
+        return {"compared": 0, "why": "target.dtype and draft.dtype differ: load_pair loads one"}
+    torch.set_num_threads(target.threads)
+    pair = load_pair(target.source, draft.source, dtype=target.dtype, device=target.device,
+                     draft_options=draft.variant)  # fmt: skip
+    assert pair.draft is not None
+    _, stop_ids = load_tokenizer(target.source)
+    same, differ, worst = 0, [], 0.0
+    for item in seeded:
+        body = item["body"]
+        knobs = {k: v for k, v in body.items() if k not in ("prompt_ids", "adaptive")}
+        want = generate("dsbd", TransformerScorer(pair.target.model), body["prompt_ids"],
+                        SamplingConfig(eos_token_ids=stop_ids, **knobs),
+                        draft=TransformerScorer(pair.draft.model))  # fmt: skip
+        got = item["beams"]
+        if [b.token_ids for b in want.beams] == [b["token_ids"] for b in got]:
+            same += 1
+            for a, b in zip(want.beams, got, strict=True):
+                worst = max(worst, abs(a.log_likelihood - b["log_likelihood"]))
+        else:
+            differ.append(body)
+    return {"compared": len(seeded), "equal": same, "different": len(differ),
+            "different_examples": differ[:5], "max_log_likelihood_difference": worst,
+            "models": pair.describe()}  # fmt: skip
+
+
+def plot(results: dict[str, Any], path: Path) -> None:
+    """Latency over time (each request at its start), failures in red, kills as lines."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(12, 5))
+    records = results["requests"]
+    for status, style, label in ((200, "o", "completed"), (None, "x", "failed")):
+        chosen = [r for r in records if (r["status"] == 200) == (status == 200) and
+                  r["status"] != ABANDONED]  # fmt: skip
+        ax.plot([r["start_s"] for r in chosen], [r["latency_s"] for r in chosen], style,
+                markersize=3, alpha=0.6, label=label, color=None if status else "red")  # fmt: skip
+    colours = {"router": "tab:purple", "draft": "tab:orange", "verifier": "tab:green"}
+    for kill in results["kill_log"]:
+        colour = colours[kill["side"]]
+        ax.axvline(kill["at_s"], color=colour, linestyle="--")
+        if kill["recovered_s"] is not None:
+            ax.axvspan(kill["at_s"], kill["at_s"] + kill["recovered_s"], color=colour, alpha=0.1)
+        ax.annotate(f"kill {kill['side']}", (kill["at_s"], 1), xycoords=("data", "axes fraction"),
+                    rotation=90, va="top", ha="right", fontsize=8, color=colour)  # fmt: skip
+    ax.set_xlabel("request start (s into the run)")
+    ax.set_ylabel("latency (s)")
+    title = (f"chaos: {results['clients']} clients, {results['kills']} kills, "
+             f"{results['failed']} failed of {results['sent']} ({results['model']})")  # fmt: skip
+    ax.set_title(title)
+    ax.legend(loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", type=Path, help="Serve config (default: embedded SmolLM2)")
+    parser.add_argument("--app", help="the application to drive (default: the config's first)")
+    parser.add_argument("--clients", type=int, default=32)
+    parser.add_argument("--duration", type=float, default=600.0, help="seconds of load")
+    parser.add_argument("--kill-every", type=float, nargs=2, default=(30.0, 60.0),
+                        metavar=("MIN", "MAX"), help="seconds between kills (uniform)")  # fmt: skip
+    parser.add_argument("--first-kill", type=float, help="seconds to the first kill")
+    parser.add_argument("--quiet-tail", type=float, default=60.0, help="no kill in the last S s")
+    parser.add_argument("--kills", type=int, help="at most this many kills")
+    parser.add_argument("--targets", default=",".join(SIDES), help="sides that may be killed")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--seeded-share", type=float, default=0.25)
+    parser.add_argument("--request-timeout", type=float, default=300.0)
+    parser.add_argument("--recovery-timeout", type=float, default=180.0)
+    parser.add_argument("--client-retries", type=int, default=2,
+                        help="attempts added after 0/408/409/429/5xx, as openai")  # fmt: skip
+    parser.add_argument("--num-cpus", type=float, help="CPUs Ray may schedule on")
+    parser.add_argument("--strace", type=Path, help="run the server under strace -f, into DIR")
+    parser.add_argument("--workdir", type=Path, help="server log and ready file (default: tmp)")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/chaos.json"))
+    parser.add_argument("--no-compare", action="store_true", help="skip the in-process check")
+    args = parser.parse_args(argv)
+    targets = tuple(args.targets.split(","))
+    if not set(targets) <= set(SIDES) or not targets:
+        parser.error(f"--targets={args.targets}: allowed a comma list of {', '.join(SIDES)}")
+    if args.clients < 1 or args.duration <= 0 or not 0 < args.kill_every[0] <= args.kill_every[1]:
+        parser.error("--clients >= 1, --duration > 0 and 0 < --kill-every MIN <= MAX")
+    if args.client_retries < 0:
+        parser.error(f"--client-retries={args.client_retries}: allowed >= 0")
+    if not 0 <= args.seeded_share <= 1:
+        parser.error(f"--seeded-share={args.seeded_share}: allowed 0..1")
+    args.targets = targets
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    config = ChaosConfig(
+        clients=args.clients, duration_s=args.duration, kill_every_s=tuple(args.kill_every),
+        first_kill_s=args.first_kill, quiet_tail_s=args.quiet_tail, max_kills=args.kills,
+        targets=args.targets, seed=args.seed, max_tokens=args.max_tokens,
+        seeded_share=args.seeded_share, request_timeout_s=args.request_timeout,
+        recovery_timeout_s=args.recovery_timeout, client_retries=args.client_retries,
+    )  # fmt: skip
+    workdir = args.workdir or Path(os.environ.get("TMPDIR", "/tmp")) / f"dsbd-chaos-{os.getpid()}"
+    server = server_process.start(workdir, args.config, app_name=args.app,
+                                  num_cpus=args.num_cpus, strace_dir=args.strace)  # fmt: skip
+    print(f"dsbd serve at {server.url} (pid {server.pid}, log {server.log})", flush=True)
+    run = Run(server.url, server.model, server.pid)
+    try:
+        extra = asyncio.run(drive(run, config))
+    finally:
+        extra_left = server_process.stop(server)
+    extra["server_leftover_processes"] = extra_left
+    extra["seeded"] = (
+        {"compared": 0, "why": "--no-compare"} if args.no_compare
+        else compare_seeded(server.app, run.seeded)
+    )  # fmt: skip
+    results = summarise(run, config, extra)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=1) + "\n")
+    plot(results, args.out.with_suffix(".png"))
+    print(server_process.summary(results))
+    print(json.dumps({k: results[k] for k in ("failed_by_status", "failed_causes", "kill_log",
+                                              "latency_s", "seeded")}, indent=1))  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

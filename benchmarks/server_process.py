@@ -1,0 +1,159 @@
+"""`dsbd serve` started and stopped by a benchmark script that needs a server of its own
+(benchmarks/chaos.py kills its processes, benchmarks/soak.py samples them for half an hour).
+
+The server is started the way users start it (`dsbd serve [--config FILE]`), bound to
+127.0.0.1 (Ray on loopback only: deployments/local_ray.py), optionally under `strace -f` so a
+test can check afterwards that nothing but loopback was contacted. It is stopped with SIGINT
+to the `dsbd serve` process, and its session is killed if anything is left behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psutil
+import yaml
+
+from deployments.app import AppArgs
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class Server:
+    """A running `dsbd serve`: where it answers and the processes it is made of."""
+
+    process: subprocess.Popen
+    url: str  # the application's root: server URL + the application's route prefix
+    pid: int  # the `dsbd serve` process (Ray's processes are its descendants)
+    log: Path
+    app: AppArgs  # the arguments of the application under test
+    model: str
+
+
+def application(config: Path | None, name: str | None) -> tuple[AppArgs, str]:
+    """The AppArgs and route prefix of application `name` of a Serve config (default: its
+    first application; no config: the embedded SmolLM2 pair at /)."""
+    if config is None:
+        return AppArgs(), ""
+    apps = (yaml.safe_load(config.read_text()) or {}).get("applications") or []
+    chosen = [a for a in apps if name is None or a.get("name") == name]
+    if not chosen:
+        raise SystemExit(f"--config {config}: no application {name!r}; it has "
+                         f"{[a.get('name') for a in apps]}")  # fmt: skip
+    prefix = (chosen[0].get("route_prefix") or "/").rstrip("/")
+    return AppArgs.model_validate(chosen[0].get("args") or {}), prefix
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start(
+    workdir: Path, config: Path | None = None, *, app_name: str | None = None,
+    num_cpus: float | None = None, strace_dir: Path | None = None,
+    env: dict[str, str] | None = None, timeout_s: float = 900.0,
+) -> Server:  # fmt: skip
+    """Start `dsbd serve` on a free loopback port and wait until every application runs."""
+    app, prefix = application(config, app_name)
+    workdir.mkdir(parents=True, exist_ok=True)
+    port, ready = free_port(), workdir / "ready"
+    ready.unlink(missing_ok=True)
+    command = [str(REPO / ".venv/bin/dsbd"), "serve", "--port", str(port),
+               "--ready-file", str(ready)]  # fmt: skip
+    if not Path(command[0]).exists():
+        command[0:1] = [sys.executable, "-m", "dsbd"]
+    if config is not None:
+        command += ["--config", str(config)]
+    if num_cpus is not None:
+        command += ["--num-cpus", str(num_cpus)]
+    if strace_dir is not None and shutil.which("strace"):
+        strace_dir.mkdir(parents=True, exist_ok=True)
+        trace = ["strace", "-f", "-ff", "-qq", "--seccomp-bpf", "-e",
+                 "trace=connect,sendto,sendmsg", "-o", str(strace_dir / "t")]  # fmt: skip
+        command = trace + command
+    log = workdir / "server.log"
+    process = subprocess.Popen(
+        command, stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=REPO,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}, start_new_session=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if process.poll() is not None or time.monotonic() > deadline:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            raise RuntimeError(f"dsbd serve did not start:\n{log.read_text()[-4000:]}")
+        with contextlib.suppress(OSError, json.JSONDecodeError):
+            info = json.loads(ready.read_text())
+            break
+        time.sleep(1)
+    return Server(process, info["url"] + prefix, int(info["pid"]), log, app, app.model_name)
+
+
+def stop(server: Server, wait_s: float = 90.0) -> list[int]:
+    """SIGINT to `dsbd serve` (strace, when it leads the session, would only detach), then
+    SIGKILL to whatever of its session is still alive; returns those leftover pids."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(server.pid, signal.SIGINT)
+    try:
+        server.process.wait(timeout=wait_s)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(server.process.pid, signal.SIGKILL)
+        server.process.wait()
+    deadline = time.monotonic() + 30
+    while True:
+        found = subprocess.run(["pgrep", "-s", str(server.process.pid)], capture_output=True,
+                               text=True)  # fmt: skip
+        left = [int(x) for x in found.stdout.split()]
+        if not left or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    for pid in left:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    return left
+
+
+def descendants(pid: int) -> dict[int, str]:
+    """pid -> process title of every descendant of `pid` (Ray retitles its workers, e.g.
+    `ray::SERVE_REPLICA::dsbd#Verifier#...`); {} when `pid` is gone."""
+    try:
+        children = psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return {}
+    out = {}
+    for child in children:
+        with contextlib.suppress(psutil.Error):
+            out[child.pid] = " ".join(child.cmdline()) or child.name()
+    return out
+
+
+def process_name(title: str) -> str:
+    """A stable short name for a process title: the deployment for a Serve replica
+    (`dsbd:Verifier`), the class of another Ray actor, else the executable's name."""
+    head = title.split()[0] if title else "?"
+    if "ServeReplica:" in title:
+        return ":".join(title.split("ServeReplica:")[1].split(".")[0].split(":")[:2])
+    if head.startswith("ray::"):
+        return head.split(".")[0]
+    return head.split("/")[-1]
+
+
+def summary(results: dict[str, Any]) -> str:
+    """One line of the figures a reader wants first (scripts print it at the end)."""
+    keys = [k for k in results if not isinstance(results[k], (dict, list))]
+    return ", ".join(f"{k}={results[k]}" for k in keys)

@@ -1,0 +1,185 @@
+"""Soak: steady load against `dsbd serve` for T minutes, the memory of every server process
+sampled every 10 s, and its growth after warm-up per process.
+
+A 60 s load run saw the verifier grow +251 MiB (+4.2%) and could not tell a leak from an
+allocator's high-water mark (docs/RELIABILITY.md, section 4). A leak keeps growing; a
+high-water mark stops once the largest batches have been seen. So: `--clients` clients send
+the request mix of benchmarks/load.py back to back for `--duration` seconds (default 30 min),
+and every `--sample-s` (10 s) the RSS and PSS of every process of the server (the `dsbd serve`
+process and its descendants: Ray's processes, each replica its own) are recorded. Per process
+the growth over the last `--window` seconds (default 20 min, after a warm-up of the rest) is
+reported as a fraction: the mean of the window's last three samples over the mean of its first
+three, minus one (three: one sample can catch a forward's transient peak), with the largest
+sample of the window and a least-squares slope per hour. Target (issue 21): <= 2% for every
+process. Processes that started during the window (a replica Serve added) are listed apart.
+
+    .venv/bin/python benchmarks/soak.py                                  # SmolLM2, 30 min
+    .venv/bin/python benchmarks/soak.py --url http://127.0.0.1:8000 --pid PID   # a running one
+
+Writes `--out` (default benchmarks/results/soak.json): duration_s, rss_growth_after_warmup and
+pss_growth_after_warmup per process, the details, the requests' outcome and the samples.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import time
+from collections import Counter
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import load  # benchmarks/ is on sys.path when this runs as a script
+import psutil
+import server_process
+from load import ABANDONED, LoadConfig, Record, every, percentiles
+
+
+def sample(pid: int) -> dict[str, dict[str, Any]]:
+    """RSS and PSS of `pid` and each descendant, keyed "name pid" (Ray names replica processes
+    by deployment: `dsbd:Verifier`)."""
+    out = {}
+    titles = {pid: "dsbd-serve", **server_process.descendants(pid)}
+    for child, title in titles.items():
+        with contextlib.suppress(psutil.Error):
+            info = psutil.Process(child).memory_full_info()
+            name = server_process.process_name(title) if child != pid else "dsbd-serve"
+            out[f"{name} {child}"] = {"rss": info.rss, "pss": getattr(info, "pss", info.rss)}
+    return out
+
+
+def growth(times: list[float], values: list[int]) -> dict[str, float]:
+    """A series' growth over its span (see the module docstring)."""
+    first = sum(values[:3]) / len(values[:3])
+    last = sum(values[-3:]) / len(values[-3:])
+    mean_t, mean_v = sum(times) / len(times), sum(values) / len(values)
+    spread = sum((t - mean_t) ** 2 for t in times)
+    slope = sum((t - mean_t) * (v - mean_v) for t, v in zip(times, values, strict=True))
+    slope = slope / spread if spread else 0.0  # bytes per second
+    return {"first_mib": round(first / 2**20, 1), "last_mib": round(last / 2**20, 1),
+            "max_mib": round(max(values) / 2**20, 1), "growth": round(last / first - 1, 4),
+            "max_growth": round(max(values) / first - 1, 4),
+            "slope_per_hour": round(slope * 3600 / first, 4)}  # fmt: skip
+
+
+def memory_report(samples: list[tuple[float, dict[str, Any]]], window_s: float) -> dict[str, Any]:
+    """Per process: growth over the last `window_s` seconds of samples."""
+    if not samples:
+        return {"rss_growth_after_warmup": {}, "pss_growth_after_warmup": {}}
+    end = samples[-1][0]
+    window = [(t, s) for t, s in samples if t >= end - window_s]
+    start_names = set(window[0][1])
+    report: dict[str, Any] = {"window_s": round(end - window[0][0], 1), "samples": len(window)}
+    for kind in ("rss", "pss"):
+        per = {}
+        for name in sorted(start_names):
+            series = [(t, s[name][kind]) for t, s in window if name in s]
+            if len(series) >= 2 and name in window[-1][1]:
+                per[name] = growth([t for t, _ in series], [v for _, v in series])
+        report[f"{kind}_growth_after_warmup"] = {k: v["growth"] for k, v in per.items()}
+        report[f"{kind}_details"] = per
+    total = [sum(v["rss"] for k, v in s.items() if k in start_names) for _, s in window]
+    report["rss_total_growth"] = growth([t for t, _ in window], total)
+    last = window[-1][1]
+    report["started_in_window_mib"] = {k: round(v["rss"] / 2**20, 1) for k, v in last.items()
+                                       if k not in start_names}  # fmt: skip
+    report["gone_in_window"] = sorted(start_names - set(last))
+    return report
+
+
+async def soak(url: str, pid: int, model: str, args: argparse.Namespace) -> dict[str, Any]:
+    """The load and the sampler; then the sessions left (load.drain) and the report."""
+    config = LoadConfig(url=url, clients=args.clients, duration_s=args.duration,
+                        model=model, max_tokens=args.max_tokens,
+                        request_timeout_s=args.request_timeout)  # fmt: skip
+    records: list[Record] = []
+    samples: list[tuple[float, dict[str, Any]]] = []
+    timeout = aiohttp.ClientTimeout(total=args.request_timeout)
+    connector = aiohttp.TCPConnector(limit=args.clients + 4)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as http:
+        t0 = time.monotonic()
+        done = asyncio.Event()
+
+        async def memory() -> None:
+            now = await asyncio.to_thread(sample, pid)
+            samples.append((round(time.monotonic() - t0, 1), now))
+
+        sampler = asyncio.create_task(every(args.sample_s, done, memory))
+        stop_at = t0 + args.duration
+        await asyncio.gather(*(load.client(http, config, i, t0, stop_at, records)
+                               for i in range(args.clients)))  # fmt: skip
+        wall = time.monotonic() - t0
+        done.set()
+        await sampler
+        after = await load.drain(http, config)
+    ok = [r for r in records if r.status == 200]
+    return {
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "duration_s": args.duration,
+        "wall_s": round(wall, 1),
+        "clients": args.clients,
+        "sample_s": args.sample_s,
+        **memory_report(samples, args.window),
+        "requests": len(records),
+        "ok": len(ok),
+        "abandoned": sum(1 for r in records if r.status == ABANDONED),
+        "errors": dict(Counter(str(r.status) for r in records if r.status not in (200, ABANDONED))),
+        "error_examples": [r.error for r in records if r.error][:5],
+        "latency_s": percentiles([r.latency_s for r in ok]),
+        "sessions_after": after,
+        "samples": [{"t": t, **{k: v["rss"] for k, v in s.items()}} for t, s in samples],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", type=Path, help="Serve config (default: embedded SmolLM2)")
+    parser.add_argument("--app", help="the application to drive (default: the config's first)")
+    parser.add_argument("--url", help="a running server instead (with --pid)")
+    parser.add_argument("--pid", type=int, help="the running server's `dsbd serve` process")
+    parser.add_argument("--model", help="the served model id (default: the config's)")
+    parser.add_argument("--clients", type=int, default=32)
+    parser.add_argument("--duration", type=float, default=1800.0, help="seconds of load")
+    parser.add_argument("--window", type=float, default=1200.0, help="seconds measured at the end")
+    parser.add_argument("--sample-s", type=float, default=10.0)
+    parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--request-timeout", type=float, default=300.0)
+    parser.add_argument("--num-cpus", type=float, help="CPUs Ray may schedule on")
+    parser.add_argument("--workdir", type=Path, help="server log and ready file (default: tmp)")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/soak.json"))
+    args = parser.parse_args(argv)
+    if (args.url is None) != (args.pid is None):
+        parser.error("--url and --pid go together")
+    if args.clients < 1 or args.duration <= 0 or not 0 < args.window <= args.duration:
+        parser.error("--clients >= 1, --duration > 0 and 0 < --window <= --duration")
+    server = None
+    if args.url is None:
+        tmp = Path(os.environ.get("TMPDIR", "/tmp"))
+        workdir = args.workdir or tmp / f"dsbd-soak-{os.getpid()}"
+        server = server_process.start(workdir, args.config, app_name=args.app,
+                                      num_cpus=args.num_cpus)  # fmt: skip
+        url, pid, model = server.url, server.pid, args.model or server.model
+        print(f"dsbd serve at {url} (pid {pid}, log {server.log})", flush=True)
+    else:
+        url, pid = args.url.rstrip("/"), args.pid
+        model = args.model or server_process.application(args.config, args.app)[0].model_name
+    try:
+        results = asyncio.run(soak(url, pid, model, args))
+    finally:
+        if server is not None:
+            server_process.stop(server)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=1) + "\n")
+    print(server_process.summary(results))
+    print(json.dumps({k: results[k] for k in ("rss_growth_after_warmup", "rss_total_growth")},
+                     indent=1))  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

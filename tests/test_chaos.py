@@ -1,0 +1,93 @@
+"""The short chaos run (issue 21): benchmarks/chaos.py, 8 clients x 60 s, 2 replicas SIGKILLed.
+
+The script starts its own `dsbd serve` (tiny float64 models, so the served seeded decodes equal
+the in-process ones draw for draw), under `strace -f` when strace exists, runs the clients
+(the request mix of benchmarks/load.py, clients that go away on purpose, seeded requests),
+kills a draft and a verifier replica while they run, and compares the seeded requests with the
+in-process engine afterwards. The long run (32 clients x 10 min, router kills included) is
+`benchmarks/chaos.py` with its defaults; docs/RELIABILITY.md has its command and figures.
+
+benchmarks/soak.py's arithmetic (growth per process over the last window) is checked here on
+made-up samples: its real run takes 30 minutes.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+from .serving_harness import REPO
+from .test_local_ray import is_loopback, peers
+from .tiny_models import build_pair
+
+
+def test_replicas_killed_under_load_lose_no_request(tmp_path: Path) -> None:
+    target, draft = build_pair(tmp_path / "models")
+    models = {"source": str(target), "dtype": "float64"}
+    small = {"num_cpus": 0.1, "health_check_period_s": 1, "health_check_timeout_s": 20}
+    app = {"name": "dsbd", "route_prefix": "/", "import_path": "deployments.app:build_app",
+           "args": {"model_name": "tiny", "target": models,
+                    "draft": {**models, "source": str(draft)},
+                    "router_resources": small,
+                    "draft_resources": small, "verifier_resources": small}}  # fmt: skip
+    config = tmp_path / "serve.yaml"
+    config.write_text(yaml.safe_dump({"applications": [app]}))
+    out, trace = tmp_path / "chaos.json", tmp_path / "trace"
+    command = [sys.executable, str(REPO / "benchmarks/chaos.py"), "--config", str(config),
+               "--clients", "8", "--duration", "60", "--kills", "2", "--first-kill", "12",
+               "--kill-every", "15", "22", "--quiet-tail", "12", "--targets", "draft,verifier",
+               "--seed", "3", "--num-cpus", "8", "--strace", str(trace),
+               "--workdir", str(tmp_path / "server"), "--out", str(out)]  # fmt: skip
+    subprocess.run(command, check=True, timeout=420, cwd=REPO)
+    results = json.loads(out.read_text())
+    shown = {k: v for k, v in results.items() if k not in ("requests", "config")}
+    print(json.dumps(shown, indent=1))
+    assert results["kills"] == 2 and {k["side"] for k in results["kill_log"]} <= {
+        "draft",
+        "verifier",
+    }
+    assert results["failed"] == 0, (results["failed_by_status"], results["failed_causes"])
+    assert results["status_5xx"] == 0
+    # a draft or verifier kill costs the server a retried iteration, never a client's retry
+    assert results["client_retries"] == 0, results["client_retry_causes"]
+    assert results["status_5xx_answered"] == 0
+    assert results["completed"] >= 40 and results["abandoned"] >= 4, results
+    assert results["all_recovered"] and results["max_recovery_s"] <= 60, results["kill_log"]
+    seeded = results["seeded"]
+    assert seeded["compared"] >= 5 and seeded["equal"] == seeded["compared"], seeded
+    assert seeded["max_log_likelihood_difference"] < 1e-9
+    assert results["server_leftover_processes"] == []
+    assert all(v == 0 for k, v in results["sessions_after"].items() if k != "drained_after_s")
+    assert out.with_suffix(".png").stat().st_size > 10_000
+    if shutil.which("strace"):
+        outside = sorted(a for a in peers(trace) if not is_loopback(a))
+        assert not outside, f"the server tried to reach: {outside}"
+
+
+def test_soak_growth_is_measured_per_process_over_the_last_window() -> None:
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import soak
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    mib = 2**20
+    samples = []
+    for i in range(13):  # every 10 s for 2 minutes; the window: the last 60 s
+        flat, leaking = 100 * mib, (100 + i) * mib  # +1 MiB a sample
+        processes = {"dsbd:Verifier 11": {"rss": leaking, "pss": leaking},
+                     "dsbd:Draft 12": {"rss": flat, "pss": flat}}  # fmt: skip
+        if i >= 10:
+            processes["dsbd:Router 13"] = {"rss": flat, "pss": flat}  # started in the window
+        samples.append((10.0 * i, processes))
+    report = soak.memory_report(samples, window_s=60.0)
+    assert report["window_s"] == 60.0 and report["samples"] == 7
+    growth = report["rss_growth_after_warmup"]
+    assert growth["dsbd:Draft 12"] == 0.0
+    assert abs(growth["dsbd:Verifier 11"] - (111 / 107 - 1)) < 1e-4  # last 3 over first 3
+    assert report["rss_details"]["dsbd:Verifier 11"]["slope_per_hour"] > 0
+    assert report["started_in_window_mib"] == {"dsbd:Router 13": 100.0}

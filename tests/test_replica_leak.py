@@ -1,0 +1,117 @@
+"""No per-request leak in the serving path: what a soak run would show after hours, in seconds.
+
+benchmarks/soak.py watches the server's processes for 30 minutes; a slow leak there (a session
+never freed, a tensor kept per request, a dict that only grows) takes long to tell from an
+allocator's high-water mark. Here the real classes of the serving path run in this process,
+without Ray: `DecodeSession` (the router's decode loop) drives a real `Draft` and `Verifier`
+replica and a `WidthController` through handles that call them directly, as Serve would, for
+rounds of concurrent decodes. After warm-up, a round must leave nothing behind: no cached or
+open session, no tensor, no container object more than the round before (a leak of one object
+per request would show as a growth of at least the round's request count), and the replicas'
+bookkeeping of released ids empties once its TTL has passed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+from typing import Any
+
+import pytest
+import torch
+
+from deployments.decode_session import DecodeSession, Handles
+from deployments.draft import Draft
+from deployments.verifier import Verifier
+from deployments.width_controller import WidthController
+from dsbd_core import SamplingConfig
+
+from .tiny_models import build_pair
+
+ROUND = 48  # decodes per round
+CONCURRENT = 8  # of them at once (continuous batching shares the forwards)
+TTL_S = 2.0  # the replicas' session TTL: their released ids are forgotten after it
+
+
+class _Method:
+    """`handle.method.remote(*args)` as Serve's handles answer it: an awaitable response;
+    a response passed as an argument is resolved first (the draft's forest to the verifier)."""
+
+    def __init__(self, method: Any) -> None:
+        self.method = method
+
+    def remote(self, *args: Any) -> asyncio.Future:
+        return asyncio.ensure_future(self._call(*args))
+
+    async def _call(self, *args: Any) -> Any:
+        resolved = [await a if isinstance(a, asyncio.Future) else a for a in args]
+        return await self.method(*resolved)
+
+
+class _Handle:
+    def __init__(self, target: Any) -> None:
+        self.target = target
+
+    def __getattr__(self, name: str) -> _Method:
+        return _Method(getattr(self.target, name))
+
+
+@pytest.fixture(scope="module")
+def replicas(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any, Any]:
+    target, draft = build_pair(tmp_path_factory.mktemp("models"))
+    options = {"dtype": "float64", "session_ttl_s": TTL_S, "batch_wait_s": 0.0}
+    return (Draft.func_or_class({"source": str(draft), **options}),
+            Verifier.func_or_class({"source": str(target), **options}),
+            WidthController.func_or_class(None, TTL_S))  # fmt: skip
+
+
+async def _round(handles: Handles, vocab: int, first_seed: int) -> None:
+    """ROUND decodes, CONCURRENT at a time, with different widths, depths and lengths."""
+    limit = asyncio.Semaphore(CONCURRENT)
+
+    async def one(i: int) -> None:
+        config = SamplingConfig(width=2 + i % 2, gamma=1 + i % 3, max_new_tokens=6 + i % 7,
+                                seed=first_seed + i, eos_token_ids=(0,))  # fmt: skip
+        async with limit:
+            session = DecodeSession(handles, vocab, config, uses_draft=True, adaptive=False)
+            result = await session.run([5 + i % 40, 17, 42])
+            assert result.beams
+
+    await asyncio.gather(*(one(i) for i in range(ROUND)))
+    await asyncio.sleep(0.3)  # the release tasks (DecodeSession._release) run
+
+
+def _tensors() -> int:
+    return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor))
+
+
+def _census() -> tuple[int, int]:
+    gc.collect()
+    return len(gc.get_objects()), _tensors()
+
+
+def test_rounds_of_decodes_leave_nothing_behind(replicas) -> None:
+    draft, verifier, controller = replicas
+    handles = Handles(draft=_Handle(draft), verifier=_Handle(verifier),
+                      controller=_Handle(controller))  # fmt: skip
+
+    async def scenario() -> list[tuple[int, int]]:
+        censuses = []
+        for index in range(4):  # round 0 warms up (caches, lazily built objects)
+            await _round(handles, verifier.vocab_size, first_seed=index * ROUND)
+            assert draft.batcher.cached == [] and verifier.batcher.cached == []
+            assert (await controller.load())["open_sessions"] == 0
+            assert len(draft._recent) <= 4 * draft.options.max_batch_size
+            censuses.append(_census())
+        await asyncio.sleep(TTL_S + 1.5)  # past the TTL: the sweeper forgets released ids
+        assert draft._released == {} and verifier._released == {}
+        return censuses
+
+    censuses = asyncio.run(scenario())
+    objects = [c[0] for c in censuses[1:]]
+    tensors = [c[1] for c in censuses[1:]]
+    print(f"after rounds 1..3 of {ROUND} decodes: objects {objects}, tensors {tensors}")
+    assert max(tensors) - min(tensors) == 0, f"tensors kept per request: {tensors}"
+    # one object kept per request would add >= ROUND per round; noise (interned caches) is small
+    growth = [b - a for a, b in zip(objects, objects[1:], strict=False)]
+    assert all(g < ROUND // 2 for g in growth), f"objects grow per round: {objects}"
