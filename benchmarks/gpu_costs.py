@@ -61,7 +61,8 @@ from pathlib import Path
 
 import torch
 
-from dsbd_core.tools.bench.harness import DTYPES, git_info, machine_info, versions
+from dsbd_core.models.dtypes import DTYPES
+from dsbd_core.tools.bench.harness import git_info, machine_info, versions
 
 # The sibling modules are top-level modules when this file runs as a script (benchmarks/ is then
 # on sys.path) and modules of the `benchmarks` namespace package when it is imported from the

@@ -133,7 +133,7 @@ class DsbdCost:
     verify_ms: float  # the target's forest call: roots' last tokens + W x gamma nodes
     host_ms: float
     iterations: int
-    verify_rows: int  # median rows of the verify forward (one per root tree)
+    verify_rows: int  # median rows of the verify forward (one per root tree, 1 when packed)
     verify_tokens_per_row: int  # median padded query: root's last token + its tree's nodes
     verify_over_beam_step: float | None = None
 

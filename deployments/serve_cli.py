@@ -77,6 +77,9 @@ def serve(schema: Any, options: ServeOptions) -> int:
 
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
+    # a shell starts background jobs (`dsbd serve &`, nohup) with SIGINT ignored, and Python
+    # then never raises KeyboardInterrupt: `kill -INT` left the server running. Ctrl-C stops it.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     start_local_ray(num_cpus=options.num_cpus, namespace="serve",
                     metrics_export_port=options.metrics_port)  # fmt: skip
     # ray.init installs Ray's own SIGTERM handler (log a stack, abort): a SIGTERM (Kubernetes,

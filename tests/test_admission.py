@@ -56,7 +56,8 @@ def test_the_budget_is_configured_or_a_fraction_of_the_free_memory() -> None:
         ModelOptions(source="smollm2", session_memory_bytes=0)
     with pytest.raises(ValidationError):
         ModelOptions(source="smollm2", session_memory_fraction=1.5)
-    assert ModelOptions(source="smollm2").session_memory_bytes is None  # default: from the free memory
+    # default: from the free memory
+    assert ModelOptions(source="smollm2").session_memory_bytes is None
 
 
 def test_a_decode_is_charged_width_x_columns_x_working_copies_per_side() -> None:

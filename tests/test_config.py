@@ -45,6 +45,7 @@ def test_unknown_field_is_refused() -> None:
 
 def test_defaults_and_derived_values() -> None:
     cfg = SamplingConfig(width=4)
-    assert cfg.effective_draft_width == 4 and not cfg.fixed_width
-    assert SamplingConfig(threshold=None).fixed_width
+    # fixed width by default since issue 19 (the fastest setting that keeps beam quality)
+    assert cfg.effective_draft_width == 4 and cfg.fixed_width
+    assert not SamplingConfig(threshold=0.7).fixed_width
     assert SamplingConfig(width=2, draft_width=5).effective_draft_width == 5

@@ -15,8 +15,9 @@ The forward costs come from a `Calibration`, measured once per machine, models, 
 calibration and the request's own history: the same seed, settings and machine decode the same
 tokens. The pass rates are the request's own: Beta priors (`CostPolicy`) updated with every
 verified layer, older evidence fading by `memory` per iteration. A request
-that turned speculation off still drafts one layer every `probe_every` iterations, so that it
-notices when its draft starts to agree again.
+that turned speculation off still drafts one layer after `probe_every` iterations, so that it
+notices when its draft starts to agree again; while the probes find it still does not pay, the
+interval doubles (up to `probe_backoff` times).
 """
 
 from __future__ import annotations
@@ -89,6 +90,10 @@ class CostPolicy(BaseModel):
         6, ge=1, description="Draft >= 1 layer every this many iterations while speculation "
         "is off, to notice a draft that agrees again.",
     )  # fmt: skip
+    probe_backoff: int = Field(
+        8, ge=1, description="While probes keep finding that speculation does not pay, the "
+        "interval doubles, up to probe_every x this (1: never backs off).",
+    )  # fmt: skip
 
 
 def expected_tokens(pass_rates: list[float], gamma: int) -> float:
@@ -143,12 +148,20 @@ class CostController:
         self.rates = [_Rate(p.prior_first if k == 0 else p.prior_next, p.prior_weight)
                       for k in range(self.gamma_max)]  # fmt: skip
         self.since_draft = 0  # iterations since the last one that drafted
+        # probes that found speculation still not paying double the interval to the next (a
+        # probe costs a draft pass, the draft's catch-up and a forest verify: with a draft that
+        # never agrees, probing every 6 iterations cost the embedded pair ~15 % of its time)
+        self.probe_interval = self.policy.probe_every
         self.chosen: list[int] = []  # gamma of every iteration (reported with the stats)
 
     def knobs(self, state: DecodeState) -> Knobs:
         gamma = self.best_gamma()
-        if gamma == 0 and self.gamma_max > 0 and self.since_draft + 1 >= self.policy.probe_every:
+        if gamma > 0:
+            self.probe_interval = self.policy.probe_every
+        elif self.gamma_max > 0 and self.since_draft + 1 >= self.probe_interval:
             gamma = 1
+            longest = self.policy.probe_every * self.policy.probe_backoff
+            self.probe_interval = min(2 * self.probe_interval, longest)
         self.chosen.append(gamma)
         return Knobs(gamma=gamma, draft_width=self.draft_width)
 

@@ -55,6 +55,7 @@ def run_bench(
     from dsbd_core.models import encode_prompt
     from dsbd_core.models.pair import DraftOptions, load_pair
 
+    load_at_start = os.getloadavg()  # a quiet machine is part of the result (before and after)
     specs = parse_methods(",".join(config.methods), gamma=config.gamma)
     prompts = prompt_set(config.prompt_set)[: config.prompts]
     records = _open_run(config, out_dir, fresh)
@@ -118,7 +119,7 @@ def run_bench(
         created=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         command=sys.argv,
         config=config,
-        machine=machine_info(device),
+        machine={**machine_info(device), "load_average_start": load_at_start},
         versions=versions(),
         git=git_info(),
         prompts=[

@@ -202,7 +202,8 @@ def markdown_table(result: BenchResult) -> str:
         f"{c.threads} torch thread(s), {m.get('cpu') or m.get('platform')}; "
         f"{result.created}, commit {str(result.git.get('commit', ''))[:10]}"
         f"{' (uncommitted changes)' if result.git.get('dirty_code') else ''}; "
-        f"load average at the end {tuple(round(x, 2) for x in m.get('load_average', ()))}.",
+        f"load average at the start {_loads(m.get('load_average_start'))}, "
+        f"at the end {_loads(m.get('load_average'))}.",
         "",
         "Ratios are to beam sampling at the same W (`sample` for W = 1), paired over prompts, "
         "with 95 % bootstrap intervals; per token = per decoding step. Energy: "
@@ -397,3 +398,10 @@ def _plot_width_histogram(plt: Any, summary: dict[str, MethodSummary], out_dir: 
     if width_methods:
         ax.legend(fontsize=7)
     return _save_figure(plt, fig, out_dir / "width_histogram.png")
+
+
+def _loads(values: object) -> str:
+    """(1, 5, 15)-minute load averages, or "not recorded" (runs before it was)."""
+    if not isinstance(values, list | tuple):
+        return "not recorded"
+    return str(tuple(round(float(x), 2) for x in values))
