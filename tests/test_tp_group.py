@@ -30,7 +30,10 @@ def test_group_on_ray(tmp_path: Path) -> None:
     # tp_size=3 on 4 heads, 2 KV heads: 1 and 2 split both (4 would not split the KV heads)
     assert "num_attention_heads=4" in result["uneven"] and "one of [1, 2] for" in result["uneven"]
     assert result["max_difference"] < 1e-5
-    assert result["stored_after_export"] == [2, 2]
+    # every rank stores one cache per session still decoding at the end (how many are depends
+    # on the recorded decode's draws; at least one, and none once discarded)
+    exported = result["exported"]
+    assert exported >= 1 and result["stored_after_export"] == [exported, exported]
     assert result["stored_after_discard"] == [0, 0]
     assert result["ranks"] == [
         {"device": "cpu", "shard_devices": ["cpu"], "cuda_initialized": False,

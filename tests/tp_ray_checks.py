@@ -61,6 +61,7 @@ def main(work: Path) -> dict:
                 got.append(scorer.forward(args[0]))
         result["max_difference"] = max_difference(got, want)
         handles = scorer.export_sessions()
+        result["exported"] = sum(handle is not None for handle in handles)
         result["stored_after_export"] = scorer.stored()
         scorer.discard_sessions(handles)
         result["stored_after_discard"] = scorer.stored()
