@@ -386,11 +386,13 @@ def test_bad_flags_exit_2_before_ray_starts(
     monkeypatch.setattr(deployments.batch, "_start_ray", no_ray)
     monkeypatch.chdir(tmp_path)
     (tmp_path / "prompts.jsonl").write_text('{"prompt": "x"}\n')
-    given = dict(zip(pair["flags"][::2], pair["flags"][1::2], strict=True))
+    switches = [f for f in pair["flags"] if f == "--fixed-knobs"]  # a flag without a value
+    valued = [f for f in pair["flags"] if f not in switches]
+    given = dict(zip(valued[::2], valued[1::2], strict=True))
     given |= {"--input": "prompts.jsonl", "--output": "out.parquet"}
     for flag, value in zip(flags[::2], flags[1::2], strict=True):
         given[flag] = value
-    argv = ["batch", *[x for item in given.items() for x in item]]
+    argv = ["batch", *[x for item in given.items() for x in item], *switches]
     assert main(argv) == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "out.parquet").exists()
