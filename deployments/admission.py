@@ -124,10 +124,13 @@ def check_fits(
 
 
 class MemoryLedger:
-    """The bytes of the decodes one router replica runs, per side (its admissions)."""
+    """The bytes of the decodes one router replica runs, per side (its admissions), and the
+    most it has held at once: a poller sampling `admitted` can miss a moment two decodes
+    overlap, the high-water mark cannot."""
 
     def __init__(self) -> None:
         self.admitted = {side: 0 for side in SIDES}
+        self.peak = {side: 0 for side in SIDES}
 
     def take(self, charge: dict[str, int], view: dict[str, Any] | None) -> None:
         """Count a decode in, or HTTP 429 when it does not fit beside the others."""
@@ -143,6 +146,7 @@ class MemoryLedger:
                 )
         for side, amount in charge.items():
             self.admitted[side] += amount
+            self.peak[side] = max(self.peak[side], self.admitted[side])
 
     def give_back(self, charge: dict[str, int]) -> None:
         for side, amount in charge.items():

@@ -118,7 +118,8 @@ class Router:
         verifier = await self.handles.verifier.info.remote()
         draft = await self.handles.draft.info.remote()
         router = {"replica": replica_id(), "pid": os.getpid(), "running": self._running,
-                  "admitted_memory_bytes": dict(self._memory.admitted)}  # fmt: skip
+                  "admitted_memory_bytes": dict(self._memory.admitted),
+                  "admitted_memory_peak_bytes": dict(self._memory.peak)}  # fmt: skip
         return {
             "model": self.options.model_name,
             **load,
