@@ -78,7 +78,6 @@ def verify_search(
 ) -> Generator[ScoreCall, ForestLogprobs, Outcome]:
     """Score the forest in one target call; take the target's search steps through it."""
     assert state.depth is not None and state.finished_scores is not None
-    batch = state.alive.shape[0]
     scored = yield ScoreCall(Roots(state.tokens, state.length, state.alive, state.origin),
                              list(forest.layers))  # fmt: skip
     assert scored.roots is not None
@@ -93,7 +92,7 @@ def verify_search(
         if not bool(walk.pending.any()):
             break
         walk.step(level, node_logp[level - 1])
-    return walk.outcome(batch)
+    return walk.outcome()
 
 
 class _SearchWalk:
@@ -177,7 +176,7 @@ class _SearchWalk:
         self.valid = kept & passed[:, None]
         return passed
 
-    def outcome(self, batch: int) -> Outcome:
+    def outcome(self) -> Outcome:
         """The next running beams from the output slots, and what to count."""
         state, out = self.state, self.out
         produced = out.layer + 1
@@ -193,22 +192,8 @@ class _SearchWalk:
             nothing = torch.zeros_like(out.exists)  # running beams never end in EOS
             segment, _ = slot_logprobs(self.table, out, beams, nothing, self.vocab)
             logprobs = IterationLogprobs(segment, self.finished_logprobs)
-        empty = torch.empty(batch, 0)
-        return Outcome(
-            tokens=beams.tokens,
-            length=beams.length,
-            score=beams.score,
-            alive=beams.alive,
-            remaining=beams.remaining,
-            origin=beams.origin,
-            emitted=emitted,
-            finished=self.finished,
-            record={
-                "accepted_layers": self.passed_layers,
-                "widths": torch.stack(self.widths, dim=1) if self.widths else empty,
-                "alphas": empty,
-            },
-            counters=self.counters,
-            logprobs=logprobs,
+        return Outcome.of_walk(
+            beams, emitted=emitted, finished=self.finished, passed_layers=self.passed_layers,
+            widths=self.widths, alphas=[], counters=self.counters, logprobs=logprobs,
             finished_scores=self.finished_scores,
-        )
+        )  # fmt: skip

@@ -260,7 +260,7 @@ class _Walk:
 
     def outcome(self) -> Outcome:
         """The next input beams from the filled output slots, and what to count."""
-        state, out, batch = self.state, self.out, self.valid.shape[0]
+        state, out = self.state, self.out
         produced = out.exists.any(dim=1)
         emitted = torch.where(produced, out.layer + 1, self.passed_layers) * self.live
         beams = next_beams(
@@ -268,7 +268,6 @@ class _Walk:
             self.remaining, self.live, self.finished, vocab=self.vocab, eos=self.eos,
             lean_memory=self.config.lean_memory, max_new_tokens=self.config.max_new_tokens,
         )  # fmt: skip
-        empty = torch.empty(batch, 0)
         logprobs = None
         if self.table is not None:
             exists = out.exists & self.live[:, None]
@@ -276,20 +275,7 @@ class _Walk:
             next_part, done = slot_logprobs(self.table, out, beams, finished, self.vocab)
             pooled = self.finished_logprobs + ([done] if done is not None else [])
             logprobs = IterationLogprobs(next_part, pooled)
-        return Outcome(
-            tokens=beams.tokens,
-            length=beams.length,
-            score=beams.score,
-            alive=beams.alive,
-            remaining=beams.remaining,
-            origin=beams.origin,
-            emitted=emitted,
-            finished=self.finished,
-            record={
-                "accepted_layers": self.passed_layers,
-                "widths": torch.stack(self.widths, dim=1) if self.widths else empty,
-                "alphas": torch.stack(self.alphas, dim=1) if self.alphas else empty,
-            },
-            counters=self.counters,
-            logprobs=logprobs,
-        )
+        return Outcome.of_walk(
+            beams, emitted=emitted, finished=self.finished, passed_layers=self.passed_layers,
+            widths=self.widths, alphas=self.alphas, counters=self.counters, logprobs=logprobs,
+        )  # fmt: skip
