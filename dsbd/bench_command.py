@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
 
+from dsbd.common import add_pair_flags
 from dsbd_core.algorithm.config import config_error_message
 from dsbd_core.tools.bench.methods import GRAMMAR, MethodNameError, parse_methods, with_references
 from dsbd_core.tools.bench.pairs import PAIRS
@@ -79,26 +80,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ... (default: cpu)")
-    parser.add_argument(
-        "--dtype", choices=("auto", "float32", "float64", "bfloat16", "float16"), default="auto",
-        help="auto (default): bfloat16 on CUDA and on CPUs with AMX/AVX512-BF16, else float32; "
-        "every method (transformers' too) runs the same loaded models",
-    )  # fmt: skip
-    parser.add_argument(
-        "--draft-quantize",
-        choices=("auto", "none", "int8"),
-        default="auto",
-        help="the draft's int8 linear layers (see dsbd generate --help)",
-    )
-    parser.add_argument(
-        "--draft-head-tokens",
-        type=int,
-        default=None,
-        metavar="K",
-        help="restrict the draft's head to K frequent tokens (0: full head)",
-    )
-    parser.add_argument("--recalibrate", action="store_true",
-                        help="measure the cost model's calibration again")  # fmt: skip
+    add_pair_flags(parser, knobs=False)  # every method (transformers' too) runs these models
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default: 1)")
     parser.add_argument(
         "--warmup-tokens",

@@ -62,10 +62,11 @@ def resolve_device(flag: str) -> torch.device:
 
 
 def add_pair_flags(parser: argparse.ArgumentParser, *, knobs: bool = True) -> None:
-    """How the models run: dtype, the draft's variant, and (when `knobs`) the cost model."""
+    """How the models run: dtype, the draft's variant, the cost model's calibration and (when
+    `knobs`) --fixed-knobs; one definition for generate, batch and bench."""
     group = parser.add_argument_group("models")
     group.add_argument(
-        "--dtype", choices=("auto", "float32", "bfloat16", "float64"), default="auto",
+        "--dtype", choices=("auto", "float32", "bfloat16", "float16", "float64"), default="auto",
         help="auto (default): bfloat16 on CUDA and on CPUs with AMX/AVX512-BF16, else float32",
     )  # fmt: skip
     group.add_argument(
@@ -84,8 +85,8 @@ def add_pair_flags(parser: argparse.ArgumentParser, *, knobs: bool = True) -> No
             help="draft exactly --gamma layers of --draft-width beams every iteration, instead "
             "of the cost model choosing the depth per iteration (reproducible experiments)",
         )  # fmt: skip
-        group.add_argument(
-            "--recalibrate", action="store_true",
-            help="measure the cost model's forward costs again (else they are read from the "
-            "cache where this machine measured them once)",
-        )  # fmt: skip
+    group.add_argument(
+        "--recalibrate", action="store_true",
+        help="measure the cost model's forward costs again (else they are read from the "
+        "cache where this machine measured them once)",
+    )  # fmt: skip
