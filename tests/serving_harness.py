@@ -34,6 +34,7 @@ from dsbd_core.algorithm.decoders import METHODS_WITH_DRAFT, generate
 from dsbd_core.models import load_causal_lm, load_tokenizer
 from dsbd_core.models.transformer_scorer import TransformerScorer
 
+from .test_local_ray import is_loopback, peers
 from .tiny_models import build_pair
 
 REPO = Path(__file__).parent.parent
@@ -120,9 +121,17 @@ def running_server(root: Path) -> Iterator[dict[str, Any]]:
                "pid": int(pid[0]) if pid else None}  # fmt: skip
         return
     target, draft = build_pair(root / "models")
-    write_config(root, target, draft)
+    with serving(root, write_config(root, target, draft)) as info:
+        yield {**info, "target": target, "draft": draft}
+
+
+@contextlib.contextmanager
+def serving(root: Path, config: Path, start_s: float = 420) -> Iterator[dict[str, Any]]:
+    """`dsbd serve --config config` on a free loopback port, under strace where it is installed
+    (every connect/send its processes make, for `assert_loopback_only`), stopped with SIGINT
+    and checked to leave nothing running: url, pid, root, trace dir (or None) and log."""
     port, ready = free_port(), root / "ready"
-    command = [str(REPO / ".venv/bin/dsbd"), "serve", "--config", str(root / "serve.yaml"),
+    command = [str(REPO / ".venv/bin/dsbd"), "serve", "--config", str(config),
                "--port", str(port), "--num-cpus", "8", "--ready-file", str(ready)]  # fmt: skip
     if not Path(command[0]).exists():
         command[0:1] = [sys.executable, "-m", "dsbd"]
@@ -132,30 +141,37 @@ def running_server(root: Path) -> Iterator[dict[str, Any]]:
     if traced:
         command = ["strace", "-f", "-ff", "-qq", "--seccomp-bpf", "-e",
                    "trace=connect,sendto,sendmsg", "-o", str(trace / "t"), *command]  # fmt: skip
-    log = (root / "server.log").open("w")
+    log = root / "server.log"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env,
-                               start_new_session=True)  # fmt: skip
-    deadline = time.monotonic() + 420
-    while not ready.exists():
+    process = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=REPO,
+                               env=env, start_new_session=True)  # fmt: skip
+    deadline = time.monotonic() + start_s
+    while True:  # the file may be seen before it is fully written
         if process.poll() is not None or time.monotonic() > deadline:
             process.kill()
-            pytest.fail(f"dsbd serve did not start:\n{(root / 'server.log').read_text()[-4000:]}")
-        time.sleep(1)
-    while True:  # the file may be seen before it is fully written
-        try:
+            pytest.fail(f"dsbd serve did not start:\n{log.read_text()[-4000:]}")
+        with contextlib.suppress(OSError, json.JSONDecodeError):
             info = json.loads(ready.read_text())
             break
-        except json.JSONDecodeError:
-            time.sleep(0.2)
+        time.sleep(1)
     url = info["url"]
     assert url == f"http://127.0.0.1:{port}"
     try:
-        yield {"url": url, "target": target, "draft": draft, "trace": trace if traced else None,
-               "log": root / "server.log", "pid": info["pid"]}  # fmt: skip
+        yield {"url": url, "pid": info["pid"], "root": root, "log": log,
+               "trace": trace if traced else None}  # fmt: skip
     finally:
         # SIGINT to dsbd serve itself: strace, the session leader, would only detach
         stop(process, lambda: os.kill(info["pid"], signal.SIGINT))
+
+
+def assert_loopback_only(server: dict[str, Any]) -> None:
+    """Every address the server's processes connected or sent to (strace) is loopback."""
+    if server["trace"] is None:
+        pytest.skip("strace not installed: the server's processes could not be traced")
+    addresses = peers(server["trace"])
+    assert addresses, "the trace saw no address at all: is strace recording?"
+    outside = sorted(a for a in addresses if not is_loopback(a))
+    assert not outside, f"the server tried to reach: {outside}"
 
 
 def stop(process: subprocess.Popen, interrupt: Any) -> None:

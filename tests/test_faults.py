@@ -14,12 +14,7 @@ checks that nothing but loopback was contacted. Applications:
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
-import shutil
-import signal
-import subprocess
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -36,8 +31,14 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from deployments import faults
 from deployments.admission import WORKING_COPIES, kv_bytes_per_token
 
-from .serving_harness import REPO, assert_same, free_port, in_process_decoder, native, status, stop
-from .test_local_ray import is_loopback, peers
+from .serving_harness import (
+    assert_loopback_only,
+    assert_same,
+    in_process_decoder,
+    native,
+    serving,
+    status,
+)
 from .tiny_models import build_pair, build_tokenizer
 
 FAULTS = {"fdraft": "draft:propose:15", "fverifier": "verifier:verify:15",
@@ -99,32 +100,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
     root = tmp_path_factory.mktemp("faults")
     target, draft = build_pair(root / "models")
     config = write_config(root, target, draft, build_wide(root / "wide"))
-    port, ready, trace = free_port(), root / "ready", root / "trace"
-    trace.mkdir()
-    command = [str(REPO / ".venv/bin/dsbd"), "serve", "--config", str(config), "--port",
-               str(port), "--num-cpus", "8", "--ready-file", str(ready)]  # fmt: skip
-    traced = shutil.which("strace") is not None
-    if traced:
-        command = ["strace", "-f", "-ff", "-qq", "--seccomp-bpf", "-e",
-                   "trace=connect,sendto,sendmsg", "-o", str(trace / "t"), *command]  # fmt: skip
-    log = root / "server.log"
-    process = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=REPO,
-                               env={**os.environ, "PYTHONUNBUFFERED": "1"},
-                               start_new_session=True)  # fmt: skip
-    deadline = time.monotonic() + 600
-    while True:
-        if process.poll() is not None or time.monotonic() > deadline:
-            process.kill()
-            pytest.fail(f"dsbd serve did not start:\n{log.read_text()[-4000:]}")
-        with contextlib.suppress(OSError, json.JSONDecodeError):
-            info = json.loads(ready.read_text())
-            break
-        time.sleep(1)
-    try:
-        yield {"url": info["url"], "target": target, "draft": draft, "root": root,
-               "trace": trace if traced else None, "log": log}  # fmt: skip
-    finally:
-        stop(process, lambda: os.kill(info["pid"], signal.SIGINT))
+    with serving(root, config, start_s=600) as info:
+        yield {**info, "target": target, "draft": draft}
 
 
 @pytest.fixture(scope="module")
@@ -227,12 +204,7 @@ def test_sessions_are_admitted_by_kv_bytes_and_peak_memory_stays_in_budget(serve
 
 
 def test_nothing_but_loopback_was_contacted(server) -> None:
-    if server["trace"] is None:
-        pytest.skip("strace not installed: the server's processes could not be traced")
-    addresses = peers(server["trace"])
-    assert addresses, "the trace saw no address at all: is strace recording?"
-    outside = sorted(a for a in addresses if not is_loopback(a))
-    assert not outside, f"the server tried to reach: {outside}"
+    assert_loopback_only(server)
 
 
 def test_an_injected_fault_is_off_unless_asked(monkeypatch, tmp_path: Path) -> None:
