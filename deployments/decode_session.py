@@ -11,8 +11,8 @@ draft for its cache compaction.
 
 Each iteration's draft depth is chosen by the cost model in this process
 (`dsbd_core.algorithm.cost_model.CostController`, from the pair's calibration, which the
-replicas measured, and this request's own history): no call per iteration, and the same tokens
-for the same seed whatever the load (`adaptive: false`: the request's knobs as given).
+replicas measured, and this request's own history): no call per iteration, and knobs that do
+not depend on the load (`adaptive: false`: the request's knobs as given).
 
 A replica lost mid-iteration (its process died, or its tensor-parallel group broke) costs a
 retry of that iteration, not the request: the router's state only changes when a reply is
@@ -27,6 +27,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import os
+import socket
 import time
 import uuid
 from collections import Counter
@@ -40,6 +42,7 @@ from ray.serve.exceptions import DeploymentUnavailableError, ReplicaUnavailableE
 from deployments.messages import IterationCall, VerifyReply
 from deployments.observability import SessionObserver
 from deployments.tensor_parallel import TensorParallelBroken
+from deployments.width_controller import HEARTBEAT_S
 from dsbd_core.algorithm.config import SamplingConfig
 from dsbd_core.algorithm.control import Controller, FixedKnobs, Knobs
 from dsbd_core.algorithm.cost_model import Calibration, CostController, CostPolicy, ForwardCosts
@@ -146,9 +149,10 @@ class DecodeSession:
         observer = SessionObserver(self.session)  # spans and metrics (deployments/observability)
         steps = decode.steps()
         try:  # the open call too: a request cancelled while it runs still closes its session
-            await self.receive(
-                self.handles.controller.open.remote(self.session, limits, self.adaptive)
-            )
+            OPEN_HERE.add(self.session)
+            keep_reporting(self.handles.controller)
+            await self.receive(self.handles.controller.open.remote(
+                self.session, limits, self.adaptive, ROUTER_PROCESS))  # fmt: skip
             try:
                 call = next(steps)
             except StopIteration as stop:  # nothing to decode (not reached for valid input)
@@ -267,6 +271,7 @@ class DecodeSession:
         request (a client that went away), and these calls must outlive it.
         """
         handles, session, uses_draft = self.handles, self.session, self.uses_draft
+        OPEN_HERE.discard(session)
 
         async def release() -> None:
             calls = [handles.controller.close.remote(session),
@@ -285,6 +290,36 @@ class DecodeSession:
 
 _POLICY: dict[str, CostPolicy] = {}  # the application's cost policy, read once per router
 _RELEASING: set[asyncio.Task] = set()  # keeps release tasks referenced until they finish
+
+# The sessions this router process runs, reported to the width controller every HEARTBEAT_S
+# while any is open: a router that dies stops reporting and the controller forgets its
+# sessions (deployments/width_controller.py).
+ROUTER_PROCESS = f"{socket.gethostname()}:{os.getpid()}"
+OPEN_HERE: set[str] = set()
+_HEARTBEAT: dict[str, asyncio.Task] = {}
+
+
+def keep_reporting(controller: Any) -> None:
+    """Start this process's heartbeat to the controller unless it runs; it stops by itself
+    once no session is open here (and starts again with the next one)."""
+    running = _HEARTBEAT.get("task")
+    if running is not None and not running.done():
+        return
+
+    async def beat() -> None:
+        while True:
+            with contextlib.suppress(Exception):  # a controller restarting: the next beat
+                await asyncio.wait_for(
+                    controller.heartbeat.remote(ROUTER_PROCESS, sorted(OPEN_HERE)), HEARTBEAT_S
+                )
+            if not OPEN_HERE:
+                return
+            await asyncio.sleep(HEARTBEAT_S)
+
+    task = asyncio.get_running_loop().create_task(beat(), context=contextvars.Context())
+    _HEARTBEAT["task"] = task
+
+
 _LOST = (RayActorError, ActorUnavailableError, ReplicaUnavailableError,
          DeploymentUnavailableError, TensorParallelBroken)  # fmt: skip
 

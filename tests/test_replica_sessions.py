@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from deployments import decode_session, width_controller
 from deployments.continuous_batch import ContinuousBatcher
 from deployments.draft import Draft
 from deployments.messages import IterationCall
@@ -113,3 +114,66 @@ def test_an_open_that_arrives_after_its_close_registers_nothing() -> None:
         assert (await controller.load())["open_sessions"] == 1
 
     asyncio.run(scenario())
+
+
+def test_the_sessions_of_a_router_that_stops_reporting_are_forgotten(monkeypatch) -> None:
+    """A SIGKILLed router never closes its sessions (benchmarks/chaos.py found 9 left open for
+    the 600 s TTL). Routers report theirs every HEARTBEAT_S; a silent one loses them after
+    ROUTER_SILENT_S, a reporting one keeps them past any TTL, and a session missing from its
+    router's report (a lost close) goes unless it was opened within the last heartbeat."""
+    clock = [1000.0]
+    monkeypatch.setattr(width_controller.time, "monotonic", lambda: clock[0])
+    controller = WidthController.func_or_class(None, 600.0)
+    knobs = Knobs(gamma=2, draft_width=2)
+
+    async def scenario() -> dict[str, int]:
+        open_now = {}
+        await controller.open("dead-1", knobs, router="killed")
+        await controller.open("dead-2", knobs, router="killed")
+        await controller.open("long", knobs, router="alive")
+        while clock[0] < 1000.0 + 700:  # "alive" reports every heartbeat for 700 s
+            clock[0] += width_controller.HEARTBEAT_S
+            await controller.heartbeat("alive", ["long"])
+            if clock[0] == 1000.0 + 2 * width_controller.HEARTBEAT_S:
+                open_now["before"] = (await controller.load())["open_sessions"]
+        open_now["after"] = (await controller.load())["open_sessions"]
+        await controller.open("fresh", knobs, router="alive")
+        await controller.open("lost-close", knobs, router="alive")
+        clock[0] += 1.0  # a heartbeat whose list predates "fresh" keeps it
+        await controller.heartbeat("alive", ["long", "lost-close"])
+        open_now["fresh kept"] = (await controller.load())["open_sessions"]
+        clock[0] += width_controller.HEARTBEAT_S + 1.0
+        await controller.heartbeat("alive", ["long"])
+        open_now["lost close pruned"] = (await controller.load())["open_sessions"]
+        return open_now
+
+    seen = asyncio.run(scenario())
+    assert seen == {"before": 3, "after": 1, "fresh kept": 3, "lost close pruned": 1}
+
+
+def test_a_router_reports_its_open_sessions_until_none_is_left(monkeypatch) -> None:
+    """decode_session.keep_reporting: one heartbeat task per process, sending what is open
+    here, ending by itself once nothing is (and starting again with the next session)."""
+    monkeypatch.setattr(decode_session, "HEARTBEAT_S", 0.01)
+    beats: list[list[str]] = []
+
+    class Remote:
+        async def remote(self, router: str, sessions: list[str]) -> None:
+            assert router == decode_session.ROUTER_PROCESS
+            beats.append(sessions)
+
+    controller = type("Controller", (), {"heartbeat": Remote()})()
+
+    async def scenario() -> None:
+        decode_session.OPEN_HERE.update({"b", "a"})
+        decode_session.keep_reporting(controller)
+        first = decode_session._HEARTBEAT["task"]
+        decode_session.keep_reporting(controller)  # already running: no second task
+        assert decode_session._HEARTBEAT["task"] is first
+        await asyncio.sleep(0.05)
+        decode_session.OPEN_HERE.clear()
+        await asyncio.wait_for(decode_session._HEARTBEAT["task"], 1.0)
+
+    asyncio.run(scenario())
+    assert beats[0] == ["a", "b"] and beats[-1] == []
+    assert all(b in (["a", "b"], []) for b in beats) and len(beats) >= 2
