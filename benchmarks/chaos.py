@@ -341,7 +341,9 @@ def summarise(run: Run, config: ChaosConfig, extra: dict[str, Any]) -> dict[str,
 
 def compare_seeded(app: Any, seeded: list[dict[str, Any]]) -> dict[str, Any]:
     """Decode every seeded request in-process with the server's models, loaded as its replicas
-    load them, and compare the beams (token ids; log-likelihoods within 1e-6)."""
+    load them, and compare the beams (token ids; log-likelihoods within 1e-6). Equal only where
+    the numerics do not depend on the batch (`batch_invariant_numerics`: float32 or float64,
+    no int8 draft; benchmarks/configs/serve_smollm2_float32.yaml)."""
     import torch
 
     from dsbd_core import SamplingConfig
@@ -373,9 +375,14 @@ def compare_seeded(app: Any, seeded: list[dict[str, Any]]) -> dict[str, Any]:
                 worst = max(worst, abs(a.log_likelihood - b["log_likelihood"]))
         else:
             differ.append(body)
+    # bfloat16 rounds with the batch's shape and the int8 draft scales each forward's
+    # activations over the whole batch: there a seeded request's tokens depend on the requests
+    # it shared forwards with, and equality is expected only for one that ran alone
+    # (docs/SERVING.md "Seeded decodes and numerics"); its output law is exact either way.
+    invariant = pair.dtype_name in ("float32", "float64") and "int8" not in pair.draft_variant
     return {"compared": len(seeded), "equal": same, "different": len(differ),
             "different_examples": differ[:5], "max_log_likelihood_difference": worst,
-            "models": pair.describe()}  # fmt: skip
+            "models": pair.describe(), "batch_invariant_numerics": invariant}  # fmt: skip
 
 
 def plot(results: dict[str, Any], path: Path) -> None:
