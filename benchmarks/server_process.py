@@ -147,7 +147,8 @@ def process_name(title: str) -> str:
     (`dsbd:Verifier`), the class of another Ray actor, else the executable's name."""
     head = title.split()[0] if title else "?"
     if "ServeReplica:" in title:
-        return ":".join(title.split("ServeReplica:")[1].split(".")[0].split(":")[:2])
+        word = title.split("ServeReplica:")[1].split()[0]  # Ray pads its titles with spaces
+        return ":".join(word.split(".")[0].split(":")[:2])
     if head.startswith("ray::"):
         return head.split(".")[0]
     return head.split("/")[-1]
