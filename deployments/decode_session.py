@@ -272,6 +272,8 @@ class DecodeSession:
         """
         handles, session, uses_draft = self.handles, self.session, self.uses_draft
         OPEN_HERE.discard(session)
+        if not OPEN_HERE:
+            stop_reporting()
 
         async def release() -> None:
             calls = [handles.controller.close.remote(session),
@@ -300,24 +302,31 @@ _HEARTBEAT: dict[str, asyncio.Task] = {}
 
 
 def keep_reporting(controller: Any) -> None:
-    """Start this process's heartbeat to the controller unless it runs; it stops by itself
-    once no session is open here (and starts again with the next one)."""
+    """Start this process's heartbeat to the controller unless it runs in this event loop;
+    `stop_reporting` ends it once no session is open here (the next session starts it again)."""
     running = _HEARTBEAT.get("task")
-    if running is not None and not running.done():
+    loop = asyncio.get_running_loop()
+    if running is not None and not running.done() and running.get_loop() is loop:
         return
 
     async def beat() -> None:
-        while True:
+        while OPEN_HERE:
             with contextlib.suppress(Exception):  # a controller restarting: the next beat
                 await asyncio.wait_for(
                     controller.heartbeat.remote(ROUTER_PROCESS, sorted(OPEN_HERE)), HEARTBEAT_S
                 )
-            if not OPEN_HERE:
-                return
             await asyncio.sleep(HEARTBEAT_S)
 
-    task = asyncio.get_running_loop().create_task(beat(), context=contextvars.Context())
-    _HEARTBEAT["task"] = task
+    _HEARTBEAT["task"] = loop.create_task(beat(), context=contextvars.Context())
+
+
+def stop_reporting() -> None:
+    """No session is open here: end the heartbeat now rather than after its sleep, so an idle
+    router holds no pending task (each session's close already told the controller)."""
+    running = _HEARTBEAT.get("task")
+    with contextlib.suppress(RuntimeError):  # no running loop, or the task's has closed
+        if running is not None and running.get_loop() is asyncio.get_running_loop():
+            running.cancel()
 
 
 _LOST = (RayActorError, ActorUnavailableError, ReplicaUnavailableError,

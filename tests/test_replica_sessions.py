@@ -152,8 +152,9 @@ def test_the_sessions_of_a_router_that_stops_reporting_are_forgotten(monkeypatch
 
 
 def test_a_router_reports_its_open_sessions_until_none_is_left(monkeypatch) -> None:
-    """decode_session.keep_reporting: one heartbeat task per process, sending what is open
-    here, ending by itself once nothing is (and starting again with the next session)."""
+    """decode_session.keep_reporting: one heartbeat task per process and event loop, sending
+    what is open here; it ends by itself once nothing is, and at once on stop_reporting (the
+    last session's release), so an idle router holds no pending task."""
     monkeypatch.setattr(decode_session, "HEARTBEAT_S", 0.01)
     beats: list[list[str]] = []
 
@@ -172,8 +173,18 @@ def test_a_router_reports_its_open_sessions_until_none_is_left(monkeypatch) -> N
         assert decode_session._HEARTBEAT["task"] is first
         await asyncio.sleep(0.05)
         decode_session.OPEN_HERE.clear()
-        await asyncio.wait_for(decode_session._HEARTBEAT["task"], 1.0)
+        await asyncio.wait_for(first, 1.0)  # ends by itself within a heartbeat
+        monkeypatch.setattr(decode_session, "HEARTBEAT_S", 60.0)
+        decode_session.OPEN_HERE.add("c")
+        decode_session.keep_reporting(controller)
+        second = decode_session._HEARTBEAT["task"]
+        assert second is not first
+        await asyncio.sleep(0.01)  # its first beat, then a 60 s sleep
+        decode_session.OPEN_HERE.clear()
+        decode_session.stop_reporting()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(second, 1.0)
 
     asyncio.run(scenario())
-    assert beats[0] == ["a", "b"] and beats[-1] == []
-    assert all(b in (["a", "b"], []) for b in beats) and len(beats) >= 2
+    assert beats[0] == ["a", "b"] and beats[-1] == ["c"] and len(beats) >= 3
+    assert all(b in (["a", "b"], ["c"]) for b in beats)

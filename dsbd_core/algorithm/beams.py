@@ -13,9 +13,15 @@ from dataclasses import dataclass
 
 import torch
 
-from dsbd_core.algorithm.logprobs import ForestLogprobTable, Segment, all_of, segment_of
+from dsbd_core.algorithm.logprobs import (
+    ForestLogprobTable,
+    IterationLogprobs,
+    Segment,
+    all_of,
+    segment_of,
+)
 from dsbd_core.algorithm.scorer import ForestLayer, Origin
-from dsbd_core.algorithm.state import Pool
+from dsbd_core.algorithm.state import Outcome, Pool
 
 NEG_INF = float("-inf")
 
@@ -224,3 +230,32 @@ def slot_logprobs(
     values = table.path_values(root, path, out.layer, new_token)
     done = segment_of(values, root, finished) if bool(finished.any()) else None
     return all_of(values, beams.origin.root, beams.order), done
+
+
+def walk_outcome(
+    beams: NextBeams, *, emitted: torch.Tensor, finished: Pool, passed_layers: torch.Tensor,
+    widths: list[torch.Tensor], alphas: list[torch.Tensor], counters: dict[str, torch.Tensor],
+    logprobs: IterationLogprobs | None, finished_scores: torch.Tensor | None = None,
+) -> Outcome:  # fmt: skip
+    """The outcome of a walk over the forest (sampling verification or beam search): the
+    same fields from the same places, so the two walks cannot drift apart. `widths` and
+    `alphas` hold one [B] tensor per verified layer (beam search has no alphas)."""
+    empty = torch.empty(passed_layers.shape[0], 0)
+    return Outcome(
+        tokens=beams.tokens,
+        length=beams.length,
+        score=beams.score,
+        alive=beams.alive,
+        remaining=beams.remaining,
+        origin=beams.origin,
+        emitted=emitted,
+        finished=finished,
+        record={
+            "accepted_layers": passed_layers,
+            "widths": torch.stack(widths, dim=1) if widths else empty,
+            "alphas": torch.stack(alphas, dim=1) if alphas else empty,
+        },
+        counters=counters,
+        logprobs=logprobs,
+        finished_scores=finished_scores,
+    )

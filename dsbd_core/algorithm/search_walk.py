@@ -29,6 +29,7 @@ from dsbd_core.algorithm.beams import (
     pool_add,
     sequences,
     slot_logprobs,
+    walk_outcome,
 )
 from dsbd_core.algorithm.candidates import Scores, layer_candidates
 from dsbd_core.algorithm.config import SamplingConfig
@@ -192,7 +193,7 @@ class _SearchWalk:
             nothing = torch.zeros_like(out.exists)  # running beams never end in EOS
             segment, _ = slot_logprobs(self.table, out, beams, nothing, self.vocab)
             logprobs = IterationLogprobs(segment, self.finished_logprobs)
-        return Outcome.of_walk(
+        return walk_outcome(
             beams, emitted=emitted, finished=self.finished, passed_layers=self.passed_layers,
             widths=self.widths, alphas=[], counters=self.counters, logprobs=logprobs,
             finished_scores=self.finished_scores,

@@ -9,15 +9,11 @@ batch), each with up to `W` beams.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
 
 import torch
 
 from dsbd_core.algorithm.logprobs import IterationLogprobs, TokenLogprobs
 from dsbd_core.algorithm.scorer import ForestLayer, Origin
-
-if TYPE_CHECKING:
-    from dsbd_core.algorithm.beams import NextBeams
 
 # Per-session integer counters. "proposed": draft tokens in the forest (every node drafted);
 # "drafted": those of them verification reached (a live parent in a verified layer).
@@ -138,33 +134,3 @@ class Outcome:
     counters: dict[str, torch.Tensor]  # increments: COUNTERS (less "draft"), epsilon_bias
     logprobs: IterationLogprobs | None = None  # config.logprobs set: what the beams added
     finished_scores: torch.Tensor | None = None  # beam search: DecodeState.finished_scores
-
-    @classmethod
-    def of_walk(
-        cls, beams: NextBeams, *, emitted: torch.Tensor, finished: Pool,
-        passed_layers: torch.Tensor, widths: list[torch.Tensor], alphas: list[torch.Tensor],
-        counters: dict[str, torch.Tensor], logprobs: IterationLogprobs | None,
-        finished_scores: torch.Tensor | None = None,
-    ) -> Outcome:  # fmt: skip
-        """The outcome of a walk over the forest (sampling verification or beam search): the
-        same fields from the same places, so the two walks cannot drift apart. `widths` and
-        `alphas` hold one [B] tensor per verified layer (beam search has no alphas)."""
-        empty = torch.empty(passed_layers.shape[0], 0)
-        return cls(
-            tokens=beams.tokens,
-            length=beams.length,
-            score=beams.score,
-            alive=beams.alive,
-            remaining=beams.remaining,
-            origin=beams.origin,
-            emitted=emitted,
-            finished=finished,
-            record={
-                "accepted_layers": passed_layers,
-                "widths": torch.stack(widths, dim=1) if widths else empty,
-                "alphas": torch.stack(alphas, dim=1) if alphas else empty,
-            },
-            counters=counters,
-            logprobs=logprobs,
-            finished_scores=finished_scores,
-        )

@@ -28,6 +28,7 @@ from dsbd_core.algorithm.beams import (
     pool_add,
     sequences,
     slot_logprobs,
+    walk_outcome,
 )
 from dsbd_core.algorithm.candidates import Scores, layer_candidates
 from dsbd_core.algorithm.config import SamplingConfig
@@ -275,7 +276,7 @@ class _Walk:
             next_part, done = slot_logprobs(self.table, out, beams, finished, self.vocab)
             pooled = self.finished_logprobs + ([done] if done is not None else [])
             logprobs = IterationLogprobs(next_part, pooled)
-        return Outcome.of_walk(
+        return walk_outcome(
             beams, emitted=emitted, finished=self.finished, passed_layers=self.passed_layers,
             widths=self.widths, alphas=self.alphas, counters=self.counters, logprobs=logprobs,
         )  # fmt: skip
