@@ -1,9 +1,10 @@
 """Does a seeded decode's output depend on the requests it shares forwards with?
 
-Decodes `--requests` seeded DSBD requests together (`dsbd_core.algorithm.lockstep`: each its
-own seed and random streams, one shared draft and one shared target forward per round, as the
-serving replicas batch them) and each alone with `generate`, for every numerics variant asked
-(dtype x draft quantisation), and counts the requests whose beams are token-identical. Random
+Decodes the seeded DSBD requests of PROMPTS together (`dsbd_core.algorithm.lockstep`: each
+its own seed and random streams, one shared draft and one shared target forward per round, as
+the serving replicas batch them) and each alone with `generate`, for `--rounds` rounds of seeds
+and every numerics variant of `--variants` (dtype x draft quantisation), and counts the
+requests whose beams are token-identical. Random
 draws are seeded per (seed, iteration, side), so any difference comes from the probabilities:
 bfloat16 rounding that changes with the batch's shape, or the int8 draft's activation scale
 taken over the whole batch. docs/SERVING.md "Seeded decodes and numerics" quotes the result.

@@ -11,10 +11,11 @@ application (its priors), so that every router chooses alike.
 
 A router replica that dies (SIGKILL, a lost node) never closes its sessions. So every router
 process that has decodes sends a heartbeat every `HEARTBEAT_S` with the sessions it runs
-(`deployments.decode_session.heartbeats`): the heartbeat prunes the sessions of that router it
-no longer lists (a close that was lost), and a router not heard from for `ROUTER_SILENT_S`
+(`deployments.decode_session.keep_reporting`): the heartbeat prunes the sessions of that router
+it no longer lists (a close that was lost), and a router not heard from for `ROUTER_SILENT_S`
 loses its sessions here. Found by benchmarks/chaos.py: 9 sessions of killed routers stayed
-open for the 600 s session TTL, and a decode running longer than that TTL was dropped.
+open for the 600 s session TTL (and a decode running longer than that TTL would have been
+dropped from the count while it ran).
 """
 
 from __future__ import annotations
