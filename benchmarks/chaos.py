@@ -4,8 +4,9 @@ Starts `dsbd serve` itself (loopback only; the embedded SmolLM2 pair, or `--conf
 `--app NAME`), then runs `--clients` clients back to back for `--duration` seconds: the request
 mix of benchmarks/load.py (OpenAI and native routes, streams, clients that go away mid-decode
 on purpose) plus seeded requests (`adaptive: false`, a seed: a `--seeded-share` of all
-requests). Every 30 to 60 s (`--kill-every`) it SIGKILLs a random Router, Draft or Verifier
-replica process (`--targets`), its pid read from `/v1/dsbd/status` and checked to be a
+requests). Every 30 to 60 s (`--kill-every`) it SIGKILLs a Router, Draft or Verifier replica
+process (`--targets`, each in turn, in an order shuffled once by `--seed`), its pid read from
+`/v1/dsbd/status` and checked to be a
 descendant of the server, then measures the recovery: the time until the status names a live
 replica of that deployment other than the killed one and a small DSBD request (draft and
 verifier) succeeds. No kill in the last `--quiet-tail` seconds, so latency after the kills is
@@ -16,11 +17,11 @@ models, loaded as the replicas load them (`dsbd_core.models.pair.load_pair` with
 application's `ModelOptions`, same dtype and draft variant), and compares the tokens.
 
 A client behaves as the openai client does by default: a request answered with no response,
-408, 409, 429 or a 5xx is sent again up to `--client-retries` (2) more times. A killed Router
-replica takes the decodes it runs with it (the decode loop lives in the router), and Serve's
-proxy answers those 500: the client's retry is what saves them, and the report counts them
-(`client_retries`, `status_5xx_answered`). A killed Draft or Verifier replica costs the server a
-retried iteration (`retries`), never the request nor a client retry.
+408, 409, 429 or a 5xx is sent again up to `--client-retries` (2) more times; the report counts
+those (`client_retries`, `status_5xx_answered`). A killed Router replica costs the decodes it ran
+a hand-over: the ingress, which answers HTTP and runs no decode loop, gives them to another
+router (deployments/router_client.py); a killed Draft or Verifier replica costs the server a
+retried iteration (`retries`). Neither should cost a request or a client retry.
 
 Reports (`--out`, default benchmarks/results/chaos.json, plus a PNG of latency over time with
 the kills marked): requests sent, completed, abandoned on purpose, failed after the client's
@@ -237,6 +238,7 @@ async def killer(
 ) -> None:
     """One kill every `kill_every_s` (uniform), each after the previous one recovered."""
     rng = random.Random(config.seed)
+    order = rng.sample(config.targets, len(config.targets))  # each side in turn, shuffled once
     low, high = config.kill_every_s
     next_at = config.first_kill_s if config.first_kill_s is not None else rng.uniform(low, high)
     last_allowed = config.duration_s - config.quiet_tail_s
@@ -245,7 +247,7 @@ async def killer(
         await asyncio.sleep(max(0.0, next_at - run.now()))
         if time.monotonic() >= stop_at:
             return
-        kill = await kill_one(http, run, rng.choice(config.targets))
+        kill = await kill_one(http, run, order[len(run.kills) % len(order)])
         if kill is None:  # no status now (a router down): try again shortly
             next_at = run.now() + 2
             continue

@@ -75,6 +75,14 @@ def requested_config(build: Callable[[], SamplingConfig]) -> SamplingConfig:
                        str(loc[0]) if loc else None) from None  # fmt: skip
 
 
+def replica_lost_body(why: str) -> dict[str, Any]:
+    """The error event of a stream whose decode was lost with its router and could not be
+    replayed to the tokens already sent (deployments/router_client.py)."""
+    message = (f"the decode was lost with its router replica and its replay differs from the "
+               f"text already sent ({why}); retry the request")  # fmt: skip
+    return {"error": {"message": message, "type": "replica_lost", "param": None, "code": 503}}
+
+
 def timeout_body(request_timeout_s: float) -> dict[str, Any]:
     """The 504 body of a decode stopped at the server's `request_timeout_s` limit."""
     message = (f"the decode did not finish within request_timeout_s={request_timeout_s}; "

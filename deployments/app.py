@@ -1,9 +1,10 @@
-"""The application: router, draft, verifier and width controller, from one pydantic config.
+"""The application: ingress, router, draft, verifier and width controller, from one pydantic
+config.
 
 `build_app(args)` is the Ray Serve application builder that `serve_config.yaml` names
 (`import_path: deployments.app:build_app`); `dsbd serve` deploys the same config. Every
 deployment gets its own resources and autoscaling from `AppArgs`, and a `deployments:` section
-of a Serve config file can still override them by name (Router, Draft, Verifier,
+of a Serve config file can still override them by name (Ingress, Router, Draft, Verifier,
 WidthController), as with any Serve application.
 """
 
@@ -17,8 +18,9 @@ from ray.serve.config import RequestRouterConfig
 
 from deployments.affinity import ROUTER_CLASS
 from deployments.draft import Draft
+from deployments.ingress import Ingress, Limits, RouterOptions
 from deployments.model_replica import ModelOptions
-from deployments.router import Limits, Router, RouterOptions
+from deployments.router import Router
 from deployments.tensor_parallel import worker_bundle
 from deployments.verifier import Verifier
 from deployments.width_controller import WidthController
@@ -112,6 +114,12 @@ class AppArgs(BaseModel):
     cost_policy: CostPolicy = Field(
         CostPolicy(), description="Priors of the cost model that chooses each iteration's depth."
     )
+    ingress_resources: Resources = Resources(
+        num_cpus=0.05,
+        max_replicas=2,
+        max_ongoing_requests=256,
+        target_ongoing_requests=64,
+    )  # parses, checks, admits and streams; the decode loops run in the routers
     router_resources: Resources = Resources(num_cpus=0.1, max_replicas=4, max_ongoing_requests=256)
     draft_resources: Resources = Resources(num_cpus=0.5)
     verifier_resources: Resources = Resources(num_cpus=1.0)
@@ -166,8 +174,9 @@ def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
         default_max_tokens=config.default_max_tokens,
         limits=config.limits,
         api_key_file=config.api_key_file,
-        router_replicas=config.router_resources.max_replicas,  # memory admission's share
+        router_replicas=config.ingress_resources.max_replicas,  # memory admission's share
     )
-    return Router.options(**config.router_resources.options()).bind(
-        draft, verifier, controller, router_options.model_dump()
+    router = Router.options(**config.router_resources.options()).bind(draft, verifier, controller)
+    return Ingress.options(**config.ingress_resources.options()).bind(
+        router, draft, verifier, controller, router_options.model_dump()
     )

@@ -136,6 +136,7 @@ class DecodeSession:
         self.state: DecodeState | None = None
         self.controller: Controller | None = None
         self._result: DecodeResult | None = None
+        self.totals: dict[str, int] = {}  # what the request span reports (SessionObserver)
 
     async def iterations(self, prompt_ids: list[int]) -> AsyncIterator[DecodeState]:
         """Run the decode; yields the state after every iteration (for streaming)."""
@@ -147,6 +148,7 @@ class DecodeSession:
                         controller=self.controller)  # fmt: skip
         state = self.state = decode.state
         observer = SessionObserver(self.session)  # spans and metrics (deployments/observability)
+        self.totals = observer.totals
         steps = decode.steps()
         try:  # the open call too: a request cancelled while it runs still closes its session
             OPEN_HERE.add(self.session)

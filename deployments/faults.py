@@ -13,6 +13,8 @@ SIGKILL) inside its N-th CALL, after accepting it:
 
     draft:propose:N      a Draft replica, in the batch that holds its N-th propose call
     verifier:verify:N    a Verifier replica, in the batch that holds its N-th verify call
+    router:decode:N      a Router replica, at the start of its N-th decode (stream: its N-th
+                         streamed decode), with its other decodes in flight
     tp-rankK:METHOD:N    tensor-parallel rank K, in its N-th call of METHOD (forward, set_roots)
 
 Every process counts its own calls, so a replacement replica would die again at its N-th
@@ -30,8 +32,9 @@ from pathlib import Path
 ENV = "DSBD_FAULT_INJECT"
 DIR_ENV = "DSBD_FAULT_INJECT_DIR"
 EXIT_CODE = 86  # what the process exits with (shows in Ray's logs as the worker's exit code)
-REPLICA_CALLS = {"draft": "propose", "verifier": "verify"}  # the one call each replica answers
-_ROLE = re.compile(r"^(draft|verifier|tp-rank\d+)$")
+# The calls each replica answers (the first: what `fault_point` counts when none is named).
+REPLICA_CALLS = {"draft": ("propose",), "verifier": ("verify",), "router": ("decode", "stream")}
+_ROLE = re.compile(r"^(draft|verifier|router|tp-rank\d+)$")
 _counts: dict[tuple[str, str], int] = {}  # (role, call) -> calls counted in this process
 
 
@@ -41,12 +44,13 @@ def parse(spec: str) -> list[tuple[str, str, int]]:
     for entry in filter(None, (part.strip() for part in spec.split(","))):
         parts = entry.split(":")
         ok = len(parts) == 3 and _ROLE.match(parts[0]) and parts[2].isdigit() and int(parts[2])
-        if ok and parts[0] in REPLICA_CALLS and parts[1] != REPLICA_CALLS[parts[0]]:
+        if ok and parts[0] in REPLICA_CALLS and parts[1] not in REPLICA_CALLS[parts[0]]:
             ok = False
         if not ok:
             raise ValueError(
                 f"{ENV}={spec!r}: entry {entry!r} is not ROLE:CALL:N; allowed: draft:propose:N, "
-                "verifier:verify:N, tp-rankK:METHOD:N with N >= 1"
+                "verifier:verify:N, router:decode:N, router:stream:N, tp-rankK:METHOD:N with "
+                "N >= 1"
             )
         faults.append((parts[0], parts[1], int(parts[2])))
     return faults
@@ -59,7 +63,7 @@ def fault_point(role: str, call: str | None = None, calls: int = 1) -> None:
     spec = os.environ.get(ENV)
     if not spec:
         return
-    call = call or REPLICA_CALLS[role]
+    call = call or REPLICA_CALLS[role][0]
     before = _counts.get((role, call), 0)
     _counts[(role, call)] = after = before + calls
     for fault_role, fault_call, n in parse(spec):

@@ -8,17 +8,26 @@ draft -> verifier    `DraftReply` (the forest), as an object-store reference the
 verifier -> router   `VerifyReply` (the next beams and their `Origin`: accepted-beam indices)
 router -> draft      the next `IterationCall` carries that `Origin`, which is how the accepted
                      paths reach the draft for its cache compaction
+
+Once per request, between the HTTP ingress and the router that runs its decode loop:
+
+ingress -> router    `DecodeCall` (prompt ids, config, method, the request span's context)
+router -> ingress    `Committed` per iteration that commits tokens (streams), then `DecodeEnd`
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
+from dsbd_core.algorithm.config import SamplingConfig
 from dsbd_core.algorithm.loop import IterationCall
+from dsbd_core.algorithm.result import DecodeResult
 from dsbd_core.algorithm.session_batch import BatchReport
 from dsbd_core.algorithm.state import Forest, Outcome
 
-__all__ = ["DraftReply", "IterationCall", "SideReport", "VerifyReply"]
+__all__ = ["Committed", "DecodeCall", "DecodeEnd", "DraftReply", "IterationCall", "SideReport",
+           "VerifyReply"]  # fmt: skip
 
 
 @dataclass
@@ -45,3 +54,36 @@ class VerifyReply:
     outcome: Outcome
     report: SideReport
     draft: SideReport | None = field(default=None)
+
+
+@dataclass
+class DecodeCall:
+    """One request's decode, as the ingress hands it to a router replica. Self-contained, so
+    the ingress can hand the same call to another replica when the first one dies."""
+
+    prompt_ids: list[int]
+    config: SamplingConfig
+    uses_draft: bool
+    adaptive: bool
+    vocab_size: int
+    trace: dict[str, str] = field(default_factory=dict)  # the request span (W3C carrier)
+
+
+@dataclass
+class Committed:
+    """Tokens the decode newly committed (final: every candidate starts with them), with
+    their log-probs when the request tracks them: what a stream may send."""
+
+    ids: list[int]
+    chosen: list[float] | None = None  # log-prob of each token
+    tops: list[list[tuple[int, float]]] | None = None  # the most likely tokens at each
+
+
+@dataclass
+class DecodeEnd:
+    """The decode's result, its serving statistics and the totals for the request span."""
+
+    result: DecodeResult
+    session: str
+    serving: dict[str, Any]
+    totals: dict[str, int]

@@ -1,6 +1,7 @@
-"""The router's spans and metrics: one request, its iterations (deployments/tracing.py, metrics.py).
+"""The spans and metrics of a request (ingress) and its iterations (router): deployments/tracing.py,
+metrics.py.
 
-* `RequestObserver` is an ASGI middleware around the router's FastAPI app. For the decode routes
+* `RequestObserver` is an ASGI middleware around the ingress's FastAPI app. For the decode routes
   it opens the `dsbd.request` span (a child of the client's span when the request carries a W3C
   `traceparent` header) and counts the request (`dsbd_requests{method,status}`, latency) when
   the last byte is sent, so a streamed response is measured to its end. It is pure ASGI rather
@@ -73,7 +74,7 @@ class RequestObserver:
             return
         info = RequestInfo()
         info_token = _REQUEST.set(info)
-        tracer = tracing.tracer(tracing.ROUTER)
+        tracer = tracing.tracer(tracing.INGRESS)
         span: Span | None = None
         context_token = None
         if tracing.enabled():

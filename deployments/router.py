@@ -1,297 +1,115 @@
-"""The ingress: OpenAI-compatible and native HTTP API over the draft/verifier deployments.
+"""The router: runs the decode loop of the requests the ingress hands it.
 
-Routes: `POST /v1/completions`, `POST /v1/chat/completions` (the `openai` client works as is;
-DSBD knobs go in `extra_body`; `n` returns the top-n beams; `stream: true` streams SSE),
-`GET /v1/models`, `POST /v1/dsbd/generate` (all beams and the full speculative-decoding
-statistics), `GET /healthz`; FastAPI serves the OpenAPI schema at `/openapi.json` and `/docs`.
-OpenAI's `logprobs` and vLLM's beam-search fields (`use_beam_search`, `length_penalty`, `n`)
-are accepted (deployments/api_models.py).
+Why a deployment of its own, behind the HTTP ingress (deployments/ingress.py): the decode loop
+is the part of the server that holds a request's state for seconds and talks to the draft and
+the verifier every iteration. Were it in the process that answers HTTP, its death would end
+those requests with Serve's HTTP 500. Here it is a replica the ingress calls through a handle
+with a self-contained `DecodeCall`, so the ingress hands a request whose router died to another
+one (deployments/router_client.py): the client sees no error. A router holds nothing that
+outlives a call: sessions live in the draft and verifier replicas (freed by `DecodeSession` and
+their TTLs) and in the width controller (which forgets a silent router's sessions).
 
-Streaming sends the *committed* prefix of the best beam: the tokens every current candidate
-starts with, which no later iteration can change (`decode_session.committed_tokens`). Beams of a
-beam search can disagree for a while, so text arrives in steps; with one beam (`sample`, `sps`)
-it is every token as it is accepted. A client that disconnects cancels the decode and frees its
-caches (deployments/streaming.py).
-
-Bad input is answered with HTTP 400 and an OpenAI-style error naming the field, the value given
-and what is allowed (including this server's configured `Limits`); an unknown model with 404;
-a missing or wrong API key (when one is configured) with 401; more concurrent decodes than
-`max_concurrent_sessions` with 429; a decode past `request_timeout_s` with 504, its sessions
-freed (deployments/api_errors.py; `Limits`: deployments/router_limits.py).
-
-This module holds the ingress app and the `Router` class: the routes and what they share per
-replica (handles, tokenizer, admission). The replies are built in deployments/openai_responses.py.
+`decode` returns the whole result; `stream` yields the tokens each iteration commits
+(`Committed`), then the result (`DecodeEnd`).
 """
 
-import asyncio
+from __future__ import annotations
+
+import contextlib
 import os
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
-from fastapi import FastAPI
-from fastapi.exceptions import RequestValidationError
+from opentelemetry import context as otel_context
 from ray import serve
 
-from deployments.admission import MemoryLedger, router_view, session_charge
-from deployments.api_errors import (
-    APIError,
-    api_error_handler,
-    requested_config,
-    timeout_body,
-    validation_error_handler,
-)
-from deployments.api_models import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    GenerateRequest,
-    ModelCard,
-    ModelList,
-)
-from deployments.auth import APIKeyGuard, guard_with, read_api_key
-from deployments.decode_session import DecodeSession, Handles, accepted_per_position
-from deployments.observability import RequestObserver, note_method
-from deployments.openai_responses import BeamText, completion_response, native_beam_logprobs
-from deployments.router_limits import Limits, RouterOptions, check_config
-from deployments.streaming import DecodeStream, sse_events
-from deployments.tracing import replica_id
-from dsbd_core.algorithm.config import SamplingConfig
-from dsbd_core.algorithm.decoders import METHODS_WITH_DRAFT
-from dsbd_core.algorithm.result import DecodeResult
-from dsbd_core.models import load_tokenizer
-
-app = FastAPI(
-    title="dsbd",
-    summary="Dynamic-Width Speculative Beam Decoding: beam sampling at speculative speed.",
-    version="0.1.0",
-)
-# Starlette runs the last added middleware first: the observer sees every response (401s
-# included), the key guard runs before FastAPI reads or validates the body.
-app.add_middleware(APIKeyGuard)  # the API key, when one is set (deployments/auth.py)
-app.add_middleware(RequestObserver)  # request spans and metrics (deployments/observability.py)
-# Every client error answers one OpenAI-style shape (deployments/api_errors.py).
-app.add_exception_handler(APIError, api_error_handler)
-app.add_exception_handler(RequestValidationError, validation_error_handler)
+from deployments import tracing
+from deployments.decode_session import DecodeSession, Handles, committed_tokens
+from deployments.faults import fault_point
+from deployments.messages import Committed, DecodeCall, DecodeEnd
+from dsbd_core.algorithm.logprobs import beam_lists, prefix_logprobs
+from dsbd_core.algorithm.state import DecodeState
 
 
-# Module helpers stay above the class: Serve pickles the ingress class when it is decorated.
-def _replica_status(info: dict[str, Any]) -> dict[str, Any]:
-    out = {
-        "replica": info["replica"],
-        "pid": info["pid"],
-        "cached_sessions": len(info["cached_sessions"]),
-        "calls_run": info.get("calls_run", 0),  # iterations it answered (a monotonic count)
-        "tp_size": info.get("tp_size", 1),
-    }
-    if "tp_ranks" in info:
-        out["tp_ranks"] = info["tp_ranks"]
-    return out
+@contextlib.contextmanager
+def _request_context(call: DecodeCall) -> Iterator[None]:
+    """The request span's context (from the ingress) as this task's current one: the
+    iteration spans are its children."""
+    context = tracing.extract(call.trace)
+    token = otel_context.attach(context) if context is not None else None
+    try:
+        yield
+    finally:
+        if token is not None:
+            with contextlib.suppress(ValueError):  # detached in another context: harmless
+                otel_context.detach(token)
+
+
+def committed_logprobs(
+    state: DecodeState, count: int
+) -> tuple[list[float], list[list[tuple[int, float]]]] | None:
+    """The log-probs of the first `count` committed tokens (None when none are tracked); the
+    committed tokens' values are final, as the tokens are."""
+    values = prefix_logprobs(state.logprobs, state.alive, state.pool.session,
+                             state.pool.logprobs, count)  # fmt: skip
+    if values is None:
+        return None
+    return beam_lists(values.reshape(1), 0, count)
 
 
 @serve.deployment(name="Router", max_ongoing_requests=256)
-@serve.ingress(app)
 class Router:
-    """Autoscaled ingress; one decode loop per request, all requests concurrent."""
+    """Autoscaled; one decode loop per call, all calls concurrent."""
 
-    def __init__(self, draft: Any, verifier: Any, controller: Any, options: dict[str, Any]) -> None:
-        self.options = RouterOptions.model_validate(options)
+    def __init__(self, draft: Any, verifier: Any, controller: Any) -> None:
         self.handles = Handles(draft=draft, verifier=verifier, controller=controller)
-        self.tokenizer, self.stop_ids = load_tokenizer(self.options.tokenizer)
-        self.texts = BeamText(self.tokenizer)
-        self._info: dict[str, Any] | None = None
-        guard_with(read_api_key(self.options.api_key_file))  # this process's app demands it
-        self._running = 0  # decodes in progress here (max_concurrent_sessions)
-        self._memory = MemoryLedger()  # their session memory (deployments/admission.py)
+        self._running = 0  # decode loops in progress here
 
-    # ----------------------------------------------------------------- routes
-    @app.get("/healthz")
-    async def healthz(self) -> dict[str, Any]:
-        """Liveness and readiness: the router is up and the verifier answers."""
-        info = await self._model_info()
-        return {"status": "ok", "model": self.options.model_name, "vocab_size": info["vocab_size"]}
+    async def info(self) -> dict[str, Any]:
+        return {"replica": tracing.replica_id(), "pid": os.getpid(), "running": self._running}
 
-    @app.get("/v1/dsbd/status")
-    async def status(self) -> dict[str, Any]:
-        """Load as the width controller sees it, and one verifier and one draft replica: id,
-        pid, cached sessions and, when tensor-parallel, its ranks (pids, device); the router
-        replica that answers (id, pid, session memory it admitted: benchmarks/chaos.py)."""
-        load = await self.handles.controller.load.remote()
-        verifier = await self.handles.verifier.info.remote()
-        draft = await self.handles.draft.info.remote()
-        router = {"replica": replica_id(), "pid": os.getpid(), "running": self._running,
-                  "admitted_memory_bytes": dict(self._memory.admitted),
-                  "admitted_memory_peak_bytes": dict(self._memory.peak)}  # fmt: skip
-        return {
-            "model": self.options.model_name,
-            **load,
-            "verifier": _replica_status(verifier),
-            "draft": _replica_status(draft),
-            "router": router,
-        }
+    def _session(self, call: DecodeCall) -> DecodeSession:
+        return DecodeSession(self.handles, call.vocab_size, call.config,
+                             uses_draft=call.uses_draft, adaptive=call.adaptive)  # fmt: skip
 
-    @app.get("/v1/models")
-    async def models(self) -> ModelList:
-        return ModelList(data=[ModelCard(id=self.options.model_name)])
-
-    @app.post("/v1/completions", response_model=None)
-    async def completions(self, request: CompletionRequest) -> Any:
-        self._check_model(request.model)
-        prompt_ids = self.tokenizer.encode(request.prompt)
-        return await self._openai(request, prompt_ids, chat=False)
-
-    @app.post("/v1/chat/completions", response_model=None)
-    async def chat_completions(self, request: ChatCompletionRequest) -> Any:
-        self._check_model(request.model)
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise APIError(400, f"model {request.model!r} has no chat template; use "
-                           "/v1/completions", "messages")  # fmt: skip
-        prompt_ids = self._chat_ids([m.model_dump() for m in request.messages])
-        return await self._openai(request, prompt_ids, chat=True)
-
-    @app.post("/v1/dsbd/generate")
-    async def generate(self, request: GenerateRequest) -> dict[str, Any]:
-        """One prompt; every beam with its log-likelihood, and the decode's statistics."""
-        if request.prompt_ids is not None:
-            prompt_ids = list(request.prompt_ids)
-        elif request.chat and getattr(self.tokenizer, "chat_template", None):
-            prompt_ids = self._chat_ids([{"role": "user", "content": request.prompt}])
-        else:
-            prompt_ids = self.tokenizer.encode(request.prompt)
-        config = requested_config(lambda: request.sampling_config(self.stop_ids))
-        config = await self._config(config, request.method, prompt_ids,
-                                    tokens_field="max_new_tokens")  # fmt: skip
-        session = self._session(config, request.method, request.adaptive)
-        result = await self._run(session, prompt_ids)
-        stats = result.stats.as_dict()
-        stats["accepted_per_position"] = accepted_per_position(result)
-        stats["serving"] = session.stats.as_dict()
-        return {
-            "model": self.options.model_name,
-            "method": request.method,
-            "prompt_tokens": len(prompt_ids),
-            "beams": [
-                {
-                    "text": self.texts.text(beam),
-                    "token_ids": beam.token_ids,
-                    "log_likelihood": beam.log_likelihood,
-                    "score": beam.score,
-                    "finished": beam.finished,
-                    **(
-                        native_beam_logprobs(beam, self.texts)
-                        if beam.token_logprobs is not None
-                        else {}
-                    ),
-                }
-                for beam in result.beams
-            ],
-            "stats": stats,
-        }
-
-    # ----------------------------------------------------------------- helpers
-    async def _openai(self, request: Any, prompt_ids: list[int], *, chat: bool) -> Any:
-        stop_ids = self._stop_token_ids(request.stop_strings)
-        stops = tuple(sorted(set(self.stop_ids) | set(stop_ids)))
-        config = requested_config(
-            lambda: request.sampling_config(stops, self.options.default_max_tokens)
-        )
-        config = await self._config(config, request.method, prompt_ids)
-        if request.n > self.options.limits.max_n:
-            raise APIError(400, f"n={request.n} exceeds this server's limit max_n="
-                           f"{self.options.limits.max_n}", "n")  # fmt: skip
-        session = self._session(config, request.method, request.adaptive)
-        if request.stream:
-            leave = self._admit(session, len(prompt_ids))
-            events = sse_events(session, request, prompt_ids, chat=chat,
-                                model_name=self.options.model_name, limits=self.options.limits,
-                                texts=self.texts)  # fmt: skip
-            return DecodeStream(events, leave)
-        result = await self._run(session, prompt_ids)
-        beams = result.beams[: request.n]
-        return completion_response(self.options.model_name, prompt_ids, beams, self.texts,
-                                   chat=chat)  # fmt: skip
-
-    def _admit(self, session: DecodeSession, prompt_len: int) -> Callable[[], None]:
-        """Count a decode in, or refuse it (429) when this router runs too many already or
-        their session memory leaves no room for its KV caches (deployments/admission.py);
-        returns what counts it out, once however often it is called."""
-        limit = self.options.limits.max_concurrent_sessions
-        if self._running >= limit:
-            raise APIError(429, f"this server runs {limit} decodes at once "
-                           "(max_concurrent_sessions); retry shortly", None)  # fmt: skip
-        view = (self._info or {}).get("admission")
-        charge = session_charge(session.config, session.uses_draft, prompt_len, view)
-        self._memory.take(charge, view)
+    async def decode(self, call: DecodeCall) -> DecodeEnd:
+        """Decode to the end."""
+        session = self._session(call)
         self._running += 1
-        counted = True
-
-        def leave() -> None:
-            nonlocal counted
-            if counted:
-                counted = False
-                self._running -= 1
-                self._memory.give_back(charge)
-
-        return leave
-
-    async def _run(self, session: DecodeSession, prompt_ids: list[int]) -> DecodeResult:
-        """Decode within the request deadline (504 past it; the sessions are freed either way)."""
-        leave = self._admit(session, len(prompt_ids))
         try:
-            async with asyncio.timeout(self.options.limits.request_timeout_s):
-                return await session.run(prompt_ids)
-        except TimeoutError:
-            body = timeout_body(self.options.limits.request_timeout_s)["error"]
-            raise APIError(504, body["message"], None) from None
+            fault_point("router", "decode")  # off unless tests ask (deployments/faults.py)
+            with _request_context(call):
+                await session.run(call.prompt_ids)
         finally:
-            leave()
+            self._running -= 1
+        return _end(session)
 
-    def _session(self, config: SamplingConfig, method: str, adaptive: bool) -> DecodeSession:
-        assert self._info is not None
-        return DecodeSession(
-            self.handles, int(self._info["vocab_size"]), config,
-            uses_draft=method in METHODS_WITH_DRAFT, adaptive=adaptive,
-        )  # fmt: skip
-
-    async def _config(
-        self, config: SamplingConfig, method: str, prompt_ids: list[int], *,
-        tokens_field: str = "max_tokens",
-    ) -> SamplingConfig:  # fmt: skip
-        """The method's config, checked against this server's limits and what the model can
-        hold. Errors name the request's own fields: `tokens_field` is what the route calls the
-        token budget (OpenAI `max_tokens`, native `max_new_tokens`); the draft width is W_S
-        when the client set it, else the width it defaults to."""
-        note_method(method)  # for dsbd_requests{method=...}, also when the checks refuse it
-        info = await self._model_info()
-        return check_config(config, method, prompt_ids, info, self.options.limits, tokens_field)
-
-    async def _model_info(self) -> dict[str, Any]:
-        if self._info is None:
-            info = await self.handles.verifier.info.remote()
-            draft = await self.handles.draft.info.remote()  # its session memory (admission)
-            info["admission"] = router_view(info, draft, self.options.router_replicas)
-            self._info = info
-        return self._info
-
-    def _check_model(self, model: str) -> None:
-        if model != self.options.model_name:
-            raise APIError(404, f"model={model!r} does not exist; available: "
-                           f"{self.options.model_name!r}", "model")  # fmt: skip
-
-    def _stop_token_ids(self, stops: list[str]) -> list[int]:
-        ids = []
-        for stop in stops:
-            encoded = self.tokenizer.encode(stop, add_special_tokens=False)
-            if len(encoded) != 1:
-                raise APIError(400, f"stop={stop!r} is {len(encoded)} tokens; allowed: stop "
-                               "strings that are exactly one token", "stop")  # fmt: skip
-            ids.append(encoded[0])
-        return ids
-
-    def _chat_ids(self, messages: list[dict[str, Any]]) -> list[int]:
-        """Prompt ids of a chat: the template's text, encoded without extra special tokens."""
-        text = self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True
-        )
-        return self.tokenizer.encode(text, add_special_tokens=False)
+    async def stream(self, call: DecodeCall) -> AsyncIterator[Committed | DecodeEnd]:
+        """Decode, yielding what each iteration commits, then the end."""
+        session = self._session(call)
+        self._running += 1
+        sent = 0
+        try:
+            fault_point("router", "stream")
+            with _request_context(call):
+                iterations = session.iterations(call.prompt_ids)
+                try:
+                    async for state in iterations:
+                        ids = committed_tokens(state)
+                        if len(ids) <= sent:
+                            continue
+                        values = committed_logprobs(state, len(ids))
+                        chosen, tops = values if values is not None else (None, None)
+                        yield Committed(ids[sent:], chosen and chosen[sent:],
+                                        tops and tops[sent:])  # fmt: skip
+                        sent = len(ids)
+                finally:
+                    await iterations.aclose()  # frees the sessions (also when cancelled)
+        finally:
+            self._running -= 1
+        yield _end(session)
 
 
-__all__ = ["Limits", "Router", "RouterOptions", "DecodeResult", "app"]
+def _end(session: DecodeSession) -> DecodeEnd:
+    return DecodeEnd(result=session.result(), session=session.session,
+                     serving=session.stats.as_dict(), totals=dict(session.totals))  # fmt: skip

@@ -25,7 +25,7 @@ class Limits(BaseModel):
     max_gamma: int = Field(8, ge=0, description="Draft depth.")
     max_n: int = Field(16, ge=1, description="Beams returned (OpenAI n).")
     max_concurrent_sessions: int = Field(
-        256, ge=1, description="Decodes one router replica runs at once; more get HTTP 429."
+        256, ge=1, description="Decodes one ingress replica admits at once; more get HTTP 429."
     )
     request_timeout_s: float = Field(
         600.0, gt=0, description="A decode still running after this is stopped: HTTP 504."
@@ -33,7 +33,7 @@ class Limits(BaseModel):
 
 
 class RouterOptions(BaseModel):
-    """What the router needs besides the handles."""
+    """What the ingress needs besides the handles."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -47,7 +47,7 @@ class RouterOptions(BaseModel):
         "logs its application arguments.",
     )  # fmt: skip
     router_replicas: int = Field(
-        1, ge=1, description="The router deployment's max_replicas: each router replica admits "
+        1, ge=1, description="The ingress deployment's max_replicas: each ingress replica admits "
         "decodes against this share of the replicas' session memory (deployments/admission.py).",
     )  # fmt: skip
 
@@ -58,7 +58,7 @@ def check_config(
 ) -> SamplingConfig:  # fmt: skip
     """The method's config, checked against `limits` and what the model (`info`, the verifier's
     vocab_size and max_positions, and `admission`: the replicas' session memory as this router
-    shares it) can hold; see `Router._config` for the fields it names."""
+    shares it) can hold; see `Ingress._config` for the fields it names."""
     vocab = int(info["vocab_size"])
     bad = [t for t in prompt_ids if not 0 <= t < vocab]
     if bad:

@@ -6,6 +6,8 @@ beam search can disagree for a while, so text arrives in steps; with one beam (`
 it is every token as it is accepted. A client that disconnects cancels the decode and frees its
 caches (`DecodeStream`). With logprobs asked, every chunk carries the log-probs of the tokens
 whose text it adds (taken from the decode's state: the committed tokens' values are final too).
+The router replica that runs the decode sends the committed tokens (deployments/router.py); a
+router that dies mid-stream is replaced without the client noticing (deployments/router_client.py).
 """
 
 import asyncio
@@ -17,13 +19,12 @@ from typing import Any
 
 from fastapi.responses import StreamingResponse
 
-from deployments.api_errors import timeout_body
+from deployments.api_errors import replica_lost_body, timeout_body
 from deployments.api_models import ChatLogprobs, CompletionLogprobs
-from deployments.decode_session import DecodeSession, committed_tokens
+from deployments.messages import Committed, DecodeEnd
 from deployments.openai_responses import BeamText, finish_reason, usage
+from deployments.router_client import ReplayDiverged
 from deployments.router_limits import Limits
-from dsbd_core.algorithm.logprobs import beam_lists, prefix_logprobs
-from dsbd_core.algorithm.state import DecodeState
 
 
 class DecodeStream(StreamingResponse):
@@ -54,13 +55,14 @@ def loop_time(deadline: float) -> float:
 
 
 async def sse_events(
-    session: DecodeSession, request: Any, prompt_ids: list[int], *, chat: bool,
-    model_name: str, limits: Limits, texts: BeamText,
+    updates: AsyncIterator[Committed | DecodeEnd], request: Any, prompt_ids: list[int], *,
+    chat: bool, model_name: str, limits: Limits, texts: BeamText, ident: str,
+    stops: tuple[int, ...], on_end: Callable[[DecodeEnd], None] | None = None,
 ) -> AsyncIterator[str]:  # fmt: skip
-    """SSE chunks: committed text of the best beam as it grows, then the final beams; with
-    logprobs asked, each chunk carries those of the tokens its text adds."""
+    """SSE chunks: committed text of the best beam as it grows (`updates`: the router's
+    `Committed` tokens, then its `DecodeEnd`), then the final beams; with logprobs asked, each
+    chunk carries those of the tokens its text adds. `on_end` sees the decode's end."""
     created = int(time.time())
-    ident = f"{'chatcmpl' if chat else 'cmpl'}-{session.session}"
     kind = "chat.completion.chunk" if chat else "text_completion"
 
     def chunk(index: int, text: str | None, finish: str | None, first: bool = False,
@@ -84,29 +86,40 @@ async def sse_events(
     if chat:
         yield chunk(0, None, None, first=True)
     deadline = time.monotonic() + limits.request_timeout_s
-    stops = set(session.config.eos_token_ids)
-    iterations = session.iterations(prompt_ids)
+    committed = _Committed()
+    end: DecodeEnd | None = None
     try:
-        while True:
+        while end is None:
             try:
                 async with asyncio.timeout_at(loop_time(deadline)):
-                    state = await anext(iterations)
+                    update = await anext(updates)
             except StopAsyncIteration:
                 break
             except TimeoutError:
                 yield f"data: {json.dumps(timeout_body(limits.request_timeout_s))}\n\n"
                 return
-            ids = committed_tokens(state)
+            except ReplayDiverged as diverged:
+                yield f"data: {json.dumps(replica_lost_body(str(diverged)))}\n\n"
+                return
+            if isinstance(update, DecodeEnd):
+                end = update
+                break
+            committed.add(update)
+            ids = committed.ids
             if ids and ids[-1] in stops:  # a stop token is never part of the text
                 ids = ids[:-1]
             text = texts.decode(ids)
             if text.startswith(sent) and len(text) > len(sent) and not text.endswith("\ufffd"):
-                logprobs = _prefix_logprobs(texts, state, ids, sent_ids, chat)
+                logprobs = committed.logprobs(texts, ids, sent_ids, chat)
                 yield chunk(0, text[len(sent) :], None, logprobs=logprobs)
                 sent, sent_ids = text, len(ids)
     finally:
-        await iterations.aclose()  # frees the sessions (also on a client that went away)
-    beams = session.result().beams[: request.n]
+        await updates.aclose()  # stops the decode (also on a client that went away)
+    if end is None:
+        raise RuntimeError("the decode's stream ended without its result")
+    if on_end is not None:
+        on_end(end)
+    beams = end.result.beams[: request.n]
     for index, beam in enumerate(beams):
         text = texts.text(beam)
         resume = index == 0 and text.startswith(sent)
@@ -123,16 +136,27 @@ async def sse_events(
     yield "data: [DONE]\n\n"
 
 
-def _prefix_logprobs(
-    texts: BeamText, state: DecodeState, ids: list[int], start: int, chat: bool
-) -> ChatLogprobs | CompletionLogprobs | None:
-    """The log-probs of the committed tokens `ids[start:]` (None when none are tracked)."""
-    values = prefix_logprobs(state.logprobs, state.alive, state.pool.session,
-                             state.pool.logprobs, len(ids))  # fmt: skip
-    if values is None:
-        return None
-    chosen, tops = beam_lists(values.reshape(1), 0, len(ids))
-    chosen, tops = chosen[start:], tops[start:]
-    if chat:
-        return texts.chat_logprobs(ids[start:], chosen, tops)
-    return texts.completion_logprobs(ids, start, chosen, tops)
+class _Committed:
+    """The committed tokens received so far, with their log-probs when tracked."""
+
+    def __init__(self) -> None:
+        self.ids: list[int] = []
+        self.chosen: list[float] | None = None
+        self.tops: list[list[tuple[int, float]]] | None = None
+
+    def add(self, update: Committed) -> None:
+        self.ids.extend(update.ids)
+        if update.chosen is not None and update.tops is not None:
+            self.chosen = (self.chosen or []) + update.chosen
+            self.tops = (self.tops or []) + update.tops
+
+    def logprobs(
+        self, texts: BeamText, ids: list[int], start: int, chat: bool
+    ) -> ChatLogprobs | CompletionLogprobs | None:
+        """The log-probs of the committed tokens `ids[start:]` (None when none are tracked)."""
+        if self.chosen is None or self.tops is None:
+            return None
+        chosen, tops = self.chosen[start : len(ids)], self.tops[start : len(ids)]
+        if chat:
+            return texts.chat_logprobs(ids[start:], chosen, tops)
+        return texts.completion_logprobs(ids, start, chosen, tops)

@@ -7,14 +7,17 @@ Why it looks like this:
   Otherwise `tracer()` is OpenTelemetry's no-op tracer: no provider, no exporter (its module is
   not even imported), no connection, and the span calls on the hot path cost a few
   microseconds. The check happens once per process, lazily, at the first span.
-* **One provider per Ray process, never the global one.** The router, every draft and every
-  verifier replica are separate processes; each builds its own `TracerProvider` whose resource
-  names the service (`dsbd-router`, `dsbd-draft`, `dsbd-verifier`) and the Serve replica id
+* **One provider per Ray process, never the global one.** The ingress, the router, every draft
+  and every verifier replica are separate processes; each builds its own `TracerProvider` whose
+  resource names the service (`dsbd-ingress`, `dsbd-router`, `dsbd-draft`, `dsbd-verifier`) and
+  the Serve replica id
   (`service.instance.id`). It is kept here rather than installed globally, so Ray Serve's own
   (file-based, off by default) tracing, which sets the global provider, cannot collide with it.
   The standard OTEL_* variables (headers, timeout, sampler, batch delay, resource attributes)
   are read by the SDK and the OTLP/HTTP exporter as usual.
-* **W3C trace context in the call messages.** The router injects its iteration span into the
+* **W3C trace context in the call messages.** The ingress injects the request span into the
+  `DecodeCall` it hands a router, whose iteration spans are its children. The router injects its
+  iteration span into the
   `IterationCall` it sends (`IterationCall.trace`: `traceparent`/`tracestate`), and the draft
   and verifier replicas start their spans from it: one trace from the HTTP request to every
   forward that served it, across processes and machines. The router decides: a call that
@@ -40,7 +43,8 @@ from opentelemetry.context import Context
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-ROUTER, DRAFT, VERIFIER = "dsbd-router", "dsbd-draft", "dsbd-verifier"
+INGRESS, ROUTER = "dsbd-ingress", "dsbd-router"
+DRAFT, VERIFIER = "dsbd-draft", "dsbd-verifier"
 ENDPOINT_VARIABLES = ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
 INSTRUMENTATION = "dsbd"
 _PROPAGATOR = TraceContextTextMapPropagator()  # W3C traceparent / tracestate

@@ -227,11 +227,11 @@ def test_serve_config_v2_is_serve_config_yaml_plus_the_cluster_overrides() -> No
 
 def test_drift_is_reported_with_its_path() -> None:
     text = (CLUSTER / "rayservice.yaml").read_text()
-    edited = text.replace("max_ongoing_requests: 256", "max_ongoing_requests: 512")
+    edited = text.replace("max_ongoing_requests: 256", "max_ongoing_requests: 512", 1)
     assert edited != text
     drift = serve_sync.differences(serve_sync.embedded(edited), serve_sync.cluster_serve_config())
     assert drift == [
-        "applications[0].args.router_resources.max_ongoing_requests: manifest 512, merge 256"
+        "applications[0].args.ingress_resources.max_ongoing_requests: manifest 512, merge 256"
     ]
     with pytest.raises(ValueError, match=r"applications\[name='other'\] is not in"):
         serve_sync.merge({"applications": [{"name": "a"}]}, {"applications": [{"name": "other"}]})

@@ -42,7 +42,7 @@ from .serving_harness import (
 from .tiny_models import build_pair, build_tokenizer
 
 FAULTS = {"fdraft": "draft:propose:15", "fverifier": "verifier:verify:15",
-          "ftp": "tp-rank1:forward:6"}  # fmt: skip
+          "ftp": "tp-rank1:forward:6", "frouter": "router:decode:5"}  # fmt: skip
 WIDE = {"num_hidden_layers": 16, "num_attention_heads": 2, "num_key_value_heads": 2,
         "hidden_size": 128, "intermediate_size": 128}  # fmt: skip  # head_dim 64
 # A decode of PROMPT tokens (+ 8 new + gamma 2 x W_S 2 columns, width 2) is charged
@@ -73,7 +73,8 @@ def write_config(root: Path, target: Path, draft: Path, wide: Path) -> Path:
     models = {"target": {"source": str(target), "dtype": "float64"},
               "draft": {"source": str(draft), "dtype": "float64"}}  # fmt: skip
     small = {"num_cpus": 0.1}
-    resources = {"router_resources": {**small, "max_replicas": 1}, "draft_resources": small,
+    resources = {"router_resources": {**small, "max_replicas": 1},
+                 "ingress_resources": {**small, "max_replicas": 1}, "draft_resources": small,
                  "verifier_resources": {**small, "health_check_period_s": 1,
                                         "health_check_timeout_s": 20}}  # fmt: skip
     apps = []
@@ -111,9 +112,11 @@ def reference(server):
 
 @pytest.mark.parametrize("app", list(FAULTS))
 def test_a_replica_that_dies_inside_a_call_costs_a_retry_not_the_request(server, reference, app):
-    """8 decodes in flight; the draft, the verifier or TP rank 1 exits inside its N-th call:
-    every decode completes, equal draw for draw to the in-process decode (what the no-fault
-    run returns), and the lost iterations show in `serving.retries`."""
+    """8 decodes in flight; the draft, the verifier or TP rank 1 exits inside its N-th call, or
+    the router (which runs all 8 decode loops) at the start of its N-th decode: every decode
+    completes, equal draw for draw to the in-process decode (what the no-fault run returns),
+    and the lost iterations show in `serving.retries`, the decodes the ingress handed to a new
+    router in `serving.handovers`."""
     prefix = f"/{app}"
     before = status(server, prefix)
     bodies = [{"prompt_ids": [40 + i, 31, 32], "seed": 300 + i, "max_new_tokens": 24,
@@ -123,16 +126,17 @@ def test_a_replica_that_dies_inside_a_call_costs_a_retry_not_the_request(server,
     for body, got in zip(bodies, results, strict=True):
         knobs = {k: v for k, v in body.items() if k not in ("prompt_ids", "adaptive")}
         assert_same(got, reference("dsbd", body["prompt_ids"], **knobs))
-    retries = [r for got in results for r in got["stats"]["serving"]["retries"]]
-    print(f"{FAULTS[app]}: {len(retries)} iteration(s) retried: "
+    what = "handovers" if app == "frouter" else "retries"
+    retries = [r for got in results for r in got["stats"]["serving"][what]]
+    print(f"{FAULTS[app]}: {len(retries)} {what}: "
           f"{sorted({r.split(': ')[1] for r in retries})}")  # fmt: skip
-    assert retries, "no iteration was retried: the injected fault did not cost a call"
+    assert retries, f"no {what}: the injected fault did not cost a call"
     lost = ("TensorParallelBroken", "ActorDied") if app == "ftp" else ("ActorDied",)
     assert all(any(word in r for word in lost) for r in retries), retries
     claims = os.listdir(server["root"] / f"claims-{app}")
     assert claims == ["-".join(FAULTS[app].split(":"))], claims  # the fault fired, once
     after = status(server, prefix)
-    side = "draft" if app == "fdraft" else "verifier"
+    side = {"fdraft": "draft", "frouter": "router"}.get(app, "verifier")
     assert after[side]["replica"] != before[side]["replica"], "the replica was not replaced"
 
 
@@ -190,7 +194,7 @@ def test_sessions_are_admitted_by_kv_bytes_and_peak_memory_stays_in_budget(serve
         results = list(pool.map(lambda i: _until_admitted(server, _long(i), refused), range(6)))
     peaks = {side: _peak(pid) - base[side] for side, pid in pids.items()}
     after = status(server, "/memory")
-    most = after["router"]["admitted_memory_peak_bytes"]["target"]  # high-water mark
+    most = after["ingress"]["admitted_memory_peak_bytes"]["target"]  # high-water mark
     print(f"budget {BUDGET / 2**20:.0f} MiB, charge {charge / 2**20:.0f} MiB per decode: "
           f"{len(refused)} x 429, most admitted {most / 2**20:.0f} MiB; peak above "
           f"idle {({k: round(v / 2**20) for k, v in peaks.items()})} MiB")  # fmt: skip
@@ -198,7 +202,7 @@ def test_sessions_are_admitted_by_kv_bytes_and_peak_memory_stays_in_budget(serve
     assert refused, "no decode was refused: the budget was never reached"
     assert 2 * charge - 1 <= most <= BUDGET
     assert {side: after[side]["pid"] for side in pids} == pids, "a replica crashed"
-    assert after["router"]["admitted_memory_bytes"] == {"target": 0, "draft": 0}
+    assert after["ingress"]["admitted_memory_bytes"] == {"target": 0, "draft": 0}
     for side, peak in peaks.items():
         assert peak <= BUDGET, f"{side} grew {peak / 2**20:.0f} MiB over its idle level"
 

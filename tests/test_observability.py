@@ -5,7 +5,7 @@ of their spans. The end-to-end tests therefore run what a user runs: `dsbd serve
 models) with `OTEL_EXPORTER_OTLP_ENDPOINT` pointing at an OTLP/HTTP receiver in this test (a
 loopback HTTP server decoding `ExportTraceServiceRequest` protobufs with opentelemetry-proto),
 and scrape the Prometheus endpoint of Ray's metrics agent that `dsbd serve` reports. Spans must
-form one trace per request across the router, draft and verifier processes, continuing the
+form one trace per request across the ingress, router, draft and verifier processes, continuing the
 client's `traceparent`; the counters must equal the sums of the requests' returned stats
 (the proposed draft tokens, which the stats do not hold: the sums of the draft spans' counts).
 
@@ -143,10 +143,10 @@ def test_a_request_is_one_trace_from_the_client_to_draft_and_verifier(observed) 
         "dsbd.draft": drafted,
     }  # fmt: skip
 
-    # the client's span -> request (router) -> iteration (router) -> draft / verify (replicas)
+    # the client's span -> request (ingress) -> iteration (router) -> draft / verify (replicas)
     (request,) = by_name["dsbd.request"]
     assert request["parent"] == observed["client_span"]
-    assert request["resource"]["service.name"] == "dsbd-router"
+    assert request["resource"]["service.name"] == "dsbd-ingress"
     assert request["attributes"]["dsbd.session"] == serving["session"]
     assert request["attributes"]["dsbd.method"] == "dsbd"
     assert request["attributes"]["http.response.status_code"] == 200
@@ -196,7 +196,7 @@ def test_a_request_is_one_trace_from_the_client_to_draft_and_verifier(observed) 
                 router_side = iterations_by_index[index]["attributes"]
                 assert router_side["dsbd.draft_tokens"] == attributes["dsbd.draft_tokens_proposed"]
     processes = {span["resource"]["service.instance.id"] for span in spans}
-    assert len(processes) == 3, processes  # router, draft and verifier replicas
+    assert len(processes) == 4, processes  # ingress, router, draft and verifier replicas
 
 
 def test_calls_batched_into_one_forward_link_to_each_other(observed) -> None:

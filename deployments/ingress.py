@@ -1,0 +1,326 @@
+"""The ingress: OpenAI-compatible and native HTTP API over the router, draft and verifier.
+
+Routes: `POST /v1/completions`, `POST /v1/chat/completions` (the `openai` client works as is;
+DSBD knobs go in `extra_body`; `n` returns the top-n beams; `stream: true` streams SSE),
+`GET /v1/models`, `POST /v1/dsbd/generate` (all beams and the full speculative-decoding
+statistics), `GET /healthz`; FastAPI serves the OpenAPI schema at `/openapi.json` and `/docs`.
+OpenAI's `logprobs` and vLLM's beam-search fields (`use_beam_search`, `length_penalty`, `n`)
+are accepted (deployments/api_models.py).
+
+Streaming sends the *committed* prefix of the best beam: the tokens every current candidate
+starts with, which no later iteration can change (`decode_session.committed_tokens`). Beams of a
+beam search can disagree for a while, so text arrives in steps; with one beam (`sample`, `sps`)
+it is every token as it is accepted. A client that disconnects cancels the decode and frees its
+caches (deployments/streaming.py).
+
+Bad input is answered with HTTP 400 and an OpenAI-style error naming the field, the value given
+and what is allowed (including this server's configured `Limits`); an unknown model with 404;
+a missing or wrong API key (when one is configured) with 401; more concurrent decodes than
+`max_concurrent_sessions` with 429; a decode past `request_timeout_s` with 504, its sessions
+freed (deployments/api_errors.py; `Limits`: deployments/router_limits.py).
+
+This module holds the ingress app and the `Ingress` class: the routes and what they share per
+replica (handles, tokenizer, admission). It parses, checks and admits a request, and hands its
+decode to a `Router` replica (deployments/router.py), again to another one should that replica
+die (deployments/router_client.py): the process that answers HTTP holds no decode loop, so a
+router lost mid-request costs the client time, not an error. The replies are built in
+deployments/openai_responses.py.
+"""
+
+import asyncio
+import os
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from opentelemetry import trace
+from ray import serve
+
+from deployments import router_client, tracing
+from deployments.admission import MemoryLedger, router_view, session_charge
+from deployments.api_errors import (
+    APIError,
+    api_error_handler,
+    requested_config,
+    timeout_body,
+    validation_error_handler,
+)
+from deployments.api_models import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerateRequest,
+    ModelCard,
+    ModelList,
+)
+from deployments.auth import APIKeyGuard, guard_with, read_api_key
+from deployments.decode_session import Handles, accepted_per_position
+from deployments.messages import DecodeCall, DecodeEnd
+from deployments.observability import RequestObserver, note_method
+from deployments.openai_responses import BeamText, completion_response, native_beam_logprobs
+from deployments.router_limits import Limits, RouterOptions, check_config
+from deployments.streaming import DecodeStream, sse_events
+from deployments.tracing import replica_id
+from dsbd_core.algorithm.config import SamplingConfig
+from dsbd_core.algorithm.decoders import METHODS_WITH_DRAFT
+from dsbd_core.models import load_tokenizer
+
+app = FastAPI(
+    title="dsbd",
+    summary="Dynamic-Width Speculative Beam Decoding: beam sampling at speculative speed.",
+    version="0.1.0",
+)
+# Starlette runs the last added middleware first: the observer sees every response (401s
+# included), the key guard runs before FastAPI reads or validates the body.
+app.add_middleware(APIKeyGuard)  # the API key, when one is set (deployments/auth.py)
+app.add_middleware(RequestObserver)  # request spans and metrics (deployments/observability.py)
+# Every client error answers one OpenAI-style shape (deployments/api_errors.py).
+app.add_exception_handler(APIError, api_error_handler)
+app.add_exception_handler(RequestValidationError, validation_error_handler)
+
+
+# Module helpers stay above the class: Serve pickles the ingress class when it is decorated.
+def _replica_status(info: dict[str, Any]) -> dict[str, Any]:
+    out = {
+        "replica": info["replica"],
+        "pid": info["pid"],
+        "cached_sessions": len(info["cached_sessions"]),
+        "calls_run": info.get("calls_run", 0),  # iterations it answered (a monotonic count)
+        "tp_size": info.get("tp_size", 1),
+    }
+    if "tp_ranks" in info:
+        out["tp_ranks"] = info["tp_ranks"]
+    return out
+
+
+def _report_end(end: DecodeEnd) -> None:
+    """What the request span reports of its decode (the router's spans are its children)."""
+    span = trace.get_current_span()
+    span.set_attribute("dsbd.session", end.session)
+    span.set_attributes({f"dsbd.{name}": value for name, value in end.totals.items()})
+
+
+@serve.deployment(name="Ingress", max_ongoing_requests=256)
+@serve.ingress(app)
+class Ingress:
+    """Autoscaled HTTP ingress; hands each request's decode to a router replica."""
+
+    def __init__(self, router: Any, draft: Any, verifier: Any, controller: Any,
+                 options: dict[str, Any]) -> None:  # fmt: skip
+        self.options = RouterOptions.model_validate(options)
+        self.router = router
+        self.router_stream = router.options(stream=True)
+        self.handles = Handles(draft=draft, verifier=verifier, controller=controller)
+        self.tokenizer, self.stop_ids = load_tokenizer(self.options.tokenizer)
+        self.texts = BeamText(self.tokenizer)
+        self._info: dict[str, Any] | None = None
+        guard_with(read_api_key(self.options.api_key_file))  # this process's app demands it
+        self._running = 0  # decodes in progress here (max_concurrent_sessions)
+        self._memory = MemoryLedger()  # their session memory (deployments/admission.py)
+
+    # ----------------------------------------------------------------- routes
+    @app.get("/healthz")
+    async def healthz(self) -> dict[str, Any]:
+        """Liveness and readiness: the ingress is up and the verifier answers."""
+        info = await self._model_info()
+        return {"status": "ok", "model": self.options.model_name, "vocab_size": info["vocab_size"]}
+
+    @app.get("/v1/dsbd/status")
+    async def status(self) -> dict[str, Any]:
+        """Load as the width controller sees it, and one verifier, one draft and one router
+        replica: id, pid, cached sessions and, when tensor-parallel, its ranks (pids, device);
+        the ingress replica that answers (id, pid, decodes and session memory it admitted).
+        benchmarks/chaos.py kills replicas by these pids."""
+        load = await self.handles.controller.load.remote()
+        verifier = await self.handles.verifier.info.remote()
+        draft = await self.handles.draft.info.remote()
+        router = await self.router.info.remote()
+        ingress = {"replica": replica_id(), "pid": os.getpid(), "running": self._running,
+                   "admitted_memory_bytes": dict(self._memory.admitted),
+                   "admitted_memory_peak_bytes": dict(self._memory.peak)}  # fmt: skip
+        return {
+            "model": self.options.model_name,
+            **load,
+            "verifier": _replica_status(verifier),
+            "draft": _replica_status(draft),
+            "router": router,
+            "ingress": ingress,
+        }
+
+    @app.get("/v1/models")
+    async def models(self) -> ModelList:
+        return ModelList(data=[ModelCard(id=self.options.model_name)])
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(self, request: CompletionRequest) -> Any:
+        self._check_model(request.model)
+        prompt_ids = self.tokenizer.encode(request.prompt)
+        return await self._openai(request, prompt_ids, chat=False)
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat_completions(self, request: ChatCompletionRequest) -> Any:
+        self._check_model(request.model)
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise APIError(400, f"model {request.model!r} has no chat template; use "
+                           "/v1/completions", "messages")  # fmt: skip
+        prompt_ids = self._chat_ids([m.model_dump() for m in request.messages])
+        return await self._openai(request, prompt_ids, chat=True)
+
+    @app.post("/v1/dsbd/generate")
+    async def generate(self, request: GenerateRequest) -> dict[str, Any]:
+        """One prompt; every beam with its log-likelihood, and the decode's statistics."""
+        if request.prompt_ids is not None:
+            prompt_ids = list(request.prompt_ids)
+        elif request.chat and getattr(self.tokenizer, "chat_template", None):
+            prompt_ids = self._chat_ids([{"role": "user", "content": request.prompt}])
+        else:
+            prompt_ids = self.tokenizer.encode(request.prompt)
+        config = requested_config(lambda: request.sampling_config(self.stop_ids))
+        config = await self._config(config, request.method, prompt_ids,
+                                    tokens_field="max_new_tokens")  # fmt: skip
+        handed: list[str] = []  # hand-overs to another router (deployments/router_client.py)
+        call = self._call(config, request.method, request.adaptive, prompt_ids)
+        end = await self._run(call, handed)
+        result = end.result
+        stats = result.stats.as_dict()
+        stats["accepted_per_position"] = accepted_per_position(result)
+        stats["serving"] = {**end.serving, "handovers": handed}
+        return {
+            "model": self.options.model_name,
+            "method": request.method,
+            "prompt_tokens": len(prompt_ids),
+            "beams": [
+                {
+                    "text": self.texts.text(beam),
+                    "token_ids": beam.token_ids,
+                    "log_likelihood": beam.log_likelihood,
+                    "score": beam.score,
+                    "finished": beam.finished,
+                    **(
+                        native_beam_logprobs(beam, self.texts)
+                        if beam.token_logprobs is not None
+                        else {}
+                    ),
+                }
+                for beam in result.beams
+            ],
+            "stats": stats,
+        }
+
+    # ----------------------------------------------------------------- helpers
+    async def _openai(self, request: Any, prompt_ids: list[int], *, chat: bool) -> Any:
+        stop_ids = self._stop_token_ids(request.stop_strings)
+        stops = tuple(sorted(set(self.stop_ids) | set(stop_ids)))
+        config = requested_config(
+            lambda: request.sampling_config(stops, self.options.default_max_tokens)
+        )
+        config = await self._config(config, request.method, prompt_ids)
+        if request.n > self.options.limits.max_n:
+            raise APIError(400, f"n={request.n} exceeds this server's limit max_n="
+                           f"{self.options.limits.max_n}", "n")  # fmt: skip
+        call = self._call(config, request.method, request.adaptive, prompt_ids)
+        if request.stream:
+            leave = self._admit(call)
+            ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+            updates = router_client.stream(self.router_stream, call)
+            events = sse_events(updates, request, prompt_ids, chat=chat,
+                                model_name=self.options.model_name, limits=self.options.limits,
+                                texts=self.texts, ident=ident, stops=config.eos_token_ids,
+                                on_end=_report_end)  # fmt: skip
+            return DecodeStream(events, leave)
+        beams = (await self._run(call)).result.beams[: request.n]
+        return completion_response(self.options.model_name, prompt_ids, beams, self.texts,
+                                   chat=chat)  # fmt: skip
+
+    def _admit(self, call: DecodeCall) -> Callable[[], None]:
+        """Count a decode in, or refuse it (429) when this ingress runs too many already or
+        their session memory leaves no room for its KV caches (deployments/admission.py);
+        returns what counts it out, once however often it is called."""
+        limit = self.options.limits.max_concurrent_sessions
+        if self._running >= limit:
+            raise APIError(429, f"this server runs {limit} decodes at once "
+                           "(max_concurrent_sessions); retry shortly", None)  # fmt: skip
+        view = (self._info or {}).get("admission")
+        charge = session_charge(call.config, call.uses_draft, len(call.prompt_ids), view)
+        self._memory.take(charge, view)
+        self._running += 1
+        counted = True
+
+        def leave() -> None:
+            nonlocal counted
+            if counted:
+                counted = False
+                self._running -= 1
+                self._memory.give_back(charge)
+
+        return leave
+
+    async def _run(self, call: DecodeCall, handed: list[str] | None = None) -> DecodeEnd:
+        """Decode within the request deadline (504 past it; the sessions are freed either way),
+        on a router replica, on another should it die (deployments/router_client.py)."""
+        leave = self._admit(call)
+        try:
+            async with asyncio.timeout(self.options.limits.request_timeout_s):
+                end = await router_client.decode(self.router, call, handed)
+        except TimeoutError:
+            body = timeout_body(self.options.limits.request_timeout_s)["error"]
+            raise APIError(504, body["message"], None) from None
+        finally:
+            leave()
+        _report_end(end)
+        return end
+
+    def _call(self, config: SamplingConfig, method: str, adaptive: bool,
+              prompt_ids: list[int]) -> DecodeCall:  # fmt: skip
+        """The decode a router replica runs for this request (in the request span's trace)."""
+        assert self._info is not None
+        return DecodeCall(prompt_ids=list(prompt_ids), config=config,
+                          uses_draft=method in METHODS_WITH_DRAFT, adaptive=adaptive,
+                          vocab_size=int(self._info["vocab_size"]),
+                          trace=tracing.inject(trace.get_current_span()))  # fmt: skip
+
+    async def _config(
+        self, config: SamplingConfig, method: str, prompt_ids: list[int], *,
+        tokens_field: str = "max_tokens",
+    ) -> SamplingConfig:  # fmt: skip
+        """The method's config, checked against this server's limits and what the model can
+        hold. Errors name the request's own fields: `tokens_field` is what the route calls the
+        token budget (OpenAI `max_tokens`, native `max_new_tokens`); the draft width is W_S
+        when the client set it, else the width it defaults to."""
+        note_method(method)  # for dsbd_requests{method=...}, also when the checks refuse it
+        info = await self._model_info()
+        return check_config(config, method, prompt_ids, info, self.options.limits, tokens_field)
+
+    async def _model_info(self) -> dict[str, Any]:
+        if self._info is None:
+            info = await self.handles.verifier.info.remote()
+            draft = await self.handles.draft.info.remote()  # its session memory (admission)
+            info["admission"] = router_view(info, draft, self.options.router_replicas)
+            self._info = info
+        return self._info
+
+    def _check_model(self, model: str) -> None:
+        if model != self.options.model_name:
+            raise APIError(404, f"model={model!r} does not exist; available: "
+                           f"{self.options.model_name!r}", "model")  # fmt: skip
+
+    def _stop_token_ids(self, stops: list[str]) -> list[int]:
+        ids = []
+        for stop in stops:
+            encoded = self.tokenizer.encode(stop, add_special_tokens=False)
+            if len(encoded) != 1:
+                raise APIError(400, f"stop={stop!r} is {len(encoded)} tokens; allowed: stop "
+                               "strings that are exactly one token", "stop")  # fmt: skip
+            ids.append(encoded[0])
+        return ids
+
+    def _chat_ids(self, messages: list[dict[str, Any]]) -> list[int]:
+        """Prompt ids of a chat: the template's text, encoded without extra special tokens."""
+        text = self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True
+        )
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+
+__all__ = ["Ingress", "Limits", "RouterOptions", "app"]
