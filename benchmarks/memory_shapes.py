@@ -1,0 +1,119 @@
+"""Which allocation keeps the steps of the draft's RSS in the soak (docs/RELIABILITY.md §10)?
+
+The soaks saw the draft replica's RSS grow in steps that are never given back (+2.0 % and
++4.2 % over the last 20 minutes), and no per-request leak in the serving classes
+(tests/test_replica_leak.py): memory kept for shapes not seen before. This runs the serving
+path's batching in one process, without Ray: rounds of 1 to 8 seeded DSBD requests of random
+prompt lengths, widths, depths and lengths decoded together (`decode_lockstep` over one
+`SessionBatcher` per model, kept across rounds as a replica keeps them), the process's RSS
+after every round, for `--seconds` per variant. Each variant runs in a fresh process with its
+environment: the defaults; oneDNN's primitive cache off (`ONEDNN_PRIMITIVE_CACHE_CAPACITY=0`:
+no primitive, with its scratchpad, kept per shape); glibc's mmap threshold fixed
+(`MALLOC_MMAP_THRESHOLD_`: large tensors always mmapped and returned on free, instead of the
+dynamic threshold that, after a large free, serves later large tensors from the heap).
+
+Growth is reported as the soak reports it (the mean of the last three samples over the mean of
+the first three of the last two thirds of the run, minus one), with the rounds per second (a
+setting that saves memory may cost speed; a ratio in one run, variants in turn).
+
+    .venv/bin/python benchmarks/memory_shapes.py --seconds 180
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+VARIANTS = {
+    "defaults": {},
+    "onednn_cache_off": {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "0"},
+    "mmap_threshold_128k": {"MALLOC_MMAP_THRESHOLD_": "131072"},
+}
+
+
+def child(seconds: float, seed: int) -> dict:
+    """Decode random rounds for `seconds`; RSS (MiB) after each round."""
+    import psutil
+    import torch
+
+    from dsbd.common import DEFAULT_DRAFT, DEFAULT_TARGET
+    from dsbd_core import SamplingConfig
+    from dsbd_core.algorithm.lockstep import Request, decode_lockstep
+    from dsbd_core.algorithm.session_batch import SessionBatcher
+    from dsbd_core.models import load_tokenizer
+    from dsbd_core.models.pair import load_pair
+    from dsbd_core.models.transformer_scorer import TransformerScorer
+
+    torch.set_num_threads(1)
+    pair = load_pair(DEFAULT_TARGET, DEFAULT_DRAFT)
+    assert pair.draft is not None
+    _, stop = load_tokenizer(DEFAULT_TARGET)
+    target = SessionBatcher(TransformerScorer(pair.target.model))
+    draft = SessionBatcher(TransformerScorer(pair.draft.model))
+    rng = random.Random(seed)
+    process = psutil.Process()
+    samples, rounds, start = [], 0, time.monotonic()
+    while time.monotonic() - start < seconds:
+        requests = [
+            Request([rng.randrange(5, 40000) for _ in range(rng.randint(3, 60))],
+                    SamplingConfig(eos_token_ids=stop, seed=rng.randrange(2**31),
+                                   width=rng.randint(2, 4), gamma=rng.randint(1, 3),
+                                   max_new_tokens=rng.randint(4, 24)))
+            for _ in range(rng.randint(1, 8))
+        ]  # fmt: skip
+        decode_lockstep(requests, target, draft)
+        rounds += 1
+        samples.append((round(time.monotonic() - start, 2), process.memory_info().rss / 2**20))
+    return {"models": pair.describe(), "rounds": rounds, "samples": samples}
+
+
+def growth(samples: list[tuple[float, float]]) -> dict[str, float]:
+    window = samples[len(samples) // 3 :]
+    first = sum(v for _, v in window[:3]) / 3
+    last = sum(v for _, v in window[-3:]) / 3
+    return {"first_mib": round(first, 1), "last_mib": round(last, 1),
+            "max_mib": round(max(v for _, v in window), 1),
+            "growth": round(last / first - 1, 4)}  # fmt: skip
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seconds", type=float, default=180.0, help="per variant")
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/memory_shapes.json"))
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(child(args.seconds, args.seed)))
+        return 0
+    results = {"date": datetime.now(UTC).isoformat(timespec="seconds"), "seconds": args.seconds,
+               "load_before": os.getloadavg(), "variants": {}}  # fmt: skip
+    for name in args.variants.split(","):
+        env = {**os.environ, **VARIANTS[name], "OMP_NUM_THREADS": "1"}
+        done = subprocess.run([sys.executable, __file__, "--child", "--seconds",
+                               str(args.seconds), "--seed", str(args.seed)],
+                              env=env, capture_output=True, text=True, check=True)  # fmt: skip
+        run = json.loads(done.stdout.strip().splitlines()[-1])
+        found = {"env": VARIANTS[name], "rounds": run["rounds"],
+                 "rounds_per_s": round(run["rounds"] / args.seconds, 2),
+                 **growth(run["samples"]), "models": run["models"],
+                 "samples": run["samples"]}  # fmt: skip
+        results["variants"][name] = found
+        print(f"{name}: {found['rounds']} rounds, RSS {found['first_mib']} -> "
+              f"{found['last_mib']} MiB over the last 2/3 ({found['growth']:+.1%}), "
+              f"max {found['max_mib']}", flush=True)  # fmt: skip
+    results["load_after"] = os.getloadavg()
+    args.out.write_text(json.dumps(results, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
