@@ -26,7 +26,8 @@ retried iteration (`retries`). Neither should cost a request or a client retry.
 Reports (`--out`, default benchmarks/results/chaos.json, plus a PNG of latency over time with
 the kills marked): requests sent, completed, abandoned on purpose, failed after the client's
 retries (by status and cause: which kill the request overlapped), 5xx (final answers, and every
-5xx answered), retries (iterations the server retried: `stats.serving.retries` of native
+5xx answered), hand-overs (native decodes given to another router: `stats.serving.handovers`),
+retries (iterations the server retried: `stats.serving.retries` of native
 responses; requests a client sent again), recovery per kill and its maximum, latency p50/p99
 before, during and after the kills, and the seeded comparison. Targets (issue 21): 0 failed,
 0 5xx, seeded equal to the in-process tokens, every replica back within 60 s.
@@ -97,6 +98,7 @@ class Run:
     records: list[Record] = field(default_factory=list)
     retries: list[int] = field(default_factory=list)  # per native response: retried iterations
     retry_causes: list[str] = field(default_factory=list)
+    handovers: list[int] = field(default_factory=list)  # per native response: to a new router
     seeded: list[dict[str, Any]] = field(default_factory=list)  # body + beams returned
     kills: list[Kill] = field(default_factory=list)
     client_retried: list[Record] = field(default_factory=list)  # attempts a client retried
@@ -126,6 +128,7 @@ async def native(http: aiohttp.ClientSession, run: Run, kind: str, body: dict[st
             retries = reply["stats"]["serving"]["retries"]
             run.retries.append(len(retries))
             run.retry_causes += [r.split(": ")[1] if ": " in r else r for r in retries]
+            run.handovers.append(len(reply["stats"]["serving"].get("handovers", [])))
             tokens = sum(len(b["token_ids"]) for b in reply["beams"])
             if kind == "seeded/generate":
                 run.seeded.append({"body": body, "beams": [
@@ -148,9 +151,9 @@ async def attempt(
 ) -> Record:  # fmt: skip
     """One request as a client sends it: retried like the openai client (up to
     `client_retries` more attempts, back-off 0.5 s doubling); every retried attempt is kept in
-    `run.client_retried`, and the record returned spans all attempts. A router replica that is
-    killed takes the decodes it runs with it (the decode loop lives there): Serve's proxy
-    answers them 500, which a client retries; a draft or verifier kill must cost none."""
+    `run.client_retried`, and the record returned spans all attempts. No kill should cost a
+    client retry: the ingress hands a killed router's decodes to another router, and the
+    router retries an iteration a draft or verifier took with it."""
     first = time.monotonic()
     for tries in range(config.client_retries + 1):
         if route.endswith("/generate"):
@@ -326,6 +329,8 @@ def summarise(run: Run, config: ChaosConfig, extra: dict[str, Any]) -> dict[str,
         "retries": sum(run.retries),  # iterations the server retried (a replica lost)
         "native_responses": len(run.retries),
         "native_responses_with_retries": sum(1 for n in run.retries if n),
+        # native decodes the ingress handed to another router after theirs was killed
+        "native_responses_with_handovers": sum(1 for n in run.handovers if n),
         "client_retries": len(run.client_retried),  # requests a client sent again (`attempt`)
         "client_retried_by_status": dict(Counter(str(r.status) for r in run.client_retried)),
         "client_retry_causes": sorted({cause(r, run) for r in run.client_retried})[:20],

@@ -10,7 +10,8 @@ after every round, for `--seconds` per variant. Each variant runs in a fresh pro
 environment: the defaults; oneDNN's primitive cache off (`ONEDNN_PRIMITIVE_CACHE_CAPACITY=0`:
 no primitive, with its scratchpad, kept per shape); glibc's mmap threshold fixed
 (`MALLOC_MMAP_THRESHOLD_`: large tensors always mmapped and returned on free, instead of the
-dynamic threshold that, after a large free, serves later large tensors from the heap).
+dynamic threshold that, after a large free, serves later large tensors from the heap); jemalloc
+(the one Ray ships) preloaded in place of glibc's malloc.
 
 Growth is reported as the soak reports it (the mean of the last three samples over the mean of
 the first three of the last two thirds of the run, minus one), with the rounds per second (a
@@ -31,10 +32,22 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
+
+def _jemalloc() -> str:
+    """The jemalloc Ray ships (ray/core/libjemalloc.so), preloaded in place of glibc's malloc."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("ray")
+    assert spec is not None and spec.origin is not None
+    return str(Path(spec.origin).parent / "core" / "libjemalloc.so")
+
+
 VARIANTS = {
     "defaults": {},
     "onednn_cache_off": {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "0"},
     "mmap_threshold_128k": {"MALLOC_MMAP_THRESHOLD_": "131072"},
+    "mmap_threshold_1m": {"MALLOC_MMAP_THRESHOLD_": "1048576"},
+    "jemalloc": {"LD_PRELOAD": "<jemalloc>"},
 }
 
 
@@ -97,12 +110,13 @@ def main() -> int:
     results = {"date": datetime.now(UTC).isoformat(timespec="seconds"), "seconds": args.seconds,
                "load_before": os.getloadavg(), "variants": {}}  # fmt: skip
     for name in args.variants.split(","):
-        env = {**os.environ, **VARIANTS[name], "OMP_NUM_THREADS": "1"}
+        variant = {k: _jemalloc() if v == "<jemalloc>" else v for k, v in VARIANTS[name].items()}
+        env = {**os.environ, **variant, "OMP_NUM_THREADS": "1"}
         done = subprocess.run([sys.executable, __file__, "--child", "--seconds",
                                str(args.seconds), "--seed", str(args.seed)],
                               env=env, capture_output=True, text=True, check=True)  # fmt: skip
         run = json.loads(done.stdout.strip().splitlines()[-1])
-        found = {"env": VARIANTS[name], "rounds": run["rounds"],
+        found = {"env": variant, "rounds": run["rounds"],
                  "rounds_per_s": round(run["rounds"] / args.seconds, 2),
                  **growth(run["samples"]), "models": run["models"],
                  "samples": run["samples"]}  # fmt: skip

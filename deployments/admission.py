@@ -15,10 +15,10 @@ the replicas' peak memory stays under the budget; tests/test_admission.py the ar
 Each replica reports its model's `kv_bytes_per_token` (per beam and cache column, per device:
 a tensor-parallel rank holds 1/tp of the KV heads) and its budget, `session_memory_bytes`
 (configured in `ModelOptions`, else a fraction of the device's free memory when the replica
-starts). The router charges each decode before any model work: a decode that could never fit
+starts). The ingress charges each decode before any model work: a decode that could never fit
 is refused with HTTP 400 naming the request's field and the limit, and one that does not fit
-beside the decodes already admitted gets HTTP 429. Every router replica admits against its
-share of the budget (the budget / the router's `max_replicas`), so the routers together never
+beside the decodes already admitted gets HTTP 429. Every ingress replica admits against its
+share of the budget (the budget / the ingress's `max_replicas`), so the ingresses together never
 admit more than one replica can hold, wherever Serve sends the sessions.
 
 Not covered: a forward's activations (the attention scores of a long prompt's prefill, heads x
@@ -74,8 +74,9 @@ def replica_memory(
 
 
 def router_view(target: dict[str, Any], draft: dict[str, Any], routers: int) -> dict[str, Any]:
-    """The figures one router admits against: each side's per-token bytes and its share of the
-    side's budget (`routers`: the router deployment's max_replicas)."""
+    """The figures one ingress replica admits against: each side's per-token bytes and its share
+    of the side's budget (`routers`: the ingress deployment's max_replicas; the name is from
+    when the router was the ingress)."""
     view: dict[str, Any] = {"routers": routers}
     for side, info in (("target", target), ("draft", draft)):
         memory = info.get("memory")
@@ -105,7 +106,7 @@ def check_fits(
     config: SamplingConfig, uses_draft: bool, prompt_len: int, view: dict[str, Any] | None,
     tokens_field: str,
 ) -> None:  # fmt: skip
-    """HTTP 400 for a decode that could never be admitted: its charge exceeds this router's
+    """HTTP 400 for a decode that could never be admitted: its charge exceeds this ingress's
     share of a side's budget even with nothing else running."""
     for side, charge in session_charge(config, uses_draft, prompt_len, view).items():
         figures = view[side]  # type: ignore[index]
@@ -119,14 +120,14 @@ def check_fits(
                 f"memory (KV cache x {figures['working_copies']} working copies); this server "
                 f"admits at most {_mib(figures['share_bytes'])} per decode ({side}."
                 f"session_memory_bytes={figures['session_memory_bytes']} / {view['routers']} "  # type: ignore[index]
-                f"router replica(s)); allowed: a shorter prompt, a smaller {tokens_field} or "
+                f"ingress replica(s)); allowed: a shorter prompt, a smaller {tokens_field} or "
                 "width",
                 tokens_field,
             )
 
 
 class MemoryLedger:
-    """The bytes of the decodes one router replica runs, per side (its admissions), and the
+    """The bytes of the decodes one ingress replica admitted, per side (its admissions), and the
     most it has held at once: a poller sampling `admitted` can miss a moment two decodes
     overlap, the high-water mark cannot."""
 

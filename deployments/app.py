@@ -17,6 +17,7 @@ from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
 from deployments.affinity import ROUTER_CLASS
+from deployments.allocator import replica_env
 from deployments.draft import Draft
 from deployments.ingress import Ingress, Limits, RouterOptions
 from deployments.model_replica import ModelOptions
@@ -67,6 +68,9 @@ class Resources(BaseModel):
         """Serve deployment options; a model with `tp_size > 1` adds its placement group: the
         replica's own bundle first, then one bundle per rank (deployments/tensor_parallel.py)."""
         actor: dict[str, Any] = {"num_cpus": self.num_cpus}
+        allocator = replica_env(model.allocator) if model is not None else {}
+        if allocator:  # the model replicas' malloc (deployments/allocator.py)
+            actor["runtime_env"] = {"env_vars": allocator}
         if self.num_gpus:
             actor["num_gpus"] = self.num_gpus
         if self.resources:

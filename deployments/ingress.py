@@ -88,6 +88,7 @@ def _replica_status(info: dict[str, Any]) -> dict[str, Any]:
         "cached_sessions": len(info["cached_sessions"]),
         "calls_run": info.get("calls_run", 0),  # iterations it answered (a monotonic count)
         "tp_size": info.get("tp_size", 1),
+        "allocator": info.get("allocator", "system"),
     }
     if "tp_ranks" in info:
         out["tp_ranks"] = info["tp_ranks"]

@@ -24,6 +24,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from deployments.admission import device_free_bytes, kv_bytes_per_token, replica_memory
+from deployments.allocator import Allocator, active_allocator
 from deployments.continuous_batch import ContinuousBatcher
 from deployments.faults import fault_point
 from deployments.messages import IterationCall, SideReport
@@ -86,6 +87,11 @@ class ModelOptions(BaseModel):
         "rank), the copies a batched forward makes included; the router admits decodes "
         "against it (HTTP 429 past it, 400 for one that never fits; deployments/admission.py). "
         "None: session_memory_fraction of the device's free memory when the replica starts.",
+    )  # fmt: skip
+    allocator: Allocator = Field(
+        "jemalloc", description="The replica process's malloc: jemalloc (Ray's, preloaded: "
+        "RSS flat under shapes that change batch to batch) or system (glibc's); "
+        "deployments/allocator.py.",
     )  # fmt: skip
     session_memory_fraction: float = Field(
         0.5, gt=0, le=1,
@@ -233,6 +239,7 @@ class ModelReplica:
             "support_size": self.support_size,
             "costs": self.costs.model_dump() if self.costs is not None else None,
             "memory": self.memory,  # KV bytes per token and the session budget (admission)
+            "allocator": active_allocator(),  # jemalloc unless asked otherwise (allocator.py)
         }
         if self.tp_group is not None:
             info["tp_ranks"] = {"pids": self.tp_group.pids, "device": self.tp_group.info["device"]}

@@ -82,7 +82,7 @@ def test_a_decode_that_can_never_fit_is_400_naming_the_field_and_the_limit() -> 
     error = caught.value
     assert error.status == 400 and error.param == "max_tokens"
     assert "prompt of 100 tokens + max_tokens=20" in error.message
-    assert "target.session_memory_bytes=1048576 / 2 router replica(s)" in error.message
+    assert "target.session_memory_bytes=1048576 / 2 ingress replica(s)" in error.message
     assert "at most 0.5 MiB per decode" in error.message
 
 

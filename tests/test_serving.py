@@ -31,6 +31,7 @@ import openai
 import pytest
 import requests
 
+from deployments.allocator import jemalloc_library
 from dsbd_core.models import load_tokenizer
 
 from .serving_harness import (
@@ -218,10 +219,13 @@ def test_a_killed_replica_loses_no_request(server, reference, side: str) -> None
     retries = [r for got in results for r in got["stats"]["serving"]["retries"]]
     print(f"{side} frozen 1 s then killed with {IN_FLIGHT} decodes in flight: {len(retries)} "
           f"iteration(s) retried: {sorted({r.split(': ')[1] for r in retries})}")  # fmt: skip
-    if side == "verifier":  # its forwards are long: some call is always accepted and running
-        assert retries, "no call was lost with the killed replica: the failure path did not run"
-    # The draft's take ~ms, and Serve reroutes calls a frozen replica never accepted, so a kill
-    # may lose none (0 retries in 2 of ~13 runs): then only "all complete, exact" is checked.
+    # Serve reroutes the calls a frozen replica never accepted, and a verify call is routed only
+    # once its forest is resolved, so a kill loses only the calls accepted before the freeze:
+    # 0 or a few (draft: 0 in 2 of ~13 runs; verifier: 1, then 0 in 2 of 2 runs once the model
+    # replicas ran with jemalloc and answered faster). Here only "all complete, exact, the
+    # retries name a lost replica" is checked; tests/test_faults.py makes the retry certain
+    # (a replica that exits inside its N-th call) and asserts it for draft, verifier, TP rank
+    # and router.
     assert all("ActorDied" in r or "Unavailable" in r for r in retries), retries
     deadline = time.monotonic() + 120
     while (pid := status(server, "/spread")[side]["pid"]) == old["pid"] or not _alive(pid):
@@ -403,6 +407,20 @@ def test_finished_and_cancelled_requests_free_their_sessions(server) -> None:
             break
         time.sleep(0.5)
     assert status["open_sessions"] == 0 and status["verifier"]["cached_sessions"] == 0, status
+
+
+def test_the_model_replicas_run_with_jemalloc(server) -> None:
+    """The draft and verifier processes get Ray's jemalloc preloaded (deployments/allocator.py:
+    glibc's malloc kept RSS steps for every new batch shape); the ingress and router keep the
+    system's."""
+    status = requests.get(f"{server['url']}/v1/dsbd/status", timeout=30).json()
+    assert jemalloc_library() is not None  # the Ray wheel ships it
+    for side in ("draft", "verifier"):
+        assert status[side]["allocator"] == "jemalloc", status[side]
+        maps = Path(f"/proc/{status[side]['pid']}/maps").read_text()
+        assert "libjemalloc" in maps
+    for side in ("router", "ingress"):
+        assert "libjemalloc" not in Path(f"/proc/{status[side]['pid']}/maps").read_text()
 
 
 @pytest.mark.parametrize("stream", [False, True])
