@@ -12,15 +12,17 @@ arenas (`MALLOC_ARENA_MAX=2`: +4.2 % in the soak) is the cause; a fixed mmap thr
 
 A replica's process gets `LD_PRELOAD` through its Ray `runtime_env` (`env_vars` are in the
 environment the worker is started with, so the dynamic loader sees them; the tensor-parallel
-rank actors a replica creates inherit it). `allocator: system` keeps glibc's malloc; so does a
-Ray without the bundled library (the replica then reports `system`).
+rank actors a replica creates inherit it), merged into the application's own runtime_env.
+`allocator: system` keeps glibc's malloc; so does a Ray without the bundled library (the
+replica then reports `system`).
 """
 
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 Allocator = Literal["jemalloc", "system"]
 
@@ -38,6 +40,22 @@ def replica_env(allocator: Allocator) -> dict[str, str]:
     """Environment variables that give a replica process `allocator`."""
     library = jemalloc_library() if allocator == "jemalloc" else None
     return {"LD_PRELOAD": str(library)} if library is not None else {}
+
+
+def replica_runtime_env(
+    allocator: Allocator, inherited: Mapping[str, Any] | None
+) -> dict[str, Any] | None:
+    """The runtime_env of a model replica: the application's (`inherited`) with the allocator's
+    variables added to its `env_vars`; None when the allocator needs none (the replica then
+    inherits the application's as usual). Serve gives a deployment that sets its own
+    runtime_env nothing of the application's but its working_dir, so the application's
+    env_vars (an OTLP endpoint, DSBD_FAULT_INJECT) are merged here."""
+    variables = replica_env(allocator)
+    if not variables:
+        return None
+    merged = dict(inherited or {})
+    merged["env_vars"] = {**dict(merged.get("env_vars") or {}), **variables}
+    return merged
 
 
 def active_allocator() -> Allocator:

@@ -17,7 +17,7 @@ from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
 from deployments.affinity import ROUTER_CLASS
-from deployments.allocator import replica_env
+from deployments.allocator import replica_runtime_env
 from deployments.draft import Draft
 from deployments.ingress import Ingress, Limits, RouterOptions
 from deployments.model_replica import ModelOptions
@@ -64,13 +64,15 @@ class Resources(BaseModel):
                 raise ValueError(f"resources.{name}={amount}: must be > 0")
         return value
 
-    def options(self, model: ModelOptions | None = None) -> dict[str, Any]:
+    def options(
+        self, model: ModelOptions | None = None, inherited_env: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
         """Serve deployment options; a model with `tp_size > 1` adds its placement group: the
         replica's own bundle first, then one bundle per rank (deployments/tensor_parallel.py)."""
         actor: dict[str, Any] = {"num_cpus": self.num_cpus}
-        allocator = replica_env(model.allocator) if model is not None else {}
-        if allocator:  # the model replicas' malloc (deployments/allocator.py)
-            actor["runtime_env"] = {"env_vars": allocator}
+        runtime_env = replica_runtime_env(model.allocator, inherited_env) if model else None
+        if runtime_env is not None:  # the model replicas' malloc (deployments/allocator.py)
+            actor["runtime_env"] = runtime_env
         if self.num_gpus:
             actor["num_gpus"] = self.num_gpus
         if self.resources:
@@ -159,18 +161,28 @@ class AppArgs(BaseModel):
         return self
 
 
+def _application_runtime_env() -> dict[str, Any]:
+    """The runtime_env of the application being built (Serve runs the builder under it)."""
+    import ray
+
+    if not ray.is_initialized():
+        return {}
+    return dict(ray.get_runtime_context().runtime_env or {})
+
+
 def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
     """The Serve application for `args` (a dict as given in a Serve config file)."""
     config = AppArgs.model_validate(args or {})
     routing: dict[str, Any] = {}
     if config.session_affinity:
         routing["request_router_config"] = RequestRouterConfig(request_router_class=ROUTER_CLASS)
-    draft = Draft.options(**config.draft_resources.options(config.draft), **routing).bind(
-        config.draft.model_dump()
-    )
-    verifier = Verifier.options(**config.verifier_resources.options(config.target), **routing).bind(
-        config.target.model_dump()
-    )
+    inherited = _application_runtime_env()
+    draft = Draft.options(
+        **config.draft_resources.options(config.draft, inherited), **routing
+    ).bind(config.draft.model_dump())
+    verifier = Verifier.options(
+        **config.verifier_resources.options(config.target, inherited), **routing
+    ).bind(config.target.model_dump())
     controller = WidthController.bind(config.cost_policy.model_dump(), config.target.session_ttl_s)
     router_options = RouterOptions(
         model_name=config.model_name,

@@ -31,7 +31,6 @@ import openai
 import pytest
 import requests
 
-from deployments.allocator import jemalloc_library
 from dsbd_core.models import load_tokenizer
 
 from .serving_harness import (
@@ -407,20 +406,6 @@ def test_finished_and_cancelled_requests_free_their_sessions(server) -> None:
             break
         time.sleep(0.5)
     assert status["open_sessions"] == 0 and status["verifier"]["cached_sessions"] == 0, status
-
-
-def test_the_model_replicas_run_with_jemalloc(server) -> None:
-    """The draft and verifier processes get Ray's jemalloc preloaded (deployments/allocator.py:
-    glibc's malloc kept RSS steps for every new batch shape); the ingress and router keep the
-    system's."""
-    status = requests.get(f"{server['url']}/v1/dsbd/status", timeout=30).json()
-    assert jemalloc_library() is not None  # the Ray wheel ships it
-    for side in ("draft", "verifier"):
-        assert status[side]["allocator"] == "jemalloc", status[side]
-        maps = Path(f"/proc/{status[side]['pid']}/maps").read_text()
-        assert "libjemalloc" in maps
-    for side in ("router", "ingress"):
-        assert "libjemalloc" not in Path(f"/proc/{status[side]['pid']}/maps").read_text()
 
 
 @pytest.mark.parametrize("stream", [False, True])

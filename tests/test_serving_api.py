@@ -1,5 +1,6 @@
 """Issue 20 over HTTP with the real `openai` client: logprobs (chat and completions, n = 2,
-streamed and not) and vLLM's beam-search fields, on `dsbd serve` with the tiny float64 pair.
+streamed and not) and vLLM's beam-search fields, on `dsbd serve` with the tiny float64 pair;
+and the model replicas' allocator (issue 21).
 
 One server for the module, the one tests/test_serving.py starts (serving_harness.running_server);
 every served value is compared with the in-process engine's for the same seed (`adaptive:
@@ -8,11 +9,13 @@ false`), as the other distributed-decode tests do.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
 import requests
 
+from deployments.allocator import jemalloc_library
 from deployments.openai_responses import BeamText
 from dsbd_core.models import load_tokenizer
 
@@ -192,3 +195,17 @@ def test_bad_logprob_and_beam_search_fields_get_400(server, path, body, fragment
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert fragment in error["message"] and error["type"] == "invalid_request_error"
+
+
+def test_the_model_replicas_run_with_jemalloc(server) -> None:
+    """The draft and verifier processes get Ray's jemalloc preloaded (deployments/allocator.py:
+    glibc's malloc kept RSS steps for every new batch shape); the ingress and router keep the
+    system's."""
+    status = requests.get(f"{server['url']}/v1/dsbd/status", timeout=30).json()
+    assert jemalloc_library() is not None  # the Ray wheel ships it
+    for side in ("draft", "verifier"):
+        assert status[side]["allocator"] == "jemalloc", status[side]
+        maps = Path(f"/proc/{status[side]['pid']}/maps").read_text()
+        assert "libjemalloc" in maps
+    for side in ("router", "ingress"):
+        assert "libjemalloc" not in Path(f"/proc/{status[side]['pid']}/maps").read_text()
