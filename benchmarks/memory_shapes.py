@@ -34,12 +34,12 @@ from pathlib import Path
 
 
 def _jemalloc() -> str:
-    """The jemalloc Ray ships (ray/core/libjemalloc.so), preloaded in place of glibc's malloc."""
-    import importlib.util
+    """The jemalloc Ray ships, as the model replicas preload it (deployments/allocator.py)."""
+    from deployments.allocator import jemalloc_library
 
-    spec = importlib.util.find_spec("ray")
-    assert spec is not None and spec.origin is not None
-    return str(Path(spec.origin).parent / "core" / "libjemalloc.so")
+    library = jemalloc_library()
+    assert library is not None, "this Ray has no bundled libjemalloc.so"
+    return str(library)
 
 
 VARIANTS = {
