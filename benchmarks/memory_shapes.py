@@ -48,7 +48,16 @@ VARIANTS = {
     "mmap_threshold_128k": {"MALLOC_MMAP_THRESHOLD_": "131072"},
     "mmap_threshold_1m": {"MALLOC_MMAP_THRESHOLD_": "1048576"},
     "jemalloc": {"LD_PRELOAD": "<jemalloc>"},
-}
+    # jemalloc with oneDNN's primitive cache (default 1024 entries) off or smaller
+    **{f"jemalloc_onednn_cache_{n}": {"LD_PRELOAD": "<jemalloc>",
+                                      "ONEDNN_PRIMITIVE_CACHE_CAPACITY": str(n)}
+       for n in (0, 64, 128, 256)},
+    # and PyTorch's own cache of oneDNN matmuls (ideep's, `LRU_CACHE_CAPACITY`, default 1024)
+    **{f"jemalloc_caches_{n}": {"LD_PRELOAD": "<jemalloc>",
+                                "ONEDNN_PRIMITIVE_CACHE_CAPACITY": str(n),
+                                "LRU_CACHE_CAPACITY": str(n)}
+       for n in (64, 128, 256)},
+}  # fmt: skip
 
 
 def child(seconds: float, seed: int) -> dict:
@@ -56,6 +65,7 @@ def child(seconds: float, seed: int) -> dict:
     import psutil
     import torch
 
+    from deployments.allocator import allocator_stats
     from dsbd.common import DEFAULT_DRAFT, DEFAULT_TARGET
     from dsbd_core import SamplingConfig
     from dsbd_core.algorithm.lockstep import Request, decode_lockstep
@@ -72,7 +82,7 @@ def child(seconds: float, seed: int) -> dict:
     draft = SessionBatcher(TransformerScorer(pair.draft.model))
     rng = random.Random(seed)
     process = psutil.Process()
-    samples, rounds, start = [], 0, time.monotonic()
+    samples, rounds, start, allocated = [], 0, time.monotonic(), []
     while time.monotonic() - start < seconds:
         requests = [
             Request([rng.randrange(5, 40000) for _ in range(rng.randint(3, 60))],
@@ -84,7 +94,10 @@ def child(seconds: float, seed: int) -> dict:
         decode_lockstep(requests, target, draft)
         rounds += 1
         samples.append((round(time.monotonic() - start, 2), process.memory_info().rss / 2**20))
-    return {"models": pair.describe(), "rounds": rounds, "samples": samples}
+        live = allocator_stats().get("allocated")  # jemalloc's live bytes (None under glibc)
+        if live is not None:
+            allocated.append((samples[-1][0], live / 2**20))
+    return {"models": pair.describe(), "rounds": rounds, "samples": samples, "allocated": allocated}
 
 
 def growth(samples: list[tuple[float, float]]) -> dict[str, float]:
@@ -119,11 +132,12 @@ def main() -> int:
         found = {"env": variant, "rounds": run["rounds"],
                  "rounds_per_s": round(run["rounds"] / args.seconds, 2),
                  **growth(run["samples"]), "models": run["models"],
+                 "allocated": growth(run["allocated"]) if run["allocated"] else None,
                  "samples": run["samples"]}  # fmt: skip
         results["variants"][name] = found
         print(f"{name}: {found['rounds']} rounds, RSS {found['first_mib']} -> "
               f"{found['last_mib']} MiB over the last 2/3 ({found['growth']:+.1%}), "
-              f"max {found['max_mib']}", flush=True)  # fmt: skip
+              f"max {found['max_mib']}; allocated {found['allocated']}", flush=True)  # fmt: skip
     results["load_after"] = os.getloadavg()
     args.out.write_text(json.dumps(results, indent=1) + "\n")
     return 0

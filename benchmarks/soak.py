@@ -16,8 +16,18 @@ process. Processes that started during the window (a replica Serve added) are li
     .venv/bin/python benchmarks/soak.py                                  # SmolLM2, 30 min
     .venv/bin/python benchmarks/soak.py --url http://127.0.0.1:8000 --pid PID   # a running one
 
+RSS is also split into `anon` (the process's private heap: what a leak grows) and `shmem`
+(shared-memory pages it touched: Ray's object store is one, mapped into every process that
+writes or reads an object; the raylet's RSS grew by these, +1.8 -> 4.3 MiB in a run, while its
+private memory stayed flat). And with every sample the draft and verifier replicas that answer
+`GET /v1/dsbd/status` report their allocator's statistics (jemalloc's live `allocated` bytes
+against the `resident` pages it holds, Python's live blocks) and their cached sessions: live
+bytes that grow with flat Python objects and sessions are a native cache filling (it was two
+matmul primitive caches: deployments/allocator.py); resident growing alone is the allocator.
+
 Writes `--out` (default benchmarks/results/soak.json): duration_s, rss_growth_after_warmup and
-pss_growth_after_warmup per process, the details, the requests' outcome and the samples.
+pss_growth_after_warmup (and anon_/shmem_) per process, the details, the replicas' statistics'
+growth (replica_growth_after_warmup), the requests' outcome and the samples.
 """
 
 from __future__ import annotations
@@ -49,22 +59,39 @@ def sample(pid: int) -> dict[str, dict[str, Any]]:
         with contextlib.suppress(psutil.Error):
             info = psutil.Process(child).memory_full_info()
             name = server_process.process_name(title) if child != pid else "dsbd-serve"
-            out[f"{name} {child}"] = {"rss": info.rss, "pss": getattr(info, "pss", info.rss)}
+            out[f"{name} {child}"] = {"rss": info.rss, "pss": getattr(info, "pss", info.rss),
+                                      **rss_parts(child)}  # fmt: skip
     return out
 
 
-def growth(times: list[float], values: list[int]) -> dict[str, float]:
-    """A series' growth over its span (see the module docstring)."""
+def rss_parts(pid: int) -> dict[str, int]:
+    """A process's RSS by kind (Linux /proc/PID/status): `anon` (its private heap: what a
+    leak grows) and `shmem` (shared memory pages it touched: Ray's object store, mapped in
+    every process that reads or writes an object, is one; bounded by the store's size)."""
+    parts: dict[str, int] = {}
+    with contextlib.suppress(OSError):
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key in ("RssAnon", "RssShmem"):
+                parts[key[3:].lower()] = int(value.split()[0]) * 1024
+    return parts
+
+
+def growth(times: list[float], values: list[int], unit: float = 2**20) -> dict[str, float]:
+    """A series' growth over its span (see the module docstring); first/last/max in MiB
+    (`unit` 1: as counted)."""
     first = sum(values[:3]) / len(values[:3])
     last = sum(values[-3:]) / len(values[-3:])
+    base = first or last or 1.0  # a series that starts at 0 (sessions, shared memory)
     mean_t, mean_v = sum(times) / len(times), sum(values) / len(values)
     spread = sum((t - mean_t) ** 2 for t in times)
     slope = sum((t - mean_t) * (v - mean_v) for t, v in zip(times, values, strict=True))
     slope = slope / spread if spread else 0.0  # bytes per second
-    return {"first_mib": round(first / 2**20, 1), "last_mib": round(last / 2**20, 1),
-            "max_mib": round(max(values) / 2**20, 1), "growth": round(last / first - 1, 4),
-            "max_growth": round(max(values) / first - 1, 4),
-            "slope_per_hour": round(slope * 3600 / first, 4)}  # fmt: skip
+    tag = "_mib" if unit == 2**20 else ""
+    return {f"first{tag}": round(first / unit, 1), f"last{tag}": round(last / unit, 1),
+            f"max{tag}": round(max(values) / unit, 1), "growth": round((last - first) / base, 4),
+            "max_growth": round((max(values) - first) / base, 4),
+            "slope_per_hour": round(slope * 3600 / base, 4)}  # fmt: skip
 
 
 def memory_report(samples: list[tuple[float, dict[str, Any]]], window_s: float) -> dict[str, Any]:
@@ -75,11 +102,11 @@ def memory_report(samples: list[tuple[float, dict[str, Any]]], window_s: float) 
     window = [(t, s) for t, s in samples if t >= end - window_s]
     start_names = set(window[0][1])
     report: dict[str, Any] = {"window_s": round(end - window[0][0], 1), "samples": len(window)}
-    for kind in ("rss", "pss"):
+    for kind in ("rss", "pss", "anon", "shmem"):
         per = {}
         for name in sorted(start_names):
-            series = [(t, s[name][kind]) for t, s in window if name in s]
-            if len(series) >= 2 and name in window[-1][1]:
+            series = [(t, s[name][kind]) for t, s in window if kind in s.get(name, {})]
+            if len(series) >= 2 and name in window[-1][1] and kind in window[-1][1][name]:
                 per[name] = growth([t for t, _ in series], [v for _, v in series])
         report[f"{kind}_growth_after_warmup"] = {k: v["growth"] for k, v in per.items()}
         report[f"{kind}_details"] = per
@@ -92,6 +119,40 @@ def memory_report(samples: list[tuple[float, dict[str, Any]]], window_s: float) 
     return report
 
 
+_COUNTS = ("python_blocks", "cached_sessions")  # counted, not bytes
+
+
+def replica_sample(status: dict[str, Any] | None) -> dict[str, dict[str, int]]:
+    """What the draft and verifier replicas that answer say they hold: their allocator's
+    statistics (live malloc'd bytes vs pages held, Python's live blocks;
+    deployments/allocator.py) and their cached sessions, keyed "side pid"."""
+    out: dict[str, dict[str, int]] = {}
+    for side in ("draft", "verifier"):
+        info = (status or {}).get(side)
+        if info:
+            stats = dict(info.get("allocator_stats") or {})
+            out[f"{side} {info['pid']}"] = {**stats, "cached_sessions": info["cached_sessions"]}
+    return out
+
+
+def replica_report(samples: list[tuple[float, dict[str, Any]]], window_s: float
+                   ) -> dict[str, Any]:  # fmt: skip
+    """Per replica and statistic: its growth over the last `window_s` seconds. Live bytes
+    (`allocated`, `python_blocks`) that grow with `resident` mean objects are kept; `resident`
+    growing alone means the allocator keeps freed pages."""
+    if not samples:
+        return {}
+    end = samples[-1][0]
+    window = [(t, s) for t, s in samples if t >= end - window_s]
+    out: dict[str, Any] = {}
+    for name in sorted(window[0][1]):
+        rows = [(t, s[name]) for t, s in window if name in s]
+        out[name] = {stat: growth([t for t, _ in rows], [r[stat] for _, r in rows],
+                                  1 if stat in _COUNTS else 2**20)
+                     for stat in rows[0][1] if all(stat in r for _, r in rows)}  # fmt: skip
+    return out
+
+
 async def soak(url: str, pid: int, model: str, args: argparse.Namespace) -> dict[str, Any]:
     """The load and the sampler; then the sessions left (load.drain) and the report."""
     config = LoadConfig(url=url, clients=args.clients, duration_s=args.duration,
@@ -99,6 +160,7 @@ async def soak(url: str, pid: int, model: str, args: argparse.Namespace) -> dict
                         request_timeout_s=args.request_timeout)  # fmt: skip
     records: list[Record] = []
     samples: list[tuple[float, dict[str, Any]]] = []
+    replicas: list[tuple[float, dict[str, Any]]] = []
     timeout = aiohttp.ClientTimeout(total=args.request_timeout)
     connector = aiohttp.TCPConnector(limit=args.clients + 4)
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as http:
@@ -108,6 +170,8 @@ async def soak(url: str, pid: int, model: str, args: argparse.Namespace) -> dict
         async def memory() -> None:
             now = await asyncio.to_thread(sample, pid)
             samples.append((round(time.monotonic() - t0, 1), now))
+            held = replica_sample(await load.status(http, config))
+            replicas.append((round(time.monotonic() - t0, 1), held))
 
         sampler = asyncio.create_task(every(args.sample_s, done, memory))
         stop_at = t0 + args.duration
@@ -125,6 +189,7 @@ async def soak(url: str, pid: int, model: str, args: argparse.Namespace) -> dict
         "clients": args.clients,
         "sample_s": args.sample_s,
         **memory_report(samples, args.window),
+        "replica_growth_after_warmup": replica_report(replicas, args.window),
         "requests": len(records),
         "ok": len(ok),
         "abandoned": sum(1 for r in records if r.status == ABANDONED),
@@ -133,6 +198,7 @@ async def soak(url: str, pid: int, model: str, args: argparse.Namespace) -> dict
         "latency_s": percentiles([r.latency_s for r in ok]),
         "sessions_after": after,
         "samples": [{"t": t, **{k: v["rss"] for k, v in s.items()}} for t, s in samples],
+        "replica_samples": [{"t": t, **s} for t, s in replicas],
     }
 
 

@@ -1,4 +1,5 @@
-"""The memory allocator of the model replicas: jemalloc, the one Ray ships, preloaded.
+"""The memory settings of the model replicas: jemalloc (the one Ray ships, preloaded) and the
+capacity of the matmul primitive caches.
 
 Why: under steady load the draft replica's RSS grew in steps that were never given back (+2.0 %
 and +4.2 % over the last 20 minutes of two 30-minute soaks, docs/RELIABILITY.md section 10),
@@ -6,20 +7,38 @@ with no per-request leak in the serving classes (tests/test_replica_leak.py). Th
 path's batching in one process (benchmarks/memory_shapes.py: rounds of 1-8 requests of random
 shapes) reproduces it with glibc's malloc (+4.2 % and +5.1 % within two minutes) and not with
 jemalloc (-3.2 %: it gives memory back), which also holds 260-380 MiB less and ran 39 rounds to
-glibc's 37 in the same time. Neither oneDNN's primitive cache (off: +7.3 %) nor fewer malloc
-arenas (`MALLOC_ARENA_MAX=2`: +4.2 % in the soak) is the cause; a fixed mmap threshold of
-128 KiB also stops the growth but cost a fifth of the rounds.
+glibc's 37 in the same time. Fewer malloc arenas (`MALLOC_ARENA_MAX=2`: +4.2 % in the soak)
+are not the fix, nor is turning oneDNN's primitive cache off under glibc (+7.3 %: primitives
+rebuilt every forward fragment its heap); a fixed mmap threshold of 128 KiB also stops the
+growth but cost a fifth of the rounds.
 
 A replica's process gets `LD_PRELOAD` through its Ray `runtime_env` (`env_vars` are in the
 environment the worker is started with, so the dynamic loader sees them; the tensor-parallel
 rank actors a replica creates inherit it), merged into the application's own runtime_env.
 `allocator: system` keeps glibc's malloc; so does a Ray without the bundled library (the
 replica then reports `system`).
+
+The other holders of memory per batch shape are two caches of matmul primitives: oneDNN's
+own (`ONEDNN_PRIMITIVE_CACHE_CAPACITY`) and the one PyTorch keeps in front of it for its
+bfloat16/int8 matmuls (ideep's, `LRU_CACHE_CAPACITY`), 1024 entries each by default. Every
+(rows, in, out) shape a forward meets gets an entry in each, about 0.3 MiB with its
+scratchpad and packed operands for the draft's linear layers, and a replica keeps meeting new
+row counts for many minutes (rows vary with the batch mates). So the caches filled for 20
+minutes of a soak: jemalloc's live bytes in the draft grew +2.8 % over the last 20 minutes
+while Python's objects and the cached sessions stayed flat (benchmarks/soak.py, replica
+statistics); bfloat16 linears of 300 new row counts kept 83 MiB with only oneDNN's cache
+capped, 0.2 MiB with both capped (tests/test_allocator.py). `ModelOptions.
+primitive_cache` caps both (the variables are read when the first primitive is built, so they
+are set in the replica's environment): 128 entries fill during warm-up at the same speed;
+0 rebuilds every primitive every forward, a third slower (benchmarks/memory_shapes.py).
 """
 
 from __future__ import annotations
 
+import ctypes
 import importlib.util
+import os
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -36,26 +55,41 @@ def jemalloc_library() -> Path | None:
     return library if library.is_file() else None
 
 
-def replica_env(allocator: Allocator) -> dict[str, str]:
-    """Environment variables that give a replica process `allocator`."""
+# oneDNN's primitive cache, and PyTorch's (ideep's) cache of oneDNN matmuls in front of it
+PRIMITIVE_CACHE_VARIABLES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
+
+
+def replica_env(allocator: Allocator, primitive_cache: int | None = None) -> dict[str, str]:
+    """Environment variables that give a replica process `allocator` and primitive caches of
+    `primitive_cache` entries each (None: the libraries' defaults)."""
     library = jemalloc_library() if allocator == "jemalloc" else None
-    return {"LD_PRELOAD": str(library)} if library is not None else {}
+    variables = {"LD_PRELOAD": str(library)} if library is not None else {}
+    if primitive_cache is not None:
+        variables.update(dict.fromkeys(PRIMITIVE_CACHE_VARIABLES, str(primitive_cache)))
+    return variables
 
 
 def replica_runtime_env(
-    allocator: Allocator, inherited: Mapping[str, Any] | None
+    allocator: Allocator, primitive_cache: int | None, inherited: Mapping[str, Any] | None
 ) -> dict[str, Any] | None:
-    """The runtime_env of a model replica: the application's (`inherited`) with the allocator's
-    variables added to its `env_vars`; None when the allocator needs none (the replica then
+    """The runtime_env of a model replica: the application's (`inherited`) with the memory
+    settings' variables added to its `env_vars`; None when there are none (the replica then
     inherits the application's as usual). Serve gives a deployment that sets its own
     runtime_env nothing of the application's but its working_dir, so the application's
     env_vars (an OTLP endpoint, DSBD_FAULT_INJECT) are merged here."""
-    variables = replica_env(allocator)
+    variables = replica_env(allocator, primitive_cache)
     if not variables:
         return None
     merged = dict(inherited or {})
     merged["env_vars"] = {**dict(merged.get("env_vars") or {}), **variables}
     return merged
+
+
+def primitive_cache_capacity() -> int | None:
+    """The primitive caches' capacity this process was given (None: a library's default)."""
+    values = {os.environ.get(name) for name in PRIMITIVE_CACHE_VARIABLES}
+    value = values.pop() if len(values) == 1 else None
+    return int(value) if value is not None and value.isdigit() else None
 
 
 def active_allocator() -> Allocator:
@@ -65,3 +99,38 @@ def active_allocator() -> Allocator:
     except OSError:
         return "system"
     return "jemalloc" if "libjemalloc" in maps else "system"
+
+
+_JEMALLOC_STATS = ("allocated", "active", "resident", "retained", "mapped", "metadata")
+
+
+def allocator_stats() -> dict[str, int]:
+    """Bytes by who holds them, to tell a leak from an allocator that keeps pages: for jemalloc
+    its `stats.*` counters (allocated: live malloc'd bytes; resident: pages it holds, freed
+    ones not yet given back included), for glibc `mallinfo2` (in_use, from_system); and
+    Python's live small-object blocks (pymalloc's arenas are mmap'd past either malloc)."""
+    stats: dict[str, int] = {"python_blocks": sys.getallocatedblocks()}
+    libc = ctypes.CDLL(None)
+    if active_allocator() == "jemalloc" and hasattr(libc, "mallctl"):
+        epoch = ctypes.c_uint64(1)  # writing the epoch refreshes the cached statistics
+        size = ctypes.c_size_t(ctypes.sizeof(epoch))
+        libc.mallctl(b"epoch", ctypes.byref(epoch), ctypes.byref(size), ctypes.byref(epoch), size)
+        for name in _JEMALLOC_STATS:
+            value, size = ctypes.c_size_t(0), ctypes.c_size_t(ctypes.sizeof(ctypes.c_size_t))
+            if libc.mallctl(f"stats.{name}".encode(), ctypes.byref(value), ctypes.byref(size),
+                            None, ctypes.c_size_t(0)) == 0:  # fmt: skip
+                stats[name] = value.value
+    elif hasattr(libc, "mallinfo2"):
+        libc.mallinfo2.restype = _MallInfo2
+        info = libc.mallinfo2()
+        stats["in_use"] = info.uordblks + info.hblkhd
+        stats["from_system"] = info.arena + info.hblkhd
+    return stats
+
+
+class _MallInfo2(ctypes.Structure):
+    """glibc's `struct mallinfo2` (every field a size_t)."""
+
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+        "fordblks", "keepcost")]  # fmt: skip

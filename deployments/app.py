@@ -70,8 +70,9 @@ class Resources(BaseModel):
         """Serve deployment options; a model with `tp_size > 1` adds its placement group: the
         replica's own bundle first, then one bundle per rank (deployments/tensor_parallel.py)."""
         actor: dict[str, Any] = {"num_cpus": self.num_cpus}
-        runtime_env = replica_runtime_env(model.allocator, inherited_env) if model else None
-        if runtime_env is not None:  # the model replicas' malloc (deployments/allocator.py)
+        runtime_env = (replica_runtime_env(model.allocator, model.primitive_cache, inherited_env)
+                       if model else None)  # fmt: skip
+        if runtime_env is not None:  # the model replicas' memory (deployments/allocator.py)
             actor["runtime_env"] = runtime_env
         if self.num_gpus:
             actor["num_gpus"] = self.num_gpus

@@ -89,6 +89,8 @@ def _replica_status(info: dict[str, Any]) -> dict[str, Any]:
         "calls_run": info.get("calls_run", 0),  # iterations it answered (a monotonic count)
         "tp_size": info.get("tp_size", 1),
         "allocator": info.get("allocator", "system"),
+        "allocator_stats": info.get("allocator_stats", {}),
+        "primitive_cache": info.get("primitive_cache"),
     }
     if "tp_ranks" in info:
         out["tp_ranks"] = info["tp_ranks"]

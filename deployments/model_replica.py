@@ -24,7 +24,12 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from deployments.admission import device_free_bytes, kv_bytes_per_token, replica_memory
-from deployments.allocator import Allocator, active_allocator
+from deployments.allocator import (
+    Allocator,
+    active_allocator,
+    allocator_stats,
+    primitive_cache_capacity,
+)
 from deployments.continuous_batch import ContinuousBatcher
 from deployments.faults import fault_point
 from deployments.messages import IterationCall, SideReport
@@ -91,6 +96,14 @@ class ModelOptions(BaseModel):
     allocator: Allocator = Field(
         "jemalloc", description="The replica process's malloc: jemalloc (Ray's, preloaded: "
         "RSS flat under shapes that change batch to batch) or system (glibc's); "
+        "deployments/allocator.py.",
+    )  # fmt: skip
+    primitive_cache: int | None = Field(
+        128, ge=0, le=1_000_000,
+        description="Entries of each matmul primitive cache in the replica process (oneDNN's, "
+        "ONEDNN_PRIMITIVE_CACHE_CAPACITY, and PyTorch's in front of it, LRU_CACHE_CAPACITY): "
+        "one per matmul shape met, ~0.3 MiB each. Their default 1024 filled over ~20 minutes "
+        "of load; 0 rebuilds every primitive (a third slower); None: the libraries' default. "
         "deployments/allocator.py.",
     )  # fmt: skip
     session_memory_fraction: float = Field(
@@ -240,6 +253,8 @@ class ModelReplica:
             "costs": self.costs.model_dump() if self.costs is not None else None,
             "memory": self.memory,  # KV bytes per token and the session budget (admission)
             "allocator": active_allocator(),  # jemalloc unless asked otherwise (allocator.py)
+            "allocator_stats": allocator_stats(),  # live vs held bytes (benchmarks/soak.py)
+            "primitive_cache": primitive_cache_capacity(),  # oneDNN's, from the environment
         }
         if self.tp_group is not None:
             info["tp_ranks"] = {"pids": self.tp_group.pids, "device": self.tp_group.info["device"]}

@@ -18,6 +18,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -69,12 +70,18 @@ def test_replicas_killed_under_load_lose_no_request(tmp_path: Path) -> None:
         assert not outside, f"the server tried to reach: {outside}"
 
 
-def test_soak_growth_is_measured_per_process_over_the_last_window() -> None:
+def _soak_module() -> Any:
+    """benchmarks/soak.py, imported as the script imports its neighbours."""
     sys.path.insert(0, str(REPO / "benchmarks"))
     try:
         import soak
     finally:
         sys.path.remove(str(REPO / "benchmarks"))
+    return soak
+
+
+def test_soak_growth_is_measured_per_process_over_the_last_window() -> None:
+    soak = _soak_module()
     mib = 2**20
     samples = []
     for i in range(13):  # every 10 s for 2 minutes; the window: the last 60 s
@@ -91,3 +98,34 @@ def test_soak_growth_is_measured_per_process_over_the_last_window() -> None:
     assert abs(growth["dsbd:Verifier 11"] - (111 / 107 - 1)) < 1e-4  # last 3 over first 3
     assert report["rss_details"]["dsbd:Verifier 11"]["slope_per_hour"] > 0
     assert report["started_in_window_mib"] == {"dsbd:Router 13": 100.0}
+
+
+def test_soak_reports_private_shared_and_replica_statistics_apart() -> None:
+    soak = _soak_module()
+    mib = 2**20
+    samples, replicas = [], []
+    for i in range(13):
+        shared = (4 + i) * mib  # object-store pages touched: RSS grows, the private heap not
+        samples.append((10.0 * i, {"raylet 7": {"rss": 40 * mib + shared, "pss": 40 * mib,
+                                                "anon": 17 * mib, "shmem": shared}}))  # fmt: skip
+        replicas.append(
+            (
+                10.0 * i,
+                {
+                    "draft 12": {
+                        "allocated": (500 + i) * mib,
+                        "python_blocks": 1000,
+                        "cached_sessions": 3,
+                    }
+                },
+            )
+        )
+    report = soak.memory_report(samples, window_s=60.0)
+    assert report["anon_growth_after_warmup"]["raylet 7"] == 0.0
+    assert report["shmem_growth_after_warmup"]["raylet 7"] > 0.3
+    draft = soak.replica_report(replicas, window_s=60.0)["draft 12"]
+    assert draft["python_blocks"]["growth"] == 0.0 and draft["python_blocks"]["last"] == 1000
+    assert abs(draft["allocated"]["growth"] - (511 / 507 - 1)) < 1e-4
+    assert draft["allocated"]["last_mib"] == 511.0
+    empty = soak.replica_sample(None)
+    assert empty == {}

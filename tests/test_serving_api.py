@@ -199,13 +199,16 @@ def test_bad_logprob_and_beam_search_fields_get_400(server, path, body, fragment
 
 def test_the_model_replicas_run_with_jemalloc(server) -> None:
     """The draft and verifier processes get Ray's jemalloc preloaded (deployments/allocator.py:
-    glibc's malloc kept RSS steps for every new batch shape); the ingress and router keep the
-    system's."""
+    glibc's malloc kept RSS steps for every new batch shape) and capped matmul primitive
+    caches, and report jemalloc's statistics; the ingress and router keep the system's."""
     status = requests.get(f"{server['url']}/v1/dsbd/status", timeout=30).json()
     assert jemalloc_library() is not None  # the Ray wheel ships it
     for side in ("draft", "verifier"):
         assert status[side]["allocator"] == "jemalloc", status[side]
         maps = Path(f"/proc/{status[side]['pid']}/maps").read_text()
         assert "libjemalloc" in maps
+        assert status[side]["primitive_cache"] == 128  # both matmul caches capped (allocator.py)
+        stats = status[side]["allocator_stats"]  # jemalloc's own statistics, for the soak
+        assert 0 < stats["allocated"] <= stats["active"] <= stats["resident"], stats
     for side in ("router", "ingress"):
         assert "libjemalloc" not in Path(f"/proc/{status[side]['pid']}/maps").read_text()
