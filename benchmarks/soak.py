@@ -94,14 +94,20 @@ def growth(times: list[float], values: list[int], unit: float = 2**20) -> dict[s
             "slope_per_hour": round(slope * 3600 / base, 4)}  # fmt: skip
 
 
+def last_window(samples: list[tuple[float, Any]], window_s: float) -> list[tuple[float, Any]]:
+    """The samples of the last `window_s` seconds (after warm-up), the report's span."""
+    end = samples[-1][0]
+    return [(t, s) for t, s in samples if t >= end - window_s]
+
+
 def memory_report(samples: list[tuple[float, dict[str, Any]]], window_s: float) -> dict[str, Any]:
     """Per process: growth over the last `window_s` seconds of samples."""
     if not samples:
         return {"rss_growth_after_warmup": {}, "pss_growth_after_warmup": {}}
-    end = samples[-1][0]
-    window = [(t, s) for t, s in samples if t >= end - window_s]
+    window = last_window(samples, window_s)
     start_names = set(window[0][1])
-    report: dict[str, Any] = {"window_s": round(end - window[0][0], 1), "samples": len(window)}
+    span = window[-1][0] - window[0][0]
+    report: dict[str, Any] = {"window_s": round(span, 1), "samples": len(window)}
     for kind in ("rss", "pss", "anon", "shmem"):
         per = {}
         for name in sorted(start_names):
@@ -142,8 +148,7 @@ def replica_report(samples: list[tuple[float, dict[str, Any]]], window_s: float
     growing alone means the allocator keeps freed pages."""
     if not samples:
         return {}
-    end = samples[-1][0]
-    window = [(t, s) for t, s in samples if t >= end - window_s]
+    window = last_window(samples, window_s)
     out: dict[str, Any] = {}
     for name in sorted(window[0][1]):
         rows = [(t, s[name]) for t, s in window if name in s]

@@ -36,6 +36,7 @@ are set in the replica's environment): 128 entries fill during warm-up at the sa
 from __future__ import annotations
 
 import ctypes
+import functools
 import importlib.util
 import os
 import sys
@@ -92,8 +93,10 @@ def primitive_cache_capacity() -> int | None:
     return int(value) if value is not None and value.isdigit() else None
 
 
+@functools.cache
 def active_allocator() -> Allocator:
-    """The allocator this process runs with (jemalloc when its library is mapped)."""
+    """The allocator this process runs with (jemalloc when its library is mapped; it is
+    preloaded or not at all, so one look at the process's maps holds for its life)."""
     try:
         maps = Path("/proc/self/maps").read_text()
     except OSError:

@@ -254,7 +254,7 @@ class ModelReplica:
             "memory": self.memory,  # KV bytes per token and the session budget (admission)
             "allocator": active_allocator(),  # jemalloc unless asked otherwise (allocator.py)
             "allocator_stats": allocator_stats(),  # live vs held bytes (benchmarks/soak.py)
-            "primitive_cache": primitive_cache_capacity(),  # oneDNN's, from the environment
+            "primitive_cache": primitive_cache_capacity(),  # both caches', from the environment
         }
         if self.tp_group is not None:
             info["tp_ranks"] = {"pids": self.tp_group.pids, "device": self.tp_group.info["device"]}
