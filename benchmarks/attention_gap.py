@@ -50,6 +50,22 @@ def gap_equal(dtype: torch.dtype, gaps: list[int], heads: int = 9, dim: int = 64
     return out
 
 
+def linear_rows_equal(rows: list[int], features: int = 576, out: int = 1536) -> bool:
+    """Whether one bfloat16 row through a Linear is bit-identical alone and at every position
+    of batches of `rows` rows (it is: the matmuls are not where batch invariance is lost)."""
+    generator = torch.Generator().manual_seed(0)
+    linear = torch.nn.Linear(features, out).to(torch.bfloat16)
+    row = torch.randn(1, features, generator=generator).to(torch.bfloat16)
+    alone = linear(row)[0]
+    for count in rows:
+        for position in sorted({0, count // 2, count - 1}):
+            batch = torch.randn(count, features, generator=generator).to(torch.bfloat16)
+            batch[position] = row[0]
+            if not torch.equal(linear(batch)[position], alone):
+                return False
+    return True
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/attention_gap.json"))
@@ -58,11 +74,20 @@ def main() -> int:
     gaps = [0, 1, 3, 8, 10, 15, 16, 29, 32, 48]
     by_dtype = {str(dtype).removeprefix("torch."): gap_equal(dtype, gaps)
                 for dtype in (torch.bfloat16, torch.float32)}  # fmt: skip
-    results = {"torch": torch.__version__, "threads": 1, "max_abs_difference_by_gap": by_dtype}
+    rows = [1, 2, 3, 8, 16, 17, 33, 64, 128, 512]
+    with torch.inference_mode():
+        linear_equal = linear_rows_equal(rows)
+    results = {
+        "torch": torch.__version__,
+        "threads": 1,
+        "max_abs_difference_by_gap": by_dtype,
+        "bf16_linear_row_equal_in_batches_of": {"rows": rows, "equal": linear_equal},
+    }
     args.out.write_text(json.dumps(results, indent=1) + "\n")
     for dtype, by_gap in results["max_abs_difference_by_gap"].items():
-        print(dtype, " ".join(f"gap {g}: {'equal' if d == 0 else f'{d:.2g}'}"
+        print(dtype, "attention:", " ".join(f"gap {g}: {'equal' if d == 0 else f'{d:.2g}'}"
                               for g, d in by_gap.items()))  # fmt: skip
+    print(f"bfloat16 Linear row alone vs in batches of {rows} rows: equal={linear_equal}")
     return 0
 
 

@@ -67,11 +67,12 @@ def test_allocator_stats_under_glibc() -> None:
         assert 0 < stats["in_use"] <= stats["from_system"]
 
 
-def _kept_mib(primitive_cache: int | None, shapes: int = 300) -> dict:
+def _kept_mib(primitive_cache: int | None, shapes: int = 300, **extra: str) -> dict:
     env = {**os.environ, **replica_env("jemalloc", primitive_cache), "OMP_NUM_THREADS": "1"}
     if primitive_cache is None:
         for name in PRIMITIVE_CACHE_VARIABLES:
             env.pop(name, None)
+    env.update(extra)
     done = subprocess.run([sys.executable, "-c", CHILD, str(shapes)], env=env, check=True,
                           capture_output=True, text=True, timeout=300)  # fmt: skip
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -88,3 +89,8 @@ def test_capped_primitive_caches_keep_no_memory_per_new_shape() -> None:
     default = _kept_mib(None)
     assert default["capacity"] is None
     assert default["kept_mib"] > 40, default  # what the cap removes: the test can see it
+    onednn_only = _kept_mib(None, ONEDNN_PRIMITIVE_CACHE_CAPACITY="8")  # PyTorch's left at 1024
+    print(
+        f"kept MiB for 300 new row counts: both caches at 8 {capped['kept_mib']:.1f}, "
+        f"only oneDNN's at 8 {onednn_only['kept_mib']:.1f}, defaults {default['kept_mib']:.1f}"
+    )
