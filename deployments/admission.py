@@ -4,13 +4,15 @@ What exhausts a model replica is not the number of sessions but their KV bytes: 
 columns each beam's cache can reach x layers x 2 (keys and values) x KV heads x head dim x the
 dtype's bytes, on the target and on the draft. A beam's cache reaches the prompt, the new
 tokens and, during a forest forward, the nodes of its tree: at most gamma layers x W_S drafts
-each. A batched forward holds more than the caches themselves: the stored caches, the batch's
-stacked copy and the grown cache being split back per session (dsbd_core/models/
-transformer_scorer.py: `_forward_sessions`) and, while the draft grows its forest layer by
-layer, the cache before and after a layer; so a session is charged `WORKING_COPIES` times its
-KV bytes. Three copies were charged until a test run measured the draft 302 MiB above its idle
-level with two decodes of 76.5 MiB of cache admitted: 3.95 copies (tests/test_faults.py checks
-the replicas' peak memory stays under the budget; tests/test_admission.py the arithmetic).
+each. A batched forward holds more than the caches themselves: the stored caches, each
+session's grown cache (its columns and the new ones, concatenated: dsbd_core/models/
+packed_forward.py) and, while the draft grows its forest layer by layer, the cache before and
+after a layer; so a session is charged `WORKING_COPIES` times its KV bytes. Three copies were
+charged until a test run measured the draft 302 MiB above its idle level with two decodes of
+76.5 MiB of cache admitted: 3.95 copies, when batched forwards still copied every session's
+cache into a stacked one as well; they no longer do, so the charge is an upper bound now
+(tests/test_faults.py checks the replicas' peak memory stays under the budget;
+tests/test_admission.py the arithmetic).
 
 Each replica reports its model's `kv_bytes_per_token` (per beam and cache column, per device:
 a tensor-parallel rank holds 1/tp of the KV heads) and its budget, `session_memory_bytes`

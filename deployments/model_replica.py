@@ -106,6 +106,14 @@ class ModelOptions(BaseModel):
         "of load; 0 rebuilds every primitive (a third slower); None: the libraries' default. "
         "deployments/allocator.py.",
     )  # fmt: skip
+    batch_invariant: bool = Field(
+        True,
+        description="A session's outputs in a batched forward are bit-identical to its forward "
+        "alone, so a seeded request draws the tokens it draws in-process whatever it is batched "
+        "with (bfloat16 on CPUs: small sessions' linear rows in calls of at most 32 rows). "
+        "false: large batches run faster and seeded tokens depend on the batch mates. "
+        "dsbd_core/models/row_chunks.py.",
+    )
     session_memory_fraction: float = Field(
         0.5, gt=0, le=1,
         description="The share of the device's free memory at start-up (after loading the "
@@ -157,7 +165,7 @@ class ModelReplica:
             model = loaded.model
             self.vocab_size = loaded.vocab_size
             self.max_positions = int(getattr(model.config, "max_position_embeddings", 0) or 1 << 20)
-            self.scorer = TransformerScorer(model)
+            self.scorer = TransformerScorer(model, batch_invariant=self.options.batch_invariant)
             identity = {"model": model_identity(loaded), "dtype": self.dtype_name,
                         "device": self.options.device, "variant": self.variant}  # fmt: skip
             self.costs = model_costs(model, identity)

@@ -43,7 +43,7 @@ def test_a_packed_forest_equals_each_path(arch: str, attn: str, monkeypatch) -> 
     real = packed_module.packed_forward
 
     def spy(*args, **kwargs):
-        calls.append(args[1].shape)
+        calls.append([part.input_ids.shape for part in args[1]])
         return real(*args, **kwargs)
 
     monkeypatch.setattr("dsbd_core.models.transformer_scorer.packed_forward", spy)

@@ -18,22 +18,27 @@ by repeating the keys.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 
 import torch
 from transformers import AttentionInterface, DynamicCache
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 NAME = "dsbd_forest"
 
 
 @dataclass
-class ForestSpec:
-    """What the attention needs besides the packed row, for one forward.
+class ForestGroup:
+    """One session's trees in the packed row: what its own forward would attend to.
 
     slots: [R, q] long — packed position of tree r's slot s (0 where the slot is padding).
     real:  [R, q] bool — the slots that hold a token (the others are padding).
-    bias:  [R, 1, q, C + q] float32 additive mask of the padded layout (0 allowed, min not).
+    bias:  [R, 1, q, C + q] additive mask of the padded layout (0 allowed, min not): float32
+           (float64 for float64 models) for a forest group, the model dtype for a dense one.
     old_keys / old_values: per layer [R, kv_heads, C, dim] — the trees' cached columns.
+    dense: attend as the model's own `sdpa`/`eager` attention does over the padded layout: the
+           session's forward alone would not have been packed (`packed_forward.worth_packing`).
     new: per layer (keys, values) [R, kv_heads, q, dim] — filled by the forward.
     """
 
@@ -42,7 +47,22 @@ class ForestSpec:
     bias: torch.Tensor
     old_keys: list[torch.Tensor | None]
     old_values: list[torch.Tensor | None]
+    dense: bool = False
     new: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+
+@dataclass
+class ForestSpec:
+    """What the attention needs besides the packed row, for one forward: one group per session.
+
+    Each group attends with exactly the shapes its session's forward alone has (its own cached
+    columns, its own padded width), never a layout widened to its batch mates': a session's
+    outputs are then bit-identical whatever it is batched with (a masked gap or a longer row
+    moves the last bits of a bfloat16 softmax and its reductions).
+    """
+
+    groups: list[ForestGroup]
+    dense_attention: str = "sdpa"
 
 
 class PassThroughCache(DynamicCache):
@@ -74,39 +94,86 @@ def forest_attention(
     attention output [1, M, heads, dim], each tree attending to its own cache and ancestors."""
     spec = kwargs["dsbd_forest"]
     assert isinstance(spec, ForestSpec)
+    heads, _, dim = query.shape[1:]
+    packed = query.new_zeros(heads, query.shape[2], dim)
+    scale = scaling if scaling is not None else dim**-0.5
+    for group in spec.groups:
+        attend = _attend_dense if group.dense else _attend_forest
+        out = attend(module, query, key, value, group, scale, spec.dense_attention)
+        real = group.real.reshape(-1)
+        packed[:, group.slots.reshape(-1)[real]] = out[:, real]
+    return packed.transpose(0, 1)[None], None
+
+
+def _attend_forest(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    group: ForestGroup,
+    scale: float,
+    dense_attention: str,
+) -> torch.Tensor:
+    """One group's trees attended in place: [heads, R * q, dim] in the padded layout's order."""
     layer = module.layer_idx  # type: ignore[attr-defined]
     heads, _, dim = query.shape[1:]
     kv_heads = key.shape[1]
     rep = heads // kv_heads
-    trees, width = spec.slots.shape
-    index = spec.slots.reshape(-1)
+    trees, width = group.slots.shape
+    index = group.slots.reshape(-1)
     # [kv_heads, rep, R * q, dim] -> [R, kv_heads, rep * q, dim]: a key head's query heads together
     q = query[0].view(kv_heads, rep, -1, dim)[:, :, index]
     q = q.view(kv_heads, rep, trees, width, dim).permute(2, 0, 1, 3, 4)
     q = q.reshape(trees, kv_heads, rep * width, dim)
     new_keys = key[0][:, index].view(kv_heads, trees, width, dim).transpose(0, 1)
     new_values = value[0][:, index].view(kv_heads, trees, width, dim).transpose(0, 1)
-    spec.new[layer] = (new_keys, new_values)
-    scale = scaling if scaling is not None else dim**-0.5
+    group.new[layer] = (new_keys, new_values)
     parts = [torch.matmul(q, new_keys.transpose(-1, -2))]
-    old_keys, old_values = spec.old_keys[layer], spec.old_values[layer]
+    old_keys, old_values = group.old_keys[layer], group.old_values[layer]
     if old_keys is not None:
         parts.insert(0, torch.matmul(q, old_keys.transpose(-1, -2)))
     # softmax in float32 (float64 for float64 models: the exactness tests' reference)
     compute = torch.promote_types(query.dtype, torch.float32)
     scores = torch.cat(parts, dim=-1).to(compute).mul_(scale)  # [R, kv_heads, rep * q, C + q]
-    scores = scores.view(trees, kv_heads, rep, width, -1).add_(spec.bias[:, :, None])
+    scores = scores.view(trees, kv_heads, rep, width, -1).add_(group.bias[:, :, None])
     probs = torch.softmax(scores, dim=-1).to(query.dtype).view(trees, kv_heads, rep * width, -1)
     cached = old_keys.shape[2] if old_keys is not None else 0
     out = torch.matmul(probs[..., cached:], new_values)
     if old_values is not None:
         out = out + torch.matmul(probs[..., :cached], old_values)
-    # back to the packed row: [R, kv_heads, rep, q, dim] -> [1, M, heads, dim]
-    out = out.view(trees, kv_heads, rep, width, dim).permute(1, 2, 0, 3, 4).reshape(heads, -1, dim)
-    packed = query.new_zeros(heads, query.shape[2], dim)
-    real = spec.real.reshape(-1)
-    packed[:, index[real]] = out[:, real]
-    return packed.transpose(0, 1)[None], None
+    # back to the packed order: [R, kv_heads, rep, q, dim] -> [heads, R * q, dim]
+    return out.view(trees, kv_heads, rep, width, dim).permute(1, 2, 0, 3, 4).reshape(heads, -1, dim)
+
+
+def _attend_dense(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    group: ForestGroup,
+    scale: float,
+    dense_attention: str,
+) -> torch.Tensor:
+    """One group attended by the model's own attention function over its padded layout, as
+    its forward alone runs it (a beam step, one tree): [heads, R * q, dim] in padded order."""
+    layer = module.layer_idx  # type: ignore[attr-defined]
+    heads, _, dim = query.shape[1:]
+    trees, width = group.slots.shape
+    index = group.slots.reshape(-1)
+    q = query[0][:, index].view(heads, trees, width, dim).transpose(0, 1)
+    new_keys = key[0][:, index].view(key.shape[1], trees, width, dim).transpose(0, 1)
+    new_values = value[0][:, index].view(key.shape[1], trees, width, dim).transpose(0, 1)
+    group.new[layer] = (new_keys, new_values)
+    old_keys, old_values = group.old_keys[layer], group.old_values[layer]
+    keys = new_keys if old_keys is None else torch.cat([old_keys, new_keys], 2)
+    values = new_values if old_values is None else torch.cat([old_values, new_values], 2)
+    attend = (
+        sys.modules[type(module).__module__].eager_attention_forward
+        if dense_attention == "eager"
+        else ALL_ATTENTION_FUNCTIONS[dense_attention]
+    )  # what the model's attention layer calls for its own implementation
+    out, _ = attend(module, q, keys, values, group.bias, dropout=0.0, scaling=scale)
+    return out.permute(2, 0, 1, 3).reshape(heads, -1, dim)  # [R, q, heads, dim] -> padded order
 
 
 AttentionInterface.register(NAME, forest_attention)

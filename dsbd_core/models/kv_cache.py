@@ -4,8 +4,8 @@ Caches are compacted at `set_roots` (spec §6.4): new row `o` = old row `origin.
 restricted to the prefix columns plus the columns of the path nodes this scorer fed, gathered
 along the sequence axis. The token id of every cache column is kept, so a compaction whose
 kept tokens do not equal the new beam's leading tokens falls back to a re-prefill instead of
-returning wrong distributions. Several sessions' caches are stacked into one when their
-forwards are batched.
+returning wrong distributions. A batched forward attends each session over its own cache
+(`packed_forward`): caches are never stacked into a shared layout.
 """
 
 from __future__ import annotations
@@ -63,27 +63,6 @@ class SessionCache:
     @property
     def roots_fed(self) -> bool:
         return self.prefix_cols == self.length
-
-
-def _stack_caches(sessions: list[tuple[SessionCache, int]], rows: int, width: int) -> DynamicCache:
-    """One cache for several sessions: session rows at their offsets, columns left-aligned."""
-    template = next((s.cache for s, _ in sessions if s.cache is not None), None)
-    if template is None or width == 0:
-        return DynamicCache()
-    data = []
-    for index, layer in enumerate(template.layers):
-        heads, dim = layer.keys.shape[1], layer.keys.shape[3]
-        keys = layer.keys.new_zeros(rows, heads, width, dim)
-        values = layer.values.new_zeros(rows, heads, width, dim)
-        for session, start in sessions:
-            if session.cache is None or session.cached_cols == 0:
-                continue
-            own = session.cache.layers[index]
-            block = slice(start, start + session.rows.numel())
-            keys[block, :, : session.cached_cols] = own.keys
-            values[block, :, : session.cached_cols] = own.values
-        data.append((keys, values))
-    return DynamicCache(ddp_cache_data=data)
 
 
 def _compact(

@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from dsbd_core.models.forest_attention import NAME, ForestSpec, PassThroughCache
+from dsbd_core.models.forest_attention import NAME, ForestGroup, ForestSpec, PassThroughCache
+from dsbd_core.models.row_chunks import RowGroup, RowLayout, rows_as_alone
 
 
 def worth_packing(real: torch.Tensor) -> bool:
@@ -36,52 +38,106 @@ def worth_packing(real: torch.Tensor) -> bool:
     return rows >= 2 and width >= 2
 
 
-def packed_forward(
-    model: PreTrainedModel,
-    input_ids: torch.Tensor,
-    position_ids: torch.Tensor,
-    allowed: torch.Tensor,
-    keep: torch.Tensor,
-    real: torch.Tensor,
-    cache: DynamicCache,
-) -> tuple[torch.Tensor, DynamicCache]:
-    """The padded forward's outputs from one packed forward.
+@dataclass
+class PackedPart:
+    """One session's padded forward input, as `TransformerScorer` lays it out.
 
     input_ids, position_ids, keep, real: [R, q]; allowed: [R, q, C + q] (C cached columns per
-    row); cache: R rows of C columns. Returns the logits at the kept slots (row-major order, as
-    the padded forward returns them) and the cache grown to [R, heads, C + q, dim].
+    row); cache: R rows of C columns (None or empty when nothing is cached); dense: attend as
+    the model's own attention over the padded layout (the session's forward alone is unpacked).
     """
-    rows, q = input_ids.shape
-    cached = allowed.shape[2] - q
-    row, slot = real.nonzero(as_tuple=True)  # row-major: kept slots keep their order
-    slots = torch.zeros(rows, q, dtype=torch.long, device=input_ids.device)
-    slots[row, slot] = torch.arange(row.numel(), device=input_ids.device)
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    allowed: torch.Tensor
+    keep: torch.Tensor
+    real: torch.Tensor
+    cache: DynamicCache | None
+    dense: bool = False
+
+
+def packed_forward(
+    model: PreTrainedModel, parts: list[PackedPart], *, invariant: bool = True
+) -> list[tuple[torch.Tensor, DynamicCache]]:
+    """Each part's padded-forward outputs, from ONE packed forward of all parts' real tokens.
+
+    Returns per part the logits at its kept slots (row-major order, as its padded forward
+    returns them) and its cache grown to [R, heads, C + q, dim]. The linear layers run once
+    over every part's tokens; each part attends alone with its own shapes
+    (`forest_attention.ForestGroup`) and, with `invariant`, its linear rows are computed in
+    calls of the size class its forward alone uses (`row_chunks.rows_as_alone`), so a part's
+    outputs are the bits its own forward gives, whatever it is batched with.
+    """
+    device = parts[0].input_ids.device
     compute = torch.promote_types(model.dtype, torch.float32)
-    bias = torch.zeros(allowed.shape, dtype=compute, device=allowed.device)
-    bias.masked_fill_(~allowed, torch.finfo(compute).min)
     layers = model.config.get_text_config(decoder=True).num_hidden_layers
-    old = [(x.keys, x.values) for x in cache.layers] if cached else [(None, None)] * layers
-    spec = ForestSpec(slots, real, bias[:, None], [k for k, _ in old], [v for _, v in old])
-    with forest_attention_for(model):
+    groups, input_ids, position_ids, keep, kept = [], [], [], [], []
+    first = 0
+    for part in parts:
+        rows, q = part.input_ids.shape
+        cached = part.allowed.shape[2] - q
+        row, slot = part.real.nonzero(as_tuple=True)  # row-major: kept slots keep their order
+        slots = torch.zeros(rows, q, dtype=torch.long, device=device)
+        slots[row, slot] = torch.arange(first, first + row.numel(), device=device)
+        first += row.numel()
+        bias_dtype = model.dtype if part.dense else compute
+        bias = torch.zeros(part.allowed.shape, dtype=bias_dtype, device=device)
+        bias.masked_fill_(~part.allowed, torch.finfo(bias_dtype).min)
+        old = ([(x.keys, x.values) for x in part.cache.layers] if cached and part.cache is not None
+               else [(None, None)] * layers)  # fmt: skip
+        groups.append(ForestGroup(slots, part.real, bias[:, None], [k for k, _ in old],
+                                  [v for _, v in old], dense=part.dense))  # fmt: skip
+        input_ids.append(part.input_ids[row, slot])
+        position_ids.append(part.position_ids[row, slot])
+        keep.append(part.keep[row, slot])
+        kept.append(int(part.keep.sum()))
+    spec = ForestSpec(groups, dense_attention=_own_attention(model))
+    cached_most = max(g.bias.shape[-1] - g.slots.shape[1] for g in groups)
+    layout = _row_layout(parts) if invariant and len(parts) > 1 else None
+    with forest_attention_for(model), rows_as_alone(layout) if layout else contextlib.nullcontext():
         output = model(
-            input_ids=input_ids[row, slot][None],
-            attention_mask=_NO_MASK.to(input_ids.device),  # 4-D: transformers passes it on
-            position_ids=position_ids[row, slot][None],
-            past_key_values=PassThroughCache(cached),
+            input_ids=torch.cat(input_ids)[None],
+            attention_mask=_NO_MASK.to(device),  # 4-D: transformers passes it on
+            position_ids=torch.cat(position_ids)[None],
+            past_key_values=PassThroughCache(cached_most),
             use_cache=True,
-            logits_to_keep=keep[row, slot][None],
+            logits_to_keep=torch.cat(keep)[None],
             dsbd_forest=spec,
         )
+    logits = output.logits.split(kept)  # [kept, V]: a 2-D keep flattens
+    return [(part_logits, _grown(group, layers))
+            for part_logits, group in zip(logits, groups, strict=True)]  # fmt: skip
+
+
+def _grown(group: ForestGroup, layers: int) -> DynamicCache:
+    """A part's cache after the forward: its cached columns, then its new keys and values."""
     grown = []
-    for index, (old_keys, old_values) in enumerate(old):
-        new_keys, new_values = spec.new[index]
-        if old_keys is None:
+    for index in range(layers):
+        old_keys, old_values = group.old_keys[index], group.old_values[index]
+        new_keys, new_values = group.new[index]
+        if old_keys is None or old_values is None:
             grown.append((new_keys.contiguous(), new_values.contiguous()))
         else:
             grown.append(
                 (torch.cat([old_keys, new_keys], 2), torch.cat([old_values, new_values], 2))
             )
-    return output.logits, DynamicCache(ddp_cache_data=grown)  # [kept, V]: a 2-D keep flattens
+    return DynamicCache(ddp_cache_data=grown)
+
+
+def _row_layout(parts: list[PackedPart]) -> RowLayout:
+    """Each part's rows in the packed forward and in its forward alone (a dense forward alone
+    feeds its padding slots too; both feed only the kept rows to the output layer)."""
+    tokens, kept = [], []
+    for part in parts:
+        real, keep = int(part.real.sum()), int(part.keep.sum())
+        tokens.append(RowGroup(real, part.input_ids.numel() if part.dense else real))
+        kept.append(RowGroup(keep, keep))
+    return RowLayout(tuple(tokens), tuple(kept))
+
+
+def _own_attention(model: PreTrainedModel) -> str:
+    """The attention implementation the model runs outside `forest_attention_for`."""
+    return model.config.get_text_config(decoder=True)._attn_implementation
 
 
 _NO_MASK = torch.zeros(1, 1, 1, 1)

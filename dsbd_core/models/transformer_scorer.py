@@ -40,14 +40,14 @@ from dsbd_core.algorithm.scorer import ForestLayer, ForestLogprobs, Origin, Root
 from dsbd_core.models.draft_variants import compact_logits, head_support, output_size
 from dsbd_core.models.forest_plan import (
     _additive_mask,
-    _padding_allowed,
     _Plan,
     _plan_forward,
     _record,
     _scatter_outputs,
 )
-from dsbd_core.models.kv_cache import PAD_COLUMN, SessionCache, _compact, _stack_caches
-from dsbd_core.models.packed_forward import packed_forward, worth_packing
+from dsbd_core.models.kv_cache import PAD_COLUMN, SessionCache, _compact
+from dsbd_core.models.packed_forward import PackedPart, packed_forward, worth_packing
+from dsbd_core.models.row_chunks import chunk_linear_rows
 
 __all__ = ["PAD_COLUMN", "SUPPORTED_ATTENTION", "SessionCache", "TransformerScorer"]
 
@@ -59,10 +59,15 @@ class TransformerScorer:
     """Scores forests with a transformers causal LM, keeping one KV cache per session.
 
     Build with `TransformerScorer(model)`; the model is put in eval mode. `forward_calls` counts
-    the model forwards done (one per session with work per `forward` call).
+    the model forwards done (one per session with work per `forward` call). With
+    `batch_invariant` (default) a session's outputs in a batched forward are bit-identical to
+    its forward alone (`row_chunks`); off, large batches run their linear layers in fewer,
+    larger calls and a session's last bits (and so a seeded decode) depend on its batch mates.
     """
 
-    def __init__(self, model: PreTrainedModel, *, pack: bool = True) -> None:
+    def __init__(
+        self, model: PreTrainedModel, *, pack: bool = True, batch_invariant: bool = True
+    ) -> None:
         attn = getattr(model.config, "_attn_implementation", None)
         if attn not in SUPPORTED_ATTENTION:
             raise ValueError(
@@ -77,8 +82,10 @@ class TransformerScorer:
                 f"ignore sliding windows and sliding caches drop columns), got {set(layer_types)}"
             )
         self.model = model.eval()
+        chunk_linear_rows(model)  # batched: a row's bits must not depend on its batch mates
         self.forward_calls = 0
         self.pack = pack
+        self.batch_invariant = batch_invariant
         self._sessions: list[SessionCache | None] = []
         self._out_device = torch.device("cpu")
         self._root_count = 0
@@ -255,54 +262,27 @@ class TransformerScorer:
     ) -> None:
         """Several sessions in ONE model forward (batching across requests).
 
-        Each session's rows keep their own cache columns, left-aligned in a shared cache of the
-        longest session's width; the columns a shorter session does not have are masked out.
-        New tokens go after that shared width and are split back per session afterwards, so
-        every session ends with exactly the cache a forward of its own would have produced.
-        Positions are explicit, so where a column sits does not change its rotary encoding.
+        The sessions' real tokens run as one packed row through the linear layers, and each
+        session attends alone over its own cache with the shapes of its own forward
+        (`packed_forward`): no cache is copied into a shared layout, and every session gets the
+        bits its forward alone gives, so a seeded request draws the same tokens whatever it is
+        batched with (a layout widened to the batch mates' moves bfloat16's last bits).
         """
-        device = self._device
-        width = max(s.cached_cols for _, s, _ in work)
-        q_len = max(p.input_ids.shape[1] for _, _, p in work)
-        rows = sum(s.rows.numel() for _, s, _ in work)
-        input_ids = torch.zeros(rows, q_len, dtype=torch.long, device=device)
-        position_ids = torch.zeros(rows, q_len, dtype=torch.long, device=device)
-        keep = torch.zeros(rows, q_len, dtype=torch.bool, device=device)
-        real = torch.zeros(rows, q_len, dtype=torch.bool, device=device)
-        allowed = _padding_allowed(rows, q_len, width, device)
-        starts = []
-        start = 0
-        for _, session, plan in work:
-            n, q, c = session.rows.numel(), plan.input_ids.shape[1], session.cached_cols
-            block = slice(start, start + n)
-            input_ids[block, :q] = plan.input_ids
-            position_ids[block, :q] = plan.position_ids
-            keep[block, :q] = plan.keep
-            real[block, :q] = _real(plan)
-            allowed[block, :q, :c] = plan.allowed[:, :, :c]
-            allowed[block, :q, width : width + q] = plan.allowed[:, :, c:]
-            starts.append(start)
-            start += n
-        cache = _stack_caches([(s, st) for (_, s, _), st in zip(work, starts, strict=True)],
-                              rows, width)  # fmt: skip
-        logprobs, cache = self._run(input_ids, position_ids, allowed, keep, real, cache)
-        rank = keep.flatten().cumsum(0).view_as(keep) - 1
-        for (b, session, plan), first in zip(work, starts, strict=True):
-            n, q, c = session.rows.numel(), plan.input_ids.shape[1], session.cached_cols
-            block = slice(first, first + n)
-            _scatter_outputs(b, session, plan, logprobs, rank[block], roots, outs)
-            own = [
-                (
-                    torch.cat(
-                        [layer.keys[block, :, :c], layer.keys[block, :, width : width + q]], 2
-                    ),
-                    torch.cat(
-                        [layer.values[block, :, :c], layer.values[block, :, width : width + q]], 2
-                    ),
-                )
-                for layer in cache.layers
-            ]
-            _record(session, DynamicCache(ddp_cache_data=own), plan)
+        self.forward_calls += 1
+        parts = [self._part(session, plan) for _, session, plan in work]
+        results = packed_forward(self.model, parts, invariant=self.batch_invariant)
+        for (b, session, plan), (logits, cache) in zip(work, results, strict=True):
+            logprobs = torch.log_softmax(logits, dim=-1, dtype=self._out_dtype)
+            rank = plan.keep.flatten().cumsum(0).view_as(plan.keep) - 1
+            _scatter_outputs(b, session, plan, logprobs, rank, roots, outs)
+            _record(session, cache, plan)
+
+    def _part(self, session: SessionCache, plan: _Plan) -> PackedPart:
+        """A session's forward as a part of a packed one: forest attention where its forward
+        alone is packed, the model's own attention over the padded layout where it is not."""
+        real = _real(plan)
+        return PackedPart(plan.input_ids, plan.position_ids, plan.allowed, plan.keep, real,
+                          session.cache, dense=not (self.pack and worth_packing(real)))  # fmt: skip
 
     def _run(
         self,
@@ -320,8 +300,8 @@ class TransformerScorer:
         """
         self.forward_calls += 1
         if self.pack and worth_packing(real):
-            logits, cache = packed_forward(self.model, input_ids, position_ids, allowed, keep,
-                                           real, cache)  # fmt: skip
+            [(logits, cache)] = packed_forward(self.model, [PackedPart(input_ids, position_ids,
+                                               allowed, keep, real, cache)])  # fmt: skip
             return torch.log_softmax(logits, dim=-1, dtype=self._out_dtype), cache
         output = self.model(
             input_ids=input_ids,

@@ -1,0 +1,112 @@
+"""What batch-invariant forwards cost: batched seeded decodes, this tree against a git revision.
+
+A batched forward attends each session alone over its own cache and computes bfloat16 linear
+layers in chunks of at most 32 rows (docs/SERVING.md "Seeded decodes and numerics"); before
+that, sessions' caches were copied into one column-aligned layout and the linear layers ran
+over all rows at once. This decodes `--requests` seeded DSBD requests together
+(`decode_lockstep`: one shared draft and one shared target forward per round, as the serving
+replicas batch them) on the default SmolLM2 pair in bfloat16, in a fresh process per run,
+alternating this working tree (batch-invariant, the default, and `batch_invariant=False`) with
+a checkout of `--baseline` (a git worktree made under /tmp), and reports each one's seconds per
+run, the ratios to the baseline and the load average before and after. Nothing else may run on
+the machine meanwhile. `--requests 1` times a decode alone (no batching).
+
+    .venv/bin/python benchmarks/batch_cost.py --baseline 83d9f34     # writes batch_cost.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from datetime import UTC, datetime
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+CHILD = r"""
+import json, sys, time, torch
+torch.set_num_threads(1)
+from dsbd.common import DEFAULT_DRAFT, DEFAULT_TARGET
+from dsbd_core import SamplingConfig
+from dsbd_core.algorithm.lockstep import Request, decode_lockstep
+from dsbd_core.algorithm.session_batch import SessionBatcher
+from dsbd_core.models import load_tokenizer
+from dsbd_core.models.pair import DraftOptions, load_pair
+from dsbd_core.models.transformer_scorer import TransformerScorer
+requests, tokens = int(sys.argv[1]), int(sys.argv[2])
+kw = {} if sys.argv[3] == '1' else {'batch_invariant': False}
+pair = load_pair(DEFAULT_TARGET, DEFAULT_DRAFT, dtype="bfloat16",
+                 draft_options=DraftOptions(quantize="none"))
+_, stop = load_tokenizer(DEFAULT_TARGET)
+prompts = [[5 + 13 * i + j for j in range(4 + 3 * (i % 5))] for i in range(requests)]
+def run(seed0):
+    batch = [Request(p, SamplingConfig(eos_token_ids=stop, seed=seed0 + i, max_new_tokens=tokens,
+                                       width=3 - i % 2, gamma=3)) for i, p in enumerate(prompts)]
+    target = SessionBatcher(TransformerScorer(pair.target.model, **kw))
+    draft = SessionBatcher(TransformerScorer(pair.draft.model, **kw))
+    start = time.perf_counter()
+    results, _ = decode_lockstep(batch, target, draft)
+    seconds = time.perf_counter() - start
+    made = sum(len(r.result.beams[0].token_ids) for r in results if r.result is not None)
+    return seconds, made
+run(1000)  # warm-up: oneDNN primitives, allocator
+seconds, made = run(0)
+print(json.dumps({"seconds": seconds, "tokens": made}))
+"""
+
+
+def one_run(tree: Path, invariant: bool, requests: int, tokens: int) -> dict:
+    """One decode in a fresh process importing the package from `tree`."""
+    env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    command = [sys.executable, "-c", CHILD, str(requests), str(tokens), str(int(invariant))]
+    done = subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def baseline_tree(revision: str) -> Path:
+    """A worktree of `revision` under /tmp (made once, reused)."""
+    path = Path("/tmp") / f"dsbd-baseline-{revision}"
+    if not path.exists():
+        subprocess.run(["git", "worktree", "add", "--detach", str(path), revision], cwd=ROOT,
+                       check=True, capture_output=True)  # fmt: skip
+    return path
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--baseline", required=True, help="git revision to compare with")
+    parser.add_argument("--requests", type=int, default=8)
+    parser.add_argument("--tokens", type=int, default=24)
+    parser.add_argument("--repeats", type=int, default=4)
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/batch_cost.json")
+    args = parser.parse_args()
+    trees = {"batch-invariant (default)": (ROOT, True), "batch_invariant=False": (ROOT, False),
+             f"baseline {args.baseline}": (baseline_tree(args.baseline), True)}  # fmt: skip
+    load_before = os.getloadavg()
+    runs: dict[str, list[dict]] = {name: [] for name in trees}
+    for repeat in range(args.repeats):
+        order = list(trees) if repeat % 2 == 0 else list(reversed(trees))  # interleaved
+        for name in order:
+            runs[name].append(one_run(*trees[name], args.requests, args.tokens))
+            print(name, runs[name][-1], flush=True)
+    load_after = os.getloadavg()
+    median = {name: statistics.median(r["seconds"] for r in done) for name, done in runs.items()}
+    invariant, fast, old = median.values()
+    results = {"date": datetime.now(UTC).isoformat(timespec="seconds"), "requests": args.requests,
+               "max_new_tokens": args.tokens, "repeats": args.repeats, "runs": runs,
+               "median_s": median, "ratio_invariant_over_baseline": invariant / old,
+               "ratio_not_invariant_over_baseline": fast / old,
+               "load_before": load_before, "load_after": load_after}  # fmt: skip
+    args.out.write_text(json.dumps(results, indent=1) + "\n")
+    print(f"median: invariant {invariant:.2f} s, not invariant {fast:.2f} s, baseline {old:.2f} s:"
+          f" ratios {invariant / old:.3f}, {fast / old:.3f} (load {load_before[0]:.2f} -> "
+          f"{load_after[0]:.2f})")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
