@@ -4,10 +4,11 @@ Verification uses the q the draft actually computed (the forest carries every la
 table), so any change to how the draft computes q keeps DSBD exact; it only moves the
 acceptance rate, which `dsbd eval-acceptance` measures. Two such changes pay on a CPU:
 
-* **int8 dynamic quantisation** of the draft's `nn.Linear` layers
-  (`torch.ao.quantization.quantize_dynamic`): the weights are read as int8, a quarter of
-  float32's bytes; a draft step is memory-bound, so it costs about half of a bfloat16 step
-  (Qwen2.5-Coder-0.5B, 1 thread: 58 ms against 135 ms, docs ENVIRONMENT.md).
+* **int8 dynamic quantisation** of the draft's `nn.Linear` layers (`row_int8`: int8 weights
+  per output channel, activations quantised per row, so a row's output depends on that row
+  alone): the weights are read as int8, a quarter of float32's bytes; a draft step is
+  memory-bound, so it costs about half of a bfloat16 step (Qwen2.5-Coder-0.5B, 1 thread: 58 ms
+  against 135 ms, docs ENVIRONMENT.md, before bfloat16 weights were prepacked: `auto` measures).
 * **a head restricted to the K most frequent tokens** (FR-Spec, Zhao et al., ACL 2025): the
   output embedding of a small model is a large share of its weights (SmolLM2-135M: a fifth;
   Qwen2.5-0.5B: 136M of 494M parameters), and most of its rows are tokens a draft almost never
@@ -18,13 +19,14 @@ acceptance rate, which `dsbd eval-acceptance` measures. Two such changes pay on 
 from __future__ import annotations
 
 import contextlib
-import warnings
 from collections.abc import Iterator
 from typing import Literal
 
 import torch
 from torch import nn
 from transformers import PreTrainedModel
+
+from dsbd_core.models.row_int8 import quantize_linears
 
 Quantize = Literal["none", "int8", "auto"]
 QUANTIZE_CHOICES: tuple[str, ...] = ("none", "int8", "auto")
@@ -143,9 +145,10 @@ def fuse_projections(model: PreTrainedModel) -> int:
 
 def quantize_int8(model: PreTrainedModel) -> PreTrainedModel:
     """int8 dynamic quantisation of every `nn.Linear` (weights int8 per output channel,
-    activations quantised per call; the linear layers fused first where they share an input).
+    activations quantised per row of each call; the linear layers fused first where they share
+    an input).
 
-    `quantize_dynamic` works on float32 modules only, so the model is first made float32 (its
+    oneDNN's dynamic int8 kernel takes float32 inputs, so the model is first made float32 (its
     non-linear parts then run in float32 as well).
     """
     if model.device.type != "cpu":
@@ -153,14 +156,12 @@ def quantize_int8(model: PreTrainedModel) -> PreTrainedModel:
     model = model.to(torch.float32)
     fuse_projections(model)
     use_int8_engine()
-    with warnings.catch_warnings():  # torch warns that quantized tensor creation is deprecated
-        warnings.simplefilter("ignore", UserWarning)
-        from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
-
-        # Per output channel: one scale per weight row. Per tensor, Qwen2.5-0.5B's acceptance
-        # against its 1.5B target fell from 0.874 (float) to 0.800; per channel it is 0.831
-        # (Σ min(p, q) on HumanEval continuations the target sampled).
-        quantize_dynamic(model, {nn.Linear: per_channel_dynamic_qconfig}, inplace=True)
+    # Per output channel: one scale per weight row. Per tensor, Qwen2.5-0.5B's acceptance
+    # against its 1.5B target fell from 0.874 (float) to 0.800; per channel it is 0.831
+    # (Σ min(p, q) on HumanEval continuations the target sampled), activations then scaled per
+    # call; they are scaled per row now (row_int8: batch-invariant, and no row is crushed by a
+    # larger batch mate).
+    quantize_linears(model)
     return model
 
 

@@ -28,6 +28,7 @@ from dsbd_core.models.draft_variants import head_support, quantize_int8, restric
 from dsbd_core.models.dtypes import dtype_name, resolve_dtype
 from dsbd_core.models.loading import LoadedModel, check_same_vocabulary, load_causal_lm
 from dsbd_core.models.presets import cache_root
+from dsbd_core.models.row_chunks import chunk_linear_rows
 from dsbd_core.models.token_frequencies import frequent_tokens
 from dsbd_core.models.tokens import encode_prompt, stop_token_ids
 
@@ -159,7 +160,9 @@ def prepare_draft(draft: LoadedModel, options: DraftOptions, stop_ids: tuple[int
         quantize = _faster_on_this_cpu(draft) if usable else "none"
     if quantize == "int8":
         quantize_int8(draft.model)
-        done.append("int8 linear layers (per channel, q/k/v and gate/up fused)")
+        done.append(
+            "int8 linear layers (per-channel weights, per-row activations, q/k/v and gate/up fused)"
+        )
     else:
         done.append(f"{dtype_name(draft.model.dtype)} linear layers")
     return ", ".join(reversed(done))
@@ -172,14 +175,16 @@ def _faster_on_this_cpu(draft: LoadedModel) -> Literal["none", "int8"]:
     variant changes its q and so the seeded tokens, which must not depend on timing noise.
     """
     key = {"draft": model_identity(draft), "dtype": dtype_name(draft.model.dtype),
-           "int8": "per-channel, fused", **machine()}  # fmt: skip
+           "int8": "per-row activations", "as_loaded": "prepacked", **machine()}  # fmt: skip
     digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()
     folder = os.environ.get("DSBD_CALIBRATION_DIR") or str(cache_root() / "calibration")
     path = Path(folder) / f"int8-{digest[:20]}.json"
     if path.is_file():
         return json.loads(path.read_text())["choice"]
     quantized = quantize_int8(copy.deepcopy(draft.model))
-    as_loaded = forward_costs(draft.model, points=(4,)).seconds[0]
+    as_served = copy.deepcopy(draft.model)
+    chunk_linear_rows(as_served)  # as the scorer runs it (prepacked bfloat16 weights)
+    as_loaded = forward_costs(as_served, points=(4,)).seconds[0]
     int8 = forward_costs(quantized, points=(4,)).seconds[0]
     choice: Literal["none", "int8"] = "int8" if int8 < as_loaded else "none"
     path.parent.mkdir(parents=True, exist_ok=True)
