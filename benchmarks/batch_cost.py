@@ -5,13 +5,18 @@ layers in chunks of at most 32 rows (docs/SERVING.md "Seeded decodes and numeric
 that, sessions' caches were copied into one column-aligned layout and the linear layers ran
 over all rows at once. This decodes `--requests` seeded DSBD requests together
 (`decode_lockstep`: one shared draft and one shared target forward per round, as the serving
-replicas batch them) on the default SmolLM2 pair in bfloat16, in a fresh process per run,
+replicas batch them) on the SmolLM2 pair in bfloat16, in a fresh process per run,
 alternating this working tree (batch-invariant, the default, and `batch_invariant=False`) with
 a checkout of `--baseline` (a git worktree made under /tmp), and reports each one's seconds per
 run, the ratios to the baseline and the load average before and after. Nothing else may run on
-the machine meanwhile. `--requests 1` times a decode alone (no batching).
+the machine meanwhile. `--requests 1` times a decode alone (no batching); `--quantize int8`
+runs the int8 draft (per-row activations here, per-call in the baseline).
 
     .venv/bin/python benchmarks/batch_cost.py --baseline 83d9f34     # writes batch_cost.json
+    .venv/bin/python benchmarks/batch_cost.py --baseline 83d9f34 --requests 1 --tokens 48 \
+        --out benchmarks/results/batch_cost_alone.json
+    .venv/bin/python benchmarks/batch_cost.py --baseline 83d9f34 --quantize int8 \
+        --out benchmarks/results/batch_cost_int8.json      # and with --requests 1 ... alone_int8
 """
 
 from __future__ import annotations
@@ -37,10 +42,10 @@ from dsbd_core.algorithm.session_batch import SessionBatcher
 from dsbd_core.models import load_tokenizer
 from dsbd_core.models.pair import DraftOptions, load_pair
 from dsbd_core.models.transformer_scorer import TransformerScorer
-requests, tokens = int(sys.argv[1]), int(sys.argv[2])
+requests, tokens, quantize = int(sys.argv[1]), int(sys.argv[2]), sys.argv[4]
 kw = {} if sys.argv[3] == '1' else {'batch_invariant': False}
 pair = load_pair(DEFAULT_TARGET, DEFAULT_DRAFT, dtype="bfloat16",
-                 draft_options=DraftOptions(quantize="none"))
+                 draft_options=DraftOptions(quantize=quantize))
 _, stop = load_tokenizer(DEFAULT_TARGET)
 prompts = [[5 + 13 * i + j for j in range(4 + 3 * (i % 5))] for i in range(requests)]
 def run(seed0):
@@ -59,10 +64,11 @@ print(json.dumps({"seconds": seconds, "tokens": made}))
 """
 
 
-def one_run(tree: Path, invariant: bool, requests: int, tokens: int) -> dict:
+def one_run(tree: Path, invariant: bool, requests: int, tokens: int, quantize: str) -> dict:
     """One decode in a fresh process importing the package from `tree`."""
     env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    command = [sys.executable, "-c", CHILD, str(requests), str(tokens), str(int(invariant))]
+    command = [sys.executable, "-c", CHILD, str(requests), str(tokens), str(int(invariant)),
+               quantize]  # fmt: skip
     done = subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -82,6 +88,8 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=24)
     parser.add_argument("--repeats", type=int, default=4)
+    parser.add_argument("--quantize", default="none", choices=("none", "int8"),
+                        help="the draft's linear layers (int8: what auto picks here)")  # fmt: skip
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/batch_cost.json")
     args = parser.parse_args()
     trees = {"batch-invariant (default)": (ROOT, True), "batch_invariant=False": (ROOT, False),
@@ -91,13 +99,14 @@ def main() -> int:
     for repeat in range(args.repeats):
         order = list(trees) if repeat % 2 == 0 else list(reversed(trees))  # interleaved
         for name in order:
-            runs[name].append(one_run(*trees[name], args.requests, args.tokens))
+            runs[name].append(one_run(*trees[name], args.requests, args.tokens, args.quantize))
             print(name, runs[name][-1], flush=True)
     load_after = os.getloadavg()
     median = {name: statistics.median(r["seconds"] for r in done) for name, done in runs.items()}
     invariant, fast, old = median.values()
     results = {"date": datetime.now(UTC).isoformat(timespec="seconds"), "requests": args.requests,
-               "max_new_tokens": args.tokens, "repeats": args.repeats, "runs": runs,
+               "max_new_tokens": args.tokens, "repeats": args.repeats, "quantize": args.quantize,
+               "runs": runs,
                "median_s": median, "ratio_invariant_over_baseline": invariant / old,
                "ratio_not_invariant_over_baseline": fast / old,
                "load_before": load_before, "load_after": load_after}  # fmt: skip

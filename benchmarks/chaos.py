@@ -27,7 +27,7 @@ retries (by status and cause: which kill the request overlapped), 5xx (final ans
 5xx answered), hand-overs (native decodes given to another router: `stats.serving.handovers`),
 retries (iterations the server retried: `stats.serving.retries` of native responses; requests
 a client sent again), recovery per kill and its maximum, latency p50/p99 before, during and
-after the kills, and the seeded comparison (`retried`: those with a retried iteration). Targets
+after the kills, and the seeded comparison (`cache_lost`: those re-prefilled on the way). Targets
 (issue 21): 0 failed, 0 5xx, seeded equal to in-process tokens, every replica back in 60 s.
 
     .venv/bin/python benchmarks/chaos.py                                   # 32 x 10 min
@@ -123,16 +123,18 @@ async def native(http: aiohttp.ClientSession, run: Run, kind: str, body: dict[st
         if status != 200:
             error = json.dumps(reply)[:300]
         else:
-            retries = reply["stats"]["serving"]["retries"]
+            serving = reply["stats"]["serving"]
+            retries = serving["retries"]
             run.retries.append(len(retries))
             run.retry_causes += [r.split(": ")[1] if ": " in r else r for r in retries]
-            run.handovers.append(len(reply["stats"]["serving"].get("handovers", [])))
+            run.handovers.append(len(serving.get("handovers", [])))
             tokens = sum(len(b["token_ids"]) for b in reply["beams"])
-            if kind == "seeded/generate":
-                run.seeded.append({"body": body, "beams": [
+            lost = bool(retries) or any(len(set(serving[key])) > 1
+                                        for key in ("verify_replica", "draft_replica"))  # fmt: skip
+            if kind == "seeded/generate":  # a lost cache: an iteration retried, a replica changed
+                run.seeded.append({"body": body, "cache_lost": lost, "beams": [
                     {"token_ids": b["token_ids"], "log_likelihood": b["log_likelihood"]}
-                    for b in reply["beams"]], "retries": len(retries),
-                    "handovers": run.handovers[-1]})  # fmt: skip
+                    for b in reply["beams"]]})  # fmt: skip
     except Exception as exc:  # no (complete) response: counted by its type
         error = f"{type(exc).__name__}: {exc}"[:300]
     return Record(kind, start - run.t0, time.monotonic() - start, status, error, tokens)
@@ -349,7 +351,7 @@ def compare_seeded(app: Any, seeded: list[dict[str, Any]]) -> dict[str, Any]:
     """Decode every seeded request in-process with the server's models, loaded as its replicas
     load them, and compare the beams (token ids; log-likelihoods within 1e-6). Equal where the
     numerics do not depend on the batch (`batch_invariant_numerics`: bfloat16 or float64, no
-    int8 draft), except possibly after a re-prefill (`retried`)."""
+    int8 draft), except possibly after a re-prefill (`cache_lost`)."""
     import torch
 
     from dsbd_core import SamplingConfig
@@ -368,7 +370,7 @@ def compare_seeded(app: Any, seeded: list[dict[str, Any]]) -> dict[str, Any]:
     assert pair.draft is not None
     _, stop_ids = load_tokenizer(target.source)
     same, differ, worst = 0, [], 0.0
-    retried = {"compared": 0, "equal": 0}  # a retried iteration: a lost cache re-prefilled
+    lost = {"compared": 0, "equal": 0}  # a cache lost (retried, or moved): re-prefilled
     for item in seeded:
         body = item["body"]
         knobs = {k: v for k, v in body.items() if k not in ("prompt_ids", "adaptive")}
@@ -377,8 +379,8 @@ def compare_seeded(app: Any, seeded: list[dict[str, Any]]) -> dict[str, Any]:
                         draft=TransformerScorer(pair.draft.model))  # fmt: skip
         got = item["beams"]
         equal = [b.token_ids for b in want.beams] == [b["token_ids"] for b in got]
-        retried["compared"] += bool(item.get("retries"))
-        retried["equal"] += bool(item.get("retries")) and equal
+        lost["compared"] += item["cache_lost"]
+        lost["equal"] += item["cache_lost"] and equal
         if equal:
             same += 1
             for a, b in zip(want.beams, got, strict=True):
@@ -387,7 +389,7 @@ def compare_seeded(app: Any, seeded: list[dict[str, Any]]) -> dict[str, Any]:
             differ.append(body)
     # int8 drafts and float32 matmuls round with the batch (docs/SERVING.md "Seeded decodes")
     invariant = pair.dtype_name in ("bfloat16", "float64") and "int8" not in pair.draft_variant
-    return {"compared": len(seeded), "equal": same, "different": len(differ), "retried": retried,
+    return {"compared": len(seeded), "equal": same, "different": len(differ), "cache_lost": lost,
             "different_examples": differ[:5], "max_log_likelihood_difference": worst,
             "models": pair.describe(), "batch_invariant_numerics": invariant}  # fmt: skip
 
@@ -406,16 +408,14 @@ def plot(results: dict[str, Any], path: Path) -> None:
                   r["status"] != ABANDONED]  # fmt: skip
         ax.plot([r["start_s"] for r in chosen], [r["latency_s"] for r in chosen], style,
                 markersize=3, alpha=0.6, label=label, color=None if status else "red")  # fmt: skip
-    colours = {"router": "tab:purple", "draft": "tab:orange", "verifier": "tab:green"}
     for kill in results["kill_log"]:
-        colour = colours[kill["side"]]
+        colour = {"router": "purple", "draft": "tab:orange", "verifier": "tab:green"}[kill["side"]]
         ax.axvline(kill["at_s"], color=colour, linestyle="--")
         if kill["recovered_s"] is not None:
             ax.axvspan(kill["at_s"], kill["at_s"] + kill["recovered_s"], color=colour, alpha=0.1)
         ax.annotate(f"kill {kill['side']}", (kill["at_s"], 1), xycoords=("data", "axes fraction"),
                     rotation=90, va="top", ha="right", fontsize=8, color=colour)  # fmt: skip
-    ax.set_xlabel("request start (s into the run)")
-    ax.set_ylabel("latency (s)")
+    ax.set(xlabel="request start (s into the run)", ylabel="latency (s)")
     title = (f"chaos: {results['clients']} clients, {results['kills']} kills, "
              f"{results['failed']} failed of {results['sent']} ({results['model']})")  # fmt: skip
     ax.set_title(title)
