@@ -98,26 +98,43 @@ def forest_attention(
     packed = query.new_zeros(heads, query.shape[2], dim)
     scale = scaling if scaling is not None else dim**-0.5
     for group in spec.groups:
-        attend = _attend_dense if group.dense else _attend_forest
-        out = attend(module, query, key, value, group, scale, spec.dense_attention)
+        new_keys, new_values = _new_keys_values(module, key, value, group)
+        if group.dense:
+            out = _attend_dense(module, query, new_keys, new_values, group, scale,
+                                spec.dense_attention)  # fmt: skip
+        else:
+            layer = module.layer_idx  # type: ignore[attr-defined]
+            out = _attend_forest(query, new_keys, new_values, layer, group, scale)
         real = group.real.reshape(-1)
         packed[:, group.slots.reshape(-1)[real]] = out[:, real]
     return packed.transpose(0, 1)[None], None
 
 
+def _new_keys_values(
+    module: torch.nn.Module, key: torch.Tensor, value: torch.Tensor, group: ForestGroup
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The group's new keys and values in its padded layout, [R, kv_heads, q, dim] each; kept
+    in `group.new` for the cache the scorer keeps."""
+    kv_heads, dim = key.shape[1], key.shape[3]
+    trees, width = group.slots.shape
+    index = group.slots.reshape(-1)
+    new_keys = key[0][:, index].view(kv_heads, trees, width, dim).transpose(0, 1)
+    new_values = value[0][:, index].view(kv_heads, trees, width, dim).transpose(0, 1)
+    group.new[module.layer_idx] = (new_keys, new_values)  # type: ignore[attr-defined]
+    return new_keys, new_values
+
+
 def _attend_forest(
-    module: torch.nn.Module,
     query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
+    new_keys: torch.Tensor,
+    new_values: torch.Tensor,
+    layer: int,
     group: ForestGroup,
     scale: float,
-    dense_attention: str,
 ) -> torch.Tensor:
     """One group's trees attended in place: [heads, R * q, dim] in the padded layout's order."""
-    layer = module.layer_idx  # type: ignore[attr-defined]
     heads, _, dim = query.shape[1:]
-    kv_heads = key.shape[1]
+    kv_heads = new_keys.shape[1]
     rep = heads // kv_heads
     trees, width = group.slots.shape
     index = group.slots.reshape(-1)
@@ -125,9 +142,6 @@ def _attend_forest(
     q = query[0].view(kv_heads, rep, -1, dim)[:, :, index]
     q = q.view(kv_heads, rep, trees, width, dim).permute(2, 0, 1, 3, 4)
     q = q.reshape(trees, kv_heads, rep * width, dim)
-    new_keys = key[0][:, index].view(kv_heads, trees, width, dim).transpose(0, 1)
-    new_values = value[0][:, index].view(kv_heads, trees, width, dim).transpose(0, 1)
-    group.new[layer] = (new_keys, new_values)
     parts = [torch.matmul(q, new_keys.transpose(-1, -2))]
     old_keys, old_values = group.old_keys[layer], group.old_values[layer]
     if old_keys is not None:
@@ -148,11 +162,11 @@ def _attend_forest(
 def _attend_dense(
     module: torch.nn.Module,
     query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
+    new_keys: torch.Tensor,
+    new_values: torch.Tensor,
     group: ForestGroup,
     scale: float,
-    dense_attention: str,
+    implementation: str,
 ) -> torch.Tensor:
     """One group attended by the model's own attention function over its padded layout, as
     its forward alone runs it (a beam step, one tree): [heads, R * q, dim] in padded order."""
@@ -161,16 +175,13 @@ def _attend_dense(
     trees, width = group.slots.shape
     index = group.slots.reshape(-1)
     q = query[0][:, index].view(heads, trees, width, dim).transpose(0, 1)
-    new_keys = key[0][:, index].view(key.shape[1], trees, width, dim).transpose(0, 1)
-    new_values = value[0][:, index].view(key.shape[1], trees, width, dim).transpose(0, 1)
-    group.new[layer] = (new_keys, new_values)
     old_keys, old_values = group.old_keys[layer], group.old_values[layer]
     keys = new_keys if old_keys is None else torch.cat([old_keys, new_keys], 2)
     values = new_values if old_values is None else torch.cat([old_values, new_values], 2)
     attend = (
         sys.modules[type(module).__module__].eager_attention_forward
-        if dense_attention == "eager"
-        else ALL_ATTENTION_FUNCTIONS[dense_attention]
+        if implementation == "eager"
+        else ALL_ATTENTION_FUNCTIONS[implementation]
     )  # what the model's attention layer calls for its own implementation
     out, _ = attend(module, q, keys, values, group.bias, dropout=0.0, scaling=scale)
     return out.permute(2, 0, 1, 3).reshape(heads, -1, dim)  # [R, q, heads, dim] -> padded order
