@@ -26,7 +26,9 @@ kept tokens do not equal the new beam's leading tokens falls back to a re-prefil
 returning wrong distributions.
 
 The forward layout (inputs, tree mask, output scatter) lives in `forest_plan`, the per-session
-cache, its compaction and the stacking of several sessions' caches in `kv_cache`.
+cache and its compaction in `kv_cache`, the packed forward of one or several sessions (each
+attending alone over its own cache, `forest_attention`; linear rows batch-invariant,
+`row_chunks`) in `packed_forward`.
 """
 
 from __future__ import annotations
