@@ -129,9 +129,9 @@ async def native(http: aiohttp.ClientSession, run: Run, kind: str, body: dict[st
             run.retry_causes += [r.split(": ")[1] if ": " in r else r for r in retries]
             run.handovers.append(len(serving.get("handovers", [])))
             tokens = sum(len(b["token_ids"]) for b in reply["beams"])
-            lost = bool(retries) or any(len(set(serving[key])) > 1
-                                        for key in ("verify_replica", "draft_replica"))  # fmt: skip
             if kind == "seeded/generate":  # a lost cache: an iteration retried, a replica changed
+                lost = bool(retries) or any(len(set(serving[side + "_replica"])) > 1
+                                            for side in ("verify", "draft"))  # fmt: skip
                 run.seeded.append({"body": body, "cache_lost": lost, "beams": [
                     {"token_ids": b["token_ids"], "log_likelihood": b["log_likelihood"]}
                     for b in reply["beams"]]})  # fmt: skip

@@ -28,7 +28,7 @@ from dsbd_core.models.pair import DraftOptions, load_pair
 from dsbd_core.models import row_chunks
 from dsbd_core.models.transformer_scorer import TransformerScorer
 if sys.argv[1] == "off":
-    row_chunks.RowChunkedLinear._packed_weight = lambda self, rows: None
+    row_chunks.RowChunkedLinear._packed_weight = lambda self: None
 def rss():
     return int(open("/proc/self/status").read().split("VmRSS:")[1].split()[0]) / 1024
 pair = load_pair(DEFAULT_TARGET, DEFAULT_DRAFT, dtype="bfloat16",

@@ -40,6 +40,9 @@ class ForestGroup:
     dense: attend as the model's own `sdpa`/`eager` attention does over the padded layout: the
            session's forward alone would not have been packed (`packed_forward.worth_packing`).
     new: per layer (keys, values) [R, kv_heads, q, dim] — filled by the forward.
+    grown: per layer (keys, values) [R, kv_heads, C + q, dim] where the attention already
+           concatenated the cached columns and the new ones (a dense group with a cache): the
+           grown cache, not made twice.
     """
 
     slots: torch.Tensor
@@ -49,6 +52,7 @@ class ForestGroup:
     old_values: list[torch.Tensor | None]
     dense: bool = False
     new: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    grown: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
 
 @dataclass
@@ -176,8 +180,10 @@ def _attend_dense(
     index = group.slots.reshape(-1)
     q = query[0][:, index].view(heads, trees, width, dim).transpose(0, 1)
     old_keys, old_values = group.old_keys[layer], group.old_values[layer]
-    keys = new_keys if old_keys is None else torch.cat([old_keys, new_keys], 2)
-    values = new_values if old_values is None else torch.cat([old_values, new_values], 2)
+    keys, values = new_keys, new_values
+    if old_keys is not None and old_values is not None:
+        keys, values = torch.cat([old_keys, new_keys], 2), torch.cat([old_values, new_values], 2)
+        group.grown[layer] = (keys, values)
     attend = (
         sys.modules[type(module).__module__].eager_attention_forward
         if implementation == "eager"

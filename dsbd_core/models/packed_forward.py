@@ -26,6 +26,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from dsbd_core.models.forest_attention import NAME, ForestGroup, ForestSpec, PassThroughCache
+from dsbd_core.models.forest_plan import _additive_mask
 from dsbd_core.models.row_chunks import RowGroup, RowLayout, rows_as_alone
 
 
@@ -71,7 +72,7 @@ def packed_forward(
     device = parts[0].input_ids.device
     compute = torch.promote_types(model.dtype, torch.float32)
     layers = model.config.get_text_config(decoder=True).num_hidden_layers
-    groups, input_ids, position_ids, keep, kept = [], [], [], [], []
+    groups, input_ids, position_ids, keep, kept, reals = [], [], [], [], [], []
     first = 0
     for part in parts:
         rows, q = part.input_ids.shape
@@ -80,20 +81,19 @@ def packed_forward(
         slots = torch.zeros(rows, q, dtype=torch.long, device=device)
         slots[row, slot] = torch.arange(first, first + row.numel(), device=device)
         first += row.numel()
-        bias_dtype = model.dtype if part.dense else compute
-        bias = torch.zeros(part.allowed.shape, dtype=bias_dtype, device=device)
-        bias.masked_fill_(~part.allowed, torch.finfo(bias_dtype).min)
+        bias = _additive_mask(part.allowed, model.dtype if part.dense else compute)
         old = ([(x.keys, x.values) for x in part.cache.layers] if cached and part.cache is not None
                else [(None, None)] * layers)  # fmt: skip
-        groups.append(ForestGroup(slots, part.real, bias[:, None], [k for k, _ in old],
+        groups.append(ForestGroup(slots, part.real, bias, [k for k, _ in old],
                                   [v for _, v in old], dense=part.dense))  # fmt: skip
         input_ids.append(part.input_ids[row, slot])
         position_ids.append(part.position_ids[row, slot])
         keep.append(part.keep[row, slot])
-        kept.append(int(part.keep.sum()))
+        kept.append(int(keep[-1].sum()))
+        reals.append(row.numel())
     spec = ForestSpec(groups, dense_attention=_own_attention(model))
     cached_most = max(g.bias.shape[-1] - g.slots.shape[1] for g in groups)
-    layout = _row_layout(parts) if invariant and len(parts) > 1 else None
+    layout = _row_layout(parts, reals, kept) if invariant and len(parts) > 1 else None
     with forest_attention_for(model), rows_as_alone(layout) if layout else contextlib.nullcontext():
         output = model(
             input_ids=torch.cat(input_ids)[None],
@@ -113,6 +113,9 @@ def _grown(group: ForestGroup, layers: int) -> DynamicCache:
     """A part's cache after the forward: its cached columns, then its new keys and values."""
     grown = []
     for index in range(layers):
+        if index in group.grown:  # the attention concatenated them already
+            grown.append(group.grown[index])
+            continue
         old_keys, old_values = group.old_keys[index], group.old_values[index]
         new_keys, new_values = group.new[index]
         if old_keys is None or old_values is None:
@@ -124,15 +127,13 @@ def _grown(group: ForestGroup, layers: int) -> DynamicCache:
     return DynamicCache(ddp_cache_data=grown)
 
 
-def _row_layout(parts: list[PackedPart]) -> RowLayout:
-    """Each part's rows in the packed forward and in its forward alone (a dense forward alone
-    feeds its padding slots too; both feed only the kept rows to the output layer)."""
-    tokens, kept = [], []
-    for part in parts:
-        real, keep = int(part.real.sum()), int(part.keep.sum())
-        tokens.append(RowGroup(real, part.input_ids.numel() if part.dense else real))
-        kept.append(RowGroup(keep, keep))
-    return RowLayout(tuple(tokens), tuple(kept))
+def _row_layout(parts: list[PackedPart], reals: list[int], kept: list[int]) -> RowLayout:
+    """Each part's rows in the packed forward (`reals` tokens, `kept` logit rows) and in its
+    forward alone (a dense forward alone feeds its padding slots too; both feed only the kept
+    rows to the output layer)."""
+    tokens = [RowGroup(real, part.input_ids.numel() if part.dense else real)
+              for part, real in zip(parts, reals, strict=True)]  # fmt: skip
+    return RowLayout(tuple(tokens), tuple(RowGroup(k, k) for k in kept))
 
 
 def _own_attention(model: PreTrainedModel) -> str:

@@ -5,16 +5,19 @@ requests' (a served decode equals the in-process one). The scorer attends each s
 (`packed_forward`), so what is left is the linear layers, which see every session's rows at once.
 On these CPUs (oneDNN, AMX-BF16) a bfloat16 matmul computes a row with one kernel when the call
 has 1 to 32 rows and with another, whose last bits differ, from 33 rows on (every q/k/v, MLP and
-output layer of SmolLM2 on real activations; `benchmarks/batch_invariance.py`). A session whose
+output layer of SmolLM2 on real activations; `benchmarks/attention_gap.py`). A session whose
 forward alone has at most `ROW_CHUNK` rows must therefore get its rows computed in a call of at
 most `ROW_CHUNK` rows when batched too, and a larger one in a call of more.
 
 Inside `rows_as_alone(layout)` (set by `packed_forward` for a batched forward) a
 `RowChunkedLinear` does exactly that: the small sessions' rows share calls of 32 rows, a large
 session gets a call of its own (padded to 33 rows where its real rows are fewer, as a
-padded dense forward counts its padding). Outside it, and for float32/float64 inputs or non-CPU
-devices (other kernels, not measured here), it is a plain `nn.Linear`: a forward alone is
-unchanged, bit for bit.
+padded dense forward counts its padding). Outside it (a forward alone) every call is one call.
+Either way a CPU bfloat16 call without autograd uses the weight reordered once into oneDNN's
+blocked layout (`torch.ops.mkldnn._linear_pointwise`: a decode alone about 16 % faster; the
+reordered copy takes as much memory as the weight, `benchmarks/prepacked_memory.py`).
+float32/float64 inputs and non-CPU devices (other kernels, not measured here) run `F.linear`
+as `nn.Linear` does.
 
 Cost: a call of 32 rows costs most of what one of 128 costs (576 x 1536: 137 us vs 273 us), so a
 batched forward of many small sessions does more, smaller calls (eight concurrent seeded
@@ -78,7 +81,6 @@ class RowLayout:
     each grouping's `RowPlan` is made once per forward, not once per linear layer."""
 
     def __init__(self, tokens: tuple[RowGroup, ...], kept: tuple[RowGroup, ...]) -> None:
-        self.tokens, self.kept = tokens, kept
         self.plans = {"tokens": RowPlan.of(tokens), "kept": RowPlan.of(kept)}
 
 
@@ -135,12 +137,12 @@ class RowChunkedLinear(nn.Linear):
         return out
 
     def _linear(self, rows: torch.Tensor) -> torch.Tensor:
-        packed = self._packed_weight(rows)
+        packed = self._packed_weight()
         if packed is None:
             return F.linear(rows, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(rows, packed, self.bias, "none", [], "")
 
-    def _packed_weight(self, rows: torch.Tensor) -> torch.Tensor | None:
+    def _packed_weight(self) -> torch.Tensor | None:
         """The weight reordered once into oneDNN's blocked layout (inference only: no autograd
         through it; made again if the weight changes), or None where it does not apply."""
         if torch.is_grad_enabled() or not torch.backends.mkldnn.is_available():
@@ -157,7 +159,7 @@ class RowChunkedLinear(nn.Linear):
 
 def chunk_linear_rows(model: nn.Module) -> int:
     """Make every plain `nn.Linear` of the model a `RowChunkedLinear` (in place: same weights,
-    same state dict, same outputs outside `rows_as_alone`); returns how many. Idempotent."""
+    same state dict); returns how many. Idempotent."""
     changed = 0
     for module in model.modules():
         if type(module) is nn.Linear:
