@@ -20,6 +20,10 @@ applied, every side draws from a random stream seeded by (seed, iteration, side)
 replica without the session's cache re-prefills from the token ids the call carries, so the
 retried iteration draws exactly what the lost one would have. Retries back off and stop after
 `retry_window_s` (the time Serve needs to replace a replica); other errors are not retried.
+A seeded decode keeps its finished iterations (`replay.Lineage`): a replica that lacks its
+cache answers `ReplayNeeded` and gets the call again with the history, from which it rebuilds
+the cache bit for bit (a re-prefill's last bits differ, and so could its draws); after a lost
+replica the history goes with the retry at once.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ from dsbd_core.algorithm.config import SamplingConfig
 from dsbd_core.algorithm.control import Controller, FixedKnobs, Knobs
 from dsbd_core.algorithm.cost_model import Calibration, CostController, CostPolicy, ForwardCosts
 from dsbd_core.algorithm.loop import Decode, Propose, Verify
+from dsbd_core.algorithm.replay import Lineage, ReplayNeeded
 from dsbd_core.algorithm.result import DecodeResult
 from dsbd_core.algorithm.state import DecodeState, Outcome
 from dsbd_core.models.calibrate import assemble
@@ -79,6 +84,7 @@ class ServingStats:
     draft_seconds: list[float] = field(default_factory=list)
     router_received: Counter = field(default_factory=Counter)  # type names awaited by the router
     retries: list[str] = field(default_factory=list)  # "iteration N: error" per retried call
+    replays: list[str] = field(default_factory=list)  # lost caches rebuilt (seeded decodes)
     wall_seconds: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
@@ -136,6 +142,8 @@ class DecodeSession:
         self.state: DecodeState | None = None
         self.controller: Controller | None = None
         self._result: DecodeResult | None = None
+        # seeded: the finished iterations, to rebuild a lost cache bit for bit (replay.py)
+        self.lineage = Lineage() if config.seed is not None else None
         self.totals: dict[str, int] = {}  # what the request span reports (SessionObserver)
 
     async def iterations(self, prompt_ids: list[int]) -> AsyncIterator[DecodeState]:
@@ -226,15 +234,26 @@ class DecodeSession:
         """Draft and verify one iteration; retried while replicas are being replaced."""
         deadline = time.monotonic() + self.retry_window_s
         delay = 0.2
+        history = False  # sent with the call: after a replica asked for it, or was lost
+        lineage = self.lineage
         while True:
+            sent = lineage.tag(call, history=history) if lineage is not None else call
             forest = (
-                self.handles.draft.propose.remote(self.session, call) if draft else None
+                self.handles.draft.propose.remote(self.session, sent) if draft else None
             )  # a DeploymentResponse: handed on, never awaited here
             try:
-                return await self.receive(
-                    self.handles.verifier.verify.remote(self.session, call, forest)
+                reply = await self.receive(
+                    self.handles.verifier.verify.remote(self.session, sent, forest)
                 )
+                if lineage is not None:
+                    lineage.record(call, drafted=draft, layers=reply.layers or [])
+                return reply
             except Exception as error:
+                if lineage is not None and not history and _in_chain(error, (ReplayNeeded,)):
+                    self.stats.replays.append(f"iteration {call.state.iteration}: a replica "
+                                              "had no cache, history sent")  # fmt: skip
+                    history = True
+                    continue
                 lost = lost_replica(error)
                 if lost is None or time.monotonic() + delay > deadline:
                     raise
@@ -243,6 +262,7 @@ class DecodeSession:
                 self.stats.retries.append(
                     f"iteration {call.state.iteration}: {type(error).__name__}{cause}: {first}"
                 )
+                history = lineage is not None
                 await asyncio.sleep(delay)
                 delay = min(2 * delay, 2.0)
 
@@ -260,6 +280,11 @@ class DecodeSession:
         s.verify_cache_hit.append(bool(reply.report.batch.reused))
         s.verify_replica.append(reply.report.replica)
         s.verify_seconds.append(reply.report.seconds)
+        for side, report in (("verifier", reply.report), ("draft", reply.draft)):
+            replayed = report.batch.replayed.get(self.session) if report is not None else None
+            if replayed:
+                s.replays.append(f"iteration {len(s.gamma) - 1}: {side} replayed {replayed} "
+                                 "iterations")  # fmt: skip
         if reply.draft is not None:
             s.draft_batch_requests.append(reply.draft.batch.requests)
             s.draft_forwards.append(reply.draft.batch.forwards)
@@ -344,6 +369,11 @@ def lost_replica(error: BaseException) -> BaseException | None:
     while the verifier waits for its forest: a `RayServeException` whose cause is the draft's
     `ActorDiedError`); the whole chain of causes is searched.
     """
+    return _in_chain(error, _LOST)
+
+
+def _in_chain(error: BaseException, types: tuple[type, ...]) -> BaseException | None:
+    """The first error of one of `types` in `error`'s chain of causes and contexts."""
     seen: set[int] = set()
     stack: list[BaseException | None] = [error]
     while stack:
@@ -351,7 +381,7 @@ def lost_replica(error: BaseException) -> BaseException | None:
         if current is None or id(current) in seen:
             continue
         seen.add(id(current))
-        if isinstance(current, _LOST):
+        if isinstance(current, types):
             return current
         stack += [getattr(current, "cause", None), current.__cause__, current.__context__]
     return None

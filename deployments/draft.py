@@ -15,7 +15,7 @@ from ray import serve
 from deployments.messages import DraftReply, IterationCall
 from deployments.model_replica import ModelReplica
 from deployments.tracing import DRAFT, forest_attributes
-from dsbd_core.algorithm.session_batch import Job
+from dsbd_core.algorithm.replay import draft_job
 from dsbd_core.algorithm.state import Forest
 
 
@@ -31,7 +31,7 @@ class Draft(ModelReplica):
         return await self.submit(session, call)
 
     async def run_batch(self, items: list[tuple[str, IterationCall]]) -> list[Any]:
-        jobs = [Job(session, call.propose_steps(self.vocab_size)) for session, call in items]
+        jobs = [draft_job(session, call, self.vocab_size) for session, call in items]
         with self.trace_batch(items) as spans:
             results, report = await self.run_jobs(jobs)
             spans.finish(report, results, forest_attributes)

@@ -5,7 +5,9 @@ router -> draft      `IterationCall` (dsbd_core.algorithm.loop: state for the mo
 draft -> verifier    `DraftReply` (the forest), as an object-store reference the router only
                      forwards: the router passes the draft's `DeploymentResponse` into the
                      verifier call and never awaits it
-verifier -> router   `VerifyReply` (the next beams and their `Origin`: accepted-beam indices)
+verifier -> router   `VerifyReply` (the next beams and their `Origin`: accepted-beam indices;
+                     for a seeded decode also the forest's parents and tokens, which the
+                     router keeps to rebuild a lost cache: dsbd_core/algorithm/replay.py)
 router -> draft      the next `IterationCall` carries that `Origin`, which is how the accepted
                      paths reach the draft for its cache compaction
 
@@ -23,6 +25,7 @@ from typing import Any
 from dsbd_core.algorithm.config import SamplingConfig
 from dsbd_core.algorithm.loop import IterationCall
 from dsbd_core.algorithm.result import DecodeResult
+from dsbd_core.algorithm.scorer import ForestLayer
 from dsbd_core.algorithm.session_batch import BatchReport
 from dsbd_core.algorithm.state import Forest, Outcome
 
@@ -54,6 +57,8 @@ class VerifyReply:
     outcome: Outcome
     report: SideReport
     draft: SideReport | None = field(default=None)
+    # the forest the target scored (parents, tokens), for calls that carry `replay`
+    layers: list[ForestLayer] | None = None
 
 
 @dataclass

@@ -16,7 +16,8 @@ from deployments.messages import DraftReply, IterationCall, VerifyReply
 from deployments.metrics import IterationSample
 from deployments.model_replica import ModelReplica
 from deployments.tracing import VERIFIER
-from dsbd_core.algorithm.session_batch import Job
+from dsbd_core.algorithm.replay import verify_job
+from dsbd_core.algorithm.scorer import ForestLayer
 from dsbd_core.algorithm.state import NO_FOREST, Outcome
 
 
@@ -38,16 +39,25 @@ class Verifier(ModelReplica):
         jobs = []
         for session, (call, draft) in items:
             forest = draft.forest if draft is not None else NO_FOREST
-            jobs.append(Job(session, call.verify_steps(self.vocab_size, forest)))
+            jobs.append(verify_job(session, call, forest, self.vocab_size))
         with self.trace_batch([(session, call) for session, (call, _) in items]) as spans:
             results, report = await self.run_jobs(jobs)
             spans.finish(report, results, _describe)
         return [
-            VerifyReply(value, report, draft.report if draft is not None else None)
+            VerifyReply(
+                value, report, draft.report if draft is not None else None, _skeleton(call, draft)
+            )
             if isinstance(value, Outcome)
             else value
-            for value, (_, (_, draft)) in zip(results, items, strict=True)
+            for value, (_, (call, draft)) in zip(results, items, strict=True)
         ]
+
+
+def _skeleton(call: IterationCall, draft: DraftReply | None) -> list[ForestLayer] | None:
+    """The forest's parents and tokens, which a seeded decode's router keeps (replay.py)."""
+    if call.replay is None:
+        return None
+    return list(draft.forest.layers) if draft is not None else []
 
 
 def _describe(outcome: Outcome) -> dict[str, Any]:

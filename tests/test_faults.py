@@ -138,6 +138,15 @@ def test_a_replica_that_dies_inside_a_call_costs_a_retry_not_the_request(server,
     after = status(server, prefix)
     side = {"fdraft": "draft", "frouter": "router"}.get(app, "verifier")
     assert after[side]["replica"] != before[side]["replica"], "the replica was not replaced"
+    # seeded decodes: the caches lost with the replica were rebuilt by replaying the sessions'
+    # iterations (dsbd_core/algorithm/replay.py), never re-prefilled
+    replays = [r for got in results for r in got["stats"]["serving"]["replays"]]
+    print(f"{len(replays)} replays: {replays[:4]}")
+    if app == "frouter":  # the new router starts the decodes over: nothing to rebuild
+        assert not replays, replays
+    else:
+        replayed = "draft replayed" if app == "fdraft" else "verifier replayed"
+        assert any(replayed in r for r in replays), replays
 
 
 def _rss(pid: int) -> int:

@@ -157,19 +157,24 @@ def test_concurrent_requests_share_the_verifier_forward_and_stay_exact(server, r
         assert_same(got, reference("dsbd", body["prompt_ids"], **knobs))
 
 
-def test_sessions_on_replicas_without_their_cache_reprefill_and_stay_exact(server, reference):
+def test_sessions_on_replicas_without_their_cache_rebuild_it_and_stay_exact(server, reference):
+    """No affinity, two replicas a side: calls land where the session's cache is not. These
+    decodes are seeded, so the cache is rebuilt by replaying the session's iterations
+    (dsbd_core/algorithm/replay.py), and each decode equals the in-process one draw for draw."""
     bodies = [{"prompt_ids": [20 + i, 21, 22, 23], "seed": 100 + i, "max_new_tokens": 16,
                "width": 3, "gamma": 2, "adaptive": False} for i in range(4)]  # fmt: skip
     with ThreadPoolExecutor(2) as pool:
         results = list(pool.map(lambda body: native(server, body, "/spread"), bodies))
-    hits, replicas = [], set()
+    hits, replicas, replays = [], set(), []
     for body, got in zip(bodies, results, strict=True):
         knobs = {k: v for k, v in body.items() if k not in ("prompt_ids", "adaptive")}
         assert_same(got, reference("dsbd", body["prompt_ids"], **knobs))
         hits += got["stats"]["serving"]["verify_cache_hit"][1:]
         replicas |= set(got["stats"]["serving"]["verify_replica"])
+        replays += got["stats"]["serving"]["replays"]
     assert len(replicas) == 2
     assert not all(hits), "every call found its cache: the miss path was not exercised"
+    assert any("verifier replayed" in r for r in replays), replays
 
 
 def test_the_width_controller_adapts_the_depth_within_the_limits(server) -> None:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Generator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dsbd_core.algorithm.config import SamplingConfig
 from dsbd_core.algorithm.control import Controller, FixedKnobs, Knobs
@@ -31,6 +31,9 @@ from dsbd_core.algorithm.result import DecodeResult
 from dsbd_core.algorithm.scorer import ForestLogprobs, ForestScorer, ScoreCall, drive
 from dsbd_core.algorithm.search_engine import engine_for
 from dsbd_core.algorithm.state import NO_FOREST, DecodeState, Forest, Outcome
+
+if TYPE_CHECKING:
+    from dsbd_core.algorithm.replay import Replay
 
 
 @dataclass
@@ -44,6 +47,9 @@ class IterationCall:
     # puts the W3C trace context of its iteration span here (`traceparent`, `tracestate`), so
     # the replicas' spans continue the request's trace (deployments/tracing.py).
     trace: dict[str, str] = field(default_factory=dict)
+    # A seeded decode's driver says which earlier iteration each side's cache continues and,
+    # when a replica lost it, how to rebuild it bit for bit (dsbd_core/algorithm/replay.py).
+    replay: Replay | None = None
 
     def engine(self, vocab_size: int) -> Engine:
         return engine_for(self.config, vocab_size, uses_draft=self.uses_draft)

@@ -11,7 +11,9 @@ with its own config and random stream, exactly as in-process.
 
 KV caches stay here between iterations, keyed by the request's session id, and go back to the
 scorer in the order of the next batch. A missing cache (first iteration, another replica, an
-eviction) costs a re-prefill from the token ids the call carries, never a wrong result. Entries
+eviction) costs a re-prefill from the token ids the call carries, never a wrong result; for an
+exact job (a seeded request, `dsbd_core.algorithm.replay`) it costs a replay of the session's
+past iterations instead, which rebuilds the cache bit for bit. Entries
 are dropped on `release`, when a job fails, after `ttl_s` without use, and least-recently-used
 beyond `max_sessions`. A scorer that keeps the caches itself and exports only handles (the
 tensor-parallel `ShardedScorer`: the shards stay on the ranks) is told of every dropped entry
@@ -53,12 +55,37 @@ def _discard(scorer: Any, sessions: list[Any]) -> None:
         discard(sessions)
 
 
+class ReplayNeeded(RuntimeError):
+    """An exact job found no cache of its session's previous iteration here and came without
+    the history to rebuild it: the caller sends the call again with its history."""
+
+
+@dataclass
+class PastStep:
+    """One earlier iteration of a job's session on this side, re-run to rebuild a lost cache."""
+
+    iteration: int
+    after: int | None  # the iteration whose cache it continued (None: it started the cache)
+    steps: Callable[[], Generator[ScoreCall, ForestLogprobs, Any]]
+
+
 @dataclass
 class Job:
-    """One request's side of an iteration: its session id and its step generator."""
+    """One request's side of an iteration: its session id and its step generator.
+
+    A tracked job (`iteration` set) uses a stored cache only if that cache was left by the
+    side's call of iteration `after` (not a later one: a retried iteration whose first attempt
+    already ran here). An `exact` job may not re-prefill a cache it lacks, since a cache built
+    in one forward holds other last bits than one built iteration by iteration: it replays its
+    `history`, or fails with `ReplayNeeded` when none came with it.
+    """
 
     key: str
     steps: Generator[ScoreCall, ForestLogprobs, Any]
+    iteration: int | None = None  # the decode iteration it runs (tags the cache it leaves)
+    after: int | None = None  # the iteration whose cache it continues (None: starts one)
+    exact: bool = False
+    history: list[PastStep] | None = None  # this side's earlier iterations, oldest first
 
 
 @dataclass
@@ -68,13 +95,15 @@ class BatchReport:
     requests: int = 0  # jobs that reached the model in this batch
     sessions: int = 0  # scorer batch rows (sum of the jobs' sessions)
     forwards: int = 0  # model forwards (one per lockstep round)
-    reused: int = 0  # jobs whose cache was found here (the others re-prefilled)
+    reused: int = 0  # jobs whose cache was found here (the others re-prefilled or replayed)
+    replayed: dict[str, int] = field(default_factory=dict)  # key -> past iterations re-run
 
 
 @dataclass
 class _Entry:
     sessions: list[Any]
     used: float
+    iteration: int | None = None  # the iteration of the job that left it (tracked jobs)
 
 
 @dataclass
@@ -96,6 +125,7 @@ class SessionBatcher:
         report = BatchReport()
         results: list[Any] = [None] * len(jobs)
         calls = self._first_calls(jobs, results)
+        self._rebuild(jobs, calls, results, report)
         members = sorted(calls)  # jobs that need the model, in batch order
         if not members:
             return results, report
@@ -138,9 +168,11 @@ class SessionBatcher:
         session, a cache of another shape, or none here)."""
         cached: list[Any] = []
         for i, root, size in zip(members, roots, sizes, strict=True):
-            entry = self._store.pop(jobs[i].key, None)
+            job, entry = jobs[i], self._store.pop(jobs[i].key, None)
             usable = entry is not None and root.origin is not None and len(entry.sessions) == size
-            report.reused += int(usable)
+            if job.iteration is not None:  # tracked: only the cache its previous call left
+                usable = usable and job.after is not None and entry.iteration == job.after  # type: ignore[union-attr]
+            report.reused += int(usable and job.key not in report.replayed)
             if entry is not None and not usable:
                 _discard(self.scorer, entry.sessions)
             cached += entry.sessions if usable else [None] * size  # type: ignore[union-attr]
@@ -182,13 +214,51 @@ class SessionBatcher:
         complete = len(sessions) == sum(sizes)
         for i, size in zip(members, sizes, strict=True):
             if i not in failed and complete:
-                self._store[jobs[i].key] = _Entry(sessions[start : start + size], now)
+                self._store[jobs[i].key] = _Entry(sessions[start : start + size], now,
+                                                  jobs[i].iteration)  # fmt: skip
             elif complete:
                 _discard(self.scorer, sessions[start : start + size])
             start += size
         if not complete:
             _discard(self.scorer, sessions)
         self._evict()
+
+    def _rebuild(
+        self, jobs: list[Job], calls: dict[int, ScoreCall], results: list[Any],
+        report: BatchReport,
+    ) -> None:  # fmt: skip
+        """Rebuild the lost caches of exact jobs by re-running their sessions' past iterations
+        (each round one batch of every job still replaying: batch mates change no bits), or
+        fail a job that came without its history with `ReplayNeeded`."""
+        lost = []
+        for i in sorted(calls):
+            job = jobs[i]
+            entry = self._store.get(job.key)
+            if not job.exact or job.after is None or (entry and entry.iteration == job.after):
+                continue
+            if job.history is None:
+                _fail(i, jobs, calls, results, ReplayNeeded(
+                    f"session {job.key!r}: no cache of iteration {job.after} on this replica; "
+                    "send the call again with its history to rebuild it"))  # fmt: skip
+            else:
+                lost.append(i)
+        for r in range(max((len(jobs[i].history or []) for i in lost), default=0)):
+            now = [i for i in lost if i in calls and r < len(jobs[i].history or [])]
+            past = [jobs[i].history[r] for i in now]  # type: ignore[index]
+            values, _ = self.run([Job(jobs[i].key, p.steps(), p.iteration, p.after)
+                                  for i, p in zip(now, past, strict=True)])  # fmt: skip
+            for i, value in zip(now, values, strict=True):
+                if isinstance(value, BaseException):  # fails alone, its cache freed
+                    _fail(i, jobs, calls, results, value)
+                    self.release(jobs[i].key)
+                else:
+                    report.replayed[jobs[i].key] = r + 1
+        for i in lost:
+            entry = self._store.get(jobs[i].key)
+            if i in calls and (entry is None or entry.iteration != jobs[i].after):
+                _fail(i, jobs, calls, results, RuntimeError(
+                    f"session {jobs[i].key!r}: its history does not end at iteration "
+                    f"{jobs[i].after}"))  # fmt: skip
 
     def release(self, key: str) -> bool:
         """Free a session's caches (request finished, failed or cancelled)."""
@@ -229,6 +299,15 @@ class SessionBatcher:
             results[i] = stop.value
         except Exception as error:  # a bad request fails alone, not its batch
             results[i] = error
+
+
+def _fail(
+    i: int, jobs: list[Job], calls: dict[int, ScoreCall], results: list[Any], error: BaseException
+) -> None:
+    """Job `i` fails before its batch's forward: its call withdrawn, its generator closed."""
+    calls.pop(i)
+    jobs[i].steps.close()
+    results[i] = error
 
 
 def _pad(x: torch.Tensor, shape: tuple[int, ...], value: int | bool | float) -> torch.Tensor:
