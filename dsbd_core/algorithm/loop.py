@@ -22,18 +22,15 @@ from __future__ import annotations
 
 from collections.abc import Generator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from dsbd_core.algorithm.config import SamplingConfig
 from dsbd_core.algorithm.control import Controller, FixedKnobs, Knobs
 from dsbd_core.algorithm.engine import Engine
 from dsbd_core.algorithm.result import DecodeResult
-from dsbd_core.algorithm.scorer import ForestLogprobs, ForestScorer, ScoreCall, drive
+from dsbd_core.algorithm.scorer import ForestLayer, ForestLogprobs, ForestScorer, ScoreCall, drive
 from dsbd_core.algorithm.search_engine import engine_for
 from dsbd_core.algorithm.state import NO_FOREST, DecodeState, Forest, Outcome
-
-if TYPE_CHECKING:
-    from dsbd_core.algorithm.replay import Replay
 
 
 @dataclass
@@ -63,6 +60,23 @@ class IterationCall:
     ) -> Generator[ScoreCall, ForestLogprobs, Outcome]:
         """The target side as a generator of its one target-model call."""
         return self.engine(vocab_size).verify_steps(self.state, forest)
+
+
+@dataclass
+class PastIteration:
+    """One finished iteration as the sides saw it (a seeded decode's history, replay.py)."""
+
+    call: IterationCall  # no trace, no replay
+    drafted: bool  # its draft side ran (a depth of 0 sends no draft call)
+    layers: list[ForestLayer]  # the forest the target scored (parents, tokens; [] undrafted)
+
+
+@dataclass
+class Replay:
+    """What a call of an exact (seeded) decode carries to rebuild lost caches (replay.py)."""
+
+    last_drafted: int | None  # the latest earlier iteration whose draft side ran
+    history: list[PastIteration] | None = None  # every earlier iteration, when asked for
 
 
 @dataclass

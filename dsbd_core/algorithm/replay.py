@@ -27,29 +27,12 @@ from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any
 
-from dsbd_core.algorithm.loop import IterationCall
+from dsbd_core.algorithm.loop import IterationCall, PastIteration, Replay
 from dsbd_core.algorithm.scorer import ForestLayer, ForestLogprobs, ScoreCall
 from dsbd_core.algorithm.session_batch import Job, PastStep, ReplayNeeded
 from dsbd_core.algorithm.state import Forest
 
 __all__ = ["Lineage", "PastIteration", "Replay", "ReplayNeeded", "draft_job", "verify_job"]
-
-
-@dataclass
-class PastIteration:
-    """One finished iteration as the sides saw it."""
-
-    call: IterationCall  # no trace, no replay
-    drafted: bool  # its draft side ran (a depth of 0 sends no draft call)
-    layers: list[ForestLayer]  # the forest the target scored (parents, tokens; [] undrafted)
-
-
-@dataclass
-class Replay:
-    """What a call of an exact (seeded) decode carries to rebuild lost caches."""
-
-    last_drafted: int | None  # the latest earlier iteration whose draft side ran
-    history: list[PastIteration] | None = None  # every earlier iteration, when asked for
 
 
 @dataclass
