@@ -43,8 +43,7 @@ class Lineage:
 
     def tag(self, call: IterationCall, *, history: bool) -> IterationCall:
         """`call` as sent: with the iteration each side continues, and the history if asked."""
-        drafted = [p.call.state.iteration for p in self.past if p.drafted]
-        last = drafted[-1] if drafted else None
+        last = next((p.call.state.iteration for p in reversed(self.past) if p.drafted), None)
         return replace(call, replay=Replay(last, list(self.past) if history else None))
 
     def record(self, call: IterationCall, *, drafted: bool, layers: list[ForestLayer]) -> None:
