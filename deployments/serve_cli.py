@@ -37,6 +37,12 @@ class ServeOptions:
     metrics_port: int = 0  # Prometheus port of Ray's metrics agent (0: a free one)
     ready_file: Path | None = None  # once running, {"url", "pid", "metrics_url"} written here
     timeout: float = 600.0  # seconds to wait for the deployments
+    # Ray's object store, touched at start (deployments/local_ray.py); 0: Ray's default size.
+    # What serving puts there: calls and replies over 100 KiB, mainly the forests in flight
+    # (a draft's proposals with their distributions, ~width x depth x vocab x 4 bytes each):
+    # ~20 MiB at once under 32 clients on the embedded pair. A larger need is still served
+    # (Ray then allocates the rest from files in its session folder), only slower.
+    object_store_mib: int = 512
 
 
 def prepare_models(schema: Any) -> None:
@@ -81,7 +87,8 @@ def serve(schema: Any, options: ServeOptions) -> int:
     # then never raises KeyboardInterrupt: `kill -INT` left the server running. Ctrl-C stops it.
     signal.signal(signal.SIGINT, signal.default_int_handler)
     start_local_ray(num_cpus=options.num_cpus, namespace="serve",
-                    metrics_export_port=options.metrics_port)  # fmt: skip
+                    metrics_export_port=options.metrics_port,
+                    object_store_mib=options.object_store_mib)  # fmt: skip
     # ray.init installs Ray's own SIGTERM handler (log a stack, abort): a SIGTERM (Kubernetes,
     # systemd, kill) then killed this process mid-way and left Ray's agents running. Ours again.
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))

@@ -17,6 +17,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
+from deployments.local_ray import OBJECT_STORE_MINIMUM_MIB
 from deployments.serve_cli import DEFAULT_IMPORT_PATH
 from dsbd.common import fail
 from dsbd_core.algorithm.config import config_error_message
@@ -62,6 +63,11 @@ def add_arguments(serve: argparse.ArgumentParser) -> None:
         "(default 0: a free port, printed and written to --ready-file)",
     )  # fmt: skip
     serve.add_argument(
+        "--object-store-mib", type=int, default=512, metavar="MIB",
+        help="size of Ray's shared object store, all of it reserved at start so Ray's memory "
+        "stays flat (default 512; 0: Ray's default, 30%% of RAM, reserved as used)",
+    )  # fmt: skip
+    serve.add_argument(
         "--tp-size", type=int, default=None, metavar="N",
         help="shard every application's target over N tensor-parallel ranks "
         "(overrides target.tp_size of the config)",
@@ -75,9 +81,9 @@ def print_ray_env() -> int:
     `env $(dsbd ray-env) serve run serve_config.yaml` scopes them to that one command (HOME
     points at a fresh folder holding Ray's bootstrap config, see deployments.local_ray).
     """
-    from deployments.local_ray import loopback_environment
+    from deployments.local_ray import loopback_environment, ray_process_environment
 
-    for name, value in loopback_environment().items():
+    for name, value in (loopback_environment() | ray_process_environment()).items():
         print(f"{name}={shlex.quote(value)}")
     return 0
 
@@ -126,6 +132,10 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(fail(f"--tp-size={args.tp_size}: must be >= 1"))
     if not 0 <= args.metrics_port <= 65535:
         raise SystemExit(fail(f"--metrics-port={args.metrics_port}: allowed 0..65535"))
+    if args.object_store_mib != 0 and args.object_store_mib < OBJECT_STORE_MINIMUM_MIB:
+        message = (f"--object-store-mib={args.object_store_mib}: allowed 0 (Ray's default size) "
+                   f"or >= {OBJECT_STORE_MINIMUM_MIB} (Ray's minimum)")  # fmt: skip
+        raise SystemExit(fail(message))
     schema = load_config(args.config, args.host, args.port, args.tp_size)
     try:
         prepare_models(schema)
@@ -138,5 +148,6 @@ def run(args: argparse.Namespace) -> int:
         metrics_port=args.metrics_port,
         ready_file=args.ready_file,
         timeout=args.timeout,
+        object_store_mib=args.object_store_mib,
     )
     return serve(schema, options)

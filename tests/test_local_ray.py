@@ -88,3 +88,49 @@ def test_ray_processes_keep_the_users_model_caches(tmp_path: Path, monkeypatch) 
     assert env["HOME"] == str(tmp_path / "ray-home")
     assert env["DSBD_CACHE_DIR"] == str(cache_root())
     assert env["HF_HOME"] == str(Path.home() / ".cache" / "huggingface")
+
+
+MEMORY_SCRIPT = textwrap.dedent(
+    """
+    import json, os, psutil
+    from deployments.local_ray import start_local_ray, stop_local_ray
+
+    start_local_ray(num_cpus=1, object_store_mib=80)
+    try:
+        seen = {}
+        for child in psutil.Process().children(recursive=True):
+            if child.name() in ("gcs_server", "raylet"):
+                environ = child.environ()
+                status = open(f"/proc/{child.pid}/status").read().split("\\n")
+                shmem = next(int(x.split()[1]) for x in status if x.startswith("RssShmem:"))
+                jemalloc = "libjemalloc" in open(f"/proc/{child.pid}/maps").read()
+                seen[child.name()] = {"malloc_conf": environ.get("MALLOC_CONF"),
+                                      "shmem_kib": shmem, "jemalloc": jemalloc}
+        print("SEEN", json.dumps(seen))
+    finally:
+        stop_local_ray()
+    """
+)
+
+
+def test_rays_gcs_gets_one_jemalloc_arena_and_the_store_is_touched_at_start() -> None:
+    """The fix for Ray's own processes' growth under load (docs/RELIABILITY.md section 10, the
+    seventh soak): the GCS server runs Ray's jemalloc with freed pages given back at once, the
+    raylet with jemalloc's defaults (the settings cost it a fifth of the throughput), and the
+    object store `dsbd serve` sizes is all touched when the raylet starts (its shared pages no
+    longer grow as objects land on new ones). Without the settings the raylet held ~1 MiB of
+    the store and the GCS had no MALLOC_CONF."""
+    from deployments.local_ray import RAY_PROCESS_MALLOC_CONF
+
+    completed = subprocess.run(
+        [sys.executable, "-c", MEMORY_SCRIPT], capture_output=True, text=True, timeout=300,
+        cwd=Path(__file__).parent.parent,
+    )  # fmt: skip
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    line = next(x for x in completed.stdout.splitlines() if x.startswith("SEEN "))
+    seen = json.loads(line.removeprefix("SEEN "))
+    assert set(seen) == {"gcs_server", "raylet"}, seen
+    assert seen["gcs_server"]["jemalloc"] and seen["raylet"]["jemalloc"], seen
+    assert seen["gcs_server"]["malloc_conf"] == RAY_PROCESS_MALLOC_CONF, seen
+    assert seen["raylet"]["malloc_conf"] is None, seen
+    assert seen["raylet"]["shmem_kib"] >= 80 * 1024, seen["raylet"]

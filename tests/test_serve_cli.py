@@ -82,6 +82,16 @@ def test_tp_size_is_checked_against_the_model_before_ray_starts(tmp_path: Path) 
         assert "ray" not in done.stdout.lower()
 
 
+def test_an_object_store_below_rays_minimum_exits_2_before_ray_starts() -> None:
+    """`--object-store-mib` (Ray's shared store, touched at start: deployments/local_ray.py)
+    takes 0 (Ray's default size) or Ray's minimum of 75 MiB and more."""
+    done = subprocess.run([*DSBD, "serve", "--object-store-mib", "10"], capture_output=True,
+                          text=True, timeout=120, cwd=REPO)  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert "--object-store-mib=10: allowed 0 (Ray's default size) or >= 75" in done.stderr
+    assert "ray" not in done.stdout.lower()
+
+
 def test_tp_size_gives_the_verifier_a_placement_group_of_ranks() -> None:
     schema = load_config(REPO / "serve_config.yaml", "127.0.0.1", 8000, tp_size=2)
     args = AppArgs.model_validate(schema.applications[0].args)
