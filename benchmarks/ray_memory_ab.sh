@@ -24,7 +24,8 @@ variants=(defaults shipped both)
 out=benchmarks/results/ray_memory
 mkdir -p "$out"
 export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-both="narenas:1,dirty_decay_ms:0,muzzy_decay_ms:0"
+# the GCS server's jemalloc settings, the same ones given to the raylet too
+both=$(.venv/bin/python -c "from deployments.local_ray import RAY_PROCESS_MALLOC_CONF as c; print(c)")
 
 for round in $(seq 1 "$rounds"); do
   for variant in "${variants[@]}"; do
