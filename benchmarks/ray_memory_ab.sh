@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Ray's own processes' memory settings, side by side: the throughput and the GCS / raylet memory
-# of `dsbd serve` under the soak's load (benchmarks/soak.py, 32 clients) for each variant in
-# turn, each on a fresh server (docs/RELIABILITY.md section 10, the seventh soak).
+# Memory settings side by side: the throughput and the memory of every process (Ray's GCS and
+# raylet, the ingress, ...) of `dsbd serve` under the soak's load (benchmarks/soak.py, 32
+# clients) for each variant in turn, each on a fresh server (docs/RELIABILITY.md section 10,
+# the seventh and eighth soaks).
 #
 #   bash benchmarks/ray_memory_ab.sh [SECONDS_PER_RUN] [ROUNDS] [VARIANT ...]
 #
@@ -11,6 +12,8 @@
 #   shipped   store + one jemalloc arena returning freed pages at once in the GCS server
 #   both      store + those jemalloc settings in the GCS server and the raylet (rejected:
 #             the raylet then served about a fifth fewer requests)
+#   system-http  shipped, but the ingress and router replicas on glibc's malloc (`allocator:
+#             system`, benchmarks/configs/serve_smollm2_system_malloc.yaml; default jemalloc)
 # Writes benchmarks/results/ray_memory/ab_VARIANT_ROUND.json (soak.py's output) and appends
 # "variant round requests completed p50 p99 load-before load-after" to ab_runs.txt there.
 # Run it on a quiet machine: the variants are compared by the requests each served.
@@ -34,6 +37,7 @@ for round in $(seq 1 "$rounds"); do
       store) flags=(); env=(RAY_JEMALLOC_PROFILE=none) ;;
       shipped) flags=(); env=() ;;
       both) flags=(); env=(RAY_JEMALLOC_PROFILE=gcs_server,raylet "RAY_JEMALLOC_CONF=$both") ;;
+      system-http) flags=(--config benchmarks/configs/serve_smollm2_system_malloc.yaml); env=() ;;
       *) echo "unknown variant $variant" >&2; exit 2 ;;
     esac
     workdir=$(mktemp -d)

@@ -129,15 +129,17 @@ _COUNTS = ("python_blocks", "cached_sessions")  # counted, not bytes
 
 
 def replica_sample(status: dict[str, Any] | None) -> dict[str, dict[str, int]]:
-    """What the draft and verifier replicas that answer say they hold: their allocator's
-    statistics (live malloc'd bytes vs pages held, Python's live blocks;
-    deployments/allocator.py) and their cached sessions, keyed "side pid"."""
+    """What the replicas that answer say they hold: their allocator's statistics (live
+    malloc'd bytes vs pages held, Python's live blocks; deployments/allocator.py) and, for the
+    model replicas, their cached sessions, keyed "side pid"."""
     out: dict[str, dict[str, int]] = {}
-    for side in ("draft", "verifier"):
+    for side in ("draft", "verifier", "router", "ingress"):
         info = (status or {}).get(side)
         if info:
             stats = dict(info.get("allocator_stats") or {})
-            out[f"{side} {info['pid']}"] = {**stats, "cached_sessions": info["cached_sessions"]}
+            if "cached_sessions" in info:
+                stats["cached_sessions"] = info["cached_sessions"]
+            out[f"{side} {info['pid']}"] = stats
     return out
 
 

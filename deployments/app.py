@@ -17,7 +17,7 @@ from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
 from deployments.affinity import ROUTER_CLASS
-from deployments.allocator import replica_runtime_env
+from deployments.allocator import Allocator, replica_runtime_env
 from deployments.draft import Draft
 from deployments.ingress import Ingress, Limits, RouterOptions
 from deployments.model_replica import ModelOptions
@@ -65,14 +65,20 @@ class Resources(BaseModel):
         return value
 
     def options(
-        self, model: ModelOptions | None = None, inherited_env: dict[str, Any] | None = None
-    ) -> dict[str, Any]:
+        self, model: ModelOptions | None = None, inherited_env: dict[str, Any] | None = None,
+        allocator: Allocator | None = None,
+    ) -> dict[str, Any]:  # fmt: skip
         """Serve deployment options; a model with `tp_size > 1` adds its placement group: the
-        replica's own bundle first, then one bundle per rank (deployments/tensor_parallel.py)."""
+        replica's own bundle first, then one bundle per rank (deployments/tensor_parallel.py).
+        A deployment without a model gets `allocator` (None: the environment's malloc)."""
         actor: dict[str, Any] = {"num_cpus": self.num_cpus}
-        runtime_env = (replica_runtime_env(model.allocator, model.primitive_cache, inherited_env)
-                       if model else None)  # fmt: skip
-        if runtime_env is not None:  # the model replicas' memory (deployments/allocator.py)
+        if model is not None:
+            runtime_env = replica_runtime_env(model.allocator, model.primitive_cache,
+                                              inherited_env)  # fmt: skip
+        else:
+            runtime_env = (replica_runtime_env(allocator, None, inherited_env)
+                           if allocator else None)  # fmt: skip
+        if runtime_env is not None:  # the replicas' memory (deployments/allocator.py)
             actor["runtime_env"] = runtime_env
         if self.num_gpus:
             actor["num_gpus"] = self.num_gpus
@@ -128,6 +134,12 @@ class AppArgs(BaseModel):
         target_ongoing_requests=64,
     )  # parses, checks, admits and streams; the decode loops run in the routers
     router_resources: Resources = Resources(num_cpus=0.1, max_replicas=4, max_ongoing_requests=256)
+    allocator: Allocator = Field(
+        "jemalloc", description="The ingress and router replicas' malloc: jemalloc (Ray's, "
+        "preloaded; their RSS flat under load) or system (glibc's: the ingress's climbed ~25 "
+        "MiB over 8 minutes and dropped at once, again and again). The model replicas have "
+        "their own: target.allocator, draft.allocator. deployments/allocator.py.",
+    )  # fmt: skip
     draft_resources: Resources = Resources(num_cpus=0.5)
     verifier_resources: Resources = Resources(num_cpus=1.0)
 
@@ -193,7 +205,10 @@ def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
         api_key_file=config.api_key_file,
         router_replicas=config.ingress_resources.max_replicas,  # memory admission's share
     )
-    router = Router.options(**config.router_resources.options()).bind(draft, verifier, controller)
-    return Ingress.options(**config.ingress_resources.options()).bind(
+    serving = {"inherited_env": inherited, "allocator": config.allocator}  # no model: HTTP, loops
+    router = Router.options(**config.router_resources.options(**serving)).bind(
+        draft, verifier, controller
+    )
+    return Ingress.options(**config.ingress_resources.options(**serving)).bind(
         router, draft, verifier, controller, router_options.model_dump()
     )

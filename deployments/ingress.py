@@ -40,6 +40,7 @@ from ray import serve
 
 from deployments import router_client, tracing
 from deployments.admission import MemoryLedger, router_view, session_charge
+from deployments.allocator import active_allocator, allocator_stats
 from deployments.api_errors import (
     APIError,
     api_error_handler,
@@ -141,7 +142,9 @@ class Ingress:
         router = await self.router.info.remote()
         ingress = {"replica": replica_id(), "pid": os.getpid(), "running": self._running,
                    "admitted_memory_bytes": dict(self._memory.admitted),
-                   "admitted_memory_peak_bytes": dict(self._memory.peak)}  # fmt: skip
+                   "admitted_memory_peak_bytes": dict(self._memory.peak),
+                   "allocator": active_allocator(),  # jemalloc unless asked otherwise (app.py)
+                   "allocator_stats": allocator_stats()}  # fmt: skip
         return {
             "model": self.options.model_name,
             **load,

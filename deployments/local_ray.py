@@ -33,6 +33,12 @@ one jemalloc arena that returns freed pages at once (`ray_process_environment`),
 serve` starts a store sized to what serving needs, all of it touched at start
 (`object_store_mib`, `--object-store-mib`). The raylet keeps jemalloc's defaults: with the
 GCS's settings it served a fifth fewer requests (it handles every object a call puts).
+
+The GCS also keeps a record of every actor and worker that is gone and of every task's events,
+up to 100,000 of each by default (for the dashboard and `ray list`): ~18 KiB per actor that
+came and went (benchmarks/gcs_actor_churn.py), so a server whose replicas autoscale or get
+replaced for weeks would grow its GCS towards GiBs before the caps. `GCS_HISTORY_CAPS` keeps
+the last 1,000 actors and workers and 10,000 tasks' events: the GCS's memory then levels off.
 """
 
 from __future__ import annotations
@@ -50,6 +56,13 @@ BOOTSTRAP_CONFIG = "provider: {type: local}\n"
 # names): one arena, freed pages given back at once, so its RSS follows its live bytes.
 RAY_PROCESS_MALLOC_CONF = "narenas:1,dirty_decay_ms:0,muzzy_decay_ms:0"
 RAY_MALLOC_PROCESSES = "gcs_server"
+# What the GCS remembers of actors and workers that are gone and of tasks' events (Ray's
+# defaults: 100,000 each, ~18 KiB per actor that came and went): bounded far lower.
+GCS_HISTORY_CAPS = {
+    "RAY_maximum_gcs_destroyed_actor_cached_count": "1000",
+    "RAY_maximum_gcs_dead_worker_cached_count": "1000",
+    "RAY_task_events_max_num_task_in_gcs": "10000",
+}
 # Ray refuses a smaller object store (ray_constants.OBJECT_STORE_MINIMUM_MEMORY_BYTES).
 OBJECT_STORE_MINIMUM_MIB = 75
 
@@ -86,10 +99,12 @@ def loopback_environment(home: Path | None = None) -> dict[str, str]:
 
 def ray_process_environment() -> dict[str, str]:
     """Environment variables that give Ray's GCS server the jemalloc settings of
-    `RAY_PROCESS_MALLOC_CONF` (no other process gets them)."""
+    `RAY_PROCESS_MALLOC_CONF` (no other process gets them) and the caps of its history of
+    processes and tasks gone (`GCS_HISTORY_CAPS`)."""
     return {
         "RAY_JEMALLOC_CONF": RAY_PROCESS_MALLOC_CONF,
         "RAY_JEMALLOC_PROFILE": RAY_MALLOC_PROCESSES,
+        **GCS_HISTORY_CAPS,
     }
 
 

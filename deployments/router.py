@@ -24,6 +24,7 @@ from opentelemetry import context as otel_context
 from ray import serve
 
 from deployments import tracing
+from deployments.allocator import active_allocator, allocator_stats
 from deployments.decode_session import DecodeSession, Handles, committed_tokens
 from deployments.faults import fault_point
 from deployments.messages import Committed, DecodeCall, DecodeEnd
@@ -66,7 +67,13 @@ class Router:
         self._running = 0  # decode loops in progress here
 
     async def info(self) -> dict[str, Any]:
-        return {"replica": tracing.replica_id(), "pid": os.getpid(), "running": self._running}
+        return {
+            "replica": tracing.replica_id(),
+            "pid": os.getpid(),
+            "running": self._running,
+            "allocator": active_allocator(),
+            "allocator_stats": allocator_stats(),
+        }
 
     def _session(self, call: DecodeCall) -> DecodeSession:
         return DecodeSession(self.handles, call.vocab_size, call.config,

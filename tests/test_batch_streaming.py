@@ -21,6 +21,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -246,16 +247,17 @@ sys.exit(status)
 """
 
 
-def write_job_input(root: Path, long_rows: int, long_chars: int) -> list[Any]:
+def write_job_input(root: Path, long_rows: int, long_chars: int, decoded_rows: int = 3
+                    ) -> list[Any]:  # fmt: skip
     """Four files, JSONL and Parquet in turn; returns the rows in input order (dicts, or the
-    raw text of a line that is not JSON). Each file: 3 prompts decoded, `long_rows` prompts of
-    `long_chars` characters (too long), a bad knob, an unknown field (and in JSONL a line that
-    is not JSON)."""
+    raw text of a line that is not JSON). Each file: `decoded_rows` prompts decoded, `long_rows`
+    prompts of `long_chars` characters (too long), a bad knob, an unknown field (and in JSONL a
+    line that is not JSON)."""
     given: list[Any] = []
     for part in range(4):
         rows: list[Any] = []
-        for k in range(max(3, long_rows)):
-            if k < 3:
+        for k in range(max(decoded_rows, long_rows)):
+            if k < decoded_rows:
                 rows.append({"id": f"q{part}-{k}", "prompt": f"one two {k} {part}", "chat": False,
                              "seed": k})  # fmt: skip
             if k < long_rows:
@@ -311,6 +313,14 @@ def records_of(out: Path) -> list[dict[str, Any]]:
     return records
 
 
+def error_census(out: Path) -> list[tuple[tuple[str, str], int]]:
+    """The output's errors by kind and message (first 200 characters), most frequent first:
+    what a failing run reports of why its rows failed (the rows' own `error` column)."""
+    found = Counter((str(r.get("error_kind")), str(r["error"])[:200])
+                    for r in records_of(out) if r["error"] is not None)  # fmt: skip
+    return found.most_common(6)
+
+
 def check_exactly_once(records: list[dict[str, Any]], given: list[Any]) -> None:
     """One record per input row, with its id, and the right error for each bad row."""
     assert sorted(r["index"] for r in records) == list(range(len(given)))
@@ -337,7 +347,11 @@ def test_a_directory_streams_past_the_driver_and_resumes_exactly(tmp_path: Path)
     small, large = tmp_path / "small", tmp_path / "large"
     small.mkdir(), large.mkdir()
     given_small = write_job_input(small, long_rows=10, long_chars=150_000)
-    given_large = write_job_input(large, long_rows=100, long_chars=150_000)
+    # Rows to decode in every file of the large input, so that decoding still runs when the
+    # first output file lands and the interrupt below cuts the job short: with 3 per file, the
+    # whole job's decoding took well under a second and, under a loaded suite, every file was
+    # written in the job's last moments, so it ended (status 0) before the interrupt reached it.
+    given_large = write_job_input(large, long_rows=100, long_chars=150_000, decoded_rows=24)
     text_small, text_large = (
         sum(len(json.dumps(r)) for r in g) for g in (given_small, given_large)
     )
@@ -353,7 +367,7 @@ def test_a_directory_streams_past_the_driver_and_resumes_exactly(tmp_path: Path)
     out = tmp_path / "large.parquet"
     argv = ["--input", str(large), "--output", str(out), *flags]
     status, log, rss_cut = run_driver(argv, interrupt_when=out)
-    assert status == 130, log[-3000:]
+    assert status == 130, f"{log[-3000:]}\nerrors in the output: {error_census(out)}"
     before = records_of(out)
     assert 0 < len(before) < len(given_large), len(before)
     status, log, rss_resumed = run_driver(argv)

@@ -373,6 +373,17 @@ def test_one_image_and_one_ray_version_everywhere() -> None:
     assert yaml.safe_load(VM_CONFIG.read_text())["docker"]["image"] == IMAGE
 
 
+def test_the_head_gives_rays_gcs_the_memory_settings_dsbd_serve_gives_it() -> None:
+    """The GCS runs on the head pod: its jemalloc settings and history caps are those of
+    `dsbd serve`'s local Ray (deployments/local_ray.py, docs/RELIABILITY.md section 10)."""
+    from deployments.local_ray import ray_process_environment
+
+    for name in MANIFESTS:
+        (head,) = cluster_spec(load(name))["headGroupSpec"]["template"]["spec"]["containers"]
+        env = {item["name"]: item["value"] for item in head["env"]}
+        assert ray_process_environment().items() <= env.items(), name
+
+
 # --------------------------------------------------------------------------- VM cluster config
 def test_vm_cluster_config_matches_rays_cluster_schema() -> None:
     from ray.autoscaler._private.util import prepare_config, validate_config

@@ -93,7 +93,7 @@ def test_ray_processes_keep_the_users_model_caches(tmp_path: Path, monkeypatch) 
 MEMORY_SCRIPT = textwrap.dedent(
     """
     import json, os, psutil
-    from deployments.local_ray import start_local_ray, stop_local_ray
+    from deployments.local_ray import GCS_HISTORY_CAPS, start_local_ray, stop_local_ray
 
     start_local_ray(num_cpus=1, object_store_mib=80)
     try:
@@ -105,7 +105,9 @@ MEMORY_SCRIPT = textwrap.dedent(
                 shmem = next(int(x.split()[1]) for x in status if x.startswith("RssShmem:"))
                 jemalloc = "libjemalloc" in open(f"/proc/{child.pid}/maps").read()
                 seen[child.name()] = {"malloc_conf": environ.get("MALLOC_CONF"),
-                                      "shmem_kib": shmem, "jemalloc": jemalloc}
+                                      "shmem_kib": shmem, "jemalloc": jemalloc,
+                                      "caps": {k: v for k, v in environ.items()
+                                               if k in GCS_HISTORY_CAPS}}
         print("SEEN", json.dumps(seen))
     finally:
         stop_local_ray()
@@ -120,7 +122,7 @@ def test_rays_gcs_gets_one_jemalloc_arena_and_the_store_is_touched_at_start() ->
     object store `dsbd serve` sizes is all touched when the raylet starts (its shared pages no
     longer grow as objects land on new ones). Without the settings the raylet held ~1 MiB of
     the store and the GCS had no MALLOC_CONF."""
-    from deployments.local_ray import RAY_PROCESS_MALLOC_CONF
+    from deployments.local_ray import GCS_HISTORY_CAPS, RAY_PROCESS_MALLOC_CONF
 
     completed = subprocess.run(
         [sys.executable, "-c", MEMORY_SCRIPT], capture_output=True, text=True, timeout=300,
@@ -134,3 +136,5 @@ def test_rays_gcs_gets_one_jemalloc_arena_and_the_store_is_touched_at_start() ->
     assert seen["gcs_server"]["malloc_conf"] == RAY_PROCESS_MALLOC_CONF, seen
     assert seen["raylet"]["malloc_conf"] is None, seen
     assert seen["raylet"]["shmem_kib"] >= 80 * 1024, seen["raylet"]
+    # the GCS remembers 1,000 actors and workers gone, not 100,000 (benchmarks/gcs_actor_churn.py)
+    assert seen["gcs_server"]["caps"] == GCS_HISTORY_CAPS, seen["gcs_server"]
