@@ -73,11 +73,11 @@ class Resources(BaseModel):
         A deployment without a model gets `allocator` (None: the environment's malloc)."""
         actor: dict[str, Any] = {"num_cpus": self.num_cpus}
         if model is not None:
-            runtime_env = replica_runtime_env(model.allocator, model.primitive_cache,
-                                              inherited_env)  # fmt: skip
+            allocator, primitive_cache = model.allocator, model.primitive_cache
         else:
-            runtime_env = (replica_runtime_env(allocator, None, inherited_env)
-                           if allocator else None)  # fmt: skip
+            primitive_cache = None  # no matmuls outside the model replicas
+        runtime_env = (replica_runtime_env(allocator, primitive_cache, inherited_env)
+                       if allocator else None)  # fmt: skip
         if runtime_env is not None:  # the replicas' memory (deployments/allocator.py)
             actor["runtime_env"] = runtime_env
         if self.num_gpus:
