@@ -67,7 +67,12 @@ def start(
     num_cpus: float | None = None, strace_dir: Path | None = None,
     env: dict[str, str] | None = None, timeout_s: float = 900.0,
 ) -> Server:  # fmt: skip
-    """Start `dsbd serve` on a free loopback port and wait until every application runs."""
+    """Start `dsbd serve` on a free loopback port and wait until every application runs.
+
+    The server runs in a session of its own (so its Ray processes can be killed as one), so a
+    SIGTERM to the benchmark (`kill`, `timeout`) would not reach it: the benchmark's SIGTERM
+    is turned into SystemExit, whose `finally: stop(server)` takes the server down with it."""
+    _exit_on_sigterm()
     app, prefix = application(config, app_name)
     workdir.mkdir(parents=True, exist_ok=True)
     port, ready = free_port(), workdir / "ready"
@@ -101,6 +106,17 @@ def start(
             break
         time.sleep(1)
     return Server(process, info["url"] + prefix, int(info["pid"]), log, app, app.model_name)
+
+
+def _exit_on_sigterm() -> None:
+    """SIGTERM raises SystemExit(143) in the main thread, if nobody else handles SIGTERM."""
+
+    def leave(signum: int, _frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    with contextlib.suppress(ValueError):  # not the main thread: leave signals alone
+        if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+            signal.signal(signal.SIGTERM, leave)
 
 
 def stop(server: Server, wait_s: float = 90.0) -> list[int]:

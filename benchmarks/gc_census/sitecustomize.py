@@ -18,6 +18,18 @@ few hundred objects per 90 s, and a 33 MiB drop with no collection behind it.)
     mkdir -p /tmp/gc_census
     PYTHONPATH=benchmarks/gc_census GC_CENSUS_OUT=/tmp/gc_census .venv/bin/python \\
         benchmarks/soak.py --duration 540 --window 300 --out /tmp/gc_census/soak.json
+
+`GC_CENSUS_MODE=heap` asks instead where Python's own heap grows: the watched processes trace
+their allocations (`tracemalloc`, `GC_CENSUS_FRAMES` frames each, default 8) and every period
+write what is live, by traceback, against the first snapshot taken `GC_CENSUS_BASELINE`
+seconds after start (default 300: after the soak's warm-up) and against the previous one, with
+the traced total beside the process's RSS and private memory: growth the traces do not hold is
+native (a C extension, gRPC, the allocator). Why: Ray's node metrics agent (DashboardAgent)
+grew +2.1 % in PSS in the ninth soak (docs/RELIABILITY.md section 10); it is a Python process.
+
+    GC_CENSUS_MODE=heap GC_CENSUS_WATCH=dashboard/agent.py PYTHONPATH=benchmarks/gc_census \\
+        GC_CENSUS_OUT=/tmp/heap_census .venv/bin/python benchmarks/soak.py --duration 1200 \\
+        --window 600 --out /tmp/heap_census/soak.json
 """
 
 from __future__ import annotations
@@ -27,6 +39,7 @@ import json
 import os
 import threading
 import time
+import tracemalloc
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -34,6 +47,9 @@ from typing import Any
 OUT = Path(os.environ.get("GC_CENSUS_OUT", "/tmp/gc_census"))
 WATCH = tuple(os.environ.get("GC_CENSUS_WATCH", "Ingress,Router,ProxyActor").split(","))
 PERIOD_S = float(os.environ.get("GC_CENSUS_PERIOD", "90"))
+MODE = os.environ.get("GC_CENSUS_MODE", "cycles")  # or "heap"
+FRAMES = int(os.environ.get("GC_CENSUS_FRAMES", "8"))
+BASELINE_S = float(os.environ.get("GC_CENSUS_BASELINE", "300"))
 _automatic: list[tuple[float, int]] = []  # full collections Python ran itself: (time, collected)
 
 
@@ -93,13 +109,74 @@ def _census(name: str, command_line: str) -> None:
             out.write(json.dumps(record) + "\n")
 
 
-def _start() -> None:
+def _memory_kib() -> dict[str, int]:
+    """The process's RSS and its private part (RssAnon) from /proc/self/status, in KiB."""
+    wanted = {"VmRSS": "rss_kib", "RssAnon": "anon_kib"}
+    out = {}
+    for line in Path("/proc/self/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in wanted:
+            out[wanted[key]] = int(value.split()[0])
+    return out
+
+
+def _top(stats: list[tracemalloc.StatisticDiff], count: int = 30) -> list[dict[str, Any]]:
+    """The largest growths, each with its traceback's innermost frames (site-packages trimmed)."""
+    rows = sorted(stats, key=lambda stat: stat.size_diff, reverse=True)[:count]
+    return [{"size_diff": stat.size_diff, "size": stat.size, "count_diff": stat.count_diff,
+             "count": stat.count,
+             "where": [f"{frame.filename.split('site-packages/')[-1]}:{frame.lineno}"
+                       for frame in stat.traceback]}
+            for stat in rows]  # fmt: skip
+
+
+def _heap(name: str, command_line: str, started: float) -> None:
+    """Where Python's live heap grows: tracebacks against a baseline and the previous period."""
+    path = OUT / f"heap_{name.replace('/', '_')}_{os.getpid()}.jsonl"
+    ignore = [tracemalloc.Filter(False, tracemalloc.__file__), tracemalloc.Filter(False, __file__)]
+    baseline: tracemalloc.Snapshot | None = None
+    previous: tracemalloc.Snapshot | None = None
+    while True:
+        time.sleep(PERIOD_S)
+        snapshot = tracemalloc.take_snapshot().filter_traces(ignore)
+        if baseline is None and time.time() - started >= BASELINE_S:
+            baseline = snapshot
+        current, peak = tracemalloc.get_traced_memory()
+        record = {"t": time.time(), "process": command_line[:120], "traced": current,
+                  "traced_peak": peak, "tracing_overhead": tracemalloc.get_tracemalloc_memory(),
+                  **_memory_kib(), "baseline_t": None if baseline is None else started + BASELINE_S,
+                  "since_baseline": [] if baseline is None
+                  else _top(snapshot.compare_to(baseline, "traceback")),
+                  "since_previous": [] if previous is None
+                  else _top(snapshot.compare_to(previous, "traceback"), 15)}  # fmt: skip
+        previous = snapshot
+        with path.open("a") as out:
+            out.write(json.dumps(record) + "\n")
+
+
+def _watched(command_line: str) -> str | None:
+    return next((watched for watched in WATCH if watched in command_line), None)
+
+
+def _start(name_at_start: str | None) -> None:
+    started = time.time()
     time.sleep(20)  # Ray names the process once the replica's actor is created
-    command_line = _command_line()
-    name = next((watched for watched in WATCH if watched in command_line), None)
-    if name is not None:
-        OUT.mkdir(parents=True, exist_ok=True)
+    command_line = _command_line()  # Ray's agents rename themselves too (ray::DashboardAgent)
+    name = name_at_start or _watched(command_line)
+    if name is None:
+        return
+    OUT.mkdir(parents=True, exist_ok=True)
+    if MODE == "heap":
+        if name_at_start is None:
+            tracemalloc.start(FRAMES)
+        _heap(name, command_line, started)
+    else:
         _census(name, command_line)
 
 
-threading.Thread(target=_start, daemon=True, name="gc-census").start()
+# A process whose command line already names what is watched (Ray's agents, not a replica Ray
+# renames later) traces its heap from its first allocation.
+_name_at_start = _watched(_command_line()) if MODE == "heap" else None
+if _name_at_start is not None:
+    tracemalloc.start(FRAMES)
+threading.Thread(target=_start, args=(_name_at_start,), daemon=True, name="gc-census").start()
