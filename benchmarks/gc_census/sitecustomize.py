@@ -135,16 +135,17 @@ def _heap(name: str, command_line: str, started: float) -> None:
     path = OUT / f"heap_{name.replace('/', '_')}_{os.getpid()}.jsonl"
     ignore = [tracemalloc.Filter(False, tracemalloc.__file__), tracemalloc.Filter(False, __file__)]
     baseline: tracemalloc.Snapshot | None = None
+    baseline_t: float | None = None  # when it was taken: the first period past BASELINE_S
     previous: tracemalloc.Snapshot | None = None
     while True:
         time.sleep(PERIOD_S)
         snapshot = tracemalloc.take_snapshot().filter_traces(ignore)
         if baseline is None and time.time() - started >= BASELINE_S:
-            baseline = snapshot
+            baseline, baseline_t = snapshot, time.time()
         current, peak = tracemalloc.get_traced_memory()
         record = {"t": time.time(), "process": command_line[:120], "traced": current,
                   "traced_peak": peak, "tracing_overhead": tracemalloc.get_tracemalloc_memory(),
-                  **_memory_kib(), "baseline_t": None if baseline is None else started + BASELINE_S,
+                  **_memory_kib(), "baseline_t": baseline_t,
                   "since_baseline": [] if baseline is None
                   else _top(snapshot.compare_to(baseline, "traceback")),
                   "since_previous": [] if previous is None
