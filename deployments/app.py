@@ -18,6 +18,7 @@ from ray.serve.config import RequestRouterConfig
 
 from deployments.affinity import ROUTER_CLASS
 from deployments.allocator import Allocator, replica_runtime_env
+from deployments.autoscaling import POLICY_PATH as AUTOSCALING_POLICY
 from deployments.draft import Draft
 from deployments.ingress import Ingress, Limits, RouterOptions
 from deployments.model_replica import ModelOptions
@@ -102,6 +103,7 @@ class Resources(BaseModel):
                     "min_replicas": self.min_replicas,
                     "max_replicas": self.max_replicas,
                     "target_ongoing_requests": self.target_ongoing_requests,
+                    "policy": {"policy_function": AUTOSCALING_POLICY},  # no flapping
                 }
             }
         return {"ray_actor_options": actor, "max_ongoing_requests": self.max_ongoing_requests,

@@ -30,13 +30,25 @@ grew +2.1 % in PSS in the ninth soak (docs/RELIABILITY.md section 10); it is a P
     GC_CENSUS_MODE=heap GC_CENSUS_WATCH=dashboard/agent.py PYTHONPATH=benchmarks/gc_census \\
         GC_CENSUS_OUT=/tmp/heap_census .venv/bin/python benchmarks/soak.py --duration 1200 \\
         --window 600 --out /tmp/heap_census/soak.json
+
+`GC_CENSUS_MODE=allocators` asks which allocator holds the pages, without tracing (so the
+process's own RSS stays comparable): every period one line with pymalloc's arenas (allocated,
+bytes in allocated and in available blocks, from `sys._debugmallocstats`), glibc's `mallinfo2`
+(bytes from the system in the heap and in mmaps, in use, free), the live objects by type (the
+25 commonest and the total) and RSS/anon. Why: the agent's growth sat in anonymous mappings
+outside the brk heap (benchmarks/smaps_census.py), where pymalloc's arenas and malloc's large
+chunks both live.
 """
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import json
 import os
+import re
+import sys
+import tempfile
 import threading
 import time
 import tracemalloc
@@ -47,7 +59,7 @@ from typing import Any
 OUT = Path(os.environ.get("GC_CENSUS_OUT", "/tmp/gc_census"))
 WATCH = tuple(os.environ.get("GC_CENSUS_WATCH", "Ingress,Router,ProxyActor").split(","))
 PERIOD_S = float(os.environ.get("GC_CENSUS_PERIOD", "90"))
-MODE = os.environ.get("GC_CENSUS_MODE", "cycles")  # or "heap"
+MODE = os.environ.get("GC_CENSUS_MODE", "cycles")  # or "heap", "allocators"
 FRAMES = int(os.environ.get("GC_CENSUS_FRAMES", "8"))
 BASELINE_S = float(os.environ.get("GC_CENSUS_BASELINE", "300"))
 _automatic: list[tuple[float, int]] = []  # full collections Python ran itself: (time, collected)
@@ -155,6 +167,62 @@ def _heap(name: str, command_line: str, started: float) -> None:
             out.write(json.dumps(record) + "\n")
 
 
+def _pymalloc() -> dict[str, int]:
+    """pymalloc's arena figures: `sys._debugmallocstats` writes them to the C stderr, which is
+    pointed at a file for the call (another thread's stderr in that instant lands there too)."""
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as capture:
+        os.dup2(capture.fileno(), 2)
+        try:
+            sys._debugmallocstats()
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+        capture.seek(0)
+        text = capture.read().decode(errors="replace")
+    out = {}
+    for line in text.splitlines():
+        match = re.match(
+            r"# (arenas allocated current|bytes in allocated blocks|"
+            r"bytes in available blocks|arenas highwater mark)\s*=\s*([\d,]+)",
+            line,
+        )
+        if match:
+            out[match[1].replace(" ", "_")] = int(match[2].replace(",", ""))
+    return out
+
+
+class _Mallinfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks",
+                "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]  # fmt: skip
+
+
+def _glibc() -> dict[str, int]:
+    """glibc's view (all arenas): `arena` bytes from the system for the heaps, `hblkhd` in
+    mmaps of their own, `uordblks` in use, `fordblks` free but held."""
+    try:
+        mallinfo2 = ctypes.CDLL(None).mallinfo2
+    except AttributeError:  # glibc before 2.33
+        return {}
+    mallinfo2.restype = _Mallinfo2
+    info = mallinfo2()
+    return {name: getattr(info, name) for name in ("arena", "hblkhd", "uordblks", "fordblks")}
+
+
+def _allocators(name: str, command_line: str) -> None:
+    """Which allocator's pages grow: pymalloc's arenas, glibc's heaps or mmaps, which objects."""
+    path = OUT / f"allocators_{name.replace('/', '_')}_{os.getpid()}.jsonl"
+    while True:
+        time.sleep(PERIOD_S)
+        objects = Counter(type(thing).__name__ for thing in gc.get_objects())
+        record = {"t": time.time(), "process": command_line[:120], **_memory_kib(),
+                  "pymalloc": _pymalloc(), "glibc": _glibc(), "objects": objects.total(),
+                  "types": objects.most_common(25)}  # fmt: skip
+        del objects
+        with path.open("a") as out:
+            out.write(json.dumps(record) + "\n")
+
+
 def _watched(command_line: str) -> str | None:
     return next((watched for watched in WATCH if watched in command_line), None)
 
@@ -171,13 +239,15 @@ def _start(name_at_start: str | None) -> None:
         if name_at_start is None:
             tracemalloc.start(FRAMES)
         _heap(name, command_line, started)
+    elif MODE == "allocators":
+        _allocators(name, command_line)
     else:
         _census(name, command_line)
 
 
 # A process whose command line already names what is watched (Ray's agents, not a replica Ray
 # renames later) traces its heap from its first allocation.
-_name_at_start = _watched(_command_line()) if MODE == "heap" else None
-if _name_at_start is not None:
+_name_at_start = _watched(_command_line()) if MODE in ("heap", "allocators") else None
+if _name_at_start is not None and MODE == "heap":
     tracemalloc.start(FRAMES)
 threading.Thread(target=_start, args=(_name_at_start,), daemon=True, name="gc-census").start()
