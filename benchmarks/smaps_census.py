@@ -22,8 +22,8 @@ mapping says whose pages grew:
 
 Ray's agents rename themselves (`ray::DashboardAgent`) once started, hence the two --match;
 a process matched once is followed by pid. The report is the growth of each kind over the last
-`--window` seconds (the mean of the window's last three samples minus that of its first three,
-as benchmarks/soak.py).
+`--window` seconds, computed as benchmarks/soak.py computes a process's (the mean of the
+window's last three samples against that of its first three).
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+import soak  # benchmarks/ is on sys.path when this runs as a script
 
 FIELDS = ("Rss", "Pss", "Anonymous", "Private_Dirty")
 ARENA_ALIGN = 64 << 20  # glibc's HEAP_MAX_SIZE on 64-bit: a thread arena starts at a multiple
@@ -112,28 +113,24 @@ def watch(args: argparse.Namespace) -> None:
 
 
 def report(path: Path, window_s: float) -> dict[str, Any]:
-    """Growth per kind and field (kB) over the last window_s of the samples in `path`."""
+    """Growth per kind and field over the last window_s of the samples in `path`, as
+    benchmarks/soak.py reports a process's (`soak.growth`: first/last/max in kB or mappings as
+    counted, the growth as a fraction, a slope per hour)."""
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    end = rows[-1]["t"]
-    window = [row for row in rows if row["t"] >= end - window_s]
-    first, last = window[:3], window[-3:]
-
-    def mean(part: list[dict[str, Any]], name: str, field: str) -> float:
-        return sum(row["kinds"].get(name, {}).get(field, 0) for row in part) / len(part)
-
+    window = [row for _, row in soak.last_window([(row["t"], row) for row in rows], window_s)]
+    times = [row["t"] for row in window]
     names = sorted({name for row in window for name in row["kinds"]})
-    growth = {
+    kinds = {
         name: {
-            field: {
-                "start_kb": round(mean(first, name, field)),
-                "growth_kb": round(mean(last, name, field) - mean(first, name, field)),
-            }
+            field: soak.growth(
+                times, [row["kinds"].get(name, {}).get(field, 0) for row in window], 1
+            )
             for field in (*FIELDS, "count")
         }
         for name in names
     }
     threads = (window[0]["threads"], window[-1]["threads"])
-    return {"window_s": [window[0]["t"], end], "threads": threads, "kinds": growth}
+    return {"window_s": [times[0], times[-1]], "threads": threads, "kinds": kinds}
 
 
 def main(argv: list[str] | None = None) -> int:
