@@ -16,7 +16,10 @@ A replica's process gets `LD_PRELOAD` through its Ray `runtime_env` (`env_vars` 
 environment the worker is started with, so the dynamic loader sees them; the tensor-parallel
 rank actors a replica creates inherit it), merged into the application's own runtime_env.
 `allocator: system` keeps glibc's malloc; so does a Ray without the bundled library (the
-replica then reports `system`).
+replica then reports `system`). Such a replica gets glibc's own number of malloc arenas
+(`MALLOC_ARENA_MAX=0`) back from the two that `dsbd serve` gives Ray's own processes
+(deployments.local_ray), unless the application's runtime_env names a value of its own: its
+threads' arenas were measured as they come, not as two.
 
 The other holders of memory per batch shape are two caches of matmul primitives: oneDNN's
 own (`ONEDNN_PRIMITIVE_CACHE_CAPACITY`) and the one PyTorch keeps in front of it for its
@@ -60,11 +63,15 @@ def jemalloc_library() -> Path | None:
 PRIMITIVE_CACHE_VARIABLES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
 
 
+# glibc's own number of malloc arenas (8 per core): 0 is glibc's "not set".
+GLIBC_DEFAULT_ARENAS = {"MALLOC_ARENA_MAX": "0"}
+
+
 def replica_env(allocator: Allocator, primitive_cache: int | None = None) -> dict[str, str]:
     """Environment variables that give a replica process `allocator` and primitive caches of
     `primitive_cache` entries each (None: the libraries' defaults)."""
     library = jemalloc_library() if allocator == "jemalloc" else None
-    variables = {"LD_PRELOAD": str(library)} if library is not None else {}
+    variables = {"LD_PRELOAD": str(library)} if library is not None else dict(GLIBC_DEFAULT_ARENAS)
     if primitive_cache is not None:
         variables.update(dict.fromkeys(PRIMITIVE_CACHE_VARIABLES, str(primitive_cache)))
     return variables
@@ -72,17 +79,17 @@ def replica_env(allocator: Allocator, primitive_cache: int | None = None) -> dic
 
 def replica_runtime_env(
     allocator: Allocator, primitive_cache: int | None, inherited: Mapping[str, Any] | None
-) -> dict[str, Any] | None:
+) -> dict[str, Any]:
     """The runtime_env of a model replica: the application's (`inherited`) with the memory
-    settings' variables added to its `env_vars`; None when there are none (the replica then
-    inherits the application's as usual). Serve gives a deployment that sets its own
+    settings' variables added to its `env_vars` (the application's MALLOC_ARENA_MAX wins over
+    glibc's default count). Serve gives a deployment that sets its own
     runtime_env nothing of the application's but its working_dir, so the application's
     env_vars (an OTLP endpoint, DSBD_FAULT_INJECT) are merged here."""
     variables = replica_env(allocator, primitive_cache)
-    if not variables:
-        return None
     merged = dict(inherited or {})
-    merged["env_vars"] = {**dict(merged.get("env_vars") or {}), **variables}
+    own = dict(merged.get("env_vars") or {})
+    arenas = {name: own[name] for name in GLIBC_DEFAULT_ARENAS if name in own}  # the user's
+    merged["env_vars"] = {**own, **variables, **arenas}
     return merged
 
 

@@ -77,10 +77,8 @@ class Resources(BaseModel):
             allocator, primitive_cache = model.allocator, model.primitive_cache
         else:
             primitive_cache = None  # no matmuls outside the model replicas
-        runtime_env = (replica_runtime_env(allocator, primitive_cache, inherited_env)
-                       if allocator else None)  # fmt: skip
-        if runtime_env is not None:  # the replicas' memory (deployments/allocator.py)
-            actor["runtime_env"] = runtime_env
+        if allocator:  # the replicas' memory (deployments/allocator.py)
+            actor["runtime_env"] = replica_runtime_env(allocator, primitive_cache, inherited_env)
         if self.num_gpus:
             actor["num_gpus"] = self.num_gpus
         if self.resources:

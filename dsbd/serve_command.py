@@ -10,6 +10,7 @@ deployments.serve_cli then prepares the models, starts Ray and serves.
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 from pathlib import Path
 from typing import Any
@@ -83,7 +84,10 @@ def print_ray_env() -> int:
     """
     from deployments.local_ray import loopback_environment, ray_process_environment
 
-    for name, value in (loopback_environment() | ray_process_environment()).items():
+    # Ray's memory settings: a value already in the environment wins, as in `dsbd serve`
+    memory = {name: os.environ.get(name, value)
+              for name, value in ray_process_environment().items()}  # fmt: skip
+    for name, value in (loopback_environment() | memory).items():
         print(f"{name}={shlex.quote(value)}")
     return 0
 

@@ -46,8 +46,10 @@ def test_replica_env_sets_the_allocator_and_both_cache_capacities() -> None:
     env = replica_env("jemalloc", 128)
     assert env["LD_PRELOAD"] == str(library)
     assert all(env[name] == "128" for name in PRIMITIVE_CACHE_VARIABLES)
-    assert replica_env("system", None) == {}
-    assert set(replica_env("system", 0)) == set(PRIMITIVE_CACHE_VARIABLES)
+    assert "MALLOC_ARENA_MAX" not in env  # jemalloc has no glibc arenas
+    # glibc's own arena count back from the two Ray's processes get (deployments.local_ray)
+    assert replica_env("system", None) == {"MALLOC_ARENA_MAX": "0"}
+    assert set(replica_env("system", 0)) == {"MALLOC_ARENA_MAX", *PRIMITIVE_CACHE_VARIABLES}
 
 
 def test_replica_runtime_env_keeps_the_applications_variables() -> None:
@@ -57,7 +59,11 @@ def test_replica_runtime_env_keeps_the_applications_variables() -> None:
     assert merged["env_vars"]["DSBD_FAULT_INJECT"] == "x"
     assert merged["env_vars"]["LRU_CACHE_CAPACITY"] == "64"
     assert inherited["env_vars"] == {"DSBD_FAULT_INJECT": "x"}  # not modified
-    assert replica_runtime_env("system", None, inherited) is None
+    system = replica_runtime_env("system", None, inherited)
+    assert system["env_vars"] == {"DSBD_FAULT_INJECT": "x", "MALLOC_ARENA_MAX": "0"}
+    users = {"env_vars": {"MALLOC_ARENA_MAX": "4"}}  # the application's own value wins
+    assert replica_runtime_env("system", None, users)["env_vars"] == {"MALLOC_ARENA_MAX": "4"}
+    assert inherited["env_vars"] == {"DSBD_FAULT_INJECT": "x"}  # not modified
 
 
 def test_allocator_stats_under_glibc() -> None:

@@ -375,13 +375,22 @@ def test_one_image_and_one_ray_version_everywhere() -> None:
 
 def test_the_head_gives_rays_gcs_the_memory_settings_dsbd_serve_gives_it() -> None:
     """The GCS runs on the head pod: its jemalloc settings and history caps are those of
-    `dsbd serve`'s local Ray (deployments/local_ray.py, docs/RELIABILITY.md section 10)."""
-    from deployments.local_ray import ray_process_environment
+    `dsbd serve`'s local Ray (deployments/local_ray.py, docs/RELIABILITY.md section 10); every
+    pod's own Ray processes get its glibc arenas."""
+    from deployments.local_ray import GLIBC_MALLOC_ARENAS, ray_process_environment
 
     for name in MANIFESTS:
         (head,) = cluster_spec(load(name))["headGroupSpec"]["template"]["spec"]["containers"]
         env = {item["name"]: item["value"] for item in head["env"]}
         assert ray_process_environment().items() <= env.items(), name
+        for group in cluster_spec(load(name))["workerGroupSpecs"]:  # every node's own processes
+            for container in group["template"]["spec"]["containers"]:
+                env = {item["name"]: item["value"] for item in container["env"]}
+                assert env["MALLOC_ARENA_MAX"] == GLIBC_MALLOC_ARENAS, (name, group["groupName"])
+    # the VM cluster's nodes run Ray in one container each (docker run --env NAME=value)
+    options = yaml.safe_load(VM_CONFIG.read_text())["docker"]["run_options"]
+    env = dict(o.removeprefix("--env ").split("=", 1) for o in options if o.startswith("--env "))
+    assert ray_process_environment().items() <= env.items()
 
 
 # --------------------------------------------------------------------------- VM cluster config

@@ -92,19 +92,36 @@ def test_ray_processes_keep_the_users_model_caches(tmp_path: Path, monkeypatch) 
 
 MEMORY_SCRIPT = textwrap.dedent(
     """
-    import json, os, psutil
+    import json, os, psutil, time
     from deployments.local_ray import GCS_HISTORY_CAPS, start_local_ray, stop_local_ray
+
+    def thread_arenas(pid):
+        # glibc's thread arenas: anonymous read-write maps starting on a 64 MiB boundary
+        found = 0
+        for line in open(f"/proc/{pid}/maps"):
+            parts = line.split()
+            start, end = (int(x, 16) for x in parts[0].split("-"))
+            aligned = start % (64 << 20) == 0 and end - start <= 64 << 20
+            found += len(parts) < 6 and parts[1].startswith("rw") and aligned
+        return found
 
     start_local_ray(num_cpus=1, object_store_mib=80)
     try:
+        time.sleep(5)  # the metrics agent's threads start (29; 15 thread arenas by default)
         seen = {}
         for child in psutil.Process().children(recursive=True):
+            title = " ".join(child.cmdline())
+            if "DashboardAgent" in title or "dashboard/agent.py" in title:
+                # its title overwrites its environ: what it got shows as the arenas it made
+                jemalloc = "libjemalloc" in open(f"/proc/{child.pid}/maps").read()
+                seen["agent"] = {"thread_arenas": thread_arenas(child.pid), "jemalloc": jemalloc}
             if child.name() in ("gcs_server", "raylet"):
                 environ = child.environ()
                 status = open(f"/proc/{child.pid}/status").read().split("\\n")
                 shmem = next(int(x.split()[1]) for x in status if x.startswith("RssShmem:"))
                 jemalloc = "libjemalloc" in open(f"/proc/{child.pid}/maps").read()
                 seen[child.name()] = {"malloc_conf": environ.get("MALLOC_CONF"),
+                                      "arena_max": environ.get("MALLOC_ARENA_MAX"),
                                       "shmem_kib": shmem, "jemalloc": jemalloc,
                                       "caps": {k: v for k, v in environ.items()
                                                if k in GCS_HISTORY_CAPS}}
@@ -121,8 +138,13 @@ def test_rays_gcs_gets_one_jemalloc_arena_and_the_store_is_touched_at_start() ->
     raylet with jemalloc's defaults (the settings cost it a fifth of the throughput), and the
     object store `dsbd serve` sizes is all touched when the raylet starts (its shared pages no
     longer grow as objects land on new ones). Without the settings the raylet held ~1 MiB of
-    the store and the GCS had no MALLOC_CONF."""
-    from deployments.local_ray import GCS_HISTORY_CAPS, RAY_PROCESS_MALLOC_CONF
+    the store and the GCS had no MALLOC_CONF. Ray's Python processes on glibc's malloc get two
+    arenas (the metrics agent's thread arenas' high-water mark, the ninth and tenth soaks)."""
+    from deployments.local_ray import (
+        GCS_HISTORY_CAPS,
+        GLIBC_MALLOC_ARENAS,
+        RAY_PROCESS_MALLOC_CONF,
+    )
 
     completed = subprocess.run(
         [sys.executable, "-c", MEMORY_SCRIPT], capture_output=True, text=True, timeout=300,
@@ -131,10 +153,14 @@ def test_rays_gcs_gets_one_jemalloc_arena_and_the_store_is_touched_at_start() ->
     assert completed.returncode == 0, completed.stderr[-3000:]
     line = next(x for x in completed.stdout.splitlines() if x.startswith("SEEN "))
     seen = json.loads(line.removeprefix("SEEN "))
-    assert set(seen) == {"gcs_server", "raylet"}, seen
+    assert set(seen) == {"gcs_server", "raylet", "agent"}, seen
     assert seen["gcs_server"]["jemalloc"] and seen["raylet"]["jemalloc"], seen
     assert seen["gcs_server"]["malloc_conf"] == RAY_PROCESS_MALLOC_CONF, seen
     assert seen["raylet"]["malloc_conf"] is None, seen
     assert seen["raylet"]["shmem_kib"] >= 80 * 1024, seen["raylet"]
     # the GCS remembers 1,000 actors and workers gone, not 100,000 (benchmarks/gcs_actor_churn.py)
     assert seen["gcs_server"]["caps"] == GCS_HISTORY_CAPS, seen["gcs_server"]
+    # Ray's metrics agent runs on glibc's malloc with one thread arena beside the main one, not
+    # one per thread (15 at start, 8-10 MiB after minutes of load: the ninth and tenth soaks)
+    assert seen["raylet"]["arena_max"] == GLIBC_MALLOC_ARENAS, seen["raylet"]
+    assert not seen["agent"]["jemalloc"] and seen["agent"]["thread_arenas"] <= 1, seen["agent"]

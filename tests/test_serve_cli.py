@@ -126,6 +126,11 @@ def test_ray_env_prints_the_loopback_settings() -> None:
     settings = dict(line.split("=", 1) for line in done.stdout.split())
     assert settings["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "0"
     assert (Path(settings["HOME"]) / "ray_bootstrap_config.yaml").is_file()
+    assert settings["MALLOC_ARENA_MAX"] == "2"  # Ray's glibc processes (deployments.local_ray)
+    # the user's own memory settings win, as in `dsbd serve`
+    mine = {**os.environ, "MALLOC_ARENA_MAX": "4"}
+    done = subprocess.run([*DSBD, "ray-env"], capture_output=True, text=True, timeout=60, env=mine)
+    assert "MALLOC_ARENA_MAX=4" in done.stdout.split(), done.stdout
 
 
 @pytest.mark.skipif(shutil.which("strace") is None, reason="strace not installed")
