@@ -13,6 +13,14 @@ three, minus one (three: one sample can catch a forward's transient peak), with 
 sample of the window and a least-squares slope per hour. Target (issue 21): <= 2% for every
 process. Processes that started during the window (a replica Serve added) are listed apart.
 
+The end-point figure rests on six samples; a process whose live memory follows the work in
+flight (the verifier: sessions' KV caches and forwards' activations, +-3 % from one sample to
+the next) lands anywhere in about +-2 % by it with no trend at all (-2.3 to +2.1 % over the
+soaks since the eighth). So the least-squares fit over all of the window's samples is reported
+beside it as `trend` (the fitted line's rise across the window, as a fraction of the same
+start) with `trend_se`, its standard error were the samples independent (a floor: neighbours
+correlate): a leak raises both figures; noise moves the end points far more than the fit.
+
     .venv/bin/python benchmarks/soak.py                                  # SmolLM2, 30 min
     .venv/bin/python benchmarks/soak.py --url http://127.0.0.1:8000 --pid PID   # a running one
 
@@ -87,11 +95,18 @@ def growth(times: list[float], values: list[int], unit: float = 2**20) -> dict[s
     spread = sum((t - mean_t) ** 2 for t in times)
     slope = sum((t - mean_t) * (v - mean_v) for t, v in zip(times, values, strict=True))
     slope = slope / spread if spread else 0.0  # bytes per second
+    residual = sum((v - mean_v - slope * (t - mean_t)) ** 2
+                   for t, v in zip(times, values, strict=True))  # fmt: skip
+    # the slope's standard error with independent samples (neighbours correlate: a floor)
+    slope_se = (residual / (len(values) - 2) / spread) ** 0.5 if len(values) > 2 and spread else 0
+    span = times[-1] - times[0]
     tag = "_mib" if unit == 2**20 else ""
     return {f"first{tag}": round(first / unit, 1), f"last{tag}": round(last / unit, 1),
             f"max{tag}": round(max(values) / unit, 1), "growth": round((last - first) / base, 4),
             "max_growth": round((max(values) - first) / base, 4),
-            "slope_per_hour": round(slope * 3600 / base, 4)}  # fmt: skip
+            "slope_per_hour": round(slope * 3600 / base, 4),
+            "trend": round(slope * span / base, 4),
+            "trend_se": round(slope_se * span / base, 4)}  # fmt: skip
 
 
 def last_window(samples: list[tuple[float, Any]], window_s: float) -> list[tuple[float, Any]]:
@@ -115,6 +130,7 @@ def memory_report(samples: list[tuple[float, dict[str, Any]]], window_s: float) 
             if len(series) >= 2 and name in window[-1][1] and kind in window[-1][1][name]:
                 per[name] = growth([t for t, _ in series], [v for _, v in series])
         report[f"{kind}_growth_after_warmup"] = {k: v["growth"] for k, v in per.items()}
+        report[f"{kind}_trend_after_warmup"] = {k: v["trend"] for k, v in per.items()}
         report[f"{kind}_details"] = per
     total = [sum(v["rss"] for k, v in s.items() if k in start_names) for _, s in window]
     report["rss_total_growth"] = growth([t for t, _ in window], total)

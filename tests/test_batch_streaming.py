@@ -284,13 +284,20 @@ def run_driver(
     command = [sys.executable, "-c", DRIVER, "batch", *argv]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                text=True, cwd=REPO, start_new_session=True)  # fmt: skip
+    started, sent = time.monotonic(), None
     try:
         while interrupt_when is not None and process.poll() is None:
             if [p for p in interrupt_when.glob("*.parquet") if p.stat().st_size]:
                 process.send_signal(signal.SIGINT)
+                sent = time.monotonic() - started
                 break
             time.sleep(0.05)
         output, _ = process.communicate(timeout=300)
+        if interrupt_when is not None:  # what a failed interrupt's message shows
+            output += (
+                f"\n[test] SIGINT sent {'never' if sent is None else f'{sent:.1f} s'}"
+                f" after start; the job ran {time.monotonic() - started:.1f} s"
+            )
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)

@@ -97,7 +97,50 @@ def test_soak_growth_is_measured_per_process_over_the_last_window() -> None:
     assert growth["dsbd:Draft 12"] == 0.0
     assert abs(growth["dsbd:Verifier 11"] - (111 / 107 - 1)) < 1e-4  # last 3 over first 3
     assert report["rss_details"]["dsbd:Verifier 11"]["slope_per_hour"] > 0
+    # the fitted line rises 6 MiB across the 60 s window, over the same start; no residual
+    assert abs(report["rss_trend_after_warmup"]["dsbd:Verifier 11"] - 6 / 107) < 1e-4
+    assert report["rss_details"]["dsbd:Verifier 11"]["trend_se"] == 0.0
     assert report["started_in_window_mib"] == {"dsbd:Router 13": 100.0}
+
+
+def test_soak_trend_tells_noise_at_the_window_ends_from_growth() -> None:
+    """20 minutes of a flat process swinging +-3 % from sample to sample, caught low by the
+    window's first three samples and high by its last three: +6.2 % by the end points, +1 % by
+    the fitted trend, within its standard error of zero; a leak of the same size rises as much
+    by both (soak.py's module docstring)."""
+    soak = _soak_module()
+    times = [10.0 * i for i in range(120)]
+    noisy = [100 + 3 * (-1) ** i for i in range(120)]
+    noisy[:3], noisy[-3:] = [97] * 3, [103] * 3
+    details = soak.growth(times, noisy, unit=1)
+    assert abs(details["growth"] - (103 / 97 - 1)) < 1e-4
+    assert details["trend"] < 0.011 and details["trend"] < 1.1 * details["trend_se"]
+    leaking = soak.growth(times, [100 + 0.05 * i for i in range(120)], unit=1)
+    assert abs(leaking["trend"] - leaking["growth"]) < 0.002 and leaking["trend_se"] < 1e-6
+
+
+def test_soak_trends_reads_saved_soaks(tmp_path: Path) -> None:
+    """benchmarks/soak_trends.py puts a saved soak's end-point growth and fitted trend side by
+    side per process (the names without their pids), from the file soak.py writes."""
+    soak = _soak_module()
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import soak_trends
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    mib, samples = 2**20, []
+    for i in range(13):
+        leaking = (100 + i) * mib
+        samples.append((10.0 * i, {"dsbd:Verifier 11": {"rss": leaking, "pss": leaking}}))
+    saved = {
+        **soak.memory_report(samples, window_s=60.0),
+        "samples": [{"t": t, **{k: v["rss"] for k, v in s.items()}} for t, s in samples],
+    }
+    path = tmp_path / "soak.json"
+    path.write_text(json.dumps(saved))
+    row = soak_trends.trends(path)["dsbd:Verifier"]
+    assert abs(row["rss_end"] - (111 / 107 - 1)) < 1e-4 and abs(row["pss_trend"] - 6 / 107) < 1e-3
+    assert row["rss_trend_se"] == 0.0
 
 
 def test_soak_reports_private_shared_and_replica_statistics_apart() -> None:
