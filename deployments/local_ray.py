@@ -122,6 +122,12 @@ def ray_process_environment() -> dict[str, str]:
     }
 
 
+def ray_process_settings() -> dict[str, str]:
+    """`ray_process_environment()` with the value this process's environment already holds in
+    place of each default: a user's own settings win, in `dsbd serve` and `dsbd ray-env` alike."""
+    return {name: os.environ.get(name, value) for name, value in ray_process_environment().items()}
+
+
 def start_local_ray(
     *, num_cpus: int | None = None, home: Path | None = None,
     metrics_export_port: int | None = None, object_store_mib: int | None = None, **init: Any,
@@ -137,8 +143,7 @@ def start_local_ray(
     memory, touched as used), which batch jobs keep for Ray Data's blocks.
     """
     os.environ.update(loopback_environment(home))
-    for name, value in ray_process_environment().items():  # a user's own values win
-        os.environ.setdefault(name, value)
+    os.environ.update(ray_process_settings())  # a user's own values win
     # Read by the raylet from its environment; set either way, so that a later Ray started by
     # this process without a size does not pre-touch 30 % of the machine's memory.
     os.environ["RAY_preallocate_plasma_memory"] = "1" if object_store_mib else "0"

@@ -10,7 +10,6 @@ deployments.serve_cli then prepares the models, starts Ray and serves.
 from __future__ import annotations
 
 import argparse
-import os
 import shlex
 from pathlib import Path
 from typing import Any
@@ -82,12 +81,9 @@ def print_ray_env() -> int:
     `env $(dsbd ray-env) serve run serve_config.yaml` scopes them to that one command (HOME
     points at a fresh folder holding Ray's bootstrap config, see deployments.local_ray).
     """
-    from deployments.local_ray import loopback_environment, ray_process_environment
+    from deployments.local_ray import loopback_environment, ray_process_settings
 
-    # Ray's memory settings: a value already in the environment wins, as in `dsbd serve`
-    memory = {name: os.environ.get(name, value)
-              for name, value in ray_process_environment().items()}  # fmt: skip
-    for name, value in (loopback_environment() | memory).items():
+    for name, value in (loopback_environment() | ray_process_settings()).items():
         print(f"{name}={shlex.quote(value)}")
     return 0
 

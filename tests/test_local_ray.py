@@ -92,18 +92,14 @@ def test_ray_processes_keep_the_users_model_caches(tmp_path: Path, monkeypatch) 
 
 MEMORY_SCRIPT = textwrap.dedent(
     """
-    import json, os, psutil, time
+    import json, os, psutil, sys, time
     from deployments.local_ray import GCS_HISTORY_CAPS, start_local_ray, stop_local_ray
 
+    sys.path.insert(0, "benchmarks")
+    from smaps_census import census  # glibc's thread arenas among a process's mappings
+
     def thread_arenas(pid):
-        # glibc's thread arenas: anonymous read-write maps starting on a 64 MiB boundary
-        found = 0
-        for line in open(f"/proc/{pid}/maps"):
-            parts = line.split()
-            start, end = (int(x, 16) for x in parts[0].split("-"))
-            aligned = start % (64 << 20) == 0 and end - start <= 64 << 20
-            found += len(parts) < 6 and parts[1].startswith("rw") and aligned
-        return found
+        return census(pid).get("malloc_arenas", {}).get("count", 0)
 
     start_local_ray(num_cpus=1, object_store_mib=80)
     try:
