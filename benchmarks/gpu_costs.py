@@ -4,8 +4,9 @@ Issue 7 item 5. On the project's CPU a forest verify of W x gamma nodes costs ne
 target steps it replaces cost (a CPU forward is compute-bound), so no CPU run can say what DSBD
 gives where it is meant to run. This script measures the three model calls of an iteration on
 whatever device it is given, at the sizes of the paper's pairs (a 68M draft shaped like
-JackFram/llama-68m, a 7B target shaped like Llama-2-7B, bf16), with random weights: a forward's
-time depends on shapes, not on weight values.
+JackFram/llama-68m, a 7B target shaped like Llama-2-7B, bf16; `--size qwen`: the shapes of the
+Qwen2.5-Coder 0.5B/1.5B pair), with random weights: a forward's time depends on shapes, not on
+weight values.
 
 What is timed is the engine's own path, not an approximation: the decode loop
 (dsbd_core/algorithm/loop.py) decodes a random prompt of the given context length with
@@ -95,6 +96,17 @@ except ModuleNotFoundError:
         markdown,
     )
     from benchmarks.gpu_costs_timing import Bench
+
+
+# What the modelled figures are of, per size: E always comes from the real Qwen pair.
+SIZE_NOTES = {
+    "paper": "E comes from the Qwen2.5-Coder 0.5B/1.5B pair (CPU); with paper-size costs it "
+    "models a pair as cost-lopsided as 68M/7B accepting like that pair, not the acceptance of "
+    "JackFram/llama-68m for Llama-2-7B (not measured here)",
+    "qwen": "E comes from the Qwen2.5-Coder 0.5B/1.5B pair (CPU) and the costs from random "
+    "weights of the same shapes: the modelled figure is that pair's on this device",
+    "tiny": "tiny shapes: a smoke run, the modelled figures mean nothing",
+}
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -205,9 +217,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
             "the verification branches taken are those of a random pair",
             "host work = iteration wall time minus its model calls (engine sampling, "
             "verification and bookkeeping on the CPU)",
-            "E comes from the Qwen2.5-Coder 0.5B/1.5B pair (float32, CPU); with paper-size "
-            "costs it models a pair as cost-lopsided as 68M/7B accepting like that pair, not "
-            "the acceptance of JackFram/llama-68m for Llama-2-7B (not measured here)",
+            SIZE_NOTES[args.size],
         ],
     }
     out = args.out or default_out(device, args.size)
