@@ -36,7 +36,7 @@ costs)
     nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
     python3 -c "import torch, transformers, pydantic; print(torch.__version__, transformers.__version__, pydantic.__version__, torch.cuda.get_device_name())"
     for size in paper qwen; do
-        timeout 240 python3 benchmarks/gpu_costs.py --size "$size" --repeats 10 --no-progress \
+        timeout 150 python3 benchmarks/gpu_costs.py --size "$size" --repeats 10 --no-progress \
             --out "$OUT/gpu_costs_$size.json" 2>&1 | tail -40
     done
     ;;

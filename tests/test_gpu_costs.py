@@ -76,3 +76,23 @@ def test_tiny_cpu_run_writes_costs_and_modelled_speedups(gpu_costs, tmp_path: Pa
     assert report["measured_gpu"] == []
     table = out.with_suffix(".md").read_text()
     assert "(modelled)" in table and "Directly measured GPU figures" in table
+
+
+def test_every_size_builds_its_architecture_and_says_what_its_figures_are(gpu_costs) -> None:
+    """The qwen shapes build a Qwen2 model (on the meta device: no memory), and every size has
+    its note in the report, so a GPU session's `--size qwen` run cannot fail on either."""
+    import torch
+    from transformers import AutoConfig
+
+    from benchmarks.gpu_costs_models import SIZES
+
+    assert set(gpu_costs.SIZE_NOTES) == set(SIZES)
+    for size, pair in SIZES.items():
+        for role, shape in pair.items():
+            options = dict(shape)
+            config = AutoConfig.for_model(options.pop("model_type", "llama"), **options)
+            assert config.model_type == ("qwen2" if size == "qwen" else "llama"), (size, role)
+    with torch.device("meta"):
+        model = gpu_costs.build_model(SIZES["qwen"]["target"], torch.device("meta"), torch.bfloat16)
+    assert type(model).__name__ == "Qwen2ForCausalLM"
+    assert sum(p.numel() for p in model.parameters()) == pytest.approx(1.54e9, rel=0.01)
