@@ -79,6 +79,7 @@ def serve(schema: Any, options: ServeOptions) -> int:
     from ray import serve as ray_serve
     from ray.serve._private import api as serve_api
 
+    from deployments.allocator import serve_controller_options
     from deployments.local_ray import metrics_url, start_local_ray, stop_local_ray
 
     stopping = []
@@ -93,9 +94,13 @@ def serve(schema: Any, options: ServeOptions) -> int:
     # systemd, kill) then killed this process mid-way and left Ray's agents running. Ours again.
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
     try:
+        configured = getattr(schema, "controller_options", None)
         client = serve_api.serve_start(
             http_options=schema.http_options.model_dump(),
             proxy_location=schema.proxy_location,
+            controller_options=serve_controller_options(
+                configured.model_dump(exclude_none=True) if configured is not None else None
+            ),
         )
         client.deploy_apps(schema, _blocking=False)
         names = [app.name for app in schema.applications]

@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 import requests
 
@@ -201,7 +202,8 @@ def test_every_replica_runs_with_jemalloc(server) -> None:
     """The draft and verifier processes get Ray's jemalloc preloaded (deployments/allocator.py:
     glibc's malloc kept RSS steps for every new batch shape) and capped matmul primitive
     caches, and report jemalloc's statistics; so do the ingress and router (`AppArgs.
-    allocator`: under glibc the ingress's RSS climbed for minutes and dropped at once)."""
+    allocator`: under glibc the ingress's RSS climbed for minutes and dropped at once), and
+    Serve's controller and proxy run on it too."""
     status = requests.get(f"{server['url']}/v1/dsbd/status", timeout=30).json()
     assert jemalloc_library() is not None  # the Ray wheel ships it
     for side in ("draft", "verifier"):
@@ -216,3 +218,18 @@ def test_every_replica_runs_with_jemalloc(server) -> None:
         assert "libjemalloc" in Path(f"/proc/{status[side]['pid']}/maps").read_text()
         stats = status[side]["allocator_stats"]
         assert 0 < stats["allocated"] <= stats["active"] <= stats["resident"], stats
+    # Serve's controller and the proxy it starts (allocator.serve_controller_options): the
+    # proxy's glibc arena was the last process to creep in the 30-minute soaks
+    if server["pid"] is None:  # a server given from outside: its processes are not ours to read
+        return
+    titles = {}
+    for proc in psutil.Process(server["pid"]).children(recursive=True):
+        try:
+            title = " ".join(proc.cmdline())
+            if title.startswith(("ray::ProxyActor", "ray::ServeController")):
+                titles[title.split()[0].split(".")[0]] = Path(f"/proc/{proc.pid}/maps").read_text()
+        except (psutil.Error, OSError):
+            continue
+    assert set(titles) == {"ray::ProxyActor", "ray::ServeController"}, sorted(titles)
+    for title, maps in titles.items():
+        assert "libjemalloc" in maps, title
