@@ -19,6 +19,7 @@ from deployments.allocator import (
     jemalloc_library,
     replica_env,
     replica_runtime_env,
+    serve_controller_options,
 )
 
 # bfloat16 linears of `shapes` row counts never met before: jemalloc's live bytes they leave
@@ -64,6 +65,31 @@ def test_replica_runtime_env_keeps_the_applications_variables() -> None:
     users = {"env_vars": {"MALLOC_ARENA_MAX": "4"}}  # the application's own value wins
     assert replica_runtime_env("system", None, users)["env_vars"] == {"MALLOC_ARENA_MAX": "4"}
     assert inherited["env_vars"] == {"DSBD_FAULT_INJECT": "x"}  # not modified
+
+
+def test_serve_controller_options_preload_jemalloc_and_keep_the_applications_own() -> None:
+    """Serve's controller (and the proxies it starts, which inherit its runtime_env) get Ray's
+    jemalloc; an application's controller_options keep their variables and their own
+    LD_PRELOAD; without the library nothing is added."""
+    library = jemalloc_library()
+    assert library is not None  # the Ray wheel ships it
+    assert serve_controller_options(None) == {
+        "runtime_env": {"env_vars": {"LD_PRELOAD": str(library)}}
+    }
+    configured = {"runtime_env": {"env_vars": {"OTEL": "1", "LD_PRELOAD": "/mine.so"}}}
+    assert serve_controller_options(configured) == configured
+    assert configured == {"runtime_env": {"env_vars": {"OTEL": "1", "LD_PRELOAD": "/mine.so"}}}
+    kept = serve_controller_options({"runtime_env": {"env_vars": {"OTEL": "1"}}})
+    assert kept["runtime_env"]["env_vars"] == {"OTEL": "1", "LD_PRELOAD": str(library)}
+
+
+def test_serve_controller_options_without_rays_jemalloc(monkeypatch) -> None:
+    import deployments.allocator as allocator
+
+    monkeypatch.setattr(allocator, "jemalloc_library", lambda: None)
+    assert serve_controller_options(None) == {}
+    configured = {"runtime_env": {"env_vars": {"OTEL": "1"}}}
+    assert serve_controller_options(configured) == configured
 
 
 def test_allocator_stats_under_glibc() -> None:
