@@ -14,6 +14,9 @@
 #             the raylet then served about a fifth fewer requests)
 #   system-http  shipped, but the ingress and router replicas on glibc's malloc (`allocator:
 #             system`, benchmarks/configs/serve_smollm2_system_malloc.yaml; default jemalloc)
+#   proxy-glibc  shipped, but Serve's controller and proxy on glibc's malloc (an empty LD_PRELOAD
+#             in controller_options, benchmarks/configs/serve_smollm2_proxy_glibc.yaml; default
+#             jemalloc: deployments/allocator.serve_controller_options)
 # Writes benchmarks/results/ray_memory/ab_VARIANT_ROUND.json (soak.py's output) and appends
 # "variant round requests completed p50 p99 load-before load-after" to ab_runs.txt there.
 # Run it on a quiet machine: the variants are compared by the requests each served.
@@ -38,6 +41,7 @@ for round in $(seq 1 "$rounds"); do
       shipped) flags=(); env=() ;;
       both) flags=(); env=(RAY_JEMALLOC_PROFILE=gcs_server,raylet "RAY_JEMALLOC_CONF=$both") ;;
       system-http) flags=(--config benchmarks/configs/serve_smollm2_system_malloc.yaml); env=() ;;
+      proxy-glibc) flags=(--config benchmarks/configs/serve_smollm2_proxy_glibc.yaml); env=() ;;
       *) echo "unknown variant $variant" >&2; exit 2 ;;
     esac
     workdir=$(mktemp -d)
