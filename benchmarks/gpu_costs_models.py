@@ -7,7 +7,7 @@ alone: no download, and a 7B target is allocated straight on the device in its d
 from __future__ import annotations
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 # Model shapes. "paper": JackFram/llama-68m (draft) and Llama-2-7B (target), the pair of the
 # paper's LLaMA experiments; "qwen": Qwen2.5-Coder-0.5B/1.5B-Instruct (the pair whose acceptance
@@ -57,6 +57,12 @@ SIZES: dict[str, dict[str, dict]] = {
 DEFAULT_CONTEXTS = {"paper": (256, 1024), "qwen": (256, 1024), "tiny": (32, 128)}
 
 
+def model_config(shape: dict) -> PretrainedConfig:
+    """The transformers config of `shape`: its `model_type` (default llama) with the rest."""
+    options = dict(shape)
+    return AutoConfig.for_model(options.pop("model_type", "llama"), **options)
+
+
 def build_model(shape: dict, device: torch.device, dtype: torch.dtype) -> PreTrainedModel:
     """A random-weight model of `shape`, created on `device` in `dtype` directly.
 
@@ -64,8 +70,7 @@ def build_model(shape: dict, device: torch.device, dtype: torch.dtype) -> PreTra
     of minutes and at its bf16 size; `sdpa` is one of the two attention implementations that
     honour TransformerScorer's tree mask.
     """
-    options = dict(shape)
-    config = AutoConfig.for_model(options.pop("model_type", "llama"), **options)
+    config = model_config(shape)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
     return model.eval()

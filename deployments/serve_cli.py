@@ -94,7 +94,7 @@ def serve(schema: Any, options: ServeOptions) -> int:
     # systemd, kill) then killed this process mid-way and left Ray's agents running. Ours again.
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
     try:
-        configured = getattr(schema, "controller_options", None)
+        configured = schema.controller_options  # a ServeDeploySchema field (None: not set)
         client = serve_api.serve_start(
             http_options=schema.http_options.model_dump(),
             proxy_location=schema.proxy_location,

@@ -82,17 +82,14 @@ def test_every_size_builds_its_architecture_and_says_what_its_figures_are(gpu_co
     """The qwen shapes build a Qwen2 model (on the meta device: no memory), and every size has
     its note in the report, so a GPU session's `--size qwen` run cannot fail on either."""
     import torch
-    from transformers import AutoConfig
 
-    from benchmarks.gpu_costs_models import SIZES
+    from benchmarks.gpu_costs_models import SIZES, model_config
 
     assert set(gpu_costs.SIZE_NOTES) == set(SIZES)
     for size, pair in SIZES.items():
         for role, shape in pair.items():
-            options = dict(shape)
-            config = AutoConfig.for_model(options.pop("model_type", "llama"), **options)
+            config = model_config(shape)
             assert config.model_type == ("qwen2" if size == "qwen" else "llama"), (size, role)
-    with torch.device("meta"):
-        model = gpu_costs.build_model(SIZES["qwen"]["target"], torch.device("meta"), torch.bfloat16)
+    model = gpu_costs.build_model(SIZES["qwen"]["target"], torch.device("meta"), torch.bfloat16)
     assert type(model).__name__ == "Qwen2ForCausalLM"
     assert sum(p.numel() for p in model.parameters()) == pytest.approx(1.54e9, rel=0.01)

@@ -12,10 +12,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import psutil
 import pytest
 import requests
 
+from benchmarks.server_process import descendants, process_name
 from deployments.allocator import jemalloc_library
 from deployments.openai_responses import BeamText
 from dsbd_core.models import load_tokenizer
@@ -222,14 +222,9 @@ def test_every_replica_runs_with_jemalloc(server) -> None:
     # proxy's glibc arena was the last process to creep in the 30-minute soaks
     if server["pid"] is None:  # a server given from outside: its processes are not ours to read
         return
-    titles = {}
-    for proc in psutil.Process(server["pid"]).children(recursive=True):
-        try:
-            title = " ".join(proc.cmdline())
-            if title.startswith(("ray::ProxyActor", "ray::ServeController")):
-                titles[title.split()[0].split(".")[0]] = Path(f"/proc/{proc.pid}/maps").read_text()
-        except (psutil.Error, OSError):
-            continue
-    assert set(titles) == {"ray::ProxyActor", "ray::ServeController"}, sorted(titles)
-    for title, maps in titles.items():
-        assert "libjemalloc" in maps, title
+    wanted = ("ray::ProxyActor", "ray::ServeController")
+    names = {pid: process_name(title) for pid, title in descendants(server["pid"]).items()}
+    serve_processes = {pid: name for pid, name in names.items() if name in wanted}
+    assert sorted(serve_processes.values()) == ["ray::ProxyActor", "ray::ServeController"]
+    for pid, name in serve_processes.items():
+        assert "libjemalloc" in Path(f"/proc/{pid}/maps").read_text(), name
