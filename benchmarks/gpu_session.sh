@@ -14,7 +14,7 @@
 #
 # Results land in $OUT (the lent machine's return folder). Preparing .gpu/ here:
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 ... -d .gpu  (see
-#   benchmarks/README.md "On a lent GPU"), split -b the GGUF into .gpu/gguf.part.*
+#   benchmarks/README.md "On a lent H100"), split -b the GGUF into .gpu/gguf.part.*
 set -uo pipefail
 STAGE=${STAGE:-/root/dsbd_stage}
 OUT=${OUT:-/tmp/gpu_out}
