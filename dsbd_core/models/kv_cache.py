@@ -65,14 +65,31 @@ class SessionCache:
         return self.prefix_cols == self.length
 
 
-def _compact(
+@dataclass
+class Compaction:
+    """What each new root keeps of the old cache (spec §6.4), whatever holds the cache.
+
+    old_row: [n] long — the old cache row (local) every new root descends from.
+    columns: [n, K] long — the old row's columns it keeps, in order (prefix, then its path).
+    column_tokens: [n, K] long — their token ids (equal to the new roots' first K tokens).
+    prefix: the leading columns that are 0..prefix-1 in every row (sliced, not gathered).
+    same_rows: new row i is old row i for every i (no row gather needed).
+    """
+
+    old_row: torch.Tensor
+    columns: torch.Tensor
+    column_tokens: torch.Tensor
+    prefix: int
+    same_rows: bool
+
+
+def plan_compaction(
     old: SessionCache, tokens: torch.Tensor, old_root: torch.Tensor, path: torch.Tensor
-) -> tuple[DynamicCache, torch.Tensor] | None:
-    """Gather the old cache down to the new roots' accepted paths (spec §6.4).
+) -> Compaction | None:
+    """Which old cache columns each new root keeps, or None when a re-prefill is needed.
 
     tokens: [n, length] the new roots; old_root: [n] old root index; path: [n, D] node per layer.
-    Returns the new cache and column tokens, or None when a re-prefill is needed (unknown old
-    root, nothing kept, or kept token ids differing from the new beams').
+    None for an unknown old root, nothing kept, or kept token ids differing from the new beams'.
     """
     device = tokens.device
     local_of_root = torch.full(
@@ -99,15 +116,29 @@ def _compact(
     same_rows = old_row.numel() == old.rows.numel() and bool(
         (old_row == torch.arange(old_row.numel(), device=device)).all()
     )
+    return Compaction(old_row, columns, column_tokens, prefix, same_rows)
+
+
+def _compact(
+    old: SessionCache, tokens: torch.Tensor, old_root: torch.Tensor, path: torch.Tensor
+) -> tuple[DynamicCache, torch.Tensor] | None:
+    """Gather the old cache down to the new roots' accepted paths (spec §6.4): the new cache
+    and its column tokens, or None when a re-prefill is needed (`plan_compaction`)."""
+    plan = plan_compaction(old, tokens, old_root, path)
+    if plan is None:
+        return None
+    assert old.cache is not None
     data = []
     for layer in old.cache.layers:
         data.append(
             (
-                _gather_columns(layer.keys, old_row, columns, prefix, same_rows),
-                _gather_columns(layer.values, old_row, columns, prefix, same_rows),
+                gather_columns(layer.keys, plan.old_row, plan.columns, plan.prefix,
+                               plan.same_rows),
+                gather_columns(layer.values, plan.old_row, plan.columns, plan.prefix,
+                               plan.same_rows),
             )
-        )
-    return DynamicCache(ddp_cache_data=data), column_tokens
+        )  # fmt: skip
+    return DynamicCache(ddp_cache_data=data), plan.column_tokens
 
 
 def _path_columns(old: SessionCache, old_row: torch.Tensor, path: torch.Tensor) -> torch.Tensor:
@@ -135,7 +166,7 @@ def _path_columns(old: SessionCache, old_row: torch.Tensor, path: torch.Tensor) 
     return columns
 
 
-def _gather_columns(
+def gather_columns(
     states: torch.Tensor,
     old_row: torch.Tensor,
     columns: torch.Tensor,

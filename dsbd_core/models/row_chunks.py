@@ -104,9 +104,13 @@ class RowChunkedLinear(nn.Linear):
     rows_kind = "tokens"  # "kept" for an output layer (it sees only the rows whose logits count)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 (nn.Linear's name)
-        layout = _LAYOUT.get()
-        if input.device.type != "cpu" or input.dtype not in CHUNKED_DTYPES:
+        if (
+            input.device.type != "cpu"
+            or input.dtype not in CHUNKED_DTYPES
+            or torch.compiler.is_compiling()  # a compiled step: Inductor picks the kernels
+        ):
             return F.linear(input, self.weight, self.bias)
+        layout = _LAYOUT.get()
         if layout is None:
             return self._linear(input)
         plan = layout.plans[self.rows_kind]

@@ -153,10 +153,8 @@ class TransformerScorer:
                 plan = _plan_forward(b, session, layers, self._root_count)
                 if plan.input_ids.shape[1] > 0:  # else: roots fed already and no existing node
                     work.append((b, session, plan))
-            if len(work) == 1:
-                self._forward_session(*work[0], roots, outs)
-            elif work:
-                self._forward_sessions(work, roots, outs)
+            if work:
+                self._run_work(work, roots, outs)
         self._roots_pending = False
         to_out = self._out_device
         return ForestLogprobs(
@@ -239,6 +237,18 @@ class TransformerScorer:
                 return SessionCache(rows, root_tokens, cache, column_tokens, column_tokens.shape[1])
         empty = torch.empty(rows.numel(), 0, dtype=torch.long, device=tokens.device)
         return SessionCache(rows, root_tokens, None, empty, 0)
+
+    def _run_work(
+        self,
+        work: list[tuple[int, SessionCache, _Plan]],
+        roots: torch.Tensor | None,
+        outs: list[torch.Tensor],
+    ) -> None:
+        """The model forwards of one `forward` call: one session alone, or several packed."""
+        if len(work) == 1:
+            self._forward_session(*work[0], roots, outs)
+        else:
+            self._forward_sessions(work, roots, outs)
 
     def _forward_session(
         self,

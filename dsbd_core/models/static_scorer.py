@@ -1,0 +1,276 @@
+"""The static-shape decode path: a `TransformerScorer` whose forwards are fixed-shape steps over
+a preallocated KV pool, so that on CUDA each bucket runs as one captured graph.
+
+What differs from the dynamic path (`TransformerScorer`), and what does not:
+
+* The forward layout is the same (`forest_plan`: per tree row, the root's uncached tokens then
+  the tree's nodes, the same tree mask, the same positions), and so is the cache layout: column
+  j of a row holds the j-th token fed to it. Only where the columns live differs: in rows of a
+  `StaticKV` pool, written in place, instead of a `DynamicCache` grown by concatenation.
+  Compaction after verification (spec §6.4) is the same plan (`kv_cache.plan_compaction`),
+  done as one gather inside the pool.
+* A forward runs as a bucket `[rows, slots]` of the ladder (`static_step`): the rows of the pool
+  from 0 up to the highest row of a session in the forward (rounded up to a power of two), and
+  the most slots any of its trees needs (rounded up to 1, 2, 4, ..., 32). Padding slots and rows
+  of sessions not in the forward attend only to themselves and write to scratch columns or past
+  their session's columns; their outputs are never read. Forwards larger than the ladder (a
+  prompt's prefill) run per session, eagerly, at their own shape.
+* Several sessions batched together share one bucket (continuous batching keeps working), but
+  a session's last bits then depend on the bucket its batch mates choose: the linear layers run
+  over more rows and the kernels (cuBLAS, oneDNN) pick by shape. The dynamic path's row
+  chunking (`row_chunks`, batch invariance by split calls) is not used here: it multiplies
+  kernel launches. So on this path a seeded decode is reproducible alone, and batched only up
+  to those last bits (what vLLM and SGLang give without their batch-invariant kernels);
+  `dsbd serve` says so in its status. A decode alone equals the dynamic path's tokens where the
+  arithmetic is exact enough (float64, float32 on the models tested), not bit for bit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from transformers import PreTrainedModel
+
+from dsbd_core.models.forest_plan import _Plan, _record, _scatter_outputs
+from dsbd_core.models.kv_cache import SessionCache, plan_compaction
+from dsbd_core.models.static_cache import SlotHandle, StaticKV
+from dsbd_core.models.static_step import (
+    SLOT_BUCKETS,
+    CompileMode,
+    StaticInputs,
+    StaticStep,
+    bucket,
+    row_buckets,
+)
+from dsbd_core.models.transformer_scorer import TransformerScorer
+
+LENGTH_QUANTUM = 128  # pool columns grow in multiples of this (fewer regrowths, same graphs)
+
+
+def default_compile(device: torch.device | str) -> CompileMode:
+    """CUDA graphs on CUDA; eager elsewhere (a CPU forward is bound by its arithmetic, not by
+    launches, and compiling a CPU model takes minutes: `benchmarks/static_path_cpu.py`)."""
+    return "reduce-overhead" if torch.device(device).type == "cuda" else "none"
+
+
+class StaticScorer(TransformerScorer):
+    """A `ForestScorer` on the static-shape path (see the module docstring).
+
+    rows / length: the pool's initial rows and session columns (it grows when a batch needs
+    more, up to `max_rows` rows, then evicts the least recently used exported sessions);
+    compile: how buckets run (`static_step.COMPILE_MODES`; default per device).
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        *,
+        rows: int = 0,
+        length: int = 0,
+        max_rows: int = 256,
+        compile: CompileMode | None = None,
+    ) -> None:
+        super().__init__(model, pack=False, batch_invariant=False)
+        self.compile = compile if compile is not None else default_compile(model.device)
+        self.max_rows = max_rows
+        self._initial = (rows, length)
+        self._pool: StaticKV | None = None
+        self._step: StaticStep | None = None
+        self._busy: set[int] = set()  # pool bases of the batch being started (never evicted)
+        if rows and length:
+            self._ensure_pool(rows, length)
+
+    # ------------------------------------------------------------------ pool and graphs
+
+    def _ensure_pool(self, rows: int, length: int) -> StaticKV:
+        length = -(-length // LENGTH_QUANTUM) * LENGTH_QUANTUM
+        if self._pool is None:
+            text = self.model.config.get_text_config(decoder=True)
+            heads = text.num_attention_heads
+            head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+            self._pool = StaticKV(
+                text.num_hidden_layers, text.num_key_value_heads or heads, head_dim,
+                rows=max(rows, self._initial[0], 1), length=max(length, self._initial[1]),
+                scratch=SLOT_BUCKETS[-1], dtype=self.model.dtype, device=self.model.device,
+            )  # fmt: skip
+            self._step = StaticStep(self.model, self._pool, self.compile, self._out_dtype)
+        elif length > self._pool.length:
+            self._pool.grow(length=max(length, 2 * self._pool.length))
+        return self._pool
+
+    def capture(self, rows: int, length: int, slots: Sequence[int] = SLOT_BUCKETS) -> dict:
+        """Allocate the pool and run every bucket once (compiling and, on CUDA, recording its
+        graph) so that no request pays for it; returns the status (`status`)."""
+        pool = self._ensure_pool(rows, length)
+        assert self._step is not None
+        for row_count in row_buckets(pool.rows):
+            for slot_count in slots:
+                self._step(_idle_inputs(pool, row_count, slot_count), bucketed=True)
+        return self.status()
+
+    def status(self) -> dict:
+        """The ladder, capture time, graph and pool memory, and counters (for `/v1/dsbd/status`
+        and the start-up line)."""
+        if self._step is None:
+            return {"path": "static", "compile": self.compile, "pool_rows": 0}
+        self._step._refresh()
+        return {"path": "static", **self._step.stats.as_dict()}
+
+    # ------------------------------------------------------------------ ForestScorer API
+
+    def set_roots(self, roots) -> None:  # noqa: ANN001 (Roots, as the base class)
+        """Start an iteration (compacting in the pool); frees the rows of sessions that end."""
+        before = [s for s in self._sessions if s is not None]
+        batch, root_count, capacity = roots.tokens.shape
+        self._ensure_pool(batch * root_count, capacity + 1)
+        self._busy = {s.cache.base for s in before if isinstance(s.cache, SlotHandle)}
+        super().set_roots(roots)
+        kept = {id(s.cache) for s in self._sessions if s is not None}
+        for session in before:
+            if id(session.cache) not in kept:
+                self._free(session)
+
+    def release(self) -> None:
+        for session in self._sessions:
+            self._free(session)
+        super().release()
+
+    def discard_sessions(self, sessions: list[SessionCache | None]) -> None:
+        """Sessions a `SessionBatcher` dropped (ended, expired, evicted): their rows are free."""
+        for session in sessions:
+            self._free(session)
+
+    def _free(self, session: SessionCache | None) -> None:
+        if session is not None and self._pool is not None:
+            handle = session.cache
+            if isinstance(handle, SlotHandle):
+                self._pool.free(handle)
+
+    # ------------------------------------------------------------------ internals
+
+    def _start_session(
+        self,
+        b: int,
+        tokens: torch.Tensor,
+        length: int,
+        alive: torch.Tensor,
+        origin,  # noqa: ANN001 (Origin | None)
+        old: SessionCache | None,
+    ) -> SessionCache | None:
+        """The session's rows for a new iteration: compacted in place, or ready to re-prefill."""
+        assert self._pool is not None
+        rows = alive.nonzero().squeeze(1)
+        if rows.numel() == 0:
+            return None
+        if length < 1 or length > tokens.shape[2]:
+            raise ValueError(f"session {b}: length {length} outside [1, {tokens.shape[2]}]")
+        root_tokens = tokens[b, rows, :length]
+        handle = old.cache if old is not None and self._pool.valid(old.cache) else None
+        if origin is not None and handle is not None and old is not None:
+            plan = plan_compaction(old, root_tokens, origin.root[b, rows], origin.path[b, rows])
+            if plan is not None:
+                self._pool.compact(handle, plan, old.cached_cols)
+                self._pool.touch(handle.base)
+                kept = plan.column_tokens
+                return SessionCache(rows, root_tokens, handle, kept, kept.shape[1])
+        if handle is None or handle.count < self._root_count:
+            handle = self._pool.allocate(self._root_count, busy=self._busy,
+                                         max_rows=self.max_rows)  # fmt: skip
+            self._busy.add(handle.base)
+        empty = torch.empty(rows.numel(), 0, dtype=torch.long, device=tokens.device)
+        return SessionCache(rows, root_tokens, handle, empty, 0)
+
+    def _run_work(
+        self,
+        work: list[tuple[int, SessionCache, _Plan]],
+        roots: torch.Tensor | None,
+        outs: list[torch.Tensor],
+    ) -> None:
+        """One bucketed forward of every session of the call, or eager ones for prefills."""
+        assert self._pool is not None and self._step is not None
+        slots = bucket(max(plan.input_ids.shape[1] for _, _, plan in work), SLOT_BUCKETS)
+        if slots is None:  # larger than the ladder: each session at its own shape
+            for item in work:
+                self._forward([item], None, roots, outs)
+            return
+        self._forward(work, slots, roots, outs)
+
+    def _forward(
+        self,
+        work: list[tuple[int, SessionCache, _Plan]],
+        slots: int | None,
+        roots: torch.Tensor | None,
+        outs: list[torch.Tensor],
+    ) -> None:
+        pool = self._pool
+        assert pool is not None and self._step is not None
+        width = slots or max(plan.input_ids.shape[1] for _, _, plan in work)
+        need = max(session.cached_cols for _, session, _ in work) + width
+        self._ensure_pool(0, need)
+        top = max(s.cache.base + s.rows.numel() for _, s, _ in work)  # type: ignore[union-attr]
+        rows = bucket(top, row_buckets(pool.rows)) if slots else None
+        inputs = _inputs(pool, work, rows, width)
+        self.forward_calls += 1
+        first = 0 if slots else work[0][1].cache.base  # type: ignore[union-attr]
+        logprobs = self._step(inputs, bucketed=slots is not None, first=first)
+        for b, session, plan in work:
+            base = session.cache.base - first  # type: ignore[union-attr]
+            n, q = plan.input_ids.shape
+            kept = logprobs[base : base + n, :q][plan.keep]  # row-major, as `rank` counts
+            rank = plan.keep.flatten().cumsum(0).view_as(plan.keep) - 1
+            _scatter_outputs(b, session, plan, kept.to(self._out_dtype), rank, roots, outs)
+            _record(session, session.cache, plan)  # type: ignore[arg-type]
+            pool.touch(session.cache.base)  # type: ignore[union-attr]
+
+
+def _inputs(
+    pool: StaticKV, work: list[tuple[int, SessionCache, _Plan]], rows: int | None, slots: int
+) -> StaticInputs:
+    """The step's inputs: every session's plan placed at its pool rows, the rest idle.
+
+    `rows` None: an eager forward of one session over exactly its own rows.
+    """
+    device = pool.device
+    first = 0 if rows is not None else work[0][1].cache.base  # type: ignore[union-attr]
+    count = rows if rows is not None else work[0][1].rows.numel()
+    columns = pool.length + pool.scratch
+    inputs = _idle_inputs(pool, count, slots) if rows is not None else StaticInputs(
+        torch.zeros(count, slots, dtype=torch.long), torch.zeros(count, slots, dtype=torch.long),
+        torch.zeros(count, slots, dtype=torch.long),
+        torch.zeros(count, slots, columns, dtype=torch.bool),
+    )  # fmt: skip
+    inputs = StaticInputs(*(x.cpu() for x in (inputs.input_ids, inputs.position_ids,
+                                               inputs.write, inputs.allowed)))  # fmt: skip
+    span = torch.arange(slots)
+    for _, session, plan in work:
+        base = session.cache.base - first  # type: ignore[union-attr]
+        n, q = plan.input_ids.shape
+        cached = session.cached_cols
+        block = slice(base, base + n)
+        inputs.input_ids[block] = 0
+        inputs.input_ids[block, :q] = plan.input_ids.cpu()
+        inputs.position_ids[block] = 0
+        inputs.position_ids[block, :q] = plan.position_ids.cpu()
+        inputs.write[block] = cached + span  # padding slots write past the session's columns
+        inputs.allowed[block] = False
+        inputs.allowed[block, :q, : cached + q] = plan.allowed.cpu()
+        inputs.allowed[block, span[q:], cached + span[q:]] = True  # a padding slot sees itself
+    return StaticInputs(*(x.to(device, non_blocking=True) for x in (
+        inputs.input_ids, inputs.position_ids, inputs.write, inputs.allowed)))  # fmt: skip
+
+
+def _idle_inputs(pool: StaticKV, rows: int, slots: int) -> StaticInputs:
+    """A bucket where no row is in the forward: each slot writes and sees its scratch column."""
+    columns = pool.length + pool.scratch
+    span = torch.arange(slots)
+    write = (pool.length + span).expand(rows, slots).clone()
+    allowed = torch.zeros(rows, slots, columns, dtype=torch.bool)
+    allowed[:, span, pool.length + span] = True
+    device = pool.device
+    return StaticInputs(
+        torch.zeros(rows, slots, dtype=torch.long, device=device),
+        torch.zeros(rows, slots, dtype=torch.long, device=device),
+        write.to(device),
+        allowed.to(device),
+    )
