@@ -48,6 +48,7 @@ class DecoderSettings(BaseModel):
     draft: str
     dtype: Literal["auto", "float32", "bfloat16", "float64"] = "auto"
     device: Literal["cpu", "cuda"] = "cpu"
+    decode_path: Literal["auto", "dynamic", "static"] = "auto"
     threads: int = Field(1, ge=1)
     draft_variant: DraftOptions = DraftOptions()
     fixed_knobs: bool = Field(
@@ -97,7 +98,6 @@ class BatchDecoder:
 
         from dsbd_core.algorithm.session_batch import SessionBatcher
         from dsbd_core.models.pair import load_pair
-        from dsbd_core.models.transformer_scorer import TransformerScorer
 
         self.settings = DecoderSettings.model_validate(settings)
         s = self.settings
@@ -105,7 +105,7 @@ class BatchDecoder:
         hf_logging.set_verbosity_error()
         hf_logging.disable_progress_bar()
         pair = load_pair(s.target, s.draft, dtype=s.dtype, device=s.device,
-                         draft_options=s.draft_variant)  # fmt: skip
+                         draft_options=s.draft_variant, decode_path=s.decode_path)  # fmt: skip
         assert pair.draft is not None
         self.target, self.draft = pair.target, pair.draft
         # the cost model's calibration: measured once per machine and cached (same tokens for
@@ -118,8 +118,9 @@ class BatchDecoder:
         self.vocab_size = self.target.vocab_size
         config = self.target.model.config
         self.max_positions = int(getattr(config, "max_position_embeddings", 0) or 1 << 20)
-        self.target_batcher = SessionBatcher(TransformerScorer(self.target.model))
-        self.draft_batcher = SessionBatcher(TransformerScorer(self.draft.model))
+        target, draft = pair.scorers()
+        self.target_batcher = SessionBatcher(target)
+        self.draft_batcher = SessionBatcher(draft)  # type: ignore[arg-type]
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         """Decode a batch of `ROWS_SCHEMA` rows; one `OUTPUT_SCHEMA` record each."""

@@ -92,6 +92,7 @@ def _replica_status(info: dict[str, Any]) -> dict[str, Any]:
         "allocator": info.get("allocator", "system"),
         "allocator_stats": info.get("allocator_stats", {}),
         "primitive_cache": info.get("primitive_cache"),
+        "decode_path": info.get("decode_path", {"path": "dynamic"}),  # static: ladder, graphs
     }
     if "tp_ranks" in info:
         out["tp_ranks"] = info["tp_ranks"]

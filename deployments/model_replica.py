@@ -38,11 +38,12 @@ from dsbd_core.algorithm.cost_model import ForwardCosts
 from dsbd_core.algorithm.session_batch import Job, SessionBatcher
 from dsbd_core.models import load_causal_lm, stop_token_ids
 from dsbd_core.models.calibrate import model_costs
+from dsbd_core.models.decode_path import make_scorer, resolve_decode_path
 from dsbd_core.models.draft_variants import head_support
 from dsbd_core.models.dtypes import dtype_name, resolve_dtype
 from dsbd_core.models.pair import DraftOptions, model_identity, prepare_draft
+from dsbd_core.models.static_scorer import StaticScorer
 from dsbd_core.models.tensor_parallel import INIT_TIMEOUT_S, model_config
-from dsbd_core.models.transformer_scorer import TransformerScorer
 
 _ACTIVE_S = 1.0  # a session with a call this recent is expected to call again soon
 
@@ -114,6 +115,14 @@ class ModelOptions(BaseModel):
         "false: large batches run faster and seeded tokens depend on the batch mates. "
         "dsbd_core/models/row_chunks.py.",
     )
+    decode_path: Literal["auto", "dynamic", "static"] = Field(
+        "auto",
+        description="dynamic: packed forests over growing per-session caches (batch-invariant "
+        "rows); static: fixed-shape buckets over a preallocated KV pool, captured as CUDA "
+        "graphs on cuda (a seeded request's last bits then depend on its batch mates); auto: "
+        "static on cuda, dynamic on cpu. A tensor-parallel model runs the dynamic path. "
+        "dsbd_core/models/decode_path.py.",
+    )  # fmt: skip
     session_memory_fraction: float = Field(
         0.5, gt=0, le=1,
         description="The share of the device's free memory at start-up (after loading the "
@@ -140,6 +149,7 @@ class ModelReplica:
         self.tp_group: Any = None
         self.costs: ForwardCosts | None = None  # measured forward costs (the cost model's)
         self.variant, self.support_size = "", None
+        self.decode_path = "dynamic"  # a tensor-parallel group runs the dynamic path
         if self.options.tp_size > 1:
             from deployments.tensor_parallel import TensorParallelScorer
 
@@ -165,10 +175,16 @@ class ModelReplica:
             model = loaded.model
             self.vocab_size = loaded.vocab_size
             self.max_positions = int(getattr(model.config, "max_position_embeddings", 0) or 1 << 20)
-            self.scorer = TransformerScorer(model, batch_invariant=self.options.batch_invariant)
+            self.decode_path = resolve_decode_path(self.options.decode_path, self.options.device)
+            self.scorer = make_scorer(model, self.decode_path,
+                                      batch_invariant=self.options.batch_invariant)  # fmt: skip
+            if isinstance(self.scorer, StaticScorer) and self.options.device == "cuda":
+                self.scorer.capture(
+                    rows=self.options.max_batch_size, length=min(self.max_positions, 2048)
+                )  # grows on demand
             identity = {"model": model_identity(loaded), "dtype": self.dtype_name,
                         "device": self.options.device, "variant": self.variant}  # fmt: skip
-            self.costs = model_costs(model, identity)
+            self.costs = model_costs(model, identity, path=self.decode_path)
             kv = kv_bytes_per_token(model.config, torch_dtype)
             free = device_free_bytes(self.options.device)
         self.memory = replica_memory(kv, self.options.session_memory_bytes,
@@ -263,6 +279,9 @@ class ModelReplica:
             "allocator": active_allocator(),  # jemalloc unless asked otherwise (allocator.py)
             "allocator_stats": allocator_stats(),  # live vs held bytes (benchmarks/soak.py)
             "primitive_cache": primitive_cache_capacity(),  # both caches', from the environment
+            "decode_path": self.scorer.status()
+            if isinstance(self.scorer, StaticScorer)
+            else {"path": self.decode_path},  # the static path's ladder, graphs and pool
         }
         if self.tp_group is not None:
             info["tp_ranks"] = {"pids": self.tp_group.pids, "device": self.tp_group.info["device"]}

@@ -173,6 +173,7 @@ def _plan(args: argparse.Namespace) -> BatchJob:
             draft=args.draft,
             dtype=args.dtype,
             device=args.device,
+            decode_path=args.decode_path,
             threads=threads,
             draft_variant=DraftOptions(
                 quantize=args.draft_quantize, head_tokens=args.draft_head_tokens

@@ -152,6 +152,7 @@ def build_config(args: argparse.Namespace) -> BenchConfig:
         top_p=args.top_p,
         device=args.device,
         dtype=args.dtype,
+        decode_path=args.decode_path,
         draft_quantize=args.draft_quantize,
         draft_head_tokens=args.draft_head_tokens,
         threads=args.threads,

@@ -79,6 +79,12 @@ def add_pair_flags(parser: argparse.ArgumentParser, *, knobs: bool = True) -> No
         help="restrict the draft's head to the K most frequent tokens (exact either way); "
         "0: the full head; default: 32768 for vocabularies over 65536, else the full head",
     )  # fmt: skip
+    group.add_argument(
+        "--decode-path", choices=("auto", "dynamic", "static"), default="auto",
+        help="dynamic: packed forests over growing caches; static: fixed-shape buckets over a "
+        "preallocated KV pool, captured as CUDA graphs on CUDA; auto (default): static on "
+        "CUDA, dynamic on CPU",
+    )  # fmt: skip
     if knobs:
         group.add_argument(
             "--fixed-knobs", action="store_true",

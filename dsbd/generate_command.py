@@ -16,7 +16,14 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
-from dsbd.common import DEFAULT_DRAFT, DEFAULT_TARGET, add_pair_flags, fail
+from dsbd.common import (
+    DEFAULT_DRAFT,
+    DEFAULT_TARGET,
+    add_device_flag,
+    add_pair_flags,
+    fail,
+    resolve_device,
+)
 from dsbd.sampling_flags import add_config_flags, config_from_args
 from dsbd_core.algorithm.config import SamplingConfig, config_error_message
 from dsbd_core.algorithm.decoders import METHODS, METHODS_WITH_DRAFT, generate
@@ -46,6 +53,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    add_device_flag(parser)
     add_pair_flags(parser)
     add_config_flags(parser)
 
@@ -70,7 +78,6 @@ def _generate(args: argparse.Namespace, config: SamplingConfig, options: DraftOp
     from dsbd_core.algorithm.cost_model import CostController
     from dsbd_core.models import ModelSourceError, VocabularyMismatchError
     from dsbd_core.models.pair import load_pair
-    from dsbd_core.models.transformer_scorer import TransformerScorer
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -79,8 +86,10 @@ def _generate(args: argparse.Namespace, config: SamplingConfig, options: DraftOp
     start = time.perf_counter()
     uses_draft = args.method in METHODS_WITH_DRAFT
     try:
+        device = resolve_device(args.device)
         pair = load_pair(args.target, args.draft if uses_draft else None, dtype=args.dtype,
-                         draft_options=options)  # fmt: skip
+                         device=str(device), draft_options=options,
+                         decode_path=args.decode_path)  # fmt: skip
         prompt_ids = pair.encode(args.prompt, chat=args.chat)
     except (ModelSourceError, VocabularyMismatchError, ValidationError, ValueError) as error:
         return fail(
@@ -92,21 +101,17 @@ def _generate(args: argparse.Namespace, config: SamplingConfig, options: DraftOp
     if uses_draft and not args.fixed_knobs:
         calibration = pair.calibration(force=args.recalibrate, say=say)
         controller = CostController(config, calibration)
+    target, draft = pair.scorers()
+    capture = capture_static(target, draft, config, len(prompt_ids), say)
     load_s = time.perf_counter() - start
     start = time.perf_counter()
-    result = generate(
-        args.method,
-        TransformerScorer(pair.target.model),
-        prompt_ids,
-        config,
-        draft=TransformerScorer(pair.draft.model) if pair.draft is not None else None,
-        controller=controller,
-    )
+    result = generate(args.method, target, prompt_ids, config, draft=draft, controller=controller)
     decode_s = time.perf_counter() - start
     report = _report(args, config, pair.target, pair.draft, prompt_ids, result, load_s, decode_s)
     report["models"] = pair.describe()
     report["dtype"] = pair.dtype_name
     report["knobs"] = "fixed" if controller is None else {"gamma": controller.chosen}
+    report["decode_path"] = {"path": pair.decode_path, **capture}
     if args.json:
         print(json.dumps(report))
     else:
@@ -189,3 +194,24 @@ def _print_report(report: dict[str, Any]) -> None:
             f"epsilon {report['config']['epsilon']:g} (lossy: trades exactness for speed), "
             f"bias bound {stats['epsilon_bias_bound']:.3f}"
         )
+
+
+def capture_static(
+    target: object, draft: object, config: SamplingConfig, prompt_tokens: int, say: Any
+) -> dict[str, Any]:
+    """On CUDA, capture the static path's buckets before decoding (nothing a request should
+    pay for) and print the ladder, capture time and graph memory; {} on the dynamic path."""
+    from dsbd_core.models.static_scorer import StaticScorer
+
+    report: dict[str, Any] = {}
+    length = prompt_tokens + config.max_new_tokens + config.gamma + 2
+    for name, scorer in (("target", target), ("draft", draft)):
+        if isinstance(scorer, StaticScorer) and scorer.model.device.type == "cuda":
+            status = scorer.capture(rows=config.width, length=length)
+            say(
+                f"{name} static path: buckets rows {status['row_buckets']} x slots "
+                f"{status['slot_buckets']}, captured in {status['capture_s']:.1f} s, "
+                f"graphs {status['graph_memory_mib']} MiB, KV pool {status['pool_mib']} MiB"
+            )
+            report[name] = status
+    return report

@@ -163,11 +163,25 @@ def _cached(name: str, parts: dict[str, object], measure: Callable[[], str], for
 
 
 def model_costs(
-    model: torch.nn.Module, identity: dict[str, object], *, force: bool = False
+    model: torch.nn.Module,
+    identity: dict[str, object],
+    *,
+    force: bool = False,
+    path: str = "dynamic",
 ) -> ForwardCosts:
-    """`forward_costs` of a model, measured once per machine (what a serving replica reports)."""
-    text = _cached("forward", identity, lambda: forward_costs(model).model_dump_json(), force)
-    return ForwardCosts.model_validate_json(text)
+    """The forward costs of a model on its decode path (`decode_path`), measured once per
+    machine (what a serving replica reports); the path is part of the cache key."""
+
+    def measure() -> str:
+        if path == "static":
+            from dsbd_core.models.static_scorer import static_forward_costs
+
+            seconds = static_forward_costs(model, TOKEN_POINTS, REPEATS, CONTEXT)  # type: ignore[arg-type]
+            return ForwardCosts(tokens=list(TOKEN_POINTS), seconds=seconds).model_dump_json()
+        return forward_costs(model).model_dump_json()
+
+    key = identity if path == "dynamic" else {**identity, "decode_path": path}
+    return ForwardCosts.model_validate_json(_cached("forward", key, measure, force))
 
 
 def pair_engine_costs(
@@ -209,17 +223,21 @@ def calibrate(
     draft_support: torch.Tensor | None = None,
     force: bool = False,
     say: Callable[[str], None] = print,
+    path: str = "dynamic",
 ) -> Calibration:
-    """The pair's calibration: from the cache, or measured now (seconds to a minute)."""
+    """The pair's calibration on a decode path: from the cache, or measured now (seconds to a
+    minute)."""
     start = time.perf_counter()
     description = str(identity.get("description", ""))
     say(f"cost model calibration (measured once per machine, then cached): {description}")
-    common = {k: v for k, v in identity.items() if k not in ("target", "draft", "description")}
-    target_costs = model_costs(target, {"model": identity.get("target"), **common}, force=force)
+    skip = ("target", "draft", "description", "decode_path")
+    common = {k: v for k, v in identity.items() if k not in skip}
+    target_costs = model_costs(target, {"model": identity.get("target"), **common}, force=force,
+                               path=path)  # fmt: skip
     draft_costs = None
     if draft is not None:
         draft_id = {"model": identity.get("draft"), **common}
-        draft_costs = model_costs(draft, draft_id, force=force)
+        draft_costs = model_costs(draft, draft_id, force=force, path=path)
     support = draft_support.numel() if draft_support is not None else None
     calibration = assemble(target_costs, draft_costs, vocab_size, support, description,
                            force=force)  # fmt: skip

@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from dsbd_core.algorithm.config import SamplingConfig
 from dsbd_core.algorithm.cost_model import Calibration
 from dsbd_core.models.calibrate import calibrate, forward_costs, machine
+from dsbd_core.models.decode_path import make_scorer, resolve_decode_path
 from dsbd_core.models.draft_variants import head_support, quantize_int8, restrict_head
 from dsbd_core.models.dtypes import dtype_name, resolve_dtype
 from dsbd_core.models.loading import LoadedModel, check_same_vocabulary, load_causal_lm
@@ -31,6 +32,7 @@ from dsbd_core.models.presets import cache_root
 from dsbd_core.models.row_chunks import chunk_linear_rows
 from dsbd_core.models.token_frequencies import frequent_tokens
 from dsbd_core.models.tokens import encode_prompt, stop_token_ids
+from dsbd_core.models.transformer_scorer import TransformerScorer
 
 # A vocabulary this large gets a restricted draft head by default: its output layer is then a
 # large share of a small draft's weights (Qwen2.5: 151936 x 896, 136M of 494M parameters).
@@ -72,6 +74,7 @@ class LoadedPair:
     dtype_reason: str
     draft_variant: str  # e.g. "int8 linear layers, head 32770 of 151936 tokens"
     device: str = "cpu"
+    decode_path: str = "dynamic"  # resolved: dynamic or static (`decode_path.py`)
 
     @property
     def dtype_name(self) -> str:
@@ -83,7 +86,8 @@ class LoadedPair:
 
     def describe(self) -> str:
         draft = f"; draft {self.draft.name}: {self.draft_variant}" if self.draft else ""
-        return f"target {self.target.name}: {self.dtype_reason}{draft}"
+        return (f"target {self.target.name}: {self.dtype_reason}{draft}; "
+                f"{self.decode_path} decode path")  # fmt: skip
 
     def encode(self, text: str, *, chat: bool | None = None) -> list[int]:
         return encode_prompt(self.target, text, chat=chat)
@@ -101,6 +105,7 @@ class LoadedPair:
             "draft_variant": self.draft_variant,
             "dtype": self.dtype_name,
             "device": self.device,
+            "decode_path": self.decode_path,
             "description": self.describe(),
         }
 
@@ -111,7 +116,13 @@ class LoadedPair:
         draft = self.draft.model if self.draft is not None else None
         support = head_support(draft) if draft is not None else None
         return calibrate(self.target.model, draft, self.identity(), self.target.vocab_size,
-                         draft_support=support, force=force, say=say)  # fmt: skip
+                         draft_support=support, force=force, say=say,
+                         path=self.decode_path)  # fmt: skip
+
+    def scorers(self) -> tuple[TransformerScorer, TransformerScorer | None]:
+        """New scorers of the target and the draft on the pair's decode path."""
+        draft = make_scorer(self.draft.model, self.decode_path) if self.draft else None
+        return make_scorer(self.target.model, self.decode_path), draft
 
 
 def model_identity(loaded: LoadedModel) -> str:
@@ -128,20 +139,23 @@ def load_pair(
     dtype: str = "auto",
     device: str = "cpu",
     draft_options: DraftOptions | None = None,
+    decode_path: str = "auto",
 ) -> LoadedPair:
     """Load `target` (and `draft`) in the dtype `dtype` means on `device`; make the draft cheap
-    as `draft_options` say; check that they share a vocabulary."""
+    as `draft_options` say; check that they share a vocabulary. `decode_path` (auto, dynamic,
+    static) is checked first."""
+    path = resolve_decode_path(decode_path, device)
     torch_dtype, reason = resolve_dtype(dtype, device)
     loaded_target = load_causal_lm(target, dtype=torch_dtype)
     loaded_target.model.to(device)
     if draft is None:
-        return LoadedPair(loaded_target, None, torch_dtype, reason, "", device)
+        return LoadedPair(loaded_target, None, torch_dtype, reason, "", device, path)
     loaded_draft = load_causal_lm(draft, dtype=torch_dtype)
     check_same_vocabulary(loaded_target, loaded_draft)
     loaded_draft.model.to(device)
     options = draft_options or DraftOptions()
     variant = prepare_draft(loaded_draft, options, stop_token_ids(loaded_target))
-    return LoadedPair(loaded_target, loaded_draft, torch_dtype, reason, variant, device)
+    return LoadedPair(loaded_target, loaded_draft, torch_dtype, reason, variant, device, path)
 
 
 def prepare_draft(draft: LoadedModel, options: DraftOptions, stop_ids: tuple[int, ...] = ()) -> str:

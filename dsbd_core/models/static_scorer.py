@@ -274,3 +274,39 @@ def _idle_inputs(pool: StaticKV, rows: int, slots: int) -> StaticInputs:
         write.to(device),
         allowed.to(device),
     )
+
+
+def static_forward_costs(
+    model: PreTrainedModel, points: Sequence[int], repeats: int, context: int
+) -> list[float]:
+    """Median seconds of a static-path forward feeding n tokens after `context` cached
+    columns, one row (the calibration of the cost model on this path: `calibrate`)."""
+    import time
+
+    scorer = StaticScorer(model, rows=1, length=context + max(points))
+    pool, step = scorer._pool, scorer._step
+    assert pool is not None and step is not None
+    seconds = []
+    for n in points:
+        slots = bucket(n, SLOT_BUCKETS)
+        width = slots or n
+        span = torch.arange(width)
+        allowed = torch.zeros(1, width, pool.length + pool.scratch, dtype=torch.bool)
+        allowed[0] = torch.arange(allowed.shape[2])[None, :] <= context + span[:, None]
+        ids = (torch.arange(width) * 7919 % 1000)[None]
+        inputs = StaticInputs(*(x.to(pool.device) for x in (
+            ids, context + span[None], context + span[None], allowed)))  # fmt: skip
+        times = []
+        for _ in range(repeats + 1):  # the first run warms up (and compiles, records)
+            _synchronize(pool.device)
+            start = time.perf_counter()
+            step(inputs, bucketed=slots is not None)
+            _synchronize(pool.device)
+            times.append(time.perf_counter() - start)
+        seconds.append(sorted(times[1:])[len(times[1:]) // 2])
+    return seconds
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

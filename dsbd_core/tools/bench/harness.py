@@ -66,12 +66,13 @@ def run_bench(
     options = DraftOptions(quantize=config.draft_quantize,  # type: ignore[arg-type]
                            head_tokens=config.draft_head_tokens)  # fmt: skip
     loaded = load_pair(config.target, draft_name, dtype=config.dtype, device=str(device),
-                       draft_options=options)  # fmt: skip
+                       draft_options=options, decode_path=config.decode_path)  # fmt: skip
     say(loaded.describe())
     calibration = None
     if loaded.draft is not None and any(s.uses_draft and not s.fixed_knobs for s in specs):
         calibration = loaded.calibration(force=recalibrate, say=say)
-    pair = Pair(loaded.target, loaded.draft, device, loaded.stop_ids, calibration)
+    pair = Pair(loaded.target, loaded.draft, device, loaded.stop_ids, calibration,
+                decode_path=loaded.decode_path)  # fmt: skip
     prompt_ids = [encode_prompt(loaded.target, p.text, chat=p.chat) for p in prompts]
     _write_prompts(out_dir / "prompts.jsonl", prompts, prompt_ids)
     energy = EnergyMeter(device)

@@ -27,7 +27,7 @@ from dsbd_core.algorithm.config import SamplingConfig
 from dsbd_core.algorithm.cost_model import Calibration, CostController
 from dsbd_core.algorithm.decoders import generate, method_config
 from dsbd_core.models import LoadedModel
-from dsbd_core.models.transformer_scorer import TransformerScorer
+from dsbd_core.models.decode_path import make_scorer
 from dsbd_core.tools.bench.measure import ForwardCounter
 from dsbd_core.tools.bench.methods import MethodSpec
 
@@ -41,6 +41,7 @@ class Pair:
     device: torch.device
     stop_ids: tuple[int, ...]
     calibration: Calibration | None = None  # the cost model's (None: fixed knobs only)
+    decode_path: str = "dynamic"  # our methods' scorers (`decode_path.make_scorer`)
     target_counter: ForwardCounter = field(init=False)
     draft_counter: ForwardCounter | None = field(init=False)
 
@@ -74,15 +75,16 @@ def run_engine(
 ) -> Decoded:
     """Decode with our engine (sample, sps, beam, dsbd)."""
     config = spec.sampling_config(base)
-    draft = TransformerScorer(pair.draft.model) if spec.uses_draft and pair.draft else None
+    draft = (make_scorer(pair.draft.model, pair.decode_path)
+             if spec.uses_draft and pair.draft else None)  # fmt: skip
     if spec.uses_draft and draft is None:
         raise ValueError(f"{spec.name} needs a draft model; the run has none")
     controller = None
     if spec.uses_draft and not spec.fixed_knobs and pair.calibration is not None:
         run_config = method_config(spec.engine_method(), config)
         controller = CostController(run_config, pair.calibration)
-    result = generate(spec.engine_method(), TransformerScorer(pair.target.model), prompt_ids,
-                      config, draft, controller)  # fmt: skip
+    result = generate(spec.engine_method(), make_scorer(pair.target.model, pair.decode_path),
+                      prompt_ids, config, draft, controller)  # fmt: skip
     best = result.best
     stats = result.stats.as_dict()
     if controller is not None:

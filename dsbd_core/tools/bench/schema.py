@@ -42,6 +42,7 @@ class BenchConfig(BaseModel):
     device: str
     dtype: str = Field(description="auto, or the dtype every model runs in")
     draft_quantize: str = Field("none", description="the draft's linear layers: none/int8/auto")
+    decode_path: str = Field("auto", description="our methods' decode path: auto/dynamic/static")
     draft_head_tokens: int | None = Field(0, description="restricted draft head (0: full)")
     threads: int = Field(ge=1)
     warmup_tokens: int = Field(ge=0, description="tokens of the unrecorded warm-up decodes")
