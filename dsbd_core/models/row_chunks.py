@@ -149,7 +149,7 @@ class RowChunkedLinear(nn.Linear):
     def _packed_weight(self) -> torch.Tensor | None:
         """The weight reordered once into oneDNN's blocked layout (inference only: no autograd
         through it; made again if the weight changes), or None where it does not apply."""
-        if torch.is_grad_enabled() or not torch.backends.mkldnn.is_available():
+        if torch.is_grad_enabled() or not _onednn_reorders(self.weight.dtype):
             return None
         if type(self.weight.data) is not torch.Tensor:  # a sharded (DTensor) or wrapped weight
             return None
@@ -159,6 +159,18 @@ class RowChunkedLinear(nn.Linear):
             cached = (key, torch.ops.mkldnn._reorder_linear_weight(self.weight.detach()))
             self.__dict__["_dsbd_packed"] = cached
         return cached[1]
+
+
+def _onednn_reorders(dtype: torch.dtype) -> bool:
+    """Whether oneDNN can prepack a weight of this dtype on this CPU (its bfloat16/float16
+    kernels need AVX512 or AVX-NE-CONVERT; elsewhere `F.linear` computes them)."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    if dtype == torch.float16:
+        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    return True
 
 
 def chunk_linear_rows(model: nn.Module) -> int:
