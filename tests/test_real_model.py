@@ -46,3 +46,19 @@ def test_beam_sampling_needs_no_draft(capsys: pytest.CaptureFixture[str]) -> Non
     assert report["draft"] is None
     assert report["stats"]["draft_forward_passes"] == 0
     assert len(report["beams"]) >= 1 and "Paris" in report["beams"][0]["text"]
+
+
+@pytest.mark.parametrize(
+    ("method", "flags"),
+    [("dsbd", ["--threshold", "0.7"]), ("beam", []), ("spec_beam_search", [])],
+)
+def test_static_path_decodes_the_dynamic_paths_tokens_on_the_embedded_pair(
+    method: str, flags: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """float32, fixed knobs (the cost model's choice depends on each path's measured costs)."""
+    common = ["--method", method, "--dtype", "float32", "--fixed-knobs", "--width", "3", *flags]
+    dynamic = generate_json(capsys, *common, "--decode-path", "dynamic")
+    static = generate_json(capsys, *common, "--decode-path", "static")
+    assert [b["token_ids"] for b in static["beams"]] == [b["token_ids"] for b in dynamic["beams"]]
+    assert static["decode_path"]["path"] == "static"
+    assert dynamic["decode_path"]["path"] == "dynamic"
