@@ -14,8 +14,13 @@ from dsbd_core import SamplingConfig, generate, generate_batch
 from dsbd_core.algorithm.lockstep import Request, decode_lockstep
 from dsbd_core.algorithm.session_batch import SessionBatcher
 from dsbd_core.models.draft_variants import restrict_head
-from dsbd_core.models.static_scorer import StaticScorer, _idle_inputs
-from dsbd_core.models.static_step import SLOT_BUCKETS, static_attention_for, step_function
+from dsbd_core.models.static_scorer import StaticScorer
+from dsbd_core.models.static_step import (
+    SLOT_BUCKETS,
+    idle_inputs,
+    static_attention_for,
+    step_function,
+)
 from dsbd_core.models.transformer_scorer import TransformerScorer
 from tests import golden_tokens as golden
 from tests.test_engine_transformers import tiny
@@ -113,7 +118,7 @@ def test_steps_compile_as_one_graph_and_compute_the_eager_step(arch: str) -> Non
     compiled = torch.compile(step, backend="eager", fullgraph=True, dynamic=False)
     torch._dynamo.reset()
     for rows, slots in ((1, 1), (4, SLOT_BUCKETS[2])):
-        inputs = _idle_inputs(pool, rows, slots)
+        inputs = idle_inputs(pool, rows, slots)
         inputs.input_ids[:] = torch.randint(0, 16, inputs.input_ids.shape)
         args = (inputs.input_ids, inputs.position_ids, inputs.write, inputs.allowed)
         with torch.inference_mode(), static_attention_for(model):

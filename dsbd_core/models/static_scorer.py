@@ -41,6 +41,7 @@ from dsbd_core.models.static_step import (
     StaticInputs,
     StaticStep,
     bucket,
+    idle_inputs,
     row_buckets,
 )
 from dsbd_core.models.transformer_scorer import TransformerScorer
@@ -49,9 +50,11 @@ LENGTH_QUANTUM = 128  # pool columns grow in multiples of this (fewer regrowths,
 
 
 def default_compile(device: torch.device | str) -> CompileMode:
-    """CUDA graphs on CUDA; eager elsewhere (a CPU forward is bound by its arithmetic, not by
-    launches, and compiling a CPU model takes minutes: `benchmarks/static_path_cpu.py`)."""
-    return "reduce-overhead" if torch.device(device).type == "cuda" else "none"
+    """CUDA graphs on CUDA, captured from the eager step (milliseconds per bucket, where
+    `torch.compile` takes tens of seconds per bucket and model: a ladder of 18 buckets would
+    delay every start by minutes); eager elsewhere (a CPU forward is bound by its arithmetic,
+    not by launches; Inductor took 92 s to compile one bucket of a 2-layer model here)."""
+    return "cuda-graph" if torch.device(device).type == "cuda" else "none"
 
 
 class StaticScorer(TransformerScorer):
@@ -106,7 +109,7 @@ class StaticScorer(TransformerScorer):
         assert self._step is not None
         for row_count in row_buckets(pool.rows):
             for slot_count in slots:
-                self._step(_idle_inputs(pool, row_count, slot_count), bucketed=True)
+                self._step(idle_inputs(pool, row_count, slot_count), bucketed=True)
         return self.status()
 
     def status(self) -> dict:
@@ -235,7 +238,7 @@ def _inputs(
     first = 0 if rows is not None else work[0][1].cache.base  # type: ignore[union-attr]
     count = rows if rows is not None else work[0][1].rows.numel()
     columns = pool.length + pool.scratch
-    inputs = _idle_inputs(pool, count, slots) if rows is not None else StaticInputs(
+    inputs = idle_inputs(pool, count, slots) if rows is not None else StaticInputs(
         torch.zeros(count, slots, dtype=torch.long), torch.zeros(count, slots, dtype=torch.long),
         torch.zeros(count, slots, dtype=torch.long),
         torch.zeros(count, slots, columns, dtype=torch.bool),
@@ -258,22 +261,6 @@ def _inputs(
         inputs.allowed[block, span[q:], cached + span[q:]] = True  # a padding slot sees itself
     return StaticInputs(*(x.to(device, non_blocking=True) for x in (
         inputs.input_ids, inputs.position_ids, inputs.write, inputs.allowed)))  # fmt: skip
-
-
-def _idle_inputs(pool: StaticKV, rows: int, slots: int) -> StaticInputs:
-    """A bucket where no row is in the forward: each slot writes and sees its scratch column."""
-    columns = pool.length + pool.scratch
-    span = torch.arange(slots)
-    write = (pool.length + span).expand(rows, slots).clone()
-    allowed = torch.zeros(rows, slots, columns, dtype=torch.bool)
-    allowed[:, span, pool.length + span] = True
-    device = pool.device
-    return StaticInputs(
-        torch.zeros(rows, slots, dtype=torch.long, device=device),
-        torch.zeros(rows, slots, dtype=torch.long, device=device),
-        write.to(device),
-        allowed.to(device),
-    )
 
 
 def static_forward_costs(

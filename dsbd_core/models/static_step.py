@@ -10,8 +10,10 @@ dynamic path's dense forward does). The output is the log-softmax at every slot.
 
 Every shape in a step is a function of its bucket, and every tensor it touches is either an
 input of that shape or the pool itself (a static address): that is what lets
-`torch.compile(mode="reduce-overhead", fullgraph=True)` capture one CUDA graph per bucket and
-replay it, and what `tests/test_static_path.py` checks on CPU (`fullgraph=True`, no break).
+`torch.cuda.CUDAGraph` capture one graph per bucket and replay it (or
+`torch.compile(mode="reduce-overhead", fullgraph=True)` compile one), and what
+`tests/test_static_path.py` checks on CPU (`torch.compile(fullgraph=True)`: no graph break, so
+no host synchronisation and no data-dependent shape inside a step).
 
 The ladder: slots per row in `SLOT_BUCKETS` (a beam step is 1; a forest of depth gamma over W_S
 draft beams needs 1 + gamma * W_S at most), rows in powers of two up to the pool's. A forward
@@ -35,8 +37,11 @@ from dsbd_core.models.static_cache import StaticKV
 
 NAME = "dsbd_static"
 SLOT_BUCKETS = (1, 2, 4, 8, 16, 32)
-CompileMode = str  # "none" | "default" | "reduce-overhead" (torch.compile modes)
-COMPILE_MODES = ("none", "default", "reduce-overhead")
+CompileMode = str  # one of COMPILE_MODES
+# none: eager. cuda-graph: each bucket's eager step captured once as a `torch.cuda.CUDAGraph`
+# (milliseconds per bucket). default / reduce-overhead: `torch.compile` per bucket (Inductor
+# kernels; reduce-overhead replays them as CUDA graphs), tens of seconds per bucket per model.
+COMPILE_MODES = ("none", "cuda-graph", "default", "reduce-overhead")
 
 
 @dataclass
@@ -181,12 +186,11 @@ def bucket(value: int, ladder: tuple[int, ...]) -> int | None:
 
 
 class StaticStep:
-    """Runs fixed-shape forwards over one pool: compiled per bucket, or eagerly.
+    """Runs fixed-shape forwards over one pool: captured per bucket, compiled, or eagerly.
 
-    `compile`: "none" (eager: the same function, for CPU and for checking), "default"
-    (`torch.compile`, Inductor kernels) or "reduce-overhead" (CUDA graphs over Inductor
-    kernels, one per bucket). A regrown pool gets a fresh compiled function: graphs hold
-    the old pool's addresses.
+    `compile` is one of `COMPILE_MODES`. Captured graphs and compiled functions hold the pool's
+    address: a regrown pool gets them made again. The log-probs a captured bucket returns live
+    in its graph's output buffer, valid until that bucket runs again: read them before.
     """
 
     def __init__(
@@ -194,53 +198,88 @@ class StaticStep:
     ) -> None:
         if compile not in COMPILE_MODES:
             raise ValueError(f"compile={compile!r}: allowed: {', '.join(COMPILE_MODES)}")
+        if compile in ("cuda-graph", "reduce-overhead") and pool.device.type != "cuda":
+            raise ValueError(f"compile={compile!r} captures CUDA graphs: the model is on "
+                             f"{pool.device}; allowed there: none, default")  # fmt: skip
         self.model, self.pool, self.compile, self.out_dtype = model, pool, compile, out_dtype
         self.stats = StepStats(compile, str(pool.device), SLOT_BUCKETS)
         self._data_ptr = -1
         self._eager: Callable[..., torch.Tensor] | None = None
         self._compiled: Callable[..., torch.Tensor] | None = None
-        self._seen: set[tuple[int, int]] = set()
+        self._buckets: dict[tuple[int, int], Callable[[StaticInputs], torch.Tensor]] = {}
+        self._graph_pool: object | None = None
 
     def __call__(self, inputs: StaticInputs, *, bucketed: bool, first: int = 0) -> torch.Tensor:
         """log-probs [rows, slots, V] of one forward (`bucketed`: a shape of the ladder, over
         the pool's rows from 0; else eager over the rows from `first`)."""
         self._refresh()
-        rows, slots = inputs.input_ids.shape
         with torch.inference_mode(), static_attention_for(self.model):
-            if not bucketed or self._compiled is None:
+            if not bucketed or self.compile == "none":
                 self.stats.eager_forwards += not bucketed
                 self.stats.bucket_forwards += bucketed
                 assert self._eager is not None
-                return self._eager(inputs.input_ids, inputs.position_ids, inputs.write,
-                                   inputs.allowed, first)  # fmt: skip
+                return self._eager(*_args(inputs), first)
             self.stats.bucket_forwards += 1
-            first = (rows, slots) not in self._seen
-            if first:
-                return self._first_call(inputs)
-            out = self._compiled(inputs.input_ids, inputs.position_ids, inputs.write,
-                                 inputs.allowed)  # fmt: skip
-            return out.clone() if self.compile == "reduce-overhead" else out
+            shape = tuple(inputs.input_ids.shape)
+            run = self._buckets.get(shape)  # type: ignore[arg-type]
+            if run is None:
+                run = self._prepare(shape)  # type: ignore[arg-type]
+            return run(inputs)
 
-    def _first_call(self, inputs: StaticInputs) -> torch.Tensor:
-        """A bucket's first calls compile it (and, on CUDA, record its graph): timed."""
-        assert self._compiled is not None
-        rows, slots = inputs.input_ids.shape
+    def _prepare(self, shape: tuple[int, int]) -> Callable[[StaticInputs], torch.Tensor]:
+        """A bucket's first call: capture its graph or compile it (timed, memory counted)."""
+        rows, slots = shape
         cuda = self.pool.device.type == "cuda"
         if cuda:
             torch.cuda.synchronize(self.pool.device)
             before = torch.cuda.memory_reserved(self.pool.device)
         start = time.perf_counter()
-        calls = 3 if self.compile == "reduce-overhead" else 1  # warm-up, record, replay
-        for _ in range(calls):
-            out = self._compiled(inputs.input_ids, inputs.position_ids, inputs.write,
-                                 inputs.allowed)  # fmt: skip
+        idle = idle_inputs(self.pool, rows, slots)
+        if self.compile == "cuda-graph":
+            run: Callable[[StaticInputs], torch.Tensor] = self._capture(idle)
+        else:
+            compiled = self._compiled
+            assert compiled is not None
+            for _ in range(3 if self.compile == "reduce-overhead" else 1):  # warm, record
+                compiled(*_args(idle))
+
+            def run(inputs: StaticInputs) -> torch.Tensor:
+                return compiled(*_args(inputs))
+
         if cuda:
             torch.cuda.synchronize(self.pool.device)
             self.stats.graph_memory_bytes += torch.cuda.memory_reserved(self.pool.device) - before
         self.stats.capture_s += time.perf_counter() - start
-        self._seen.add((rows, slots))
         self.stats.captured.append(f"{rows}x{slots}")
-        return out.clone() if self.compile == "reduce-overhead" else out
+        self._buckets[shape] = run
+        return run
+
+    def _capture(self, idle: StaticInputs) -> Callable[[StaticInputs], torch.Tensor]:
+        """One CUDA graph of the eager step at this bucket: inputs copied into its static
+        buffers, one replay, the output buffer returned. Captured on idle inputs (every row
+        writes to scratch columns), warmed up on a side stream first, as CUDA graphs need."""
+        assert self._eager is not None
+        step = self._eager
+        static = StaticInputs(*(x.clone() for x in _args(idle)))
+        side = torch.cuda.Stream(self.pool.device)
+        side.wait_stream(torch.cuda.current_stream(self.pool.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                step(*_args(static))
+        torch.cuda.current_stream(self.pool.device).wait_stream(side)
+        if self._graph_pool is None:
+            self._graph_pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._graph_pool):
+            out = step(*_args(static))
+
+        def replay(inputs: StaticInputs) -> torch.Tensor:
+            for target, source in zip(_args(static), _args(inputs), strict=True):
+                target.copy_(source, non_blocking=True)
+            graph.replay()
+            return out
+
+        return replay
 
     def _refresh(self) -> None:
         """(Re)build the step functions for the current pool storage."""
@@ -255,9 +294,9 @@ class StaticStep:
         if implementation == NAME:  # called inside static_attention_for
             raise RuntimeError("StaticStep refreshed inside its own attention block")
         self._eager = step_function(self.model, pool, implementation, self.out_dtype)
-        self._seen.clear()
+        self._buckets.clear()
         self._compiled = None
-        if self.compile != "none":
+        if self.compile in ("default", "reduce-overhead"):
             torch._dynamo.config.cache_size_limit = max(
                 torch._dynamo.config.cache_size_limit,
                 4 * len(SLOT_BUCKETS) * len(self.stats.row_buckets),
@@ -268,3 +307,23 @@ class StaticStep:
                 fullgraph=True,
                 dynamic=False,
             )
+
+
+def _args(inputs: StaticInputs) -> tuple[torch.Tensor, ...]:
+    return (inputs.input_ids, inputs.position_ids, inputs.write, inputs.allowed)
+
+
+def idle_inputs(pool: StaticKV, rows: int, slots: int) -> StaticInputs:
+    """A bucket where no row is in the forward: each slot writes and sees its scratch column."""
+    columns = pool.length + pool.scratch
+    span = torch.arange(slots)
+    write = (pool.length + span).expand(rows, slots).clone()
+    allowed = torch.zeros(rows, slots, columns, dtype=torch.bool)
+    allowed[:, span, pool.length + span] = True
+    device = pool.device
+    return StaticInputs(
+        torch.zeros(rows, slots, dtype=torch.long, device=device),
+        torch.zeros(rows, slots, dtype=torch.long, device=device),
+        write.to(device),
+        allowed.to(device),
+    )
