@@ -145,6 +145,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="dynamic-width threshold of the timed DSBD runs (default: fixed "
         "width; the model calls' shapes do not depend on it, host work does)",
     )
+    parser.add_argument(
+        "--decode-path", choices=("dynamic", "static"), default="dynamic",
+        help="the scorers' decode path (static: fixed buckets over a KV pool, CUDA graphs on "
+        "CUDA); default dynamic",
+    )  # fmt: skip
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
@@ -174,7 +179,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     shapes = SIZES[args.size]
     draft = build_model(shapes["draft"], device, dtype)
     target = build_model(shapes["target"], device, dtype)
-    bench = Bench(target, draft, device, max(args.warmup, 1), repeats, args.threshold, args.seed)
+    bench = Bench(target, draft, device, max(args.warmup, 1), repeats, args.threshold, args.seed,
+                  args.decode_path)  # fmt: skip
     beams, dsbd = measure_costs(bench, contexts, args.widths, args.gammas, not args.no_progress)
     sources, notes = acceptance_sources(args.results, args.gammas)
     modelled = modelled_speedups(sources, beams, dsbd)
@@ -198,6 +204,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
             "threshold": args.threshold,
             "threads": args.threads,
             "seed": args.seed,
+            "decode_path": args.decode_path,
             "draft_width": "W (W_S = W)",
         },  # fmt: skip
         "machine": machine_info(device),
@@ -211,6 +218,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
         "acceptance_sources": [asdict(s) for s in sources],
         "modelled": modelled,
         "measured_gpu": measured_gpu_figures(args.results),
+        "static_path": {which: scorer.status() for which, scorer in bench.scorers.items()
+                        if hasattr(scorer, "status")},  # fmt: skip
         "notes": notes
         + [
             "weights are random: call costs depend on shapes; the forest's parent structure and "

@@ -16,7 +16,6 @@ import torch
 from dsbd_core.algorithm.config import SamplingConfig
 from dsbd_core.algorithm.loop import Decode, Propose, Verify
 from dsbd_core.algorithm.scorer import drive
-from dsbd_core.models.transformer_scorer import TransformerScorer
 
 try:  # `python benchmarks/gpu_costs.py`: benchmarks/ is on sys.path
     from gpu_costs_timing import (
@@ -113,7 +112,7 @@ def sampling_config(bench: Bench, width: int, gamma: int) -> SamplingConfig:
 
 def time_beam(bench: Bench, context: int, width: int) -> BeamCost:
     """(c) beam sampling at width W: the engine with no draft, one target call per step."""
-    target = TimedScorer(TransformerScorer(bench.target), bench.device)
+    target = TimedScorer(bench.scorer("target"), bench.device)
     config = sampling_config(bench, width, 1)
     runs = timed_iterations(config, target, None, random_prompt(bench, context), bench.warmup,
                             bench.repeats)  # fmt: skip
@@ -130,8 +129,8 @@ def time_beam(bench: Bench, context: int, width: int) -> BeamCost:
 
 def time_dsbd(bench: Bench, context: int, width: int, gamma: int) -> DsbdCost:
     """(a) draft calls and (b) the forest verification of DSBD iterations at (W, gamma)."""
-    target = TimedScorer(TransformerScorer(bench.target), bench.device)
-    draft = TimedScorer(TransformerScorer(bench.draft), bench.device)
+    target = TimedScorer(bench.scorer("target"), bench.device)
+    draft = TimedScorer(bench.scorer("draft"), bench.device)
     config = sampling_config(bench, width, gamma)
     runs = timed_iterations(config, target, draft, random_prompt(bench, context), bench.warmup,
                             bench.repeats)  # fmt: skip
@@ -162,6 +161,7 @@ def measure_costs(
 
     beams: list[BeamCost] = []
     dsbd: list[DsbdCost] = []
+    bench.capture(rows=max(widths), length=max(contexts) + 2 + (1 + max(gammas)) * max(widths))
     total = len(contexts) * len(widths) * (1 + len(gammas))
     with tqdm(total=total, disable=not progress, dynamic_ncols=True, unit="config") as bar:
         for context in contexts:

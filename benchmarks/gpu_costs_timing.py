@@ -10,12 +10,14 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers import PreTrainedModel
 
 from dsbd_core.algorithm.scorer import ForestLayer, ForestLogprobs, Roots
+from dsbd_core.models.decode_path import make_scorer
+from dsbd_core.models.static_scorer import StaticScorer
 from dsbd_core.models.transformer_scorer import TransformerScorer
 
 
@@ -149,3 +151,22 @@ class Bench:
     repeats: int
     threshold: float | None
     seed: int
+    decode_path: str = "dynamic"  # the scorers' path (dsbd_core/models/decode_path.py)
+    scorers: dict = field(default_factory=dict)
+
+    def scorer(self, which: str) -> TransformerScorer:
+        """The target's or the draft's scorer on the bench's path, one per model for the whole
+        run (a static one keeps its pool and captured buckets across configs)."""
+        if which not in self.scorers:
+            model = self.target if which == "target" else self.draft
+            self.scorers[which] = make_scorer(model, self.decode_path)
+        return self.scorers[which]
+
+    def capture(self, rows: int, length: int) -> dict:
+        """On the static path, capture every bucket before timing; its status per model."""
+        out = {}
+        for which in ("target", "draft"):
+            scorer = self.scorer(which)
+            if isinstance(scorer, StaticScorer):
+                out[which] = scorer.capture(rows=rows, length=length)
+        return out

