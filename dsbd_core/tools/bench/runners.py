@@ -28,6 +28,7 @@ from dsbd_core.algorithm.cost_model import Calibration, CostController
 from dsbd_core.algorithm.decoders import generate, method_config
 from dsbd_core.models import LoadedModel
 from dsbd_core.models.decode_path import make_scorer
+from dsbd_core.models.transformer_scorer import TransformerScorer
 from dsbd_core.tools.bench.measure import ForwardCounter
 from dsbd_core.tools.bench.methods import MethodSpec
 
@@ -42,12 +43,23 @@ class Pair:
     stop_ids: tuple[int, ...]
     calibration: Calibration | None = None  # the cost model's (None: fixed knobs only)
     decode_path: str = "dynamic"  # our methods' scorers (`decode_path.make_scorer`)
+    scorers: dict = field(default_factory=dict)  # one per model for the run (see `scorer`)
     target_counter: ForwardCounter = field(init=False)
     draft_counter: ForwardCounter | None = field(init=False)
 
     def __post_init__(self) -> None:
         self.target_counter = ForwardCounter(self.target.model)
         self.draft_counter = ForwardCounter(self.draft.model) if self.draft else None
+
+    def scorer(self, which: str) -> TransformerScorer:
+        """The target's or the draft's scorer, made once for the whole run: a static one keeps
+        its KV pool and captured buckets from decode to decode (a scorer holds no session
+        after a decode: `generate` releases it)."""
+        if which not in self.scorers:
+            loaded = self.target if which == "target" else self.draft
+            assert loaded is not None
+            self.scorers[which] = make_scorer(loaded.model, self.decode_path)
+        return self.scorers[which]
 
     def reset_counters(self) -> None:
         self.target_counter.reset()
@@ -75,16 +87,15 @@ def run_engine(
 ) -> Decoded:
     """Decode with our engine (sample, sps, beam, dsbd)."""
     config = spec.sampling_config(base)
-    draft = (make_scorer(pair.draft.model, pair.decode_path)
-             if spec.uses_draft and pair.draft else None)  # fmt: skip
+    draft = pair.scorer("draft") if spec.uses_draft and pair.draft else None
     if spec.uses_draft and draft is None:
         raise ValueError(f"{spec.name} needs a draft model; the run has none")
     controller = None
     if spec.uses_draft and not spec.fixed_knobs and pair.calibration is not None:
         run_config = method_config(spec.engine_method(), config)
         controller = CostController(run_config, pair.calibration)
-    result = generate(spec.engine_method(), make_scorer(pair.target.model, pair.decode_path),
-                      prompt_ids, config, draft, controller)  # fmt: skip
+    result = generate(spec.engine_method(), pair.scorer("target"), prompt_ids, config, draft,
+                      controller)  # fmt: skip
     best = result.best
     stats = result.stats.as_dict()
     if controller is not None:
