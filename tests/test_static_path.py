@@ -4,7 +4,9 @@ pool whose rows are reused, evicted and grown without a wrong distribution."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -174,3 +176,31 @@ def test_pool_evicts_the_least_recently_used_idle_rows_and_never_busy_ones() -> 
     status = scorer.status()
     assert status["path"] == "static" and status["pool_rows"] == 6
     assert status["slot_buckets"] == list(SLOT_BUCKETS)
+
+
+def test_a_serving_replica_on_the_static_path_reports_it_and_frees_released_sessions(
+    tmp_path: Path,
+) -> None:
+    """The draft deployment's class as Serve calls it, `decode_path: static` on CPU: a
+    proposal runs on the pool, `info` (what /v1/dsbd/status shows) reports the ladder, and a
+    released session hands its rows back."""
+    from deployments.draft import Draft
+    from tests.test_replica_sessions import _call
+    from tests.tiny_models import build_pair
+
+    source = build_pair(tmp_path)[1]
+    replica = Draft.func_or_class({"source": str(source), "dtype": "float64",
+                                   "decode_path": "static"})  # fmt: skip
+    assert isinstance(replica.scorer, StaticScorer)
+    call = _call(replica.vocab_size, [5, 6, 7])
+
+    async def scenario() -> dict:
+        await replica.propose("one", call)
+        info = await replica.info()
+        await replica.release("one")
+        return info
+
+    info = asyncio.run(scenario())
+    assert info["decode_path"]["path"] == "static"
+    assert info["decode_path"]["bucket_forwards"] >= 1
+    assert replica.scorer._pool is not None and replica.scorer._pool.rows_in_use() == 0

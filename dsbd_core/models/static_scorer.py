@@ -273,6 +273,7 @@ def static_forward_costs(
     scorer = StaticScorer(model, rows=1, length=context + max(points))
     pool, step = scorer._pool, scorer._step
     assert pool is not None and step is not None
+    vocab = int(model.config.get_text_config(decoder=True).vocab_size)
     seconds = []
     for n in points:
         slots = bucket(n, SLOT_BUCKETS)
@@ -280,7 +281,7 @@ def static_forward_costs(
         span = torch.arange(width)
         allowed = torch.zeros(1, width, pool.length + pool.scratch, dtype=torch.bool)
         allowed[0] = torch.arange(allowed.shape[2])[None, :] <= context + span[:, None]
-        ids = (torch.arange(width) * 7919 % 1000)[None]
+        ids = (torch.arange(width) * 7919 % min(vocab, 1000))[None]
         inputs = StaticInputs(*(x.to(pool.device) for x in (
             ids, context + span[None], context + span[None], allowed)))  # fmt: skip
         times = []
