@@ -152,6 +152,14 @@ class StaticScorer(TransformerScorer):
 
     # ------------------------------------------------------------------ internals
 
+    @property
+    def _device(self) -> torch.device:
+        """Where the forest layout is planned and the outputs land: the host. The engine's
+        state lives there, and planning a forest is dozens of small ops with data-dependent
+        shapes: on a GPU each would be a launch and many a synchronisation. The model's device
+        gets one copy of a step's inputs and gives back one copy of the kept log-probs."""
+        return torch.device("cpu")
+
     def _start_session(
         self,
         b: int,
@@ -217,12 +225,18 @@ class StaticScorer(TransformerScorer):
         self.forward_calls += 1
         first = 0 if slots else work[0][1].cache.base  # type: ignore[union-attr]
         logprobs = self._step(inputs, bucketed=slots is not None, first=first)
-        for b, session, plan in work:
-            base = session.cache.base - first  # type: ignore[union-attr]
-            n, q = plan.input_ids.shape
-            kept = logprobs[base : base + n, :q][plan.keep]  # row-major, as `rank` counts
+        # every session's kept slots in one gather and one copy to the host (the engine's side)
+        rows_kept, slots_kept, counts = [], [], []
+        for _, session, plan in work:
+            row, slot = plan.keep.nonzero(as_tuple=True)  # row-major, as `rank` counts
+            rows_kept.append(row + session.cache.base - first)  # type: ignore[union-attr]
+            slots_kept.append(slot)
+            counts.append(row.numel())
+        index = torch.stack([torch.cat(rows_kept), torch.cat(slots_kept)]).to(pool.device)
+        kept_all = logprobs[index[0], index[1]].to(self._device, self._out_dtype)
+        for (b, session, plan), kept in zip(work, kept_all.split(counts), strict=True):
             rank = plan.keep.flatten().cumsum(0).view_as(plan.keep) - 1
-            _scatter_outputs(b, session, plan, kept.to(self._out_dtype), rank, roots, outs)
+            _scatter_outputs(b, session, plan, kept, rank, roots, outs)
             _record(session, session.cache, plan)  # type: ignore[arg-type]
             pool.touch(session.cache.base)  # type: ignore[union-attr]
 
