@@ -179,9 +179,13 @@ class ModelReplica:
             self.scorer = make_scorer(model, self.decode_path,
                                       batch_invariant=self.options.batch_invariant)  # fmt: skip
             if isinstance(self.scorer, StaticScorer) and self.options.device == "cuda":
-                self.scorer.capture(
+                status = self.scorer.capture(
                     rows=self.options.max_batch_size, length=min(self.max_positions, 2048)
                 )  # grows on demand
+                print(f"{type(self).__name__} static path: buckets rows {status['row_buckets']} "
+                      f"x slots {status['slot_buckets']} captured in {status['capture_s']:.1f} s, "
+                      f"graphs {status['graph_memory_mib']} MiB, KV pool {status['pool_mib']} MiB",
+                      flush=True)  # fmt: skip
             identity = {"model": model_identity(loaded), "dtype": self.dtype_name,
                         "device": self.options.device, "variant": self.variant}  # fmt: skip
             self.costs = model_costs(model, identity, path=self.decode_path)
