@@ -180,10 +180,10 @@ class StaticKV:
         prefix = plan.prefix
         base = handle.base
         old = self.data[:, :, base : base + handle.count, :, :used]
-        rows = old if plan.same_rows else old.index_select(2, plan.old_row.to(self.device))
+        rows = old if plan.same_rows else old.index_select(2, to_device(plan.old_row, self.device))
         path = None
         if kept > prefix:
-            index = plan.columns[:, prefix:].to(self.device)
+            index = to_device(plan.columns[:, prefix:], self.device)
             index = index[None, None, :, None, :, None].expand(
                 self.layers, 2, n, self.kv_heads, kept - prefix, self.head_dim
             )
@@ -193,3 +193,11 @@ class StaticKV:
             target[:, :, :, :, :prefix] = rows[:, :, :, :, :prefix]
         if path is not None:
             target[:, :, :, :, prefix:kept] = path
+
+
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device` without waiting for the device: to CUDA through pinned memory,
+    asynchronously (a copy from pageable memory blocks until the device's queue drains)."""
+    if device.type != "cuda" or tensor.device == device:
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)

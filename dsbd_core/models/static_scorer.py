@@ -34,7 +34,7 @@ from transformers import PreTrainedModel
 
 from dsbd_core.models.forest_plan import _Plan, _record, _scatter_outputs
 from dsbd_core.models.kv_cache import SessionCache, plan_compaction
-from dsbd_core.models.static_cache import SlotHandle, StaticKV
+from dsbd_core.models.static_cache import SlotHandle, StaticKV, to_device
 from dsbd_core.models.static_step import (
     SLOT_BUCKETS,
     CompileMode,
@@ -232,7 +232,7 @@ class StaticScorer(TransformerScorer):
             rows_kept.append(row + session.cache.base - first)  # type: ignore[union-attr]
             slots_kept.append(slot)
             counts.append(row.numel())
-        index = torch.stack([torch.cat(rows_kept), torch.cat(slots_kept)]).to(pool.device)
+        index = to_device(torch.stack([torch.cat(rows_kept), torch.cat(slots_kept)]), pool.device)
         kept_all = logprobs[index[0], index[1]].to(self._device, self._out_dtype)
         for (b, session, plan), kept in zip(work, kept_all.split(counts), strict=True):
             rank = plan.keep.flatten().cumsum(0).view_as(plan.keep) - 1
@@ -252,13 +252,12 @@ def _inputs(
     first = 0 if rows is not None else work[0][1].cache.base  # type: ignore[union-attr]
     count = rows if rows is not None else work[0][1].rows.numel()
     columns = pool.length + pool.scratch
-    inputs = idle_inputs(pool, count, slots) if rows is not None else StaticInputs(
+    host = torch.device("cpu")  # laid out on the host, copied to the device once
+    inputs = idle_inputs(pool, count, slots, host) if rows is not None else StaticInputs(
         torch.zeros(count, slots, dtype=torch.long), torch.zeros(count, slots, dtype=torch.long),
         torch.zeros(count, slots, dtype=torch.long),
         torch.zeros(count, slots, columns, dtype=torch.bool),
     )  # fmt: skip
-    inputs = StaticInputs(*(x.cpu() for x in (inputs.input_ids, inputs.position_ids,
-                                               inputs.write, inputs.allowed)))  # fmt: skip
     span = torch.arange(slots)
     for _, session, plan in work:
         base = session.cache.base - first  # type: ignore[union-attr]
@@ -273,7 +272,7 @@ def _inputs(
         inputs.allowed[block] = False
         inputs.allowed[block, :q, : cached + q] = plan.allowed.cpu()
         inputs.allowed[block, span[q:], cached + span[q:]] = True  # a padding slot sees itself
-    return StaticInputs(*(x.to(device, non_blocking=True) for x in (
+    return StaticInputs(*(to_device(x, device) for x in (
         inputs.input_ids, inputs.position_ids, inputs.write, inputs.allowed)))  # fmt: skip
 
 

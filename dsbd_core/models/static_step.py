@@ -313,14 +313,17 @@ def _args(inputs: StaticInputs) -> tuple[torch.Tensor, ...]:
     return (inputs.input_ids, inputs.position_ids, inputs.write, inputs.allowed)
 
 
-def idle_inputs(pool: StaticKV, rows: int, slots: int) -> StaticInputs:
-    """A bucket where no row is in the forward: each slot writes and sees its scratch column."""
+def idle_inputs(
+    pool: StaticKV, rows: int, slots: int, device: torch.device | None = None
+) -> StaticInputs:
+    """A bucket where no row is in the forward: each slot writes and sees its scratch column
+    (on `device`, default the pool's)."""
     columns = pool.length + pool.scratch
     span = torch.arange(slots)
     write = (pool.length + span).expand(rows, slots).clone()
     allowed = torch.zeros(rows, slots, columns, dtype=torch.bool)
     allowed[:, span, pool.length + span] = True
-    device = pool.device
+    device = device or pool.device
     return StaticInputs(
         torch.zeros(rows, slots, dtype=torch.long, device=device),
         torch.zeros(rows, slots, dtype=torch.long, device=device),
