@@ -1,0 +1,98 @@
+"""How often one engine iteration reads a tensor's value on the host: its syncs-to-be on a GPU.
+
+On a GPU every `.item()`, `bool(tensor)`, `int(tensor)`, `.tolist()`, `.nonzero()` and
+`torch.equal` of a device tensor waits for the device; the captured-graph issue wants at most
+two per iteration. The engine runs on the host today, so this counts those reads on a CPU,
+per iteration, on an exact n-gram table (no model: the reads are the engine's own), by wrapping
+the tensor methods for the length of a decode.
+
+    .venv/bin/python benchmarks/host_reads.py [--width 3 --gamma 3 --threshold 0.7]
+
+Prints the reads per iteration by kind and by the engine file and line that made them
+(the places to move onto the device first). Not a timing: the machine's load does not matter.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import sys
+import traceback
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+import torch
+
+from dsbd_core import SamplingConfig, TableScorer, generate
+
+READS = ("item", "__bool__", "__int__", "__float__", "__index__", "tolist", "nonzero")
+
+
+@contextmanager
+def counted(where: collections.Counter, kinds: collections.Counter) -> Iterator[None]:
+    """Count every host read of a tensor value made inside dsbd_core/algorithm."""
+    saved: dict[str, Callable[..., Any]] = {}
+
+    def wrap(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+        def read(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            frame = next((f for f in reversed(traceback.extract_stack(limit=6)[:-1])
+                          if "dsbd_core/algorithm" in f.filename), None)  # fmt: skip
+            if frame is not None:
+                kinds[name] += 1
+                where[f"{frame.filename.split('dsbd_core/')[1]}:{frame.lineno}"] += 1
+            return original(self, *args, **kwargs)
+
+        return read
+
+    for name in READS:
+        saved[name] = getattr(torch.Tensor, name)
+        setattr(torch.Tensor, name, wrap(name, saved[name]))
+    equal = torch.equal
+    torch.equal = lambda a, b: (kinds.update(["equal"]), equal(a, b))[1]  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        for name, original in saved.items():
+            setattr(torch.Tensor, name, original)
+        torch.equal = equal
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--method", default="dsbd")
+    parser.add_argument("--width", type=int, default=3)
+    parser.add_argument("--gamma", type=int, default=3)
+    parser.add_argument("--threshold", type=float, default=None)
+    parser.add_argument("--tokens", type=int, default=40)
+    parser.add_argument("--vocab", type=int, default=64)
+    args = parser.parse_args()
+    sys.path.insert(0, ".")
+    from tests.exact_reference import random_table  # the exactness tests' tables
+
+    rng = np.random.default_rng(0)
+    target = TableScorer(torch.from_numpy(random_table(rng, args.vocab, 3, concentration=0.5)))
+    draft = TableScorer(torch.from_numpy(random_table(rng, args.vocab, 3, concentration=0.5)))
+    config = SamplingConfig(width=args.width, gamma=args.gamma, threshold=args.threshold,
+                            max_new_tokens=args.tokens, seed=0, eos_token_ids=())  # fmt: skip
+    where: collections.Counter = collections.Counter()
+    kinds: collections.Counter = collections.Counter()
+    with counted(where, kinds):
+        result = generate(args.method, target, [1, 2, 3], config,
+                          draft if args.method != "beam" else None)  # fmt: skip
+    iterations = result.stats.iterations
+    report = {
+        "config": {"method": args.method, "width": args.width, "gamma": args.gamma,
+                   "threshold": args.threshold, "tokens": args.tokens},
+        "iterations": iterations,
+        "reads_per_iteration": sum(kinds.values()) / iterations,
+        "by_kind": {k: v / iterations for k, v in kinds.most_common()},
+        "by_place": {k: v / iterations for k, v in where.most_common(15)},
+    }  # fmt: skip
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
