@@ -128,6 +128,9 @@ def test_steps_compile_as_one_graph_and_compute_the_eager_step(arch: str) -> Non
             got = compiled(*args)
         assert got.shape == (rows, slots, 16)
         assert torch.equal(got, want)
+    if arch == "restricted-head":  # every step answers K-wide, whoever calls it (capture too)
+        assert scorer._step is not None
+        assert scorer._step(idle_inputs(pool, 1, 1), bucketed=True).shape[-1] == 7
 
 
 def test_pool_rows_are_reused_grown_and_evicted_without_a_wrong_distribution() -> None:

@@ -33,6 +33,7 @@ import torch
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from dsbd_core.models.draft_variants import compact_logits
 from dsbd_core.models.static_cache import StaticKV
 
 NAME = "dsbd_static"
@@ -213,7 +214,8 @@ class StaticStep:
         """log-probs [rows, slots, V] of one forward (`bucketed`: a shape of the ladder, over
         the pool's rows from 0; else eager over the rows from `first`)."""
         self._refresh()
-        with torch.inference_mode(), static_attention_for(self.model):
+        # a restricted draft head answers over its K tokens in every step, captured ones too
+        with torch.inference_mode(), static_attention_for(self.model), compact_logits(self.model):
             if not bucketed or self.compile == "none":
                 self.stats.eager_forwards += not bucketed
                 self.stats.bucket_forwards += bucketed
