@@ -82,6 +82,9 @@ class ServingStats:
     draft_forwards: list[int] = field(default_factory=list)
     draft_replica: list[str] = field(default_factory=list)
     draft_seconds: list[float] = field(default_factory=list)
+    # the router's seconds per iteration, from sending its calls to holding the verifier's reply
+    # (retries included): minus verify_seconds and draft_seconds, what the calls themselves cost
+    iteration_seconds: list[float] = field(default_factory=list)
     router_received: Counter = field(default_factory=Counter)  # type names awaited by the router
     retries: list[str] = field(default_factory=list)  # "iteration N: error" per retried call
     replays: list[str] = field(default_factory=list)  # lost caches rebuilt (seeded decodes)
@@ -225,7 +228,9 @@ class DecodeSession:
         )
         with observer.iteration(state.iteration, knobs.gamma, knobs.draft_width,
                                 int(state.depth.max())) as observed:  # fmt: skip
+            start = time.perf_counter()
             reply = await self._iteration(replace(call, trace=observed.trace), draft=draft)
+            self.stats.iteration_seconds.append(time.perf_counter() - start)
             self._record(reply, knobs)
             observed.done(reply, retries=len(self.stats.retries) - retries)
         return reply.outcome

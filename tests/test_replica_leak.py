@@ -137,3 +137,19 @@ def test_rounds_of_decodes_leave_nothing_behind(replicas) -> None:
     # one object kept per request would add >= ROUND per round; noise (interned caches) is small
     growth = [b - a for a, b in zip(objects, objects[1:], strict=False)]
     assert all(g < ROUND // 2 for g in growth), f"objects grow per round: {objects}"
+
+
+def test_the_router_times_each_iteration_around_its_replicas_compute(replicas) -> None:
+    """`stats.serving.iteration_seconds` (benchmarks/served_iteration_cost.py subtracts the
+    replicas' compute from it): one per iteration, each holding its verify call's compute, and
+    all together the draft's too."""
+    draft, verifier, controller = replicas
+    handles = Handles(draft=_Handle(draft), verifier=_Handle(verifier),
+                      controller=_Handle(controller))  # fmt: skip
+    config = SamplingConfig(width=3, gamma=2, max_new_tokens=12, seed=5, eos_token_ids=(0,))
+    session = DecodeSession(handles, verifier.vocab_size, config, uses_draft=True, adaptive=False)
+    result = asyncio.run(session.run([5, 17, 42]))
+    s = session.stats
+    assert len(s.iteration_seconds) == len(s.verify_seconds) == result.stats.iterations > 1
+    assert all(r >= v for r, v in zip(s.iteration_seconds, s.verify_seconds, strict=True))
+    assert sum(s.iteration_seconds) >= sum(s.verify_seconds) + sum(s.draft_seconds) > 0
