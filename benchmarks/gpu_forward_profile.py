@@ -41,8 +41,13 @@ except ModuleNotFoundError:  # imported from the repository root
 
 
 # Host-side launch calls: one per kernel, or one per replayed CUDA graph.
-LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cudaGraphLaunch",
-            "cudaMemcpyAsync")
+LAUNCHES = (
+    "cudaLaunchKernel",
+    "cudaLaunchKernelExC",
+    "cuLaunchKernel",
+    "cudaGraphLaunch",
+    "cudaMemcpyAsync",
+)
 
 
 def bare_step_ms(model, device: torch.device, width: int, context: int, repeats: int) -> float:
@@ -72,8 +77,12 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--decode-path", choices=("dynamic", "static"), default="dynamic",
-                        help="the scorer's path for the beam step (static: captured buckets)")
+    parser.add_argument(
+        "--decode-path",
+        choices=("dynamic", "static"),
+        default="dynamic",
+        help="the scorer's path for the beam step (static: captured buckets)",
+    )
     parser.add_argument("--out", type=Path, default=None, help="JSON of the figures and tables")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -94,8 +103,10 @@ def main() -> None:
     averages = prof.key_averages()
     launches = {e.key: e.count for e in averages if e.key in LAUNCHES}
     steps = 1 + 5  # time_beam's iterations: the first is the prefill, then 5 beam steps
-    print(f"launches per step (prefill included): "
-          f"{ {key: round(n / steps, 1) for key, n in launches.items()} }")
+    print(
+        f"launches per step (prefill included): "
+        f"{ {key: round(n / steps, 1) for key, n in launches.items()} }"
+    )
     by_host = averages.table(sort_by="self_cpu_time_total", row_limit=25)
     device_key = "self_cuda_time_total" if device.type == "cuda" else "cpu_time_total"
     by_device = averages.table(sort_by=device_key, row_limit=15)

@@ -109,12 +109,24 @@ def syncs_per_iteration(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--costs", type=Path, required=True, help="gpu_costs_{size}_{path}.json")
-    parser.add_argument("--bench", type=Path, default=Path("/nonexistent"),
-                        help="a dsbd bench output dir (the embedded pair end to end)")
-    parser.add_argument("--e2e-beam", type=Path, default=None,
-                        help="benchmarks/gpu_e2e_beam.py's JSON (random weights end to end)")
-    parser.add_argument("--profile", type=Path, default=None,
-                        help="benchmarks/gpu_forward_profile.py's JSON (static beam step)")
+    parser.add_argument(
+        "--bench",
+        type=Path,
+        default=Path("/nonexistent"),
+        help="a dsbd bench output dir (the embedded pair end to end)",
+    )
+    parser.add_argument(
+        "--e2e-beam",
+        type=Path,
+        default=None,
+        help="benchmarks/gpu_e2e_beam.py's JSON (random weights end to end)",
+    )
+    parser.add_argument(
+        "--profile",
+        type=Path,
+        default=None,
+        help="benchmarks/gpu_forward_profile.py's JSON (static beam step)",
+    )
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--sync-size", default="qwen", help="shapes of the sync count")
@@ -155,12 +167,23 @@ def main() -> None:
         "modelled_dsbd_vs_beam": static.get("modelled_dsbd_vs_beam"),
         "e2e": e2e,
         "beam_vs_transformers_beam": theirs / ours if ours and theirs else None,
-        "beam_vs_transformers_beam_from": "embedded pair (dsbd bench)" if e2e.get("hf-beam-w3")
+        "beam_vs_transformers_beam_from": "embedded pair (dsbd bench)"
+        if e2e.get("hf-beam-w3")
         else f"random weights, {random_e2e.get('size')} shapes (gpu_e2e_beam.py)",
         "e2e_beam_random_weights": random_ms,
-        "static_beam_step_profile": {k: profile.get(k) for k in (
-            "size", "decode_path", "bare_forward_ms", "beam_step_ms", "beam_host_ms",
-            "launches_per_step")} if profile else {},
+        "static_beam_step_profile": {
+            k: profile.get(k)
+            for k in (
+                "size",
+                "decode_path",
+                "bare_forward_ms",
+                "beam_step_ms",
+                "beam_host_ms",
+                "launches_per_step",
+            )
+        }
+        if profile
+        else {},
         "by_size_and_path": figures,
     }
     summary["targets"] = {key: {"target": f"{op} {bound}", "what": what,
