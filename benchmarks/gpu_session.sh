@@ -17,6 +17,7 @@
 #   stash     .gpu/ holds the GGUF's second part; the dynamic path's costs at the Qwen shapes
 #   embedded  .gpu/ holds the rest, `carry` the draft's delta: join the GGUF, dsbd bench on cuda
 #             (auto = the static path), the summary again with it ($OUT/embedded.tgz)
+#   profile   .gpu/ holds the wheels: profiles of static DSBD iterations and beam steps
 #   costs / bench / static: the earlier dynamic-path runs and the three-call static run
 #
 # Results land in $OUT (the lent machine's return folder). Preparing .gpu/ here: see
@@ -41,7 +42,7 @@ install_wheels() {
         --target "$STAGE/site" "$STAGE"/*.whl || exit 1
 }
 
-case "${1:?stage: one, stash, embedded, costs, bench or static}" in
+case "${1:?stage: one, stash, embedded, profile, costs, bench or static}" in
 one)
     exec > >(tee "$OUT/log_one.txt") 2>&1
     stage_files
@@ -86,6 +87,20 @@ embedded)
     uptime
     cp "$work/summary/summary.md" "$OUT/" 2>/dev/null
     tar czf "$OUT/embedded.tgz" -C "$work" .
+    ;;
+profile)
+    # torch.profiler over steady-state iterations of the static path at the Qwen shapes: the
+    # DSBD iteration (W=3, gamma=3) and the beam step, then the DSBD iteration with 8 host
+    # threads for the engine (.gpu/ holds the wheels; ~3 min)
+    exec > >(tee "$OUT/log_profile.txt") 2>&1
+    stage_files
+    install_wheels
+    for run in "3 1 dsbd" "0 1 beam" "3 8 dsbd_t8"; do
+        set -- $run
+        timeout 100 python3 benchmarks/gpu_forward_profile.py --size qwen --decode-path static \
+            --gamma "$1" --threads "$2" --repeats 8 --out "$OUT/profile_qwen_static_$3.json" \
+            2>&1 | grep -v Warning | tail -48
+    done
     ;;
 costs)
     stage_files
