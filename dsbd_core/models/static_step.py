@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -43,6 +44,40 @@ CompileMode = str  # one of COMPILE_MODES
 # (milliseconds per bucket). default / reduce-overhead: `torch.compile` per bucket (Inductor
 # kernels; reduce-overhead replays them as CUDA graphs), tens of seconds per bucket per model.
 COMPILE_MODES = ("none", "cuda-graph", "default", "reduce-overhead")
+
+
+# Forwards run as captured-graph replays, per model. A replay runs no Python `forward`, so the
+# model's forward hooks (what `dsbd bench` counts passes with) never see it: they read this.
+_REPLAYS: weakref.WeakKeyDictionary[torch.nn.Module, int] = weakref.WeakKeyDictionary()
+
+
+def replayed_forwards(model: torch.nn.Module) -> int:
+    """How many forwards of `model` ran as captured-graph replays (no forward hook fired)."""
+    return _REPLAYS.get(model, 0)
+
+
+def note_replay(model: torch.nn.Module) -> None:
+    """Count one replayed forward of `model` (`replayed_forwards`)."""
+    _REPLAYS[model] = _REPLAYS.get(model, 0) + 1
+
+
+# Models whose bucket is being captured or compiled: the forwards that do it are not decoding.
+_PREPARING: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+
+
+def preparing(model: torch.nn.Module) -> bool:
+    """Whether `model`'s forwards now capture or compile a bucket (not a decode's pass)."""
+    return model in _PREPARING
+
+
+@contextlib.contextmanager
+def preparing_bucket(model: torch.nn.Module) -> Iterator[None]:
+    """Within the block `model`'s forwards capture or compile a bucket (`preparing`)."""
+    _PREPARING.add(model)
+    try:
+        yield
+    finally:
+        _PREPARING.discard(model)
 
 
 @dataclass
@@ -237,16 +272,8 @@ class StaticStep:
             before = torch.cuda.memory_reserved(self.pool.device)
         start = time.perf_counter()
         idle = idle_inputs(self.pool, rows, slots)
-        if self.compile == "cuda-graph":
-            run: Callable[[StaticInputs], torch.Tensor] = self._capture(idle)
-        else:
-            compiled = self._compiled
-            assert compiled is not None
-            for _ in range(3 if self.compile == "reduce-overhead" else 1):  # warm, record
-                compiled(*_args(idle))
-
-            def run(inputs: StaticInputs) -> torch.Tensor:
-                return compiled(*_args(inputs))
+        with preparing_bucket(self.model):
+            run = self._capture(idle) if self.compile == "cuda-graph" else self._warm(idle)
 
         if cuda:
             torch.cuda.synchronize(self.pool.device)
@@ -254,6 +281,18 @@ class StaticStep:
         self.stats.capture_s += time.perf_counter() - start
         self.stats.captured.append(f"{rows}x{slots}")
         self._buckets[shape] = run
+        return run
+
+    def _warm(self, idle: StaticInputs) -> Callable[[StaticInputs], torch.Tensor]:
+        """A compiled bucket: compiled (and, reduce-overhead, recorded) on idle inputs."""
+        compiled = self._compiled
+        assert compiled is not None
+        for _ in range(3 if self.compile == "reduce-overhead" else 1):  # warm, record
+            compiled(*_args(idle))
+
+        def run(inputs: StaticInputs) -> torch.Tensor:
+            return compiled(*_args(inputs))
+
         return run
 
     def _capture(self, idle: StaticInputs) -> Callable[[StaticInputs], torch.Tensor]:
@@ -275,10 +314,13 @@ class StaticStep:
         with torch.cuda.graph(graph, pool=self._graph_pool):
             out = step(*_args(static))
 
+        model = self.model
+
         def replay(inputs: StaticInputs) -> torch.Tensor:
             for target, source in zip(_args(static), _args(inputs), strict=True):
                 target.copy_(source, non_blocking=True)
             graph.replay()
+            note_replay(model)
             return out
 
         return replay

@@ -36,6 +36,13 @@ from dsbd_core.tools.bench.runners import (
 )
 from dsbd_core.tools.bench.schema import BenchConfig, BenchResult, MethodRecord
 
+# Our methods on the static path keep their KV cache in a preallocated pool, not in forward
+# outputs: the KV peak column covers transformers' methods and the dynamic path only.
+STATIC_KV_NOTE = (
+    "static decode path: target KV peak not measured for our methods (their KV "
+    "lives in a preallocated pool; its size: `dsbd generate`, /v1/dsbd/status)"
+)
+
 
 class ResumeMismatchError(ValueError):
     """The output directory holds a run with another config."""
@@ -130,6 +137,7 @@ def run_bench(
         transformers_assisted_with_beams=probe,
         energy_note=energy.reason or "NVML total-energy counter of the GPU",
         notes=[f"models: {loaded.describe()}"]
+        + ([STATIC_KV_NOTE] if loaded.decode_path == "static" else [])
         + ([f"HumanEval sandbox: {sandbox}"] if any(p.task_id for p in prompts) else []),
         summary=summarize(all_records),
         records=all_records,

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 import psutil
 import torch
 
+from dsbd_core.models.static_step import preparing, replayed_forwards
+
 
 def cache_shape_and_bytes(cache: object) -> tuple[int, int, int]:
     """(rows, columns, bytes) of a KV cache: a transformers `Cache` or legacy tuples."""
@@ -47,17 +49,32 @@ def cache_shape_and_bytes(cache: object) -> tuple[int, int, int]:
 
 
 class ForwardCounter:
-    """Counts a model's forward calls and the peak KV-cache bytes its outputs hold."""
+    """Counts a model's forward calls and the peak KV-cache bytes its outputs hold.
+
+    Python forwards are counted by a forward hook; forwards replayed as captured CUDA graphs (the
+    static decode path) run no Python and no hook, so they are read from the static step's own
+    count (`replayed_forwards`); the forwards that capture a bucket are not counted. Replays
+    hold their KV cache in the static pool, not in an output: the KV peak covers Python forwards
+    only.
+    """
 
     def __init__(self, model: torch.nn.Module) -> None:
-        self.calls = 0
+        self.model = model
         self.kv_peak_bytes = 0
         self.kv_peak_shape = (0, 0)  # (rows, columns) of the cache at the peak
+        self._hooked = 0
+        self._replays_before = replayed_forwards(model)
         self._paused = False
         self._handle = model.register_forward_hook(self._hook)
 
+    @property
+    def calls(self) -> int:
+        """Forwards since the start (or `reset`), paused blocks left out."""
+        return self._hooked + replayed_forwards(self.model) - self._replays_before
+
     def reset(self) -> None:
-        self.calls = 0
+        self._hooked = 0
+        self._replays_before = replayed_forwards(self.model)
         self.kv_peak_bytes = 0
         self.kv_peak_shape = (0, 0)
 
@@ -65,18 +82,20 @@ class ForwardCounter:
     def paused(self) -> Iterator[None]:
         """Forwards inside are not counted (scoring an answer is not part of decoding it)."""
         self._paused = True
+        replays = replayed_forwards(self.model)
         try:
             yield
         finally:
             self._paused = False
+            self._replays_before += replayed_forwards(self.model) - replays
 
     def remove(self) -> None:
         self._handle.remove()
 
     def _hook(self, module: torch.nn.Module, args: object, output: object) -> None:
-        if self._paused:
+        if self._paused or preparing(module):  # capturing a bucket is not decoding
             return
-        self.calls += 1
+        self._hooked += 1
         rows, columns, size = cache_shape_and_bytes(getattr(output, "past_key_values", None))
         if size > self.kv_peak_bytes:
             self.kv_peak_bytes, self.kv_peak_shape = size, (rows, columns)
