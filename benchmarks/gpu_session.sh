@@ -44,6 +44,16 @@ install_wheels() {
         --target "$STAGE/site" "$STAGE"/*.whl || exit 1
 }
 
+summarize() {  # the summary of what $STAGE/out holds, the table and a tarball of it to $OUT
+    local work="$STAGE/out"
+    [ -n "${SKIP_SUMMARY:-}" ] || timeout 60 python3 benchmarks/gpu_summary.py \
+        --costs "$work/costs" --bench "$work/bench" --e2e-beam "$work/e2e_beam_qwen.json" \
+        --profile "$work/profile_qwen_static.json" --out "$work/summary" 2>&1 | tail -40
+    uptime
+    cp "$work/summary/summary.md" "$OUT/" 2>/dev/null
+    tar czf "$OUT/$1.tgz" -C "$work" .
+}
+
 case "${1:?stage: one, stash, embedded, profile, costs, bench or static}" in
 one)
     exec > >(tee "$OUT/log_one.txt") 2>&1
@@ -64,12 +74,7 @@ one)
     timeout 50 python3 benchmarks/gpu_forward_profile.py --size qwen --decode-path static \
         --repeats 10 --out "$work/profile_qwen_static.json" 2>&1 | tail -70
     costs paper static 100
-    timeout 60 python3 benchmarks/gpu_summary.py --costs "$work/costs" \
-        --e2e-beam "$work/e2e_beam_qwen.json" --profile "$work/profile_qwen_static.json" \
-        --out "$work/summary" 2>&1 | tail -40
-    uptime
-    cp "$work/summary/summary.md" "$OUT/" 2>/dev/null
-    tar czf "$OUT/one.tgz" -C "$work" .
+    summarize one
     ;;
 embedded)
     exec > >(tee "$OUT/log_embedded.txt") 2>&1
@@ -83,12 +88,7 @@ embedded)
         --methods sample,sps-g3,beam-w3,dsbd-w3-g3-fixed,dsbd-w3-g2-t0.9-wmin2,hf-beam-w3,hf-assisted \
         --out "$work/bench" 2>&1 | tail -30
     rm -f "$work"/bench/*.png
-    [ -n "${SKIP_SUMMARY:-}" ] || timeout 60 python3 benchmarks/gpu_summary.py --costs "$work/costs" --bench "$work/bench" \
-        --e2e-beam "$work/e2e_beam_qwen.json" --profile "$work/profile_qwen_static.json" \
-        --out "$work/summary" 2>&1 | tail -40
-    uptime
-    cp "$work/summary/summary.md" "$OUT/" 2>/dev/null
-    tar czf "$OUT/embedded.tgz" -C "$work" .
+    summarize embedded
     ;;
 profile)
     # torch.profiler over steady-state iterations of the static path at the Qwen shapes: the
