@@ -113,14 +113,17 @@ def _kept_mib(primitive_cache: int | None, shapes: int = 300, **extra: str) -> d
 @pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(),
                     reason="bfloat16 matmuls do not go through oneDNN on this CPU")  # fmt: skip
 def test_capped_primitive_caches_keep_no_memory_per_new_shape() -> None:
-    """Measured here: 300 new row counts kept 0.2 MiB with both caches at 8 entries, 83 MiB with
-    only oneDNN's capped, ~180 MiB with the defaults (1024 each)."""
+    """300 new row counts kept, with both caches at 8 entries / only oneDNN's at 8 / the defaults
+    (1024 each): 0.2 / 83 / ~180 MiB on an AMX Xeon, -0.1 / 9.3 / 18.1 MiB on an AVX512 Xeon
+    without AMX (oneDNN's primitives for AMX hold more per shape)."""
     capped = _kept_mib(8)
     assert capped["capacity"] == 8
     assert capped["kept_mib"] < 8, capped
     default = _kept_mib(None)
     assert default["capacity"] is None
-    assert default["kept_mib"] > 40, default  # what the cap removes: the test can see it
+    # what the cap removes, so the test can see it: on every CPU measured the defaults keep 10
+    # MiB more than the capped run (whose figure moves by ~0.2 MiB from run to run)
+    assert default["kept_mib"] > capped["kept_mib"] + 10, (default, capped)
     onednn_only = _kept_mib(None, ONEDNN_PRIMITIVE_CACHE_CAPACITY="8")  # PyTorch's left at 1024
     print(
         f"kept MiB for 300 new row counts: both caches at 8 {capped['kept_mib']:.1f}, "
