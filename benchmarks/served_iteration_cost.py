@@ -37,10 +37,11 @@ from typing import Any
 
 import requests
 import torch
-import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+from serving_smollm2 import launch  # noqa: E402 (benchmarks/ is on sys.path: run as a script)
+
 from tests.tiny_models import build_tokenizer  # noqa: E402
 
 OUT = REPO / "benchmarks/results/served_iteration_cost"
@@ -99,20 +100,7 @@ def serve(workdir: Path, port: int) -> tuple[subprocess.Popen, str, int]:
                               "router_resources": {"num_cpus": 0.1},
                               "draft_resources": {"num_cpus": 0.5},
                               "verifier_resources": {"num_cpus": 1}}})  # fmt: skip
-    (workdir / "serve.yaml").write_text(yaml.safe_dump({"applications": apps}))
-    ready = workdir / "ready"
-    process = subprocess.Popen(
-        [str(REPO / ".venv/bin/dsbd"), "serve", "--config", str(workdir / "serve.yaml"),
-         "--port", str(port), "--num-cpus", "4", "--ready-file", str(ready)],
-        stdout=(workdir / "server.log").open("w"), stderr=subprocess.STDOUT, cwd=REPO,
-        start_new_session=True,
-    )  # fmt: skip
-    deadline = time.monotonic() + 600
-    while not ready.exists() or not ready.read_text().endswith("}"):
-        if process.poll() is not None or time.monotonic() > deadline:
-            raise SystemExit(f"dsbd serve failed; see {workdir / 'server.log'}")
-        time.sleep(1)
-    info = json.loads(ready.read_text())
+    process, info = launch(workdir, port, apps)
     return process, info["url"], info["pid"]
 
 

@@ -65,8 +65,13 @@ def start_server(
     }
     app = {"name": "dsbd", "route_prefix": "/", "import_path": "deployments.app:build_app",
            "args": args}  # fmt: skip
-    config = {"applications": [app]}
-    (workdir / "serve.yaml").write_text(yaml.safe_dump(config))
+    return launch(workdir, port, [app])
+
+
+def launch(workdir: Path, port: int, applications: list[dict]) -> tuple[subprocess.Popen, dict]:
+    """`dsbd serve --config` with these Serve applications, in its own process group (log in
+    workdir/server.log); waits for its ready file and returns the process and that file's info."""
+    (workdir / "serve.yaml").write_text(yaml.safe_dump({"applications": applications}))
     ready = workdir / "ready"
     log = (workdir / "server.log").open("w")
     process = subprocess.Popen(

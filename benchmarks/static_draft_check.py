@@ -14,14 +14,13 @@ from __future__ import annotations
 import argparse
 
 import torch
+from static_path_cpu import PAIRS  # benchmarks/ is on sys.path when run as a script
 
 from dsbd_core import SamplingConfig, generate
 from dsbd_core.models.pair import load_pair
 from dsbd_core.models.static_scorer import StaticScorer
 from dsbd_core.models.transformer_scorer import TransformerScorer
 from dsbd_core.tools.bench.prompts import prompt_set
-
-PAIRS = {"smollm2": ("smollm2", "smollm2-draft"), "qwen-coder": ("qwen-coder", "qwen-coder-draft")}
 
 
 class Recorded:

@@ -19,6 +19,7 @@ by repeating the keys.
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -184,13 +185,17 @@ def _attend_dense(
     if old_keys is not None and old_values is not None:
         keys, values = torch.cat([old_keys, new_keys], 2), torch.cat([old_values, new_values], 2)
         group.grown[layer] = (keys, values)
-    attend = (
-        sys.modules[type(module).__module__].eager_attention_forward
-        if implementation == "eager"
-        else ALL_ATTENTION_FUNCTIONS[implementation]
-    )  # what the model's attention layer calls for its own implementation
+    attend = own_attention(module, implementation)
     out, _ = attend(module, q, keys, values, group.bias, dropout=0.0, scaling=scale)
     return out.permute(2, 0, 1, 3).reshape(heads, -1, dim)  # [R, q, heads, dim] -> padded order
+
+
+def own_attention(module: torch.nn.Module, implementation: str) -> Callable[..., tuple]:
+    """The attention function `module`'s layer calls for `implementation` (`eager`: its
+    modeling file's own; otherwise transformers' registered one, e.g. `sdpa`)."""
+    if implementation == "eager":
+        return sys.modules[type(module).__module__].eager_attention_forward
+    return ALL_ATTENTION_FUNCTIONS[implementation]
 
 
 AttentionInterface.register(NAME, forest_attention)

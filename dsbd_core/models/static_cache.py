@@ -82,10 +82,6 @@ class StaticKV:
     def values(self, layer: int) -> torch.Tensor:
         return self.data[layer, 1]
 
-    def scratch_column(self, slot: int) -> int:
-        """The column a row outside the forward writes slot `slot` of its padding to."""
-        return self.length + slot
-
     # ------------------------------------------------------------------ rows of sessions
 
     def valid(self, handle: SlotHandle | None) -> bool:

@@ -44,7 +44,11 @@ from dsbd_core.models.static_step import (
     idle_inputs,
     row_buckets,
 )
-from dsbd_core.models.transformer_scorer import TransformerScorer
+from dsbd_core.models.transformer_scorer import (
+    TransformerScorer,
+    session_roots,
+    uncached_session,
+)
 
 LENGTH_QUANTUM = 128  # pool columns grow in multiples of this (fewer regrowths, same graphs)
 
@@ -171,12 +175,10 @@ class StaticScorer(TransformerScorer):
     ) -> SessionCache | None:
         """The session's rows for a new iteration: compacted in place, or ready to re-prefill."""
         assert self._pool is not None
-        rows = alive.nonzero().squeeze(1)
-        if rows.numel() == 0:
+        roots = session_roots(b, tokens, length, alive)
+        if roots is None:
             return None
-        if length < 1 or length > tokens.shape[2]:
-            raise ValueError(f"session {b}: length {length} outside [1, {tokens.shape[2]}]")
-        root_tokens = tokens[b, rows, :length]
+        rows, root_tokens = roots
         handle = old.cache if old is not None and self._pool.valid(old.cache) else None
         if origin is not None and handle is not None and old is not None:
             plan = plan_compaction(old, root_tokens, origin.root[b, rows], origin.path[b, rows])
@@ -189,8 +191,7 @@ class StaticScorer(TransformerScorer):
             handle = self._pool.allocate(self._root_count, busy=self._busy,
                                          max_rows=self.max_rows)  # fmt: skip
             self._busy.add(handle.base)
-        empty = torch.empty(rows.numel(), 0, dtype=torch.long, device=tokens.device)
-        return SessionCache(rows, root_tokens, handle, empty, 0)
+        return uncached_session(rows, root_tokens, handle)
 
     def _run_work(
         self,

@@ -24,7 +24,6 @@ its own shape.
 from __future__ import annotations
 
 import contextlib
-import sys
 import time
 import weakref
 from collections.abc import Callable, Iterator
@@ -32,9 +31,9 @@ from dataclasses import dataclass, field
 
 import torch
 from transformers import AttentionInterface, PreTrainedModel
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from dsbd_core.models.draft_variants import compact_logits
+from dsbd_core.models.forest_attention import own_attention
 from dsbd_core.models.static_cache import StaticKV
 
 NAME = "dsbd_static"
@@ -122,11 +121,7 @@ def static_attention(
     index = spec.write[:, None, :, None].expand(-1, key.shape[1], -1, key.shape[3])
     keys.scatter_(2, index, key.to(keys.dtype))
     values.scatter_(2, index, value.to(values.dtype))
-    attend = (
-        sys.modules[type(module).__module__].eager_attention_forward
-        if spec.implementation == "eager"
-        else ALL_ATTENTION_FUNCTIONS[spec.implementation]
-    )  # what the model's attention layer calls for its own implementation
+    attend = own_attention(module, spec.implementation)
     out, _ = attend(module, query, keys, values, attention_mask, dropout=0.0, scaling=scaling)
     return out, None
 

@@ -57,6 +57,25 @@ __all__ = ["PAD_COLUMN", "SUPPORTED_ATTENTION", "SessionCache", "TransformerScor
 SUPPORTED_ATTENTION = ("sdpa", "eager")
 
 
+def session_roots(
+    b: int, tokens: torch.Tensor, length: int, alive: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Session b's alive root rows and their tokens ([n, length]); None when no beam is alive.
+    ValueError for a length outside the roots' capacity."""
+    rows = alive.nonzero().squeeze(1)
+    if rows.numel() == 0:
+        return None
+    if length < 1 or length > tokens.shape[2]:
+        raise ValueError(f"session {b}: length {length} outside [1, {tokens.shape[2]}]")
+    return rows, tokens[b, rows, :length]
+
+
+def uncached_session(rows: torch.Tensor, root_tokens: torch.Tensor, cache: object) -> SessionCache:
+    """A session with no cached column yet (a prefill follows) in `cache` (None: a new one)."""
+    empty = torch.empty(rows.numel(), 0, dtype=torch.long, device=root_tokens.device)
+    return SessionCache(rows, root_tokens, cache, empty, 0)
+
+
 class TransformerScorer:
     """Scores forests with a transformers causal LM, keeping one KV cache per session.
 
@@ -224,19 +243,16 @@ class TransformerScorer:
         old: SessionCache | None,
     ) -> SessionCache | None:
         """The session's state for a new iteration: compacted cache, or empty for a prefill."""
-        rows = alive.nonzero().squeeze(1)
-        if rows.numel() == 0:
+        roots = session_roots(b, tokens, length, alive)
+        if roots is None:
             return None  # no alive beam: costs nothing, the old cache is released
-        if length < 1 or length > tokens.shape[2]:
-            raise ValueError(f"session {b}: length {length} outside [1, {tokens.shape[2]}]")
-        root_tokens = tokens[b, rows, :length]
+        rows, root_tokens = roots
         if origin is not None and old is not None:
             compacted = _compact(old, root_tokens, origin.root[b, rows], origin.path[b, rows])
             if compacted is not None:
                 cache, column_tokens = compacted
                 return SessionCache(rows, root_tokens, cache, column_tokens, column_tokens.shape[1])
-        empty = torch.empty(rows.numel(), 0, dtype=torch.long, device=tokens.device)
-        return SessionCache(rows, root_tokens, None, empty, 0)
+        return uncached_session(rows, root_tokens, None)
 
     def _run_work(
         self,
