@@ -43,9 +43,8 @@ from typing import Any
 from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.exceptions import DeploymentUnavailableError, ReplicaUnavailableError
 
-from deployments.messages import IterationCall, VerifyReply
+from deployments.messages import IterationCall, TensorParallelBroken, VerifyReply
 from deployments.observability import SessionObserver
-from deployments.tensor_parallel import TensorParallelBroken
 from deployments.width_controller import HEARTBEAT_S
 from dsbd_core.algorithm.config import SamplingConfig
 from dsbd_core.algorithm.control import Controller, FixedKnobs, Knobs

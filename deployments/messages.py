@@ -92,3 +92,9 @@ class DecodeEnd:
     session: str
     serving: dict[str, Any]
     totals: dict[str, int]
+
+
+class TensorParallelBroken(RuntimeError):
+    """A tensor-parallel verifier's group lost a rank (or a rank failed); the replica must be
+    replaced. Defined here, beside the other things that cross to the router, so that the
+    router can recognise it without importing the model code that raises it."""

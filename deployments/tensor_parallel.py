@@ -47,6 +47,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from deployments.admission import device_free_bytes
 from deployments.faults import fault_point
+from deployments.messages import TensorParallelBroken
 from dsbd_core.models.tensor_parallel import (
     INIT_TIMEOUT_S,
     ShardedScorer,
@@ -59,10 +60,6 @@ from dsbd_core.models.tensor_parallel import (
 
 PLACEMENT_STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
-
-
-class TensorParallelBroken(RuntimeError):
-    """The group lost a rank (or a rank failed); the replica must be replaced."""
 
 
 def worker_bundle(threads: int, device: str) -> dict[str, float]:

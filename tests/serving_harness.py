@@ -2,8 +2,9 @@
 
 `running_server` starts `dsbd serve --config FILE` with `write_config`'s four applications on
 tiny float64 models, under `strace -f` when strace exists, and stops it with SIGINT, checking
-nothing was left running; tests/test_serving.py wraps it in its one module-scoped `server`
-fixture. `stop`, `leftovers` and `free_port` are also used by other server tests.
+nothing was left running; tests/conftest.py's `served` runs it once for tests/test_serving.py
+and tests/test_serving_api.py. `stop`, `leftovers` and `free_port` are also used by other
+server tests.
 """
 
 from __future__ import annotations
@@ -126,10 +127,13 @@ def running_server(root: Path) -> Iterator[dict[str, Any]]:
 
 
 @contextlib.contextmanager
-def serving(root: Path, config: Path, start_s: float = 420) -> Iterator[dict[str, Any]]:
+def serving(root: Path, config: Path, start_s: float = 600) -> Iterator[dict[str, Any]]:
     """`dsbd serve --config config` on a free loopback port, under strace where it is installed
     (every connect/send its processes make, for `assert_loopback_only`), stopped with SIGINT
-    and checked to leave nothing running: url, pid, root, trace dir (or None) and log."""
+    and checked to leave nothing running: url, pid, root, trace dir (or None) and log.
+
+    `start_s` (dsbd serve's own --timeout) catches a server that never starts: the module's 22
+    replicas take ~4 min to start on two quiet cores, longer on a slower CI machine."""
     port, ready = free_port(), root / "ready"
     command = [str(REPO / ".venv/bin/dsbd"), "serve", "--config", str(config),
                "--port", str(port), "--num-cpus", "8", "--ready-file", str(ready)]  # fmt: skip
@@ -220,8 +224,9 @@ def client(server, prefix: str = "") -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{server['url']}{prefix}/v1", api_key="unused", max_retries=0)
 
 
-def native(server, body: dict, prefix: str = "") -> dict:
-    response = requests.post(f"{server['url']}{prefix}/v1/dsbd/generate", json=body, timeout=120)
+def native(server, body: dict, prefix: str = "", timeout: float = 120) -> dict:
+    response = requests.post(f"{server['url']}{prefix}/v1/dsbd/generate", json=body,
+                             timeout=timeout)  # fmt: skip
     assert response.status_code == 200, response.text
     return response.json()
 
@@ -254,8 +259,12 @@ def decode_while_killing(server, reference, prefix: str, pid_of: Any,
     bodies = [{"prompt_ids": [30 + i % 50, 31, 32], "seed": 200 + i, "max_new_tokens": 48,
                "width": 2 + i % 2, "gamma": 2, "adaptive": False}
               for i in range(IN_FLIGHT)]  # fmt: skip
+    # The 20 decodes share two cores with the server's 22 replicas and re-prefill what the kill
+    # lost (on /spread, every call to a replica without the session's cache replays it): on a
+    # quiet machine the last of them ended 110-118 s after the first started, so each may take
+    # up to 5 minutes here; the test's own bound stays a hang detector.
     with ThreadPoolExecutor(len(bodies)) as pool:
-        futures = [pool.submit(native, server, body, prefix) for body in bodies]
+        futures = [pool.submit(native, server, body, prefix, 300) for body in bodies]
         deadline = time.monotonic() + 60
         while (now := status(server, prefix))["open_sessions"] < IN_FLIGHT:
             assert time.monotonic() < deadline and not any(f.done() for f in futures), now
@@ -265,7 +274,7 @@ def decode_while_killing(server, reference, prefix: str, pid_of: Any,
             os.kill(pid, signal.SIGSTOP)
             time.sleep(freeze_s)
         os.kill(pid, signal.SIGKILL)
-        results = [f.result(timeout=240) for f in futures]  # none hangs
+        results = [f.result(timeout=360) for f in futures]  # none hangs
     for body, got in zip(bodies, results, strict=True):
         knobs = {k: v for k, v in body.items() if k not in ("prompt_ids", "adaptive")}
         assert_same(got, reference("dsbd", body["prompt_ids"], **knobs))

@@ -101,7 +101,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
     root = tmp_path_factory.mktemp("faults")
     target, draft = build_pair(root / "models")
     config = write_config(root, target, draft, build_wide(root / "wide"))
-    with serving(root, config, start_s=600) as info:
+    with serving(root, config) as info:
         yield {**info, "target": target, "draft": draft}
 
 

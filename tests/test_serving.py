@@ -51,7 +51,6 @@ from .serving_harness import (
     guarded,
     in_process_decoder,
     native,
-    running_server,
     status,
     wait_drained,
 )
@@ -63,10 +62,9 @@ _free_port = free_port  # tests/test_serve_cli.py imports it from here
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory):
-    """One `dsbd serve` for the whole module (serving_harness.running_server)."""
-    with running_server(tmp_path_factory.mktemp("serving")) as info:
-        yield info
+def server(served):
+    """The `dsbd serve` this module shares with another (tests/conftest.py `served`)."""
+    return served
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,7 @@
 streamed and not) and vLLM's beam-search fields, on `dsbd serve` with the tiny float64 pair;
 and the model replicas' allocator (issue 21).
 
-One server for the module, the one tests/test_serving.py starts (serving_harness.running_server);
+The server tests/test_serving.py uses too (tests/conftest.py `served`, serving_harness);
 every served value is compared with the in-process engine's for the same seed (`adaptive:
 false`), as the other distributed-decode tests do.
 """
@@ -20,17 +20,16 @@ from deployments.allocator import jemalloc_library
 from deployments.openai_responses import BeamText
 from dsbd_core.models import load_tokenizer
 
-from .serving_harness import MODEL, client, in_process_decoder, native, running_server
+from .serving_harness import MODEL, client, in_process_decoder, native
 
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 KNOBS = {"width": 2, "gamma": 2, "adaptive": False}
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory):
-    """One `dsbd serve` for the whole module (serving_harness.running_server)."""
-    with running_server(tmp_path_factory.mktemp("serving-api")) as info:
-        yield info
+def server(served):
+    """The `dsbd serve` this module shares with another (tests/conftest.py `served`)."""
+    return served
 
 
 @pytest.fixture(scope="module")

@@ -20,13 +20,15 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 from torch import nn
-from transformers import PreTrainedModel
 
 from dsbd_core.models.row_int8 import quantize_linears
+
+if TYPE_CHECKING:  # imported for annotations only: it costs ~3 s of CPU to import
+    from transformers import PreTrainedModel
 
 Quantize = Literal["none", "int8", "auto"]
 QUANTIZE_CHOICES: tuple[str, ...] = ("none", "int8", "auto")

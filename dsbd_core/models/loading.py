@@ -25,10 +25,11 @@ import hashlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from dsbd_core.models.conversion import _cached, _convert_gguf, _converted_gguf
@@ -49,6 +50,9 @@ from dsbd_core.models.presets import (
     cache_root,
     smollm2_gguf_path,
 )
+
+if TYPE_CHECKING:  # imported for annotations only: it costs ~3 s of CPU to import
+    from transformers import PreTrainedModel
 
 
 @dataclass
