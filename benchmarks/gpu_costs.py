@@ -218,8 +218,11 @@ def main(argv: Sequence[str] | None = None) -> dict:
         "acceptance_sources": [asdict(s) for s in sources],
         "modelled": modelled,
         "measured_gpu": measured_gpu_figures(args.results),
-        "static_path": {which: scorer.status() for which, scorer in bench.scorers.items()
-                        if hasattr(scorer, "status")},  # fmt: skip
+        "static_path": {
+            which: scorer.status()
+            for which, scorer in bench.scorers.items()
+            if hasattr(scorer, "status")
+        },  # fmt: skip
         "notes": notes
         + [
             "weights are random: call costs depend on shapes; the forest's parent structure and "

@@ -111,6 +111,7 @@ def served(rounds: int, max_new: int, port: int) -> dict[str, Any]:
              for v in VOCABS for m in KNOBS}  # fmt: skip
     load = {"before": loadavg()}
     try:
+
         def decode(vocab: int, method: str, seed: int, tokens: int) -> dict[str, Any]:
             body = {"prompt_ids": [5, 17, 42, 99, 7], "seed": seed, "max_new_tokens": tokens,
                     "adaptive": False, **KNOBS[method]}  # fmt: skip
@@ -246,8 +247,10 @@ def markdown(results: dict[str, Any]) -> str:
         for name, c in results["served"]["cells"].items():
             k, r, w = (c["calls_per_iteration"], c["replica_compute_per_iteration"],
                        c["request_wall_minus_compute_per_iteration"])  # fmt: skip
-            lines.append(f"| {name} | {c['forest_bytes'] / 1e6:.3f} MB | {k['median_ms']} | "
-                         f"{k['p90_ms']} | {k['n']} | {r['median_ms']} | {w['median_ms']} |")
+            lines.append(
+                f"| {name} | {c['forest_bytes'] / 1e6:.3f} MB | {k['median_ms']} | "
+                f"{k['p90_ms']} | {k['n']} | {r['median_ms']} | {w['median_ms']} |"
+            )
     if "mechanisms" in results:
         cells = results["mechanisms"]["cells"]
         methods = list(next(iter(cells.values())))
