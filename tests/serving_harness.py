@@ -132,8 +132,9 @@ def serving(root: Path, config: Path, start_s: float = 600) -> Iterator[dict[str
     (every connect/send its processes make, for `assert_loopback_only`), stopped with SIGINT
     and checked to leave nothing running: url, pid, root, trace dir (or None) and log.
 
-    `start_s` (dsbd serve's own --timeout) catches a server that never starts: the module's 22
-    replicas take ~4 min to start on two quiet cores, longer on a slower CI machine."""
+    `start_s` (dsbd serve's own --timeout) catches a server that never starts: the 22 replicas
+    of `write_config` took 239 s to start on two quiet cores, 349 s under pytest and strace, and
+    longer on a slower CI machine."""
     port, ready = free_port(), root / "ready"
     command = [str(REPO / ".venv/bin/dsbd"), "serve", "--config", str(config),
                "--port", str(port), "--num-cpus", "8", "--ready-file", str(ready)]  # fmt: skip
@@ -260,9 +261,9 @@ def decode_while_killing(server, reference, prefix: str, pid_of: Any,
                "width": 2 + i % 2, "gamma": 2, "adaptive": False}
               for i in range(IN_FLIGHT)]  # fmt: skip
     # The 20 decodes share two cores with the server's 22 replicas and re-prefill what the kill
-    # lost (on /spread, every call to a replica without the session's cache replays it): on a
-    # quiet machine the last of them ended 110-118 s after the first started, so each may take
-    # up to 5 minutes here; the test's own bound stays a hang detector.
+    # lost (on /spread, every call to a replica without the session's cache replays it): the
+    # three kill tests ran 114-124 s on an Intel Xeon with 2 cores, nearly all of it these
+    # decodes, so each may take up to 5 minutes; the bound stays a hang detector.
     with ThreadPoolExecutor(len(bodies)) as pool:
         futures = [pool.submit(native, server, body, prefix, 300) for body in bodies]
         deadline = time.monotonic() + 60
