@@ -150,6 +150,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="the scorers' decode path (static: fixed buckets over a KV pool, CUDA graphs on "
         "CUDA); default dynamic",
     )  # fmt: skip
+    parser.add_argument(
+        "--engine", choices=("model", "cpu"), default="model",
+        help="where the engine's state and draws live: beside the models (as `generate` puts "
+        "them; default) or on the host (as a serving router's engine)",
+    )  # fmt: skip
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
@@ -180,7 +185,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     draft = build_model(shapes["draft"], device, dtype)
     target = build_model(shapes["target"], device, dtype)
     bench = Bench(target, draft, device, max(args.warmup, 1), repeats, args.threshold, args.seed,
-                  args.decode_path)  # fmt: skip
+                  args.decode_path, args.engine)  # fmt: skip
     beams, dsbd = measure_costs(bench, contexts, args.widths, args.gammas, not args.no_progress)
     sources, notes = acceptance_sources(args.results, args.gammas)
     modelled = modelled_speedups(sources, beams, dsbd)
@@ -205,6 +210,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
             "threads": args.threads,
             "seed": args.seed,
             "decode_path": args.decode_path,
+            "engine": args.engine,
             "draft_width": "W (W_S = W)",
         },  # fmt: skip
         "machine": machine_info(device),

@@ -152,7 +152,14 @@ class Bench:
     threshold: float | None
     seed: int
     decode_path: str = "dynamic"  # the scorers' path (dsbd_core/models/decode_path.py)
+    # where the engine's state lives: "model" (beside the models, as `generate` puts it) or
+    # "cpu" (the host, as a serving router's engine; the baseline of the engine-placement A/B)
+    engine: str = "model"
     scorers: dict = field(default_factory=dict)
+
+    @property
+    def engine_device(self) -> torch.device:
+        return self.device if self.engine == "model" else torch.device("cpu")
 
     def scorer(self, which: str) -> TransformerScorer:
         """The target's or the draft's scorer on the bench's path, one per model for the whole

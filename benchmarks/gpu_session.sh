@@ -48,7 +48,8 @@ summarize() {  # the summary of what $STAGE/out holds, the table and a tarball o
     local work="$STAGE/out"
     [ -n "${SKIP_SUMMARY:-}" ] || timeout 60 python3 benchmarks/gpu_summary.py \
         --costs "$work/costs" --bench "$work/bench" --e2e-beam "$work/e2e_beam_qwen.json" \
-        --profile "$work/profile_qwen_static.json" --out "$work/summary" 2>&1 | tail -40
+        --profile "$work/profile_qwen_static.json" \
+        --profiles "$work"/profile_qwen_static_*.json --out "$work/summary" 2>&1 | tail -40
     uptime
     cp "$work/summary/summary.md" "$OUT/" 2>/dev/null
     tar czf "$OUT/$1.tgz" -C "$work" .
@@ -63,16 +64,21 @@ one)
     python3 -c "import torch, transformers, pydantic; print(torch.__version__, transformers.__version__, pydantic.__version__, torch.cuda.get_device_name())"
     uptime
     work="$STAGE/out" && mkdir -p "$work/costs"
-    costs() {  # size path seconds
+    costs() {  # size path seconds [engine]: the engine beside the models, or on the host
+        local name="$2" && [ "${4:-model}" = cpu ] && name="$2-hostengine"
         timeout "$3" python3 benchmarks/gpu_costs.py --size "$1" --decode-path "$2" \
             --widths 1 3 --gammas 2 3 --contexts 256 --repeats 10 --no-progress \
-            --out "$work/costs/gpu_costs_$1_$2.json" 2>&1 | tail -14
+            --engine "${4:-model}" --out "$work/costs/gpu_costs_$1_$name.json" 2>&1 | tail -14
     }
     costs qwen static 100
+    costs qwen static 100 cpu  # the same figures with the engine on the host: the A/B
     timeout 60 python3 benchmarks/gpu_e2e_beam.py --size qwen --tokens 32 --rounds 3 \
         --out "$work/e2e_beam_qwen.json" 2>&1 | tail -14
     timeout 50 python3 benchmarks/gpu_forward_profile.py --size qwen --decode-path static \
         --repeats 10 --out "$work/profile_qwen_static.json" 2>&1 | tail -70
+    timeout 60 python3 benchmarks/gpu_forward_profile.py --size qwen --decode-path static \
+        --gamma 3 --repeats 8 --out "$work/profile_qwen_static_dsbd.json" 2>&1 |
+        grep -v Warning | tail -48
     costs paper static 100
     summarize one
     ;;

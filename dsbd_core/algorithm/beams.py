@@ -36,12 +36,12 @@ class Outputs:
     score: torch.Tensor  # [B, W] true log-likelihood of the output beam
 
     @classmethod
-    def empty(cls, batch: int, width: int) -> Outputs:
+    def empty(cls, batch: int, width: int, device: torch.device) -> Outputs:
         return cls(
-            layer=torch.zeros(batch, dtype=torch.long),
-            index=torch.zeros(batch, width, dtype=torch.long),
-            exists=torch.zeros(batch, width, dtype=torch.bool),
-            score=torch.zeros(batch, width, dtype=torch.float64),
+            layer=torch.zeros(batch, dtype=torch.long, device=device),
+            index=torch.zeros(batch, width, dtype=torch.long, device=device),
+            exists=torch.zeros(batch, width, dtype=torch.bool, device=device),
+            score=torch.zeros(batch, width, dtype=torch.float64, device=device),
         )
 
     def set(
@@ -65,7 +65,7 @@ def ancestry(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Root row and per-layer node index (-1 above `level`) of every given node."""
     batch, n = node.shape
-    path = torch.full((batch, n, len(layers)), -1, dtype=torch.long)
+    path = torch.full((batch, n, len(layers)), -1, dtype=torch.long, device=node.device)
     current = node.clone()
     for lv in range(len(layers), 0, -1):
         here = (level >= lv)[:, None].expand(batch, n)
@@ -118,7 +118,8 @@ def pool_add(
     # Independent of gamma (a controller may change it per iteration): no beam grows past
     # the budget, since an iteration's depth is capped at the budget left minus one.
     span = max_new_tokens + 1
-    offset = (prompt_len[b][:, None] + torch.arange(span)).clamp(max=seq.shape[2] - 1)
+    span_columns = torch.arange(span, device=seq.device)
+    offset = (prompt_len[b][:, None] + span_columns).clamp(max=seq.shape[2] - 1)
     pool.session.append(b)
     pool.tokens.append(seq[b, j].gather(1, offset))
     pool.length.append(seq_len[b] - prompt_len[b])
@@ -174,7 +175,7 @@ def next_beams(
         # Keep the most likely output beam (lowest perplexity; paper §14.4): one KV row.
         best = out.score.masked_fill(~exists, NEG_INF).argmax(dim=1)
         best_alive = keep.gather(1, best[:, None])[:, 0]
-        order = torch.arange(width)[None, :].expand(batch, width)
+        order = torch.arange(width, device=best.device)[None, :].expand(batch, width)
         order = torch.where(order == 0, best[:, None], order)
         keep = torch.zeros_like(keep)
         keep[:, 0] = best_alive
@@ -199,7 +200,7 @@ def node_logprobs(table: ForestLogprobTable, level: int, mask: torch.Tensor) -> 
     """Log-probs of the forest nodes of layer `level` selected by `mask` [B, M] (accepted
     drafts that finished: the pool entries `pool_add` makes of them, in its order)."""
     layer = table.layers[level - 1]
-    at = torch.full((layer.token.shape[0],), level - 1, dtype=torch.long)
+    at = torch.full((layer.token.shape[0],), level - 1, dtype=torch.long, device=mask.device)
     return path_logprobs(table, at, layer.parent, layer.token, mask)
 
 
@@ -240,7 +241,7 @@ def walk_outcome(
     """The outcome of a walk over the forest (sampling verification or beam search): the
     same fields from the same places, so the two walks cannot drift apart. `widths` and
     `alphas` hold one [B] tensor per verified layer (beam search has no alphas)."""
-    empty = torch.empty(passed_layers.shape[0], 0)
+    empty = torch.empty(passed_layers.shape[0], 0, device=passed_layers.device)
     return Outcome(
         tokens=beams.tokens,
         length=beams.length,

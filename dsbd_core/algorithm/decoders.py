@@ -19,7 +19,7 @@ from typing import Literal, get_args
 
 from dsbd_core.algorithm.config import SamplingConfig
 from dsbd_core.algorithm.control import Controller
-from dsbd_core.algorithm.loop import Decode, run_decode
+from dsbd_core.algorithm.loop import Decode, engine_device, run_decode
 from dsbd_core.algorithm.result import DecodeResult
 from dsbd_core.algorithm.scorer import ForestScorer
 
@@ -69,7 +69,8 @@ def generate_batch(
             f"{target.vocab_size}: draft and target must share a vocabulary"
         )
     decode = Decode(run_config, target.vocab_size, [list(p) for p in prompts],
-                    uses_draft=uses_draft, controller=controller)  # fmt: skip
+                    uses_draft=uses_draft, controller=controller,
+                    device=engine_device(target))  # fmt: skip
     return run_decode(decode, target, draft if uses_draft else None)
 
 

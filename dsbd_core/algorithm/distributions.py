@@ -107,7 +107,9 @@ def _inverse_cdf(probs: torch.Tensor, n: int, generator: torch.Generator) -> tor
     """
     cumulative = probs.to(torch.float64).cumsum_(dim=-1)
     total = cumulative[:, -1:]
-    uniform = torch.rand(probs.shape[0], n, generator=generator, dtype=torch.float64)
+    uniform = torch.rand(
+        probs.shape[0], n, generator=generator, dtype=torch.float64, device=probs.device
+    )
     index = torch.searchsorted(cumulative, uniform * total, right=True)
     return index.clamp_(max=probs.shape[-1] - 1)
 
@@ -125,7 +127,7 @@ def draw_distinct(
     """
     batch, size = probs.shape
     take = min(n, size)
-    uniform = torch.rand(probs.shape, generator=generator, dtype=probs.dtype)
+    uniform = torch.rand(probs.shape, generator=generator, dtype=probs.dtype, device=probs.device)
     # Gumbel top-k: argmax of log p - log E with E = -log u ~ Exp(1) is argmax of p / E, which
     # orders the candidates the same way in three passes instead of eight (p = 0 gets key 0,
     # below every candidate with mass, as -inf did).

@@ -56,38 +56,46 @@ class Engine:
         self.uses_draft = uses_draft
         self.generator = torch.Generator()  # reseeded per iteration and side, see _reseed
         self.width_generator = torch.Generator()  # distinct-draft width estimates, ditto
-        self.eos = torch.tensor(sorted(set(config.eos_token_ids)), dtype=torch.long)
+        self.eos = torch.tensor(sorted(set(config.eos_token_ids)), dtype=torch.long, device="cpu")
 
-    def start(self, prompts: list[list[int]]) -> DecodeState:
-        """The state before the first iteration: one input beam per session, the prompt."""
+    def start(self, prompts: list[list[int]], device: torch.device | str = "cpu") -> DecodeState:
+        """The state before the first iteration: one input beam per session, the prompt.
+
+        `device`: where the state and every tensor of the iteration live. On a GPU the state
+        lives beside the models, so that the vocabulary-wide work of an iteration (candidate
+        tables, draws, verification) runs there as device ops on the log-probs the forwards
+        leave there, instead of copying them to the host (three rows of a 150k vocabulary
+        are 1.8 MB a call) and running topk and the noise on the host's CPU.
+        """
         self._check_prompts(prompts)
+        device = torch.device(device)
         cfg = self.config
         batch, width = len(prompts), cfg.width
         gamma = cfg.gamma if self.uses_draft else 0
-        prompt_len = torch.tensor([len(p) for p in prompts], dtype=torch.long)
-        capacity = int(prompt_len.max()) + cfg.max_new_tokens + gamma + 2
-        longest = int(prompt_len.max())
-        padded = torch.tensor([p + [0] * (longest - len(p)) for p in prompts], dtype=torch.long)
-        tokens = torch.zeros(batch, width, capacity, dtype=torch.long)
-        tokens[:, :, :longest] = padded[:, None, :]
-        alive = torch.zeros(batch, width, dtype=torch.bool)
+        longest = max(len(p) for p in prompts)
+        capacity = longest + cfg.max_new_tokens + gamma + 2
+        prompt_len = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=device)
+        padded = [p + [0] * (longest - len(p)) for p in prompts]
+        tokens = torch.zeros(batch, width, capacity, dtype=torch.long, device=device)
+        tokens[:, :, :longest] = torch.tensor(padded, dtype=torch.long, device=device)[:, None, :]
+        alive = torch.zeros(batch, width, dtype=torch.bool, device=device)
         alive[:, 0] = True  # one input beam at the start (spec §11.6: no replicated prompt rows)
         logprobs = None
         if cfg.logprobs is not None:  # one more position than any beam reaches (`splice`)
             top = min(cfg.logprobs, self.vocab)
-            logprobs = TokenLogprobs.zeros((batch, width), cfg.max_new_tokens + 1, top)
+            logprobs = TokenLogprobs.zeros((batch, width), cfg.max_new_tokens + 1, top, device)
         return DecodeState(
             tokens=tokens,
             length=prompt_len.clone(),
             prompt_len=prompt_len,
-            score=torch.zeros(batch, width, dtype=torch.float64),
+            score=torch.zeros(batch, width, dtype=torch.float64, device=device),
             alive=alive,
-            remaining=torch.full((batch,), width, dtype=torch.long),
-            steps=torch.zeros(batch, dtype=torch.long),
+            remaining=torch.full((batch,), width, dtype=torch.long, device=device),
+            steps=torch.zeros(batch, dtype=torch.long, device=device),
             origin=None,
             pool=Pool(),
-            counters=zero_counters(batch),
-            seed=cfg.seed if cfg.seed is not None else int(torch.randint(0, 2**62, ()).item()),
+            counters=zero_counters(batch, device),
+            seed=cfg.seed if cfg.seed is not None else _fresh_seed(),
             logprobs=logprobs,
         )
 
@@ -122,8 +130,9 @@ class Engine:
         assert state.depth is not None, "call next_iteration first"
         if not self.uses_draft:
             return NO_FOREST
+        eos = self._place(state)
         self._reseed(state, _DRAFT_STREAM)
-        return (yield from draft_forest(state, self.config, self.vocab, self.eos, self.generator))
+        return (yield from draft_forest(state, self.config, self.vocab, eos, self.generator))
 
     def verify_steps(
         self, state: DecodeState, forest: Forest
@@ -131,11 +140,12 @@ class Engine:
         """Target side: one forward over the forest, layer-by-layer verification (spec §4), as a
         generator of its one target-model call."""
         assert state.depth is not None, "call next_iteration first"
+        eos = self._place(state)
         self._reseed(state, _VERIFY_STREAM)
         self._reseed(state, _WIDTH_STREAM, self.width_generator)
         return (
             yield from verify_forest(
-                state, forest, self.config, self.vocab, self.eos, self.generator,
+                state, forest, self.config, self.vocab, eos, self.generator,
                 self.width_generator,
             )
         )  # fmt: skip
@@ -176,6 +186,18 @@ class Engine:
         mixed = (state.seed * 1_000_003 + state.iteration * 4 + stream) % (2**63 - 1)
         (generator or self.generator).manual_seed(mixed)
 
+    def _place(self, state: DecodeState) -> torch.Tensor:
+        """Move the generators and the EOS ids to the state's device (the draws happen where
+        the tables live); returns the EOS ids there. A CUDA generator draws other numbers than
+        the CPU one for the same seed: a seeded decode is reproducible per device type."""
+        device = state.tokens.device
+        if self.generator.device != device:
+            self.generator = torch.Generator(device=device)
+            self.width_generator = torch.Generator(device=device)
+        if self.eos.device != device:
+            self.eos = self.eos.to(device)
+        return self.eos
+
     def _check_prompts(self, prompts: list[list[int]]) -> None:
         if not prompts:
             raise ValueError("prompts: at least one prompt is required")
@@ -187,6 +209,12 @@ class Engine:
                 raise ValueError(
                     f"prompts[{i}]: token id {bad[0]} out of range; allowed 0..{self.vocab - 1}"
                 )
+
+
+def _fresh_seed() -> int:
+    """A seed for a decode that names none: drawn once, on the host, from torch's global
+    generator (so `torch.manual_seed` makes unseeded decodes reproducible too)."""
+    return int(torch.randint(0, 2**62, (), device="cpu").item())
 
 
 def splice_logprobs(state: DecodeState, outcome: Outcome) -> None:

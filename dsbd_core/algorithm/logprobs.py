@@ -36,11 +36,13 @@ class TokenLogprobs:
     top_logp: torch.Tensor  # [..., T, N] float64
 
     @classmethod
-    def zeros(cls, leading: tuple[int, ...], positions: int, top: int) -> TokenLogprobs:
+    def zeros(
+        cls, leading: tuple[int, ...], positions: int, top: int, device: torch.device | str = "cpu"
+    ) -> TokenLogprobs:
         return cls(
-            chosen=torch.zeros(*leading, positions, dtype=torch.float64),
-            top_ids=torch.zeros(*leading, positions, top, dtype=torch.long),
-            top_logp=torch.zeros(*leading, positions, top, dtype=torch.float64),
+            chosen=torch.zeros(*leading, positions, dtype=torch.float64, device=device),
+            top_ids=torch.zeros(*leading, positions, top, dtype=torch.long, device=device),
+            top_logp=torch.zeros(*leading, positions, top, dtype=torch.float64, device=device),
         )
 
     def rows(self, b: torch.Tensor, j: torch.Tensor) -> TokenLogprobs:
@@ -83,7 +85,8 @@ def splice(rows: TokenLogprobs, start: torch.Tensor, segment: Segment) -> TokenL
     chosen, ids, logp = base.chosen.clone(), base.top_ids.clone(), base.top_logp.clone()
     span = segment.values.chosen.shape[-1]
     last = chosen.shape[-1] - 1
-    pos = (start[segment.session][:, None] + torch.arange(span)).clamp(max=last)
+    span_columns = torch.arange(span, device=chosen.device)
+    pos = (start[segment.session][:, None] + span_columns).clamp(max=last)
     chosen.scatter_(1, pos, segment.values.chosen)
     wide = pos[:, :, None].expand_as(segment.values.top_ids)
     ids.scatter_(1, wide, segment.values.top_ids)
@@ -152,7 +155,7 @@ def all_of(values: TokenLogprobs, root: torch.Tensor, order: torch.Tensor) -> Se
     wide = order[:, :, None, None].expand_as(values.top_ids)
     values = TokenLogprobs(values.chosen.gather(1, index), values.top_ids.gather(1, wide),
                            values.top_logp.gather(1, wide))  # fmt: skip
-    session = torch.arange(batch)[:, None].expand(batch, width).reshape(-1)
+    session = torch.arange(batch, device=root.device)[:, None].expand(batch, width).reshape(-1)
     return Segment(session=session, root=root.reshape(-1), values=values.reshape(batch * width))
 
 
@@ -167,7 +170,7 @@ def prefix_logprobs(
         return None
     live = alive[0].nonzero().flatten()
     if live.numel():
-        pick = rows.rows(torch.zeros(1, dtype=torch.long), live[:1])
+        pick = rows.rows(torch.zeros(1, dtype=torch.long, device=live.device), live[:1])
     else:
         pick = None
         for sessions, entry in zip(pool_session, pool_rows, strict=True):

@@ -24,6 +24,8 @@ from collections.abc import Generator
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from dsbd_core.algorithm.config import SamplingConfig
 from dsbd_core.algorithm.control import Controller, FixedKnobs, Knobs
 from dsbd_core.algorithm.engine import Engine
@@ -109,12 +111,15 @@ class Decode:
         *,
         uses_draft: bool,
         controller: Controller | None = None,
+        device: torch.device | str = "cpu",
     ) -> None:
         self.config = config
         self.uses_draft = uses_draft
         self.engine = engine_for(config, vocab_size, uses_draft=uses_draft)
         self.controller = controller or FixedKnobs(config)
-        self.state = self.engine.start(prompts)  # raises on a bad prompt, before any step
+        # raises on a bad prompt, before any step; `device`: where the state lives
+        # (`engine_device`: beside an in-process model)
+        self.state = self.engine.start(prompts, device)
 
     def steps(self) -> Generator[SideCall, Any, list[DecodeResult]]:
         """The loop; returns every session's result."""
@@ -138,6 +143,12 @@ class Decode:
         if knobs.gamma == config.gamma and knobs.draft_width == config.effective_draft_width:
             return config
         return config.model_copy(update={"gamma": knobs.gamma, "draft_width": knobs.draft_width})
+
+
+def engine_device(scorer: ForestScorer) -> torch.device:
+    """Where an in-process decode against `scorer` keeps its state: the scorer's
+    `engine_device` where it has one (a transformers model: its device), else the host."""
+    return torch.device(getattr(scorer, "engine_device", "cpu"))
 
 
 def run_decode(

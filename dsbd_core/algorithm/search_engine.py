@@ -34,11 +34,13 @@ def engine_for(config: SamplingConfig, vocab_size: int, *, uses_draft: bool) -> 
 class SearchEngine(Engine):
     """Deterministic beam search (plain, or speculative with a draft); see `search.py`."""
 
-    def start(self, prompts: list[list[int]]) -> DecodeState:
+    def start(self, prompts: list[list[int]], device: torch.device | str = "cpu") -> DecodeState:
         """As `Engine.start`, with no finished hypothesis yet."""
-        state = super().start(prompts)
+        state = super().start(prompts, device)
         batch, width = state.alive.shape
-        state.finished_scores = torch.full((batch, width), float("-inf"), dtype=torch.float64)
+        state.finished_scores = torch.full(
+            (batch, width), float("-inf"), dtype=torch.float64, device=state.alive.device
+        )
         return state
 
     def propose_steps(self, state: DecodeState) -> Generator[ScoreCall, ForestLogprobs, Forest]:
@@ -46,14 +48,15 @@ class SearchEngine(Engine):
         assert state.depth is not None, "call next_iteration first"
         if not self.uses_draft:
             return NO_FOREST
-        return (yield from draft_search(state, self.config, self.eos))
+        return (yield from draft_search(state, self.config, self._place(state)))
 
     def verify_steps(
         self, state: DecodeState, forest: Forest
     ) -> Generator[ScoreCall, ForestLogprobs, Outcome]:
         """Target side: one forward over the forest, the target's search steps through it."""
         assert state.depth is not None, "call next_iteration first"
-        return (yield from verify_search(state, forest, self.config, self.vocab, self.eos))
+        eos = self._place(state)
+        return (yield from verify_search(state, forest, self.config, self.vocab, eos))
 
     def advance(self, state: DecodeState, outcome: Outcome) -> None:
         """As `Engine.advance`, and the finished hypotheses' scores."""

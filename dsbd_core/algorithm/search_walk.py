@@ -54,7 +54,7 @@ def draft_search(
     logq, support = scored.roots, scored.support
     assert logq is not None
     width = logq.shape[-1]  # V, or K for a restricted head
-    columns = torch.arange(width) if support is None else support
+    columns = torch.arange(width, device=logq.device) if support is None else support
     is_eos = torch.isin(columns, eos)
     parent_ok, sigma = state.alive, state.score
     layers = []
@@ -108,13 +108,14 @@ class _SearchWalk:
             state, forest, config, vocab, eos
         )  # fmt: skip
         batch, self.width = state.alive.shape
-        self.counters = zero_counters(batch)
+        device = state.alive.device
+        self.counters = zero_counters(batch, device)
         self.live = state.alive.any(dim=1)
         self.pending = self.live.clone()
         self.valid, self.parent_score = state.alive.clone(), state.score.clone()
         self.finished_scores = state.finished_scores.clone()
-        self.out = Outputs.empty(batch, self.width)
-        self.passed_layers = torch.zeros(batch, dtype=torch.long)
+        self.out = Outputs.empty(batch, self.width, device)
+        self.passed_layers = torch.zeros(batch, dtype=torch.long, device=device)
         self.widths: list[torch.Tensor] = []
         self.finished = Pool()
         self.table: ForestLogprobTable | None = None
@@ -182,7 +183,7 @@ class _SearchWalk:
         state, out = self.state, self.out
         produced = out.layer + 1
         emitted = produced * self.live
-        none = torch.zeros(0, dtype=torch.long)
+        none = torch.zeros(0, dtype=torch.long, device=emitted.device)
         beams = next_beams(
             state.tokens, state.length, state.prompt_len, self.forest.layers, out,
             state.remaining, self.live, self.finished, vocab=self.vocab, eos=none,

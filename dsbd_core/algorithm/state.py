@@ -20,10 +20,10 @@ from dsbd_core.algorithm.scorer import ForestLayer, Origin
 COUNTERS = ("target", "draft", "proposed", "drafted", "accepted")
 
 
-def zero_counters(batch: int) -> dict[str, torch.Tensor]:
+def zero_counters(batch: int, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
     """Every counter at zero for `batch` sessions (the float `epsilon_bias` sum included)."""
-    counters = {name: torch.zeros(batch, dtype=torch.long) for name in COUNTERS}
-    counters["epsilon_bias"] = torch.zeros(batch, dtype=torch.float64)
+    counters = {name: torch.zeros(batch, dtype=torch.long, device=device) for name in COUNTERS}
+    counters["epsilon_bias"] = torch.zeros(batch, dtype=torch.float64, device=device)
     return counters
 
 

@@ -94,12 +94,13 @@ def verify_layer(
         restricted = proposal.clone()
     chain = target
     target_left = target  # distinct: P without the chosen candidates (a copy once one is chosen)
-    count = torch.zeros(batch, dtype=torch.long)
-    accepted = torch.zeros(batch, m, dtype=torch.bool)
+    device = target.device
+    count = torch.zeros(batch, dtype=torch.long, device=device)
+    accepted = torch.zeros(batch, m, dtype=torch.bool, device=device)
     chosen = torch.zeros_like(target, dtype=torch.bool)
-    drafted_mass = torch.zeros(batch, dtype=target.dtype)
-    uniforms = torch.rand(batch, m, generator=generator, dtype=target.dtype)
-    bias = torch.zeros(batch, dtype=target.dtype)
+    drafted_mass = torch.zeros(batch, dtype=target.dtype, device=device)
+    uniforms = torch.rand(batch, m, generator=generator, dtype=target.dtype, device=device)
+    bias = torch.zeros(batch, dtype=target.dtype, device=device)
     bonus = epsilon * (target > 0).to(target.dtype) if epsilon > 0 else None
     for j in range(m):
         d = drafts[:, j : j + 1]
@@ -194,7 +195,7 @@ def fill_failed_layer(
     """
     batch, m = drafts.shape
     n = verdict.count
-    rank = torch.arange(m).expand(batch, m)
+    rank = torch.arange(m, device=drafts.device).expand(batch, m)
     order = torch.where(verdict.accepted, rank, rank + m).argsort(dim=1, stable=True)
     accepted_first = drafts.gather(1, order)
     if m < slots:
@@ -205,7 +206,7 @@ def fill_failed_layer(
         taken = verdict.chosen.scatter(1, fallback[:, None], fallback_exists[:, None])
         target = target * ~taken
     fresh, fresh_exists = _draw(target, slots, distinct, generator)
-    k = torch.arange(slots).expand(batch, slots)
+    k = torch.arange(slots, device=drafts.device).expand(batch, slots)
     shift = (k - n[:, None] - 1).clamp(min=0)
     fresh = fresh.gather(1, shift)
     fresh_exists = fresh_exists.gather(1, shift)
@@ -224,7 +225,7 @@ def draw_slots(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`slots` beams from P (beam sampling step / DSBD bonus layer): (index, exists)."""
     index, exists = _draw(target, slots, distinct, generator)
-    k = torch.arange(slots).expand(target.shape[0], slots)
+    k = torch.arange(slots, device=target.device).expand(target.shape[0], slots)
     return index, exists & (k < remaining[:, None])
 
 

@@ -55,7 +55,7 @@ def verify_forest(
     """Score the forest in one target call and verify it layer by layer."""
     assert state.depth is not None, "plan the iteration first (Engine.next_iteration)"
     batch = state.alive.shape[0]
-    counters = zero_counters(batch)
+    counters = zero_counters(batch, state.alive.device)
     roots = Roots(state.tokens, state.length, state.alive, state.origin)
     scored = yield ScoreCall(roots, list(forest.layers))
     counters["target"] += state.alive.any(dim=1).long()
@@ -97,11 +97,11 @@ class _Walk:
         self.depth = state.depth
         batch, self.width = state.alive.shape
         self.live = state.alive.any(dim=1)
-        self.out = Outputs.empty(batch, self.width)
+        self.out = Outputs.empty(batch, self.width, state.alive.device)
         self.valid, self.parent_score = state.alive.clone(), state.score.clone()
         self.remaining = state.remaining
         self.pending = self.live.clone()  # sessions whose output slots are still open
-        self.passed_layers = torch.zeros(batch, dtype=torch.long)
+        self.passed_layers = torch.zeros(batch, dtype=torch.long, device=state.alive.device)
         self.widths: list[torch.Tensor] = []
         self.alphas: list[torch.Tensor] = []
         self.finished = Pool()
@@ -238,7 +238,9 @@ class _Walk:
             seq, seq_len = sequences(
                 state.tokens, state.length, self.forest.layers,
                 torch.full_like(self.depth, level),
-                torch.arange(layer.token.shape[1]).expand_as(layer.token),
+                torch.arange(layer.token.shape[1], device=layer.token.device).expand_as(
+                    layer.token
+                ),
             )  # fmt: skip
             pool_add(self.finished, seq, seq_len, state.prompt_len, node_score, finished_here,
                      True, self.config.max_new_tokens)  # fmt: skip

@@ -79,5 +79,5 @@ def layer_width(
     if m_max == 0:
         return torch.minimum(torch.full_like(w_max, w_min), w_max)
     table = acceptance_count_distribution(acceptance_alphas(target, proposal, m_max))
-    rows = table[torch.arange(table.shape[0]), drafts.clamp(max=m_max)]
+    rows = table[torch.arange(table.shape[0], device=table.device), drafts.clamp(max=m_max)]
     return threshold_width(rows, threshold, w_min, w_max)

@@ -53,7 +53,7 @@ _QUARTERS = int(4 * _FAR)
 
 
 @functools.cache
-def _ratio_groups() -> torch.Tensor:
+def _ratio_groups(device: torch.device) -> torch.Tensor:
     """Group of every quarter step of log(P / Q~): index ceil(4 log(P / Q~)) + 4000 -> bin.
 
     Every edge of RATIO_EDGES is a multiple of 1/4, so the quarter step (f - 1) / 4 < l <= f / 4
@@ -61,12 +61,13 @@ def _ratio_groups() -> torch.Tensor:
     costs 9 ms on a 4 x 152k layer, the lookup under 2). Bins: 0..E the candidates with both
     masses (as bucketize(l, RATIO_EDGES)), E+1 target only, E+2 draft only.
     """
-    steps = torch.arange(-_QUARTERS, _QUARTERS + 1, dtype=torch.float64)
+    steps = torch.arange(-_QUARTERS, _QUARTERS + 1, dtype=torch.float64, device="cpu")
     middle = (steps - 0.5) / 4  # a point inside each quarter step
-    groups = torch.bucketize(middle, torch.tensor(RATIO_EDGES, dtype=torch.float64))
+    edges = torch.tensor(RATIO_EDGES, dtype=torch.float64, device="cpu")
+    groups = torch.bucketize(middle, edges)
     groups[0] = len(RATIO_EDGES) + 2  # l = -inf: P = 0, draft only
     groups[-1] = len(RATIO_EDGES) + 1  # l = +inf: Q~ = 0, target only
-    return groups
+    return groups.to(device)
 
 
 def _group(rest_p: torch.Tensor, rest_q: torch.Tensor) -> torch.Tensor:
@@ -74,7 +75,7 @@ def _group(rest_p: torch.Tensor, rest_q: torch.Tensor) -> torch.Tensor:
     quarters = torch.div(rest_p, rest_q).log_()
     quarters.nan_to_num_(nan=-_FAR, posinf=_FAR, neginf=-_FAR).mul_(4).ceil_()
     index = quarters.clamp_(-_QUARTERS, _QUARTERS).to(torch.long).add_(_QUARTERS)
-    return _ratio_groups()[index]
+    return _ratio_groups(index.device)[index]
 
 
 def small_layer(
@@ -99,7 +100,7 @@ def small_layer(
     batch, size = target.shape
     all_valid = valid_rows is None
     if valid_rows is None:
-        valid_rows = torch.ones(1, 1, dtype=torch.bool).expand(batch, size)
+        valid_rows = torch.ones(1, 1, dtype=torch.bool, device=target.device).expand(batch, size)
     if size <= keep:  # the whole layer fits: nothing to stand in for
         return target, table, valid_rows
     restricted = table if all_valid else table * valid_rows
@@ -143,14 +144,14 @@ def distinct_count_tails(
     """
     batch = target.shape[0]
     m = int(drafts.max().item()) if drafts.numel() else 0
-    tails = torch.zeros(batch, m + 1, dtype=target.dtype)
+    tails = torch.zeros(batch, m + 1, dtype=target.dtype, device=target.device)
     tails[:, 0] = 1.0
     if m == 0:
         return tails
     p, q, valid = small_layer(target, table, valid_rows, keep, spread)
     key = torch.cat([p, q, valid.to(p.dtype), drafts[:, None].to(p.dtype)], dim=1)
     if batch == 1:  # nothing to share
-        unique, inverse = key, torch.zeros(1, dtype=torch.long)
+        unique, inverse = key, torch.zeros(1, dtype=torch.long, device=key.device)
     else:
         unique, inverse = torch.unique(key, dim=0, return_inverse=True)
     size = p.shape[1]
@@ -173,14 +174,15 @@ def _simulated_tails(
     batch = p.shape[0]
     p, q, valid = (x.repeat_interleave(samples, dim=0) for x in (p, q, valid))
     index, prob, exists = draw_distinct(q, m, generator)
-    exists &= torch.arange(m) < drafts.repeat_interleave(samples)[:, None]
+    device = p.device
+    exists &= torch.arange(m, device=device) < drafts.repeat_interleave(samples)[:, None]
     verdict = verify_layer(
         p, q, valid, index, prob, exists, exists & valid.gather(1, index),
-        torch.full((batch * samples,), m), torch.ones(batch * samples, dtype=torch.bool),
-        True, generator,
+        torch.full((batch * samples,), m, device=device),
+        torch.ones(batch * samples, dtype=torch.bool, device=device), True, generator,
     )  # fmt: skip
     count = verdict.count.reshape(batch, samples)
-    tails = torch.ones(batch, m + 1, dtype=p.dtype)
+    tails = torch.ones(batch, m + 1, dtype=p.dtype, device=device)
     for k in range(1, m + 1):
         tails[:, k] = (count >= k).to(p.dtype).mean(dim=1)
     return tails

@@ -164,6 +164,14 @@ class StaticScorer(TransformerScorer):
         gets one copy of a step's inputs and gives back one copy of the kept log-probs."""
         return torch.device("cpu")
 
+    @property
+    def _result_device(self) -> torch.device:
+        """The log-probs stay on the model's device when the engine lives there too
+        (`engine_device`): then no vocabulary-wide row crosses to the host. An engine on the
+        host (a serving replica's) gets them in one gather and one copy."""
+        model_device = self.model.device
+        return model_device if self._out_device == model_device else self._device
+
     def _start_session(
         self,
         b: int,
@@ -234,7 +242,7 @@ class StaticScorer(TransformerScorer):
             slots_kept.append(slot)
             counts.append(row.numel())
         index = to_device(torch.stack([torch.cat(rows_kept), torch.cat(slots_kept)]), pool.device)
-        kept_all = logprobs[index[0], index[1]].to(self._device, self._out_dtype)
+        kept_all = logprobs[index[0], index[1]].to(self._result_device, self._out_dtype)
         for (b, session, plan), kept in zip(work, kept_all.split(counts), strict=True):
             rank = plan.keep.flatten().cumsum(0).view_as(plan.keep) - 1
             _scatter_outputs(b, session, plan, kept, rank, roots, outs)

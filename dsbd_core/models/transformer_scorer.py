@@ -119,6 +119,12 @@ class TransformerScorer:
         """The logits' last dimension (the output embedding size, else config.vocab_size)."""
         return output_size(self.model)
 
+    @property
+    def engine_device(self) -> torch.device:
+        """Where an in-process engine keeps its state (`loop.Decode`): beside the model, so
+        that the log-probs a forward leaves there are used where they are."""
+        return self.model.device
+
     def set_roots(self, roots: Roots) -> None:
         """Start an iteration: compact each session's cache to the new roots (or drop it)."""
         tokens, lengths, alive, origin = roots.tokens, roots.lengths, roots.alive, roots.origin
@@ -127,12 +133,12 @@ class TransformerScorer:
         self._root_count = root_count
         self._roots_pending = True
         device = self._device
-        tokens = tokens.to(device)
-        alive = alive.to(device)
+        parts = [tokens, lengths, alive] + ([origin.root, origin.path] if origin else [])
+        tokens, lengths, alive, *rest = moved_together(parts, device)
         lengths_list = [int(x) for x in lengths.tolist()]
         old = self._sessions if len(self._sessions) == batch else [None] * batch
         if origin is not None:
-            origin = Origin(root=origin.root.to(device), path=origin.path.to(device))
+            origin = Origin(root=rest[0], path=rest[1])
         with torch.inference_mode():
             self._sessions = [
                 self._start_session(b, tokens, lengths_list[b], alive[b], origin, old[b])
@@ -149,21 +155,18 @@ class TransformerScorer:
         dtype = self._out_dtype
         device = self._device
         want_roots = self._roots_pending
+        placed = self._result_device
         roots = (
-            torch.zeros(batch, self._root_count, vocab, dtype=dtype, device=device)
+            torch.zeros(batch, self._root_count, vocab, dtype=dtype, device=placed)
             if want_roots
             else None
         )
         outs = [
-            torch.zeros(batch, layer.token.shape[1], vocab, dtype=dtype, device=device)
+            torch.zeros(batch, layer.token.shape[1], vocab, dtype=dtype, device=placed)
             for layer in layers
         ]
-        layers = [
-            ForestLayer(
-                parent=x.parent.to(device), token=x.token.to(device), exists=x.exists.to(device)
-            )
-            for x in layers
-        ]
+        flat = moved_together([t for x in layers for t in (x.parent, x.token, x.exists)], device)
+        layers = [ForestLayer(*flat[i : i + 3]) for i in range(0, len(flat), 3)]
         with torch.inference_mode(), compact_logits(self.model):
             work = []
             for b, session in enumerate(self._sessions):
@@ -224,6 +227,11 @@ class TransformerScorer:
     @property
     def _device(self) -> torch.device:
         return self.model.device
+
+    @property
+    def _result_device(self) -> torch.device:
+        """Where a call's log-probs are assembled: where the forest is planned."""
+        return self._device
 
     @property
     def _model_dtype(self) -> torch.dtype:
@@ -341,6 +349,20 @@ class TransformerScorer:
         )
         logprobs = torch.log_softmax(output.logits, dim=-1, dtype=self._out_dtype)
         return logprobs, output.past_key_values
+
+
+def moved_together(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """`tensors` on `device`, in one copy when they are elsewhere: an engine on a GPU sends
+    the roots and forest layers to the host's planner, and each separate copy to the host
+    would wait for the device once. Integer and bool tensors only (ids, lengths, flags)."""
+    if all(t.device == device for t in tensors):
+        return list(tensors)
+    flat = torch.cat([t.reshape(-1).long() for t in tensors]).to(device)
+    out, start = [], 0
+    for t in tensors:
+        out.append(flat[start : start + t.numel()].view(t.shape).to(t.dtype))
+        start += t.numel()
+    return out
 
 
 def _real(plan: _Plan) -> torch.Tensor:
