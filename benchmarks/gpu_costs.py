@@ -63,6 +63,7 @@ from pathlib import Path
 import torch
 
 from dsbd_core.models.dtypes import DTYPES
+from dsbd_core.models.static_step import COMPILE_MODES
 from dsbd_core.tools.bench.harness import git_info, machine_info, versions
 
 # The sibling modules are top-level modules when this file runs as a script (benchmarks/ is then
@@ -123,7 +124,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--dtype", choices=sorted(DTYPES), default="bfloat16" if cuda else "float32"
     )
     parser.add_argument("--widths", type=int, nargs="+", default=[1, 2, 3, 4])
-    parser.add_argument("--gammas", type=int, nargs="+", default=[1, 2, 3, 4])
+    parser.add_argument(
+        "--gammas", type=int, nargs="*", default=[1, 2, 3, 4],
+        help="DSBD depths timed (none: beam steps only)",
+    )  # fmt: skip
     parser.add_argument(
         "--contexts",
         type=int,
@@ -155,6 +159,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="where the engine's state and draws live: beside the models (as `generate` puts "
         "them; default) or on the host (as a serving router's engine)",
     )  # fmt: skip
+    parser.add_argument(
+        "--compile", choices=COMPILE_MODES, default=None,
+        help="how the static path runs its buckets (default: cuda-graph on CUDA, none on CPU)",
+    )  # fmt: skip
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
@@ -185,7 +193,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     draft = build_model(shapes["draft"], device, dtype)
     target = build_model(shapes["target"], device, dtype)
     bench = Bench(target, draft, device, max(args.warmup, 1), repeats, args.threshold, args.seed,
-                  args.decode_path, args.engine)  # fmt: skip
+                  args.decode_path, args.engine, args.compile)  # fmt: skip
     beams, dsbd = measure_costs(bench, contexts, args.widths, args.gammas, not args.no_progress)
     sources, notes = acceptance_sources(args.results, args.gammas)
     modelled = modelled_speedups(sources, beams, dsbd)
@@ -211,6 +219,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
             "seed": args.seed,
             "decode_path": args.decode_path,
             "engine": args.engine,
+            "compile": args.compile,
             "draft_width": "W (W_S = W)",
         },  # fmt: skip
         "machine": machine_info(device),

@@ -165,7 +165,7 @@ def measure_costs(
     dsbd: list[DsbdCost] = []
     # the pool long enough for the longest decode (sampling_config's budget), so that no pool
     # regrows (and recaptures) inside a timed iteration
-    budget = (bench.warmup + bench.repeats + 1) * (max(gammas) + 1) + 1
+    budget = (bench.warmup + bench.repeats + 1) * (max(gammas, default=0) + 1) + 1
     bench.capture(rows=max(widths), length=max(contexts) + budget + 8)
     total = len(contexts) * len(widths) * (1 + len(gammas))
     with tqdm(total=total, disable=not progress, dynamic_ncols=True, unit="config") as bar:

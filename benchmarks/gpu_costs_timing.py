@@ -155,6 +155,7 @@ class Bench:
     # where the engine's state lives: "model" (beside the models, as `generate` puts it) or
     # "cpu" (the host, as a serving router's engine; the baseline of the engine-placement A/B)
     engine: str = "model"
+    compile: str | None = None  # the static path's bucket mode (None: the device's default)
     scorers: dict = field(default_factory=dict)
 
     @property
@@ -166,7 +167,7 @@ class Bench:
         run (a static one keeps its pool and captured buckets across configs)."""
         if which not in self.scorers:
             model = self.target if which == "target" else self.draft
-            self.scorers[which] = make_scorer(model, self.decode_path)
+            self.scorers[which] = make_scorer(model, self.decode_path, compile=self.compile)
         return self.scorers[which]
 
     def capture(self, rows: int, length: int) -> dict:

@@ -143,7 +143,7 @@ def main() -> None:
 
     def run(repeats: int) -> None:  # the same scorers (pool, captured buckets)
         profiled = Bench(target, draft, device, 1, repeats, None, 0, args.decode_path,
-                         bench.scorers)  # fmt: skip
+                         scorers=bench.scorers)  # fmt: skip
         if args.gamma:
             time_dsbd(profiled, args.context, args.width, args.gamma)
         else:

@@ -81,6 +81,13 @@ one)
         grep -v Warning | tail -48
     costs paper static 100
     summarize one
+    # Inductor's fused kernels captured as the bucket's graph: the target's beam steps only
+    # (each bucket compiles for tens of seconds); results beside the tarball
+    timeout "${INDUCTOR_TIMEOUT:-180}" python3 benchmarks/gpu_costs.py --size qwen \
+        --decode-path static --compile inductor-graph --widths 1 3 --gammas --contexts 256 \
+        --repeats 10 --no-progress --out "$OUT/gpu_costs_qwen_static-inductor.json" 2>&1 |
+        grep -v Warning | tail -20
+    uptime
     ;;
 embedded)
     exec > >(tee "$OUT/log_embedded.txt") 2>&1

@@ -154,7 +154,7 @@ def main() -> None:
     out = args.out or RESULTS / re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
     figures: dict[str, Any] = {}
     for size in ("qwen", "paper", "tiny"):
-        for path in ("dynamic", "static", "static-hostengine"):
+        for path in ("dynamic", "static", "static-hostengine", "static-inductor"):
             report = args.costs / f"gpu_costs_{size}_{path}.json"
             if report.is_file():
                 figures[f"{size}/{path}"] = costs(report, args.context)

@@ -106,3 +106,42 @@ def test_an_in_process_decode_keeps_its_state_beside_the_model() -> None:
     assert engine_device(TransformerScorer(model)) == model.device
     assert engine_device(StaticScorer(model)) == model.device
     assert engine_device(object()) == torch.device("cpu")  # e.g. a remote verifier's stub
+
+
+@pytest.mark.parametrize(("method", "fields"), CASES)
+def test_the_branches_a_device_takes_decode_the_hosts_tokens(method: str, fields: dict) -> None:
+    """On a device the engine computes where the host reads a value to skip work
+    (`host_reads`); forced on the CPU, those branches give the same tokens, scores and
+    statistics for the same seeds (no draw is added or moved), in float64 and alone or
+    batched."""
+    from dsbd_core.algorithm.host_reads import computing_everywhere
+
+    target, draft = tiny("llama", 1), tiny("llama", 2)
+    for seed in (0, 1, 2):
+        config = SamplingConfig(max_new_tokens=10, eos_token_ids=(0,), seed=seed, **fields)
+        plain = generate_batch(method, StaticScorer(target), PROMPTS, config, StaticScorer(draft))
+        with computing_everywhere():
+            forced = generate_batch(method, StaticScorer(target), PROMPTS, config,
+                                    StaticScorer(draft))  # fmt: skip
+        for got, want in zip(forced, plain, strict=True):
+            assert [b.token_ids for b in got.beams] == [b.token_ids for b in want.beams]
+            assert [b.log_likelihood for b in got.beams] == [b.log_likelihood for b in want.beams]
+            assert got.stats == want.stats
+
+
+@pytest.mark.parametrize(("method", "fields"), CASES)
+def test_the_device_branches_match_the_host_over_many_sessions(method: str, fields: dict) -> None:
+    """The same on an exact n-gram table with 300 sessions in one batch: rejections, refills,
+    EOS in accepted drafts and every width rule meet both branch sets many times over."""
+    from dsbd_core.algorithm.host_reads import computing_everywhere
+    from tests.test_engine_behaviour import scorers
+
+    prompts = [[1 + i % 5, 2 + i % 3] for i in range(300)]
+    config = SamplingConfig(max_new_tokens=8, eos_token_ids=(0,), seed=7, **fields)
+    plain = generate_batch(method, *scorers()[:1], prompts, config, scorers()[1])
+    with computing_everywhere():
+        forced = generate_batch(method, *scorers()[:1], prompts, config, scorers()[1])
+    assert [[b.token_ids for b in r.beams] for r in forced] == [
+        [b.token_ids for b in r.beams] for r in plain
+    ]
+    assert [r.stats for r in forced] == [r.stats for r in plain]

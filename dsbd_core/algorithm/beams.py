@@ -53,11 +53,13 @@ class Outputs:
         score: torch.Tensor,
     ) -> None:
         """Record the output slots of `sessions`: children of forest layer `layer` at `index`
-        with true log-likelihoods `score`."""
-        self.layer[sessions] = layer
-        self.index[sessions] = index[sessions]
-        self.exists[sessions] = exists[sessions]
-        self.score[sessions] = score[sessions]
+        with true log-likelihoods `score`. Selected with `where`, not a boolean index (which
+        would read the mask on the host: a wait for a GPU)."""
+        rows = sessions[:, None]
+        self.layer = torch.where(sessions, layer, self.layer)
+        self.index = torch.where(rows, index, self.index)
+        self.exists = torch.where(rows, exists, self.exists)
+        self.score = torch.where(rows, score, self.score)
 
 
 def ancestry(

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from dsbd_core.algorithm.host_reads import may_read
+
 NEG_INF = float("-inf")
 # Below this mass a residual is treated as empty: a rejection that needs it happens with
 # probability < 1e-12, so any finite fallback keeps the sampler exact to that precision.
@@ -47,7 +49,7 @@ def _safe_softmax(x: torch.Tensor) -> torch.Tensor:
     The common case (every row has a finite entry) is one softmax; only a batch with an empty
     row pays for the masking.
     """
-    if bool(torch.isfinite(x.amax(dim=-1)).all()):
+    if may_read(x) and bool(torch.isfinite(x.amax(dim=-1)).all()):
         return torch.softmax(x, dim=-1)
     has_mass = torch.isfinite(x).any(dim=-1, keepdim=True)
     probs = torch.softmax(torch.where(has_mass, x, torch.zeros_like(x)), dim=-1)
@@ -57,7 +59,7 @@ def _safe_softmax(x: torch.Tensor) -> torch.Tensor:
 def normalise(weights: torch.Tensor) -> torch.Tensor:
     """Rows divided by their sums; rows without mass stay zero."""
     total = weights.sum(dim=-1, keepdim=True)
-    if bool((total > 0).all()):
+    if may_read(total) and bool((total > 0).all()):
         return weights / total  # the common case: one pass instead of three
     return torch.where(total > 0, weights / total.clamp_min(1e-300), torch.zeros_like(weights))
 
@@ -70,7 +72,7 @@ def residual(chain: torch.Tensor, proposal: torch.Tensor) -> torch.Tensor:
     """
     rest = (chain - proposal).clamp_min_(0.0)
     total = rest.sum(dim=-1, keepdim=True)
-    if bool((total > residual_eps(chain.dtype)).all()):
+    if may_read(total) and bool((total > residual_eps(chain.dtype)).all()):
         return rest.div_(total)
     return torch.where(total > residual_eps(chain.dtype), rest / total.clamp_min(1e-300), chain)
 
@@ -89,7 +91,8 @@ def draw_with_replacement(
     """`n` i.i.d. draws per row. Returns (index [B, n], exists [B, n]); rows without mass
     give exists=False."""
     has_mass = probs.sum(dim=-1) > 0
-    safe = probs if bool(has_mass.all()) else torch.where(has_mass[:, None], probs, 1.0)
+    everywhere = may_read(has_mass) and bool(has_mass.all())
+    safe = probs if everywhere else torch.where(has_mass[:, None], probs, 1.0)
     if probs.dtype == torch.float64:
         index = torch.multinomial(safe, n, replacement=True, generator=generator)
     else:

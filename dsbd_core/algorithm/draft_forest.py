@@ -22,7 +22,7 @@ from dsbd_core.algorithm.candidates import Scores, layer_candidates
 from dsbd_core.algorithm.config import SamplingConfig
 from dsbd_core.algorithm.distributions import draw_distinct, draw_with_replacement, joint_filter
 from dsbd_core.algorithm.scorer import ForestLayer, ForestLogprobs, Roots, ScoreCall
-from dsbd_core.algorithm.state import NO_FOREST, DecodeState, Forest
+from dsbd_core.algorithm.state import NO_FOREST, DecodeState, Forest, deepest_layer
 
 
 def draft_forest(
@@ -35,7 +35,7 @@ def draft_forest(
     """Draft beam sampling for up to `state.depth[b]` layers: one draft-model call per layer."""
     assert state.depth is not None, "plan the iteration first (Engine.next_iteration)"
     depth, alive = state.depth, state.alive
-    depth_max = int(depth.max())
+    depth_max = deepest_layer(state)
     if depth_max == 0:
         return NO_FOREST
     width_s = config.effective_draft_width

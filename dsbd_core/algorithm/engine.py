@@ -113,16 +113,20 @@ class Engine:
         budget = self.config.max_new_tokens - (state.length - state.prompt_len)
         live = (state.remaining > 0) & (budget > 0) & state.alive.any(dim=1)
         retired = state.alive & ~live[:, None]  # budget spent: the beams leave unfinished
-        if bool(retired.any()):
+        # never overshoot the budget: an iteration emits at most depth + 1 tokens
+        depth = torch.where(live, (budget - 1).clamp(max=gamma), torch.zeros_like(budget))
+        # the iteration's one read of planning values (a wait, where the state is on a GPU)
+        flags = torch.stack([retired.any().long(), live.any().long(), depth.max()])
+        any_retired, any_live, deepest = (int(x) for x in flags.tolist())
+        if any_retired:
             pool_add(state.pool, state.tokens, state.length, state.prompt_len, state.score,
                      retired, False, self.config.max_new_tokens)  # fmt: skip
             if state.logprobs is not None:
                 state.pool.logprobs.append(state.logprobs.rows(*retired.nonzero(as_tuple=True)))
             state.alive = state.alive & live[:, None]
         state.live = live
-        # never overshoot the budget: an iteration emits at most depth + 1 tokens
-        state.depth = torch.where(live, (budget - 1).clamp(max=gamma), torch.zeros_like(budget))
-        return bool(live.any())
+        state.depth, state.planned = depth, (depth, deepest)
+        return bool(any_live)
 
     def propose_steps(self, state: DecodeState) -> Generator[ScoreCall, ForestLogprobs, Forest]:
         """Draft side: beam-sample the forest from the current input beams (spec §3), as a

@@ -32,7 +32,7 @@ from dsbd_core.algorithm.engine import Engine
 from dsbd_core.algorithm.result import DecodeResult
 from dsbd_core.algorithm.scorer import ForestLayer, ForestLogprobs, ForestScorer, ScoreCall, drive
 from dsbd_core.algorithm.search_engine import engine_for
-from dsbd_core.algorithm.state import NO_FOREST, DecodeState, Forest, Outcome
+from dsbd_core.algorithm.state import NO_FOREST, DecodeState, Forest, Outcome, deepest_layer
 
 
 @dataclass
@@ -130,7 +130,7 @@ class Decode:
                 break
             assert state.depth is not None
             call = IterationCall(state.for_models(), self._config(knobs), self.uses_draft)
-            drafting = self.uses_draft and int(state.depth.max()) > 0
+            drafting = self.uses_draft and deepest_layer(state) > 0
             forest = (yield Propose(call)) if drafting else NO_FOREST
             outcome = yield Verify(call, forest)
             self.controller.observe(state, outcome, knobs)

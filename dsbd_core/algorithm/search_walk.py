@@ -36,7 +36,15 @@ from dsbd_core.algorithm.config import SamplingConfig
 from dsbd_core.algorithm.logprobs import ForestLogprobTable, IterationLogprobs, Segment
 from dsbd_core.algorithm.scorer import ForestLayer, ForestLogprobs, Roots, ScoreCall
 from dsbd_core.algorithm.search import SearchStep, search_step
-from dsbd_core.algorithm.state import NO_FOREST, DecodeState, Forest, Outcome, Pool, zero_counters
+from dsbd_core.algorithm.state import (
+    NO_FOREST,
+    DecodeState,
+    Forest,
+    Outcome,
+    Pool,
+    deepest_layer,
+    zero_counters,
+)
 
 NEG_INF = float("-inf")
 
@@ -47,7 +55,7 @@ def draft_search(
     """The draft's beam search for up to `state.depth[b]` layers: one draft call per layer."""
     assert state.depth is not None, "plan the iteration first (Engine.next_iteration)"
     depth = state.depth
-    depth_max = int(depth.max())
+    depth_max = deepest_layer(state)
     if depth_max == 0:
         return NO_FOREST
     scored = yield ScoreCall(Roots(state.tokens, state.length, state.alive, state.origin), [])
@@ -89,7 +97,7 @@ def verify_search(
     node_logp = [scored.roots] + list(scored.layers)
     if config.logprobs is not None:
         walk.table = ForestLogprobTable(node_logp, forest.layers, config.logprobs)
-    for level in range(1, int(state.depth.max()) + 2):
+    for level in range(1, deepest_layer(state) + 2):
         if not bool(walk.pending.any()):
             break
         walk.step(level, node_logp[level - 1])

@@ -73,6 +73,8 @@ class DecodeState:
     history: list[dict[str, torch.Tensor]] = field(default_factory=list)
     live: torch.Tensor | None = None  # [B] sessions decoding in the current iteration
     depth: torch.Tensor | None = None  # [B] layers drafted in the current iteration
+    # (depth, its maximum): read once when the iteration is planned (`deepest_layer`)
+    planned: tuple[torch.Tensor, int] | None = None
     # config.logprobs set: the token log-probs of every beam's generated positions [B, W, T]
     # (router side only: the verifier sends what an iteration adds, `logprobs.Segment`)
     logprobs: TokenLogprobs | None = None
@@ -88,6 +90,15 @@ class DecodeState:
         tokens, scores and flags, the planned depth, and the `Origin` the caches compact from.
         """
         return replace(self, pool=Pool(), counters={}, history=[], logprobs=None)
+
+
+def deepest_layer(state: DecodeState) -> int:
+    """The most layers any session drafts this iteration: the planned value where `depth` is
+    the tensor it was planned with, else read from `depth` (a state rebuilt elsewhere)."""
+    assert state.depth is not None, "plan the iteration first (Engine.next_iteration)"
+    if state.planned is not None and state.planned[0] is state.depth:
+        return state.planned[1]
+    return int(state.depth.max()) if state.depth.numel() else 0
 
 
 @dataclass

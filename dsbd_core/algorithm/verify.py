@@ -35,6 +35,7 @@ from dsbd_core.algorithm.distributions import (
     normalise,
     residual,
 )
+from dsbd_core.algorithm.host_reads import may_read
 
 
 @dataclass
@@ -102,13 +103,16 @@ def verify_layer(
     uniforms = torch.rand(batch, m, generator=generator, dtype=target.dtype, device=device)
     bias = torch.zeros(batch, dtype=target.dtype, device=device)
     bonus = epsilon * (target > 0).to(target.dtype) if epsilon > 0 else None
+    # on the host, drafts that can change nothing are skipped; a device computes them (they
+    # change nothing there either) rather than wait to learn which they are (host_reads.py)
+    skip = may_read(count)
     for j in range(m):
         d = drafts[:, j : j + 1]
         live = active & draft_exists[:, j] & (count < width)
         was_drafted = draft_exists[:, j]
-        if not bool((active & (count < width)).any()):
+        if skip and not bool((active & (count < width)).any()):
             break  # every verifying session has its K acceptances: nothing left to decide
-        if not bool(live.any()) and (not distinct or not bool(was_drafted.any())):
+        if skip and not bool(live.any()) and (not distinct or not bool(was_drafted.any())):
             continue  # nothing of this draft reaches a chain or a later proposal
         step_proposal = None  # q^(j), built only where needed (a rejection, or epsilon)
         numerator = chain.gather(1, d)[:, 0]
@@ -123,13 +127,13 @@ def verify_layer(
         accepted[:, j] = ok
         count = count + ok.long()
         after_reject = None
-        if bool(rejected.any()):
+        if not skip or bool(rejected.any()):
             if step_proposal is None:
                 step_proposal = _step_proposal(restricted, drafted_mass, distinct)
             after_reject = residual(chain, step_proposal)
         reset = target
         if distinct:
-            if bool(ok.any()):
+            if not skip or bool(ok.any()):
                 chosen.scatter_(1, d, chosen.gather(1, d) | ok[:, None])
                 if target_left is target:
                     target_left = target.clone()
@@ -165,7 +169,11 @@ def _next_chain(
 ) -> torch.Tensor:
     """P (or P without the chosen) where the draft was accepted, the residual where it was
     rejected, the chain unchanged elsewhere; whole rows are taken as they are when every row
-    went the same way (one session: always)."""
+    went the same way (one session: always; on the host only, `host_reads`)."""
+    if not may_read(ok):
+        if after_reject is not None:
+            chain = torch.where(rejected[:, None], after_reject, chain)
+        return torch.where(ok[:, None], reset, chain)
     if after_reject is not None and bool(rejected.all()):
         return after_reject
     if bool(ok.all()):

@@ -33,9 +33,17 @@ from dsbd_core.algorithm.beams import (
 from dsbd_core.algorithm.candidates import Scores, layer_candidates
 from dsbd_core.algorithm.config import SamplingConfig
 from dsbd_core.algorithm.distributions import joint_filter
+from dsbd_core.algorithm.host_reads import may_read
 from dsbd_core.algorithm.logprobs import ForestLogprobTable, IterationLogprobs, Segment
 from dsbd_core.algorithm.scorer import ForestLayer, ForestLogprobs, Roots, ScoreCall
-from dsbd_core.algorithm.state import DecodeState, Forest, Outcome, Pool, zero_counters
+from dsbd_core.algorithm.state import (
+    DecodeState,
+    Forest,
+    Outcome,
+    Pool,
+    deepest_layer,
+    zero_counters,
+)
 from dsbd_core.algorithm.verify import LayerVerdict, draw_slots, fill_failed_layer, verify_layer
 from dsbd_core.algorithm.width import layer_width
 from dsbd_core.algorithm.width_distinct import distinct_layer_width
@@ -69,7 +77,7 @@ def verify_forest(
     walk = _Walk(state, forest, config, vocab, eos, generator, width_generator, counters)
     if config.logprobs is not None:  # asked for: the values come from these same rows
         walk.table = ForestLogprobTable(node_logp, forest.layers, config.logprobs)
-    for level in range(1, int(state.depth.max()) + 2):
+    for level in range(1, deepest_layer(state) + 2):
         if not walk.step(level, node_logp[level - 1]):
             break
     return walk.outcome()
@@ -142,10 +150,10 @@ class _Walk:
         table = self.forest.full_table(level, self.vocab).to(target.dtype)  # float32 -> float64
         probs = self.forest.probs[level - 1]
         drafts = layer.parent * self.vocab + layer.token
-        # None: every parent valid (the common case; no N-wide mask to build or apply)
-        valid_rows = (
-            None if bool(self.valid.all()) else self.valid.repeat_interleave(self.vocab, dim=1)
-        )
+        # None: every parent valid (the common case on the host; no N-wide mask to build or
+        # apply); a device builds the mask rather than wait to learn it is all true
+        all_valid = may_read(self.valid) and bool(self.valid.all())
+        valid_rows = None if all_valid else self.valid.repeat_interleave(self.vocab, dim=1)
         parent_valid = self.valid.gather(1, layer.parent) & layer.exists
         self.counters["drafted"] += (parent_valid & verifying[:, None]).sum(dim=1)
         in_layer = torch.where(verifying, layer.exists.sum(dim=1), 0)

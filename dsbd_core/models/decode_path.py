@@ -34,9 +34,14 @@ def resolve_decode_path(name: str, device: torch.device | str) -> str:
 
 
 def make_scorer(
-    model: PreTrainedModel, path: str = "auto", *, batch_invariant: bool = True
+    model: PreTrainedModel,
+    path: str = "auto",
+    *,
+    batch_invariant: bool = True,
+    compile: str | None = None,
 ) -> TransformerScorer:
-    """The scorer of `model` on `path` (auto: by the model's device)."""
+    """The scorer of `model` on `path` (auto: by the model's device); `compile`: how the
+    static path runs its buckets (`static_step.COMPILE_MODES`; None: the device's default)."""
     if resolve_decode_path(path, model.device) == "static":
-        return StaticScorer(model)
+        return StaticScorer(model, compile=compile)
     return TransformerScorer(model, batch_invariant=batch_invariant)

@@ -234,20 +234,63 @@ class StaticScorer(TransformerScorer):
         self.forward_calls += 1
         first = 0 if slots else work[0][1].cache.base  # type: ignore[union-attr]
         logprobs = self._step(inputs, bucketed=slots is not None, first=first)
-        # every session's kept slots in one gather and one copy to the host (the engine's side)
-        rows_kept, slots_kept, counts = [], [], []
+        _place_outputs(work, logprobs, first, roots, outs, self._out_dtype)
         for _, session, plan in work:
-            row, slot = plan.keep.nonzero(as_tuple=True)  # row-major, as `rank` counts
-            rows_kept.append(row + session.cache.base - first)  # type: ignore[union-attr]
-            slots_kept.append(slot)
-            counts.append(row.numel())
-        index = to_device(torch.stack([torch.cat(rows_kept), torch.cat(slots_kept)]), pool.device)
-        kept_all = logprobs[index[0], index[1]].to(self._result_device, self._out_dtype)
-        for (b, session, plan), kept in zip(work, kept_all.split(counts), strict=True):
-            rank = plan.keep.flatten().cumsum(0).view_as(plan.keep) - 1
-            _scatter_outputs(b, session, plan, kept, rank, roots, outs)
             _record(session, session.cache, plan)  # type: ignore[arg-type]
             pool.touch(session.cache.base)  # type: ignore[union-attr]
+
+
+def _place_outputs(
+    work: list[tuple[int, SessionCache, _Plan]],
+    logprobs: torch.Tensor,
+    first: int,
+    roots: torch.Tensor | None,
+    outs: list[torch.Tensor],
+    dtype: torch.dtype,
+) -> None:
+    """Write every session's root and node log-probs from the step's output.
+
+    Where each output row comes from is worked out on the host (`_scatter_outputs` run on the
+    indices of the kept slots instead of their values); the indices then cross to the device
+    in one asynchronous copy, the rows are taken in one gather, and each output gets them in one
+    `index_copy_`. So a call with the engine beside the model neither waits for the device nor
+    moves a vocabulary-wide row; with the engine on the host the rows cross in one copy.
+    """
+    targets = ([roots] if roots is not None else []) + outs
+    if not targets:
+        return
+    sources = [torch.full(t.shape[:2] + (1,), -1, dtype=torch.long) for t in targets]
+    row_of, slot_of, kept = [], [], 0
+    for b, session, plan in work:
+        row, slot = plan.keep.nonzero(as_tuple=True)  # row-major, as `rank` counts
+        row_of.append(row + session.cache.base - first)  # type: ignore[union-attr]
+        slot_of.append(slot)
+        rank = plan.keep.flatten().cumsum(0).view_as(plan.keep) - 1
+        ids = (kept + torch.arange(row.numel()))[:, None]
+        src_roots = sources[0] if roots is not None else None
+        _scatter_outputs(
+            b, session, plan, ids, rank, src_roots, sources[len(targets) - len(outs) :]
+        )
+        kept += row.numel()
+    flat_rows, flat_slots = torch.cat(row_of), torch.cat(slot_of)
+    dests, picks = [], []
+    for source in sources:
+        flat = source.flatten()
+        dest = (flat >= 0).nonzero().flatten()
+        dests.append(dest)
+        picks.append(flat[dest])
+    pick = torch.cat(picks)
+    device = logprobs.device
+    on_device = targets[0].device == device
+    moved = to_device(torch.cat([flat_rows[pick], flat_slots[pick]]
+                                + (dests if on_device else [])), device)  # fmt: skip
+    count = pick.numel()
+    values = logprobs[moved[:count], moved[count : 2 * count]].to(targets[0].device, dtype)
+    if on_device:
+        dests = list(moved[2 * count :].split([d.numel() for d in dests]))
+    for target, dest, chunk in zip(targets, dests, values.split([d.numel() for d in dests]),
+                                   strict=True):  # fmt: skip
+        target.view(-1, target.shape[-1]).index_copy_(0, dest, chunk)
 
 
 def _inputs(

@@ -42,7 +42,11 @@ CompileMode = str  # one of COMPILE_MODES
 # none: eager. cuda-graph: each bucket's eager step captured once as a `torch.cuda.CUDAGraph`
 # (milliseconds per bucket). default / reduce-overhead: `torch.compile` per bucket (Inductor
 # kernels; reduce-overhead replays them as CUDA graphs), tens of seconds per bucket per model.
-COMPILE_MODES = ("none", "cuda-graph", "default", "reduce-overhead")
+# inductor-graph: Inductor's fused kernels (`torch.compile`, default mode) captured by the same
+# `torch.cuda.CUDAGraph` as cuda-graph: fewer, fused kernels in one replay, without relying on
+# torch.compile's own graph trees (which skip a graph whose inputs, the KV pool, it mutates).
+COMPILE_MODES = ("none", "cuda-graph", "default", "reduce-overhead", "inductor-graph")
+CAPTURED = ("cuda-graph", "reduce-overhead", "inductor-graph")  # CUDA only
 
 
 # Forwards run as captured-graph replays, per model. A replay runs no Python `forward`, so the
@@ -229,7 +233,7 @@ class StaticStep:
     ) -> None:
         if compile not in COMPILE_MODES:
             raise ValueError(f"compile={compile!r}: allowed: {', '.join(COMPILE_MODES)}")
-        if compile in ("cuda-graph", "reduce-overhead") and pool.device.type != "cuda":
+        if compile in CAPTURED and pool.device.type != "cuda":
             raise ValueError(f"compile={compile!r} captures CUDA graphs: the model is on "
                              f"{pool.device}; allowed there: none, default")  # fmt: skip
         self.model, self.pool, self.compile, self.out_dtype = model, pool, compile, out_dtype
@@ -268,7 +272,8 @@ class StaticStep:
         start = time.perf_counter()
         idle = idle_inputs(self.pool, rows, slots)
         with preparing_bucket(self.model):
-            run = self._capture(idle) if self.compile == "cuda-graph" else self._warm(idle)
+            capture = self.compile in ("cuda-graph", "inductor-graph")
+            run = self._capture(idle) if capture else self._warm(idle)
 
         if cuda:
             torch.cuda.synchronize(self.pool.device)
@@ -293,9 +298,10 @@ class StaticStep:
     def _capture(self, idle: StaticInputs) -> Callable[[StaticInputs], torch.Tensor]:
         """One CUDA graph of the eager step at this bucket: inputs copied into its static
         buffers, one replay, the output buffer returned. Captured on idle inputs (every row
-        writes to scratch columns), warmed up on a side stream first, as CUDA graphs need."""
-        assert self._eager is not None
-        step = self._eager
+        writes to scratch columns), warmed up on a side stream first, as CUDA graphs need
+        (inductor-graph: the compiled step, compiled by that warm-up)."""
+        step = self._eager if self.compile == "cuda-graph" else self._compiled
+        assert step is not None
         static = StaticInputs(*(x.clone() for x in _args(idle)))
         side = torch.cuda.Stream(self.pool.device)
         side.wait_stream(torch.cuda.current_stream(self.pool.device))
@@ -335,14 +341,14 @@ class StaticStep:
         self._eager = step_function(self.model, pool, implementation, self.out_dtype)
         self._buckets.clear()
         self._compiled = None
-        if self.compile in ("default", "reduce-overhead"):
+        if self.compile in ("default", "reduce-overhead", "inductor-graph"):
             torch._dynamo.config.cache_size_limit = max(
                 torch._dynamo.config.cache_size_limit,
                 4 * len(SLOT_BUCKETS) * len(self.stats.row_buckets),
             )
             self._compiled = torch.compile(
                 step_function(self.model, pool, implementation, self.out_dtype),
-                mode=None if self.compile == "default" else self.compile,
+                mode=self.compile if self.compile == "reduce-overhead" else None,
                 fullgraph=True,
                 dynamic=False,
             )
