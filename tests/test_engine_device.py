@@ -145,3 +145,25 @@ def test_the_device_branches_match_the_host_over_many_sessions(method: str, fiel
         [b.token_ids for b in r.beams] for r in plain
     ]
     assert [r.stats for r in forced] == [r.stats for r in plain]
+
+
+def test_results_cross_to_the_host_in_one_copy_with_their_values_and_dtypes() -> None:
+    """`collect_results` moves the pool, counters and per-iteration records from a device in
+    one copy, through float64: token ids, flags, counts and float32 alphas come back exact."""
+    from dsbd_core.algorithm.host_reads import _collect, _rebuild, one_copy
+
+    tree = (
+        [torch.tensor([151_935, 0, 2**40]), torch.tensor([True, False])],
+        {"alphas": torch.tensor([[0.1234567, -1.0]], dtype=torch.float32),
+         "score": torch.tensor([-3.25e-7], dtype=torch.float64)},
+        [(torch.zeros(0, 3, dtype=torch.long),)],
+    )  # fmt: skip
+    tensors: list[torch.Tensor] = []
+    _collect(tree, tensors)
+    back = _rebuild(tree, iter(one_copy(tensors)))
+    again: list[torch.Tensor] = []
+    _collect(back, again)
+    assert len(again) == len(tensors) == 5
+    for a, b in zip(again, tensors, strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    assert isinstance(back[2][0], tuple) and isinstance(back[1], dict)

@@ -14,8 +14,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any, TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 _EVERYWHERE = False
 
@@ -23,6 +26,49 @@ _EVERYWHERE = False
 def may_read(tensor: torch.Tensor) -> bool:
     """True when reading `tensor`'s values costs no wait: it lives on the host's CPU."""
     return tensor.device.type == "cpu" and not _EVERYWHERE
+
+
+def on_host(tree: T) -> T:
+    """`tree` (dicts, lists and tuples of tensors) with every tensor on the host, moved in ONE
+    copy when any lives on a device: each separate copy would wait for the device once. The
+    values travel as float64 (exact for every integer below 2**53 and every float32), and come
+    back in their own dtypes."""
+    tensors: list[torch.Tensor] = []
+    _collect(tree, tensors)
+    if all(t.device.type == "cpu" for t in tensors):
+        return tree
+    return _rebuild(tree, iter(one_copy(tensors)))
+
+
+def one_copy(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors on the host, through one float64 buffer (see `on_host`)."""
+    flat = torch.cat([t.reshape(-1).to(torch.float64) for t in tensors]).cpu()
+    parts, start = [], 0
+    for t in tensors:
+        parts.append(flat[start : start + t.numel()].view(t.shape).to(t.dtype))
+        start += t.numel()
+    return parts
+
+
+def _collect(tree: object, into: list[torch.Tensor]) -> None:
+    if isinstance(tree, torch.Tensor):
+        into.append(tree)
+    elif isinstance(tree, dict):
+        for value in tree.values():
+            _collect(value, into)
+    elif isinstance(tree, list | tuple):
+        for value in tree:
+            _collect(value, into)
+
+
+def _rebuild(tree: Any, parts: Iterator[torch.Tensor]) -> Any:
+    if isinstance(tree, torch.Tensor):
+        return next(parts)
+    if isinstance(tree, dict):
+        return {key: _rebuild(value, parts) for key, value in tree.items()}
+    if isinstance(tree, list | tuple):
+        return type(tree)(_rebuild(value, parts) for value in tree)
+    return tree
 
 
 @contextmanager

@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
+from dsbd_core.algorithm.host_reads import on_host
 from dsbd_core.algorithm.logprobs import TokenLogprobs, beam_lists
-
-if TYPE_CHECKING:
-    from dsbd_core.algorithm.state import Pool
+from dsbd_core.algorithm.state import Pool
 
 
 @dataclass
@@ -108,7 +106,11 @@ def collect_results(
 ) -> list[DecodeResult]:
     """Every session's pooled beams ranked best-first (the best `keep` of them when given), and
     its statistics from the counters and the per-iteration records (tensors become Python
-    numbers once, here, at the end)."""
+    numbers once, here, at the end, after one copy to the host)."""
+    parts = [pool.session, pool.tokens, pool.length, pool.score, pool.finished,
+             [(p.chosen, p.top_ids, p.top_logp) for p in pool.logprobs]]  # fmt: skip
+    parts, steps, counters, history = on_host((parts, steps, counters, history))
+    pool = Pool(*parts[:5], logprobs=[TokenLogprobs(*p) for p in parts[5]])
     beams: list[list[Beam]] = [[] for _ in range(batch)]
     if pool.session:
         session = torch.cat(pool.session).tolist()
