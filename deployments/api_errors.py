@@ -41,6 +41,12 @@ async def api_error_handler(request: Request, error: APIError) -> JSONResponse:
 async def validation_error_handler(request: Request, error: RequestValidationError) -> JSONResponse:
     lines, param = [], None
     for item in error.errors():
+        if item.get("type") == "json_invalid":  # its loc is ("body", offset): name the body
+            where = item.get("loc", ("body", "?"))[-1]
+            why = (item.get("ctx") or {}).get("error", "JSON decode error")
+            lines.append(f"body: not valid JSON at character {where}: {why}")
+            param = param or "body"
+            continue
         loc = [str(p) for p in item.get("loc", ()) if p != "body"]
         field = ".".join(loc) or "body"
         param = param or field
