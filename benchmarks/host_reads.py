@@ -9,13 +9,18 @@ the tensor methods for the length of a decode.
     .venv/bin/python benchmarks/host_reads.py [--width 3 --gamma 3 --threshold 0.7]
 
 Prints the reads per iteration by kind and by the engine file and line that made them
-(the places to move onto the device first). Not a timing: the machine's load does not matter.
+(the places to move onto the device first), and the engine's own tensor operations per
+iteration (views left out): on a GPU each is a kernel launch, which is what a DSBD iteration's
+host time is made of once the engine lives beside the models (benchmarks/README.md "The engine
+beside the models"). `--device-branches` takes the branches a GPU takes
+(`dsbd_core.algorithm.host_reads`). Not a timing: the machine's load does not matter.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import sys
 import traceback
@@ -25,8 +30,10 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from dsbd_core import SamplingConfig, TableScorer, generate
+from dsbd_core.algorithm.host_reads import computing_everywhere
 
 READS = ("item", "__bool__", "__int__", "__float__", "__index__", "tolist", "nonzero")
 
@@ -60,6 +67,45 @@ def counted(where: collections.Counter, kinds: collections.Counter) -> Iterator[
         torch.equal = equal
 
 
+class OpCounter(TorchDispatchMode):
+    """Counts the tensor operations run inside it, views left out (they launch nothing)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: collections.Counter = collections.Counter()
+        self.paused = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        if not self.paused and not func.is_view:
+            self.ops[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+class _Uncounted:
+    """A scorer whose own operations the counter leaves out (the engine's are counted)."""
+
+    def __init__(self, inner: TableScorer, counter: OpCounter) -> None:
+        self.inner, self.counter = inner, counter
+        self.vocab_size = inner.vocab_size
+
+    def set_roots(self, roots: Any) -> None:
+        self.counter.paused = True
+        try:
+            self.inner.set_roots(roots)
+        finally:
+            self.counter.paused = False
+
+    def forward(self, layers: Any) -> Any:
+        self.counter.paused = True
+        try:
+            return self.inner.forward(layers)
+        finally:
+            self.counter.paused = False
+
+    def release(self) -> None:
+        self.inner.release()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--method", default="dsbd")
@@ -68,6 +114,8 @@ def main() -> None:
     parser.add_argument("--threshold", type=float, default=None)
     parser.add_argument("--tokens", type=int, default=40)
     parser.add_argument("--vocab", type=int, default=64)
+    parser.add_argument("--device-branches", action="store_true",
+                        help="take the branches the engine takes on a GPU")  # fmt: skip
     args = parser.parse_args()
     sys.path.insert(0, ".")
     from tests.exact_reference import random_table  # the exactness tests' tables
@@ -79,9 +127,11 @@ def main() -> None:
                             max_new_tokens=args.tokens, seed=0, eos_token_ids=())  # fmt: skip
     where: collections.Counter = collections.Counter()
     kinds: collections.Counter = collections.Counter()
-    with counted(where, kinds):
-        result = generate(args.method, target, [1, 2, 3], config,
-                          draft if args.method != "beam" else None)  # fmt: skip
+    counter = OpCounter()
+    branches = computing_everywhere() if args.device_branches else contextlib.nullcontext()
+    with branches, counted(where, kinds), counter:
+        drafting = _Uncounted(draft, counter) if args.method != "beam" else None
+        result = generate(args.method, _Uncounted(target, counter), [1, 2, 3], config, drafting)
     iterations = result.stats.iterations
     report = {
         "config": {"method": args.method, "width": args.width, "gamma": args.gamma,
@@ -90,6 +140,9 @@ def main() -> None:
         "reads_per_iteration": sum(kinds.values()) / iterations,
         "by_kind": {k: v / iterations for k, v in kinds.most_common()},
         "by_place": {k: v / iterations for k, v in where.most_common(15)},
+        "device_branches": args.device_branches,
+        "engine_ops_per_iteration": sum(counter.ops.values()) / iterations,
+        "top_ops": {k: v / iterations for k, v in counter.ops.most_common(12)},
     }  # fmt: skip
     print(json.dumps(report, indent=2))
 
