@@ -150,7 +150,7 @@ def test_the_device_branches_match_the_host_over_many_sessions(method: str, fiel
 def test_results_cross_to_the_host_in_one_copy_with_their_values_and_dtypes() -> None:
     """`collect_results` moves the pool, counters and per-iteration records from a device in
     one copy, through float64: token ids, flags, counts and float32 alphas come back exact."""
-    from dsbd_core.algorithm.host_reads import _collect, _rebuild, one_copy
+    from dsbd_core.algorithm.host_reads import _collect, _rebuild, packed, unpacked
 
     tree = (
         [torch.tensor([151_935, 0, 2**40]), torch.tensor([True, False])],
@@ -160,7 +160,7 @@ def test_results_cross_to_the_host_in_one_copy_with_their_values_and_dtypes() ->
     )  # fmt: skip
     tensors: list[torch.Tensor] = []
     _collect(tree, tensors)
-    back = _rebuild(tree, iter(one_copy(tensors)))
+    back = _rebuild(tree, iter(unpacked(packed(tensors), tensors)))
     again: list[torch.Tensor] = []
     _collect(back, again)
     assert len(again) == len(tensors) == 5

@@ -35,17 +35,28 @@ def on_host(tree: T) -> T:
     back in their own dtypes."""
     tensors: list[torch.Tensor] = []
     _collect(tree, tensors)
-    if all(t.device.type == "cpu" for t in tensors):
-        return tree
-    return _rebuild(tree, iter(one_copy(tensors)))
+    return _rebuild(tree, iter(one_copy(tensors, torch.device("cpu"))))
 
 
-def one_copy(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The tensors on the host, through one float64 buffer (see `on_host`)."""
-    flat = torch.cat([t.reshape(-1).to(torch.float64) for t in tensors]).cpu()
+def one_copy(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """`tensors` on `device`, in one copy when any lives elsewhere (each separate copy from a
+    GPU would wait for it once), through one float64 buffer: exact for every integer below
+    2**53, every flag and every float32 and float64 value."""
+    if all(t.device == device for t in tensors):
+        return list(tensors)
+    return unpacked(packed(tensors).to(device), tensors)
+
+
+def packed(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The tensors' values, flattened into one float64 buffer."""
+    return torch.cat([t.reshape(-1).to(torch.float64) for t in tensors])
+
+
+def unpacked(buffer: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
+    """`packed`'s buffer split back into tensors of `like`'s shapes and dtypes."""
     parts, start = [], 0
-    for t in tensors:
-        parts.append(flat[start : start + t.numel()].view(t.shape).to(t.dtype))
+    for t in like:
+        parts.append(buffer[start : start + t.numel()].view(t.shape).to(t.dtype))
         start += t.numel()
     return parts
 

@@ -38,6 +38,7 @@ from collections.abc import Sequence
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from dsbd_core.algorithm.host_reads import one_copy
 from dsbd_core.algorithm.scorer import ForestLayer, ForestLogprobs, Origin, Roots
 from dsbd_core.models.draft_variants import compact_logits, head_support, output_size
 from dsbd_core.models.forest_plan import (
@@ -134,7 +135,7 @@ class TransformerScorer:
         self._roots_pending = True
         device = self._device
         parts = [tokens, lengths, alive] + ([origin.root, origin.path] if origin else [])
-        tokens, lengths, alive, *rest = moved_together(parts, device)
+        tokens, lengths, alive, *rest = one_copy(parts, device)
         lengths_list = [int(x) for x in lengths.tolist()]
         old = self._sessions if len(self._sessions) == batch else [None] * batch
         if origin is not None:
@@ -165,7 +166,7 @@ class TransformerScorer:
             torch.zeros(batch, layer.token.shape[1], vocab, dtype=dtype, device=placed)
             for layer in layers
         ]
-        flat = moved_together([t for x in layers for t in (x.parent, x.token, x.exists)], device)
+        flat = one_copy([t for x in layers for t in (x.parent, x.token, x.exists)], device)
         layers = [ForestLayer(*flat[i : i + 3]) for i in range(0, len(flat), 3)]
         with torch.inference_mode(), compact_logits(self.model):
             work = []
@@ -349,20 +350,6 @@ class TransformerScorer:
         )
         logprobs = torch.log_softmax(output.logits, dim=-1, dtype=self._out_dtype)
         return logprobs, output.past_key_values
-
-
-def moved_together(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
-    """`tensors` on `device`, in one copy when they are elsewhere: an engine on a GPU sends
-    the roots and forest layers to the host's planner, and each separate copy to the host
-    would wait for the device once. Integer and bool tensors only (ids, lengths, flags)."""
-    if all(t.device == device for t in tensors):
-        return list(tensors)
-    flat = torch.cat([t.reshape(-1).long() for t in tensors]).to(device)
-    out, start = [], 0
-    for t in tensors:
-        out.append(flat[start : start + t.numel()].view(t.shape).to(t.dtype))
-        start += t.numel()
-    return out
 
 
 def _real(plan: _Plan) -> torch.Tensor:
