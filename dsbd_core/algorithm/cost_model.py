@@ -13,8 +13,10 @@ wherever it would not pay and DSBD is never much slower than beam sampling, what
 The forward costs come from a `Calibration`, measured once per machine, models, dtype and device
 (`dsbd_core.models.calibrate`, cached on disk), so the choice is a deterministic function of the
 calibration and the request's own history: the same seed, settings and machine decode the same
-tokens. The pass rates are the request's own: Beta priors (`CostPolicy`) updated with every
-verified layer, older evidence fading by `memory` per iteration. A request
+tokens. The pass rates are the request's own: Beta priors updated with every verified layer,
+older evidence fading by `memory` per iteration. The priors are the pair's pass rates measured
+at calibration where the calibration has them (`Calibration.pass_rates`: a draft that rarely
+agrees is not drafted on hope at the start of every request), else the policy's. A request
 that turned speculation off still drafts one layer after `probe_every` iterations, so that it
 notices when its draft starts to agree again; while the probes find it still does not pay, the
 interval doubles (up to `probe_backoff` times).
@@ -61,6 +63,10 @@ class Calibration(BaseModel):
     engine_step_s: float = Field(0.0, ge=0)
     engine_layer_s: float = Field(0.0, ge=0)
     engine_width: int = Field(1, ge=1, description="The beam width W the engine was timed at.")
+    # The pair's pass rate of each drafted layer depth (given the one above passed), measured
+    # once on a few chat and code prompts at the default settings (`calibrate.pass_rates`);
+    # None: not measured (the policy's priors stand in).
+    pass_rates: list[float] | None = None
     description: str = ""
 
     def engine_seconds(self, width: int, gamma: int) -> float:
@@ -122,6 +128,26 @@ class _Rate:
         return self.passed / self.tried
 
 
+def layer_passes(
+    state: DecodeState, outcome: Outcome, depths: int
+) -> list[tuple[float, float]] | None:
+    """(passed, tried) of each drafted layer depth 1..`depths` in one iteration, over its live
+    sessions: layer k + 1 is tried where it was drafted and layer k passed. None when nothing
+    was drafted."""
+    if state.depth is None or state.live is None or not bool(state.live.any()):
+        return None
+    depth = state.depth[state.live]
+    if not bool((depth > 0).any()):
+        return None
+    accepted = outcome.record["accepted_layers"][state.live]
+    counts = []
+    for k in range(depths):
+        tried = (depth > k) & (accepted >= k)
+        passed = tried & (accepted > k)
+        counts.append((float(passed.sum()), float(tried.sum())))
+    return counts
+
+
 class CostController:
     """Chooses each iteration's gamma (0 = a plain beam step) to maximise tokens per second.
 
@@ -144,15 +170,21 @@ class CostController:
         self.policy = policy or CostPolicy()
         self.gamma_max = config.gamma if uses_draft and calibration.draft is not None else 0
         self.draft_width = config.effective_draft_width
-        p = self.policy
-        self.rates = [_Rate(p.prior_first if k == 0 else p.prior_next, p.prior_weight)
-                      for k in range(self.gamma_max)]  # fmt: skip
+        self.rates = [_Rate(prior, self.policy.prior_weight) for prior in self.priors()]
         self.since_draft = 0  # iterations since the last one that drafted
         # probes that found speculation still not paying double the interval to the next (a
         # probe costs a draft pass, the draft's catch-up and a forest verify: with a draft that
         # never agrees, probing every 6 iterations cost the embedded pair ~15 % of its time)
         self.probe_interval = self.policy.probe_every
         self.chosen: list[int] = []  # gamma of every iteration (reported with the stats)
+
+    def priors(self) -> list[float]:
+        """The pass rate of each layer depth before the request's own evidence: the pair's
+        measured rates (the deepest measured one stands for deeper layers), else the policy's."""
+        measured, p = self.calibration.pass_rates, self.policy
+        if measured:
+            return [measured[min(k, len(measured) - 1)] for k in range(self.gamma_max)]
+        return [p.prior_first if k == 0 else p.prior_next for k in range(self.gamma_max)]
 
     def knobs(self, state: DecodeState) -> Knobs:
         gamma = self.best_gamma()
@@ -166,18 +198,15 @@ class CostController:
         return Knobs(gamma=gamma, draft_width=self.draft_width)
 
     def observe(self, state: DecodeState, outcome: Outcome, knobs: Knobs) -> None:
-        if state.depth is None or state.live is None or not bool(state.live.any()):
+        if state.live is None or not bool(state.live.any()):
             return
-        depth = state.depth[state.live]
-        if knobs.gamma == 0 or not bool((depth > 0).any()):
+        counts = layer_passes(state, outcome, len(self.rates)) if knobs.gamma > 0 else None
+        if counts is None:
             self.since_draft += 1
             return
         self.since_draft = 0
-        accepted = outcome.record["accepted_layers"][state.live]
-        for k, rate in enumerate(self.rates):  # layer k + 1: tried when layer k passed
-            tried = (depth > k) & (accepted >= k)
-            passed = tried & (accepted > k)
-            rate.add(float(passed.sum()), float(tried.sum()), self.policy.memory)
+        for rate, (passed, tried) in zip(self.rates, counts, strict=True):
+            rate.add(passed, tried, self.policy.memory)
 
     @property
     def pass_rates(self) -> list[float]:

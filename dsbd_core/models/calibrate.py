@@ -27,10 +27,12 @@ from pathlib import Path
 import torch
 
 from dsbd_core.algorithm.config import SamplingConfig
-from dsbd_core.algorithm.control import FixedKnobs
-from dsbd_core.algorithm.cost_model import Calibration, ForwardCosts
+from dsbd_core.algorithm.control import FixedKnobs, Knobs
+from dsbd_core.algorithm.cost_model import Calibration, ForwardCosts, layer_passes
+from dsbd_core.algorithm.decoders import generate_batch
 from dsbd_core.algorithm.loop import Decode, run_decode
-from dsbd_core.algorithm.scorer import ForestLayer, ForestLogprobs, Roots
+from dsbd_core.algorithm.scorer import ForestLayer, ForestLogprobs, ForestScorer, Roots
+from dsbd_core.algorithm.state import DecodeState, Outcome
 from dsbd_core.models.presets import cache_root
 
 CONTEXT = 256
@@ -38,6 +40,15 @@ ENGINE_WIDTH = 3
 TOKEN_POINTS = (1, 4, 8, 16, 32, 48)
 REPEATS = 3
 _FORMAT = 1
+# The pair's pass rates are measured on these (chat prompts through the chat template, code as
+# raw text: a pair agrees more on code), PASS_RATE_TOKENS tokens each, at the default settings.
+PASS_RATE_TEXTS = (
+    ("chat", "What is the capital of France?"),
+    ("chat", "Give me three tips for sleeping well."),
+    ("code", 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n'),
+    ("code", "import json\n\n\ndef load_config(path):\n"),
+)
+PASS_RATE_TOKENS = 32
 
 
 def forward_costs(
@@ -224,9 +235,11 @@ def calibrate(
     force: bool = False,
     say: Callable[[str], None] = print,
     path: str = "dynamic",
+    prompts: list[list[int]] | None = None,
+    stop_ids: tuple[int, ...] = (),
 ) -> Calibration:
     """The pair's calibration on a decode path: from the cache, or measured now (seconds to a
-    minute)."""
+    minute); with `prompts` (PASS_RATE_TEXTS, encoded) the pair's pass rates too."""
     start = time.perf_counter()
     description = str(identity.get("description", ""))
     say(f"cost model calibration (measured once per machine, then cached): {description}")
@@ -241,8 +254,65 @@ def calibrate(
     support = draft_support.numel() if draft_support is not None else None
     calibration = assemble(target_costs, draft_costs, vocab_size, support, description,
                            force=force)  # fmt: skip
+    if draft is not None and prompts:
+        rates = pair_pass_rates(target, draft, identity, prompts, stop_ids, force=force,
+                                path=path)  # fmt: skip
+        calibration = calibration.model_copy(update={"pass_rates": rates})
+        say(f"the pair's pass rates per drafted layer: {', '.join(f'{r:.2f}' for r in rates)}")
     say(f"calibration ready in {time.perf_counter() - start:.1f} s")
     return calibration
+
+
+class _PassCounter:
+    """The default knobs every iteration (a `Controller`), counting each depth's passes."""
+
+    def __init__(self, config: SamplingConfig) -> None:
+        self.fixed = FixedKnobs(config)
+        self.counts = [[0.0, 0.0] for _ in range(config.gamma)]
+
+    def knobs(self, state: DecodeState) -> Knobs:
+        return self.fixed.knobs(state)
+
+    def observe(self, state: DecodeState, outcome: Outcome, knobs: Knobs) -> None:
+        for total, (passed, tried) in zip(self.counts, layer_passes(state, outcome,
+                                          len(self.counts)) or [], strict=False):  # fmt: skip
+            total[0] += passed
+            total[1] += tried
+
+
+def measure_pass_rates(
+    target: ForestScorer, draft: ForestScorer, prompts: list[list[int]], stop_ids: tuple[int, ...]
+) -> list[float]:
+    """Each drafted layer depth's pass rate (given the one above passed) of DSBD at the default
+    settings (W = 3, gamma = 3, fixed width, seed 0) over `prompts`, PASS_RATE_TOKENS tokens
+    each; depths never tried are left out (the deepest measured stands for them)."""
+    config = SamplingConfig(seed=0, max_new_tokens=PASS_RATE_TOKENS, eos_token_ids=stop_ids)
+    counter = _PassCounter(config)
+    generate_batch("dsbd", target, prompts, config, draft, controller=counter)
+    return [passed / tried for passed, tried in counter.counts if tried > 0]
+
+
+def pair_pass_rates(
+    target: torch.nn.Module,
+    draft: torch.nn.Module,
+    identity: dict[str, object],
+    prompts: list[list[int]],
+    stop_ids: tuple[int, ...],
+    *,
+    force: bool = False,
+    path: str = "dynamic",
+) -> list[float]:
+    """`measure_pass_rates` for a pair, measured once per machine and cached like its costs
+    (the rates depend on the draft's variant and dtype, which the identity holds)."""
+    from dsbd_core.models.decode_path import make_scorer
+
+    def measure() -> str:
+        rates = measure_pass_rates(make_scorer(target, path), make_scorer(draft, path), prompts,
+                                   stop_ids)  # fmt: skip
+        return json.dumps(rates)
+
+    parts = {**identity, "prompts": prompts, "tokens": PASS_RATE_TOKENS, "stop": stop_ids}
+    return [float(x) for x in json.loads(_cached("pass-rates", parts, measure, force))]
 
 
 def _synchronize(device: torch.device) -> None:
