@@ -35,6 +35,9 @@ def test_a_pair_measured_to_rarely_agree_is_not_drafted_at_the_start() -> None:
     agreeing = CostController(config, _calibration([0.9, 0.95]))
     assert agreeing.knobs(None).gamma == 3  # type: ignore[arg-type]
     assert agreeing.priors() == [0.9, 0.95, 0.95]  # the deepest measured stands for deeper
+    rare = CostController(config, _calibration([0.1, 0.2]))
+    assert rare.probe_interval == rare.policy.probe_every * rare.policy.probe_backoff
+    assert agreeing.probe_interval == agreeing.policy.probe_every
     hopeful = CostController(config, _calibration(None))  # not measured: the policy's priors
     assert hopeful.priors() == [0.6, 0.8, 0.8]
     assert hopeful.knobs(None).gamma > 0  # type: ignore[arg-type]

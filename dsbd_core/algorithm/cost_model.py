@@ -19,7 +19,8 @@ at calibration where the calibration has them (`Calibration.pass_rates`: a draft
 agrees is not drafted on hope at the start of every request), else the policy's. A request
 that turned speculation off still drafts one layer after `probe_every` iterations, so that it
 notices when its draft starts to agree again; while the probes find it still does not pay, the
-interval doubles (up to `probe_backoff` times).
+interval doubles (up to `probe_backoff` times). A pair whose measured rates say speculation does
+not pay starts at the longest interval.
 """
 
 from __future__ import annotations
@@ -176,6 +177,11 @@ class CostController:
         # probe costs a draft pass, the draft's catch-up and a forest verify: with a draft that
         # never agrees, probing every 6 iterations cost the embedded pair ~15 % of its time)
         self.probe_interval = self.policy.probe_every
+        if calibration.pass_rates and self.gamma_max > 0 and self.best_gamma() == 0:
+            # the pair was measured not to pay: probe as rarely as the backoff allows from the
+            # start (a probe costs the draft's catch-up and a forest verify: 6 % of the
+            # embedded pair's time at one every 6 iterations); one that finds agreement resets
+            self.probe_interval = self.policy.probe_every * self.policy.probe_backoff
         self.chosen: list[int] = []  # gamma of every iteration (reported with the stats)
 
     def priors(self) -> list[float]:
