@@ -238,8 +238,9 @@ def calibrate(
     prompts: list[list[int]] | None = None,
     stop_ids: tuple[int, ...] = (),
 ) -> Calibration:
-    """The pair's calibration on a decode path: from the cache, or measured now (seconds to a
-    minute); with `prompts` (PASS_RATE_TEXTS, encoded) the pair's pass rates too."""
+    """The pair's calibration on a decode path: from the cache, or measured now (seconds for
+    the embedded pair, 2.5 minutes for the Qwen pair on a 2-core CPU); with `prompts`
+    (PASS_RATE_TEXTS, encoded) the pair's pass rates too."""
     start = time.perf_counter()
     description = str(identity.get("description", ""))
     say(f"cost model calibration (measured once per machine, then cached): {description}")
