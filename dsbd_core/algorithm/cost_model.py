@@ -175,12 +175,11 @@ class CostController:
         self.since_draft = 0  # iterations since the last one that drafted
         # probes that found speculation still not paying double the interval to the next (a
         # probe costs a draft pass, the draft's catch-up and a forest verify: with a draft that
-        # never agrees, probing every 6 iterations cost the embedded pair ~15 % of its time)
+        # never agrees, probing every 6 iterations cost the embedded pair ~15 % of its time,
+        # 6 % with its measured pass rates as priors); a pair measured not to pay starts at the
+        # longest interval, and a probe that finds agreement resets it
         self.probe_interval = self.policy.probe_every
         if calibration.pass_rates and self.gamma_max > 0 and self.best_gamma() == 0:
-            # the pair was measured not to pay: probe as rarely as the backoff allows from the
-            # start (a probe costs the draft's catch-up and a forest verify: 6 % of the
-            # embedded pair's time at one every 6 iterations); one that finds agreement resets
             self.probe_interval = self.policy.probe_every * self.policy.probe_backoff
         self.chosen: list[int] = []  # gamma of every iteration (reported with the stats)
 

@@ -170,17 +170,14 @@ def _next_chain(
     """P (or P without the chosen) where the draft was accepted, the residual where it was
     rejected, the chain unchanged elsewhere; whole rows are taken as they are when every row
     went the same way (one session: always; on the host only, `host_reads`)."""
-    if not may_read(ok):
-        if after_reject is not None:
-            chain = torch.where(rejected[:, None], after_reject, chain)
-        return torch.where(ok[:, None], reset, chain)
-    if after_reject is not None and bool(rejected.all()):
+    read = may_read(ok)
+    if read and after_reject is not None and bool(rejected.all()):
         return after_reject
-    if bool(ok.all()):
+    if read and bool(ok.all()):
         return reset
     if after_reject is not None:
         chain = torch.where(rejected[:, None], after_reject, chain)
-    if bool(ok.any()):
+    if not read or bool(ok.any()):
         chain = torch.where(ok[:, None], reset, chain)
     return chain
 
