@@ -155,9 +155,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "CUDA); default dynamic",
     )  # fmt: skip
     parser.add_argument(
-        "--engine", choices=("model", "cpu"), default="model",
+        "--engine", choices=("model", "cpu", "graph"), default="model",
         help="where the engine's state and draws live: beside the models (as `generate` puts "
-        "them; default) or on the host (as a serving router's engine)",
+        "them; default), on the host (as a serving router's engine), or beside the models "
+        "with the verify side after its forward as one compiled graph (verify_graph.py)",
     )  # fmt: skip
     parser.add_argument(
         "--compile", choices=COMPILE_MODES, default=None,

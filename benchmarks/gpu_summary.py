@@ -153,8 +153,9 @@ def main() -> None:
     )
     out = args.out or RESULTS / re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
     figures: dict[str, Any] = {}
+    paths = ("dynamic", "static", "static-hostengine", "static-verifygraph", "static-inductor")
     for size in ("qwen", "paper", "tiny"):
-        for path in ("dynamic", "static", "static-hostengine", "static-inductor"):
+        for path in paths:
             report = args.costs / f"gpu_costs_{size}_{path}.json"
             if report.is_file():
                 figures[f"{size}/{path}"] = costs(report, args.context)

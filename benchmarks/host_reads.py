@@ -8,12 +8,13 @@ the tensor methods for the length of a decode.
 
     .venv/bin/python benchmarks/host_reads.py [--width 3 --gamma 3 --threshold 0.7]
 
-Prints the reads per iteration by kind and by the engine file and line that made them
-(the places to move onto the device first), and the engine's own tensor operations per
-iteration (views left out): on a GPU each is a kernel launch, which is what a DSBD iteration's
-host time is made of once the engine lives beside the models (benchmarks/README.md "The engine
-beside the models"). `--device-branches` takes the branches a GPU takes
-(`dsbd_core.algorithm.host_reads`). Not a timing: the machine's load does not matter.
+Prints the engine's reads per iteration (the iterations' own; the end of the decode, which
+reads host copies of the results, and the table scorer are counted apart), by kind and by the
+engine file and line that made them (the places to move onto the device first), and the
+engine's own tensor operations per iteration (views left out): on a GPU each is a kernel
+launch unless the step runs as a captured graph (`verify_graph.py`). `--device-branches`
+takes the branches a GPU takes (`dsbd_core.algorithm.host_reads`). Not a timing: the
+machine's load does not matter.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from dsbd_core import SamplingConfig, TableScorer, generate
 from dsbd_core.algorithm.host_reads import computing_everywhere
 
+_PHASES = {"algorithm/result.py": "end", "algorithm/table_scorer.py": "scorer"}
 READS = ("item", "__bool__", "__int__", "__float__", "__index__", "tolist", "nonzero")
 
 
@@ -133,10 +135,18 @@ def main() -> None:
         drafting = _Uncounted(draft, counter) if args.method != "beam" else None
         result = generate(args.method, _Uncounted(target, counter), [1, 2, 3], config, drafting)
     iterations = result.stats.iterations
+    # where a read is made: the iterations (the waits to cut), the end of the decode (once,
+    # after the results crossed in one copy: host tensors there), the table scorer (a model)
+    phase = collections.Counter()
+    for place, n in where.items():
+        phase[_PHASES.get(place.split(":")[0], "iterations")] += n
     report = {
         "config": {"method": args.method, "width": args.width, "gamma": args.gamma,
                    "threshold": args.threshold, "tokens": args.tokens},
         "iterations": iterations,
+        "engine_reads_per_iteration": phase["iterations"] / iterations,
+        "scorer_reads_per_iteration": phase["scorer"] / iterations,
+        "end_of_decode_reads": phase["end"],
         "reads_per_iteration": sum(kinds.values()) / iterations,
         "by_kind": {k: v / iterations for k, v in kinds.most_common()},
         "by_place": {k: v / iterations for k, v in where.most_common(15)},

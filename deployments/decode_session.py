@@ -401,9 +401,11 @@ def committed_tokens(state: DecodeState) -> list[int]:
     candidates = [
         state.tokens[0, j, start:end].tolist() for j in state.alive[0].nonzero().squeeze(1).tolist()
     ]
-    for tokens, lengths in zip(state.pool.tokens, state.pool.length, strict=True):
-        for row, n in zip(tokens.tolist(), lengths.tolist(), strict=True):
-            candidates.append(row[:n])
+    pool = state.pool
+    for tokens, lengths, kept in zip(pool.tokens, pool.length, pool.kept, strict=True):
+        for row, n, k in zip(tokens.tolist(), lengths.tolist(), kept.tolist(), strict=True):
+            if k:
+                candidates.append(row[:n])
     if not candidates:
         return []
     prefix = candidates[0]

@@ -1,5 +1,5 @@
-"""Same seeds, same tokens: every method and decoder path decodes what main decoded before the
-layering refactor (tokens recorded by `python -m tests.golden_tokens`, see there)."""
+"""Same seeds, same tokens: every method and decoder path decodes the recorded tokens (recorded
+by `python -m tests.golden_tokens`, see there): a refactor must not move a single draw."""
 
 from __future__ import annotations
 

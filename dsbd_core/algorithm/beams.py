@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dsbd_core.algorithm.host_reads import may_read
 from dsbd_core.algorithm.logprobs import (
     ForestLogprobTable,
     IterationLogprobs,
@@ -112,11 +113,23 @@ def pool_add(
     mask: torch.Tensor,
     finished: bool,
     max_new_tokens: int,
+    *,
+    compact: bool = True,
 ) -> None:
-    """Move the beams selected by `mask` [B, n] to the pool (generated tokens only)."""
-    b, j = mask.nonzero(as_tuple=True)
-    if b.numel() == 0:
-        return
+    """Move the beams selected by `mask` [B, n] to the pool (generated tokens only).
+
+    `compact`: only the selected rows (finding them reads the mask: a wait on a GPU); else
+    every row with `mask` as its `Pool.kept` flag, to be dropped on the host at the end."""
+    if compact:
+        b, j = mask.nonzero(as_tuple=True)
+        if b.numel() == 0:
+            return
+        kept = torch.ones_like(b, dtype=torch.bool)
+    else:
+        batch, n = mask.shape
+        b = torch.arange(batch, device=mask.device).repeat_interleave(n)
+        j = torch.arange(n, device=mask.device).repeat(batch)
+        kept = mask.reshape(-1)
     # Independent of gamma (a controller may change it per iteration): no beam grows past
     # the budget, since an iteration's depth is capped at the budget left minus one.
     span = max_new_tokens + 1
@@ -127,6 +140,7 @@ def pool_add(
     pool.length.append(seq_len[b] - prompt_len[b])
     pool.score.append(score[b, j])
     pool.finished.append(torch.full_like(b, finished, dtype=torch.bool))
+    pool.kept.append(kept)
 
 
 @dataclass
@@ -156,11 +170,13 @@ def next_beams(
     eos: torch.Tensor,
     lean_memory: bool,
     max_new_tokens: int,
+    compact: bool = False,
 ) -> NextBeams:
     """Turn the output slots into the next iteration's input beams.
 
     Output beams that end in an EOS token go to `pool`; the others are packed to the front of
-    the rows (lean memory: only the most likely one is kept, spec §7).
+    the rows (lean memory: only the most likely one is kept, spec §7). `compact`: pool them
+    compacted even where that reads a mask on a device (their log-probs need the rows).
     """
     batch, width = out.index.shape
     parent, new_token = out.index // vocab, out.index % vocab
@@ -170,8 +186,10 @@ def next_beams(
     seq_len = torch.where(live, seq_len + 1, length)
     exists = out.exists & live[:, None]
     finished = exists & torch.isin(new_token, eos)
-    if bool(finished.any()):
-        pool_add(pool, seq, seq_len, prompt_len, out.score, finished, True, max_new_tokens)
+    compact = compact or may_read(finished)
+    if not compact or bool(finished.any()):
+        pool_add(pool, seq, seq_len, prompt_len, out.score, finished, True, max_new_tokens,
+                 compact=compact)  # fmt: skip
     keep = exists & ~finished
     if lean_memory:
         # Keep the most likely output beam (lowest perplexity; paper §14.4): one KV row.

@@ -8,6 +8,8 @@ models agree (spec §11.2).
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
 from dsbd_core.algorithm.host_reads import may_read
@@ -85,40 +87,50 @@ def residual_eps(dtype: torch.dtype) -> float:
     return RESIDUAL_EPS if dtype == torch.float64 else 1e-6
 
 
+class Uniforms(Protocol):
+    """A source of uniform noise other than a generator: pre-drawn numbers handed out in the
+    order the draws ask for them (`streams.Recorded`), which is how a compiled or captured
+    step, which cannot take a `torch.Generator`, draws."""
+
+    def uniform(
+        self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor: ...
+
+
+Source = torch.Generator | Uniforms
+
+
+def uniform(
+    source: Source, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """Uniform numbers in [0, 1) from `source`: every draw of the engine is a function of
+    these (inverse transform, Gumbel top-k, acceptance tests), nothing draws on its own."""
+    if isinstance(source, torch.Generator):
+        return torch.rand(shape, generator=source, dtype=dtype, device=device)
+    return source.uniform(shape, dtype, device)
+
+
 def draw_with_replacement(
-    probs: torch.Tensor, n: int, generator: torch.Generator
+    probs: torch.Tensor, n: int, source: Source
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`n` i.i.d. draws per row. Returns (index [B, n], exists [B, n]); rows without mass
-    give exists=False."""
+    """`n` i.i.d. draws per row by inverse transform. Returns (index [B, n], exists [B, n]);
+    rows without mass give exists=False.
+
+    The first index whose float64 running mass exceeds u * total: exact as `torch.multinomial`
+    is, 8x cheaper on a 3 x 151936 candidate table, and a function of uniforms (so a compiled
+    step can take them as an input)."""
     has_mass = probs.sum(dim=-1) > 0
     everywhere = may_read(has_mass) and bool(has_mass.all())
     safe = probs if everywhere else torch.where(has_mass[:, None], probs, 1.0)
-    if probs.dtype == torch.float64:
-        index = torch.multinomial(safe, n, replacement=True, generator=generator)
-    else:
-        index = _inverse_cdf(safe, n, generator)
+    cumulative = torch.cumsum(safe, dim=-1, dtype=torch.float64)  # a new tensor: probs stay
+    total = cumulative[:, -1:]
+    u = uniform(source, (probs.shape[0], n), torch.float64, probs.device)
+    index = torch.searchsorted(cumulative, u * total, right=True).clamp_(max=probs.shape[-1] - 1)
     return index, has_mass[:, None].expand(-1, n).clone()
 
 
-def _inverse_cdf(probs: torch.Tensor, n: int, generator: torch.Generator) -> torch.Tensor:
-    """`n` i.i.d. draws per row by inverse transform over a float64 running sum.
-
-    Used for float32 tables (bfloat16 and float32 models): `torch.multinomial` costs 8 ms on a
-    3 x 151936 candidate table here, this 1 ms. An exact sampler like it (the first index whose
-    cumulative mass exceeds u * total), so float64 tables, which the exactness tests and the
-    recorded golden tokens use, keep `torch.multinomial` and its draws.
-    """
-    cumulative = probs.to(torch.float64).cumsum_(dim=-1)
-    total = cumulative[:, -1:]
-    uniform = torch.rand(
-        probs.shape[0], n, generator=generator, dtype=torch.float64, device=probs.device
-    )
-    index = torch.searchsorted(cumulative, uniform * total, right=True)
-    return index.clamp_(max=probs.shape[-1] - 1)
-
-
 def draw_distinct(
-    probs: torch.Tensor, n: int, generator: torch.Generator
+    probs: torch.Tensor, n: int, source: Source
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`n` draws per row sequentially without replacement (Gumbel top-k).
 
@@ -130,11 +142,11 @@ def draw_distinct(
     """
     batch, size = probs.shape
     take = min(n, size)
-    uniform = torch.rand(probs.shape, generator=generator, dtype=probs.dtype, device=probs.device)
+    u = uniform(source, tuple(probs.shape), probs.dtype, probs.device)
     # Gumbel top-k: argmax of log p - log E with E = -log u ~ Exp(1) is argmax of p / E, which
     # orders the candidates the same way in three passes instead of eight (p = 0 gets key 0,
-    # below every candidate with mass, as -inf did).
-    exponential = uniform.clamp_min_(1e-300).log_().neg_()
+    # below every candidate with mass, as -inf did). (The source's numbers are left as drawn.)
+    exponential = u.clamp_min(1e-300).log_().neg_()
     keys = torch.div(probs, exponential, out=exponential)
     index = keys.topk(take, dim=-1).indices
     p = probs.gather(1, index)
@@ -149,7 +161,7 @@ def draw_distinct(
     return index, conditional, exists
 
 
-def draw_one(probs: torch.Tensor, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def draw_one(probs: torch.Tensor, source: Source) -> tuple[torch.Tensor, torch.Tensor]:
     """One draw per row: (index [B], exists [B])."""
-    index, exists = draw_with_replacement(probs, 1, generator)
+    index, exists = draw_with_replacement(probs, 1, source)
     return index[:, 0], exists[:, 0]

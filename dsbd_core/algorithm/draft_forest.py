@@ -20,9 +20,14 @@ import torch
 
 from dsbd_core.algorithm.candidates import Scores, layer_candidates
 from dsbd_core.algorithm.config import SamplingConfig
-from dsbd_core.algorithm.distributions import draw_distinct, draw_with_replacement, joint_filter
-from dsbd_core.algorithm.scorer import ForestLayer, ForestLogprobs, Roots, ScoreCall
-from dsbd_core.algorithm.state import NO_FOREST, DecodeState, Forest, deepest_layer
+from dsbd_core.algorithm.distributions import (
+    Source,
+    draw_distinct,
+    draw_with_replacement,
+    joint_filter,
+)
+from dsbd_core.algorithm.scorer import ForestLayer, ForestLogprobs, ScoreCall
+from dsbd_core.algorithm.state import NO_FOREST, DecodeState, Forest, deepest_layer, roots_of
 
 
 def draft_forest(
@@ -38,29 +43,49 @@ def draft_forest(
     depth_max = deepest_layer(state)
     if depth_max == 0:
         return NO_FOREST
-    width_s = config.effective_draft_width
-    scored = yield ScoreCall(Roots(state.tokens, state.length, alive, state.origin), [])
+    scored = yield ScoreCall(roots_of(state), [])
     logq, support = scored.roots, scored.support
     assert logq is not None
-    width = logq.shape[-1]  # V, or K for a restricted head
     parent_ok, sigma = alive, state.score
     layers, tables, probs = [], [], []
     for level in range(1, depth_max + 1):
         ok = parent_ok & (depth >= level)[:, None]
-        candidates = layer_candidates(sigma, logq, ok)
-        table = joint_filter(candidates, config.temperature, config.top_k, config.top_p)
-        if config.mode == "distinct":
-            index, prob, exists = draw_distinct(table, width_s, generator)
-        else:
-            index, exists = draw_with_replacement(table, width_s, generator)
-            prob = table.gather(1, index)
-        token = index % width if support is None else support[index % width]
-        layer = ForestLayer(parent=index // width, token=token, exists=exists)
+        drawn = draft_layer(sigma, logq, ok, config, support, eos, generator)
+        layer, table, prob, sigma, parent_ok = drawn
         layers.append(layer)
         tables.append(table)
         probs.append(prob)
-        sigma = torch.where(exists, Scores(sigma, logq).of(index), 0.0)
-        parent_ok = exists & ~torch.isin(layer.token, eos)
         if level < depth_max:
             logq = (yield ScoreCall(None, [layer])).layers[0]
     return Forest(layers=layers, tables=tables, probs=probs, support=support)
+
+
+def draft_layer(
+    sigma: torch.Tensor,
+    logq: torch.Tensor,
+    ok: torch.Tensor,
+    config: SamplingConfig,
+    support: torch.Tensor | None,
+    eos: torch.Tensor,
+    source: Source,
+) -> tuple[ForestLayer, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One draft layer from the draft's log-probs `logq` at its parents (scores `sigma`, `ok`
+    the parents that may have children): the layer, its table Q_l, each draft's draw
+    probability, the drafts' scores and which of them may be parents next (not EOS).
+
+    Between two draft-model calls, as one function of tensors that reads nothing on the host
+    (`tests/test_iteration_graph.py` compiles it with `fullgraph=True`).
+    """
+    width = logq.shape[-1]  # V, or K for a restricted head
+    width_s = config.effective_draft_width
+    candidates = layer_candidates(sigma, logq, ok)
+    table = joint_filter(candidates, config.temperature, config.top_k, config.top_p)
+    if config.mode == "distinct":
+        index, prob, exists = draw_distinct(table, width_s, source)
+    else:
+        index, exists = draw_with_replacement(table, width_s, source)
+        prob = table.gather(1, index)
+    token = index % width if support is None else support[index % width]
+    layer = ForestLayer(parent=index // width, token=token, exists=exists)
+    sigma = torch.where(exists, Scores(sigma, logq).of(index), 0.0)
+    return layer, table, prob, sigma, exists & ~torch.isin(layer.token, eos)

@@ -29,11 +29,14 @@ import torch
 from dsbd_core.algorithm.beams import pool_add
 from dsbd_core.algorithm.config import SamplingConfig
 from dsbd_core.algorithm.draft_forest import draft_forest
+from dsbd_core.algorithm.host_reads import may_read, one_copy
 from dsbd_core.algorithm.logprobs import TokenLogprobs, splice
 from dsbd_core.algorithm.result import DecodeResult, collect_results
-from dsbd_core.algorithm.scorer import ForestLogprobs, ScoreCall
+from dsbd_core.algorithm.scorer import ForestLogprobs, Origin, Roots, ScoreCall
 from dsbd_core.algorithm.state import NO_FOREST, DecodeState, Forest, Outcome, Pool, zero_counters
-from dsbd_core.algorithm.verify_forest import verify_forest
+from dsbd_core.algorithm.streams import Streams
+from dsbd_core.algorithm.verify_forest import verify_forest, verify_scored
+from dsbd_core.algorithm.verify_graph import graph_applies, graph_for
 
 # Random streams of an iteration: the two sides, and the width estimate of distinct drafts
 # (its own stream, so choosing a width never moves the verification's uniforms).
@@ -50,10 +53,15 @@ class Engine:
     them; the engine itself never touches a model.
     """
 
-    def __init__(self, config: SamplingConfig, vocab_size: int, *, uses_draft: bool) -> None:
+    def __init__(
+        self, config: SamplingConfig, vocab_size: int, *, uses_draft: bool, graph: bool = False
+    ) -> None:
         self.config = config
         self.vocab = vocab_size
         self.uses_draft = uses_draft
+        # run the verify side after its forward as one compiled graph where it can be
+        # (`verify_graph.py`: a device, the fixed-width rule)
+        self.graph = graph
         self.generator = torch.Generator()  # reseeded per iteration and side, see _reseed
         self.width_generator = torch.Generator()  # distinct-draft width estimates, ditto
         self.eos = torch.tensor(sorted(set(config.eos_token_ids)), dtype=torch.long, device="cpu")
@@ -117,10 +125,15 @@ class Engine:
         depth = torch.where(live, (budget - 1).clamp(max=gamma), torch.zeros_like(budget))
         # the iteration's one read of planning values (a wait, where the state is on a GPU)
         flags = torch.stack([retired.any().long(), live.any().long(), depth.max()])
-        any_retired, any_live, deepest = (int(x) for x in flags.tolist())
+        state.host_roots = None
+        if may_read(flags):
+            any_retired, any_live, deepest = (int(x) for x in flags.tolist())
+        else:  # the roots the scorers plan from cross in the same copy (`Roots.host`)
+            any_retired, any_live, deepest, state.host_roots = _planning_copy(state, flags, live)
         if any_retired:
+            compact = may_read(retired) or state.logprobs is not None  # (beams.pool_add)
             pool_add(state.pool, state.tokens, state.length, state.prompt_len, state.score,
-                     retired, False, self.config.max_new_tokens)  # fmt: skip
+                     retired, False, self.config.max_new_tokens, compact=compact)  # fmt: skip
             if state.logprobs is not None:
                 state.pool.logprobs.append(state.logprobs.rows(*retired.nonzero(as_tuple=True)))
             state.alive = state.alive & live[:, None]
@@ -145,12 +158,15 @@ class Engine:
         generator of its one target-model call."""
         assert state.depth is not None, "call next_iteration first"
         eos = self._place(state)
-        self._reseed(state, _VERIFY_STREAM)
+        streams = Streams(self.generator, self._reseed(state, _VERIFY_STREAM))
         self._reseed(state, _WIDTH_STREAM, self.width_generator)
+        verify = verify_scored
+        if self.graph and graph_applies(self.config) and not may_read(state.alive):
+            verify = graph_for(state.alive.device, verify_scored)
         return (
             yield from verify_forest(
-                state, forest, self.config, self.vocab, eos, self.generator,
-                self.width_generator,
+                state, forest, self.config, self.vocab, eos, streams, self.width_generator,
+                verify,
             )
         )  # fmt: skip
 
@@ -180,8 +196,8 @@ class Engine:
 
     def _reseed(
         self, state: DecodeState, stream: int, generator: torch.Generator | None = None
-    ) -> None:
-        """Seed the generator (or `generator`) from (seed, iteration, stream).
+    ) -> int:
+        """Seed the generator (or `generator`) from (seed, iteration, stream); returns the seed.
 
         Draft and verifier may live in different processes; deriving each side's stream from the
         state (instead of sharing one generator) makes a distributed decode draw exactly what the
@@ -189,6 +205,7 @@ class Engine:
         """
         mixed = (state.seed * 1_000_003 + state.iteration * 4 + stream) % (2**63 - 1)
         (generator or self.generator).manual_seed(mixed)
+        return mixed
 
     def _place(self, state: DecodeState) -> torch.Tensor:
         """Move the generators and the EOS ids to the state's device (the draws happen where
@@ -213,6 +230,20 @@ class Engine:
                 raise ValueError(
                     f"prompts[{i}]: token id {bad[0]} out of range; allowed 0..{self.vocab - 1}"
                 )
+
+
+def _planning_copy(
+    state: DecodeState, flags: torch.Tensor, live: torch.Tensor
+) -> tuple[int, int, int, Roots]:
+    """The planning values and the iteration's roots (its beams once the retired ones left),
+    on the host in one copy."""
+    origin = state.origin
+    parts = [flags, state.tokens, state.length, state.alive & live[:, None]]
+    parts += [origin.root, origin.path] if origin is not None else []
+    host_flags, tokens, length, alive, *rest = one_copy(parts, torch.device("cpu"))
+    any_retired, any_live, deepest = (int(x) for x in host_flags.tolist())
+    roots = Roots(tokens, length, alive, Origin(*rest) if rest else None)
+    return any_retired, any_live, deepest, roots
 
 
 def _fresh_seed() -> int:

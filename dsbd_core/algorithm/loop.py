@@ -49,9 +49,11 @@ class IterationCall:
     # A seeded decode's driver says which earlier iteration each side's cache continues and,
     # when a replica lost it, how to rebuild it bit for bit (dsbd_core/algorithm/replay.py).
     replay: Replay | None = None
+    # run the verify side after its forward as one compiled graph (`verify_graph.py`)
+    graph: bool = False
 
     def engine(self, vocab_size: int) -> Engine:
-        return engine_for(self.config, vocab_size, uses_draft=self.uses_draft)
+        return engine_for(self.config, vocab_size, uses_draft=self.uses_draft, graph=self.graph)
 
     def propose_steps(self, vocab_size: int) -> Generator[ScoreCall, ForestLogprobs, Forest]:
         """The draft side as a generator of draft-model calls."""
@@ -112,9 +114,11 @@ class Decode:
         uses_draft: bool,
         controller: Controller | None = None,
         device: torch.device | str = "cpu",
+        graph: bool = False,
     ) -> None:
         self.config = config
         self.uses_draft = uses_draft
+        self.graph = graph  # the verify side as one compiled graph, where it applies
         self.engine = engine_for(config, vocab_size, uses_draft=uses_draft)
         self.controller = controller or FixedKnobs(config)
         # raises on a bad prompt, before any step; `device`: where the state lives
@@ -129,7 +133,8 @@ class Decode:
             if not self.engine.next_iteration(state, gamma=knobs.gamma):
                 break
             assert state.depth is not None
-            call = IterationCall(state.for_models(), self._config(knobs), self.uses_draft)
+            call = IterationCall(state.for_models(), self._config(knobs), self.uses_draft,
+                                 graph=self.graph)  # fmt: skip
             drafting = self.uses_draft and deepest_layer(state) > 0
             forest = (yield Propose(call)) if drafting else NO_FOREST
             outcome = yield Verify(call, forest)

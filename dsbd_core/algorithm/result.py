@@ -108,16 +108,17 @@ def collect_results(
     its statistics from the counters and the per-iteration records (tensors become Python
     numbers once, here, at the end, after one copy to the host)."""
     parts = [pool.session, pool.tokens, pool.length, pool.score, pool.finished,
-             [(p.chosen, p.top_ids, p.top_logp) for p in pool.logprobs]]  # fmt: skip
+             [(p.chosen, p.top_ids, p.top_logp) for p in pool.logprobs], pool.kept]  # fmt: skip
     parts, steps, counters, history = on_host((parts, steps, counters, history))
-    pool = Pool(*parts[:5], logprobs=[TokenLogprobs(*p) for p in parts[5]])
+    pool = Pool(*parts[:5], logprobs=[TokenLogprobs(*p) for p in parts[5]], kept=parts[6])
     beams: list[list[Beam]] = [[] for _ in range(batch)]
     if pool.session:
-        session = torch.cat(pool.session).tolist()
-        tokens = torch.cat(pool.tokens).tolist()
-        lengths = torch.cat(pool.length).tolist()
-        scores = torch.cat(pool.score).tolist()
-        finished = torch.cat(pool.finished).tolist()
+        kept = torch.cat(pool.kept)  # rows a device pooled under a mask: only these are beams
+        session = torch.cat(pool.session)[kept].tolist()
+        tokens = torch.cat(pool.tokens)[kept].tolist()
+        lengths = torch.cat(pool.length)[kept].tolist()
+        scores = torch.cat(pool.score)[kept].tolist()
+        finished = torch.cat(pool.finished)[kept].tolist()
         logprobs = _cat(pool.logprobs) if pool.logprobs else None
         for i, (b, tok, n, s, f) in enumerate(
             zip(session, tokens, lengths, scores, finished, strict=True)

@@ -86,12 +86,16 @@ class Roots:
     lengths: [B] long — sequence length of session b (all beams of a session are equally long).
     alive:   [B, R] bool — real beams; other rows are padding and must cost nothing.
     origin:  None at the first iteration of a session batch (prefill), else see `Origin`.
+    host:    the same roots on the host, where the engine lives on a device and copied them
+             with its planning values (one wait instead of one per scorer); None elsewhere.
+             A scorer that plans on the host uses them; outputs go where `tokens` lives.
     """
 
     tokens: torch.Tensor
     lengths: torch.Tensor
     alive: torch.Tensor
     origin: Origin | None
+    host: Roots | None = None
 
 
 @runtime_checkable

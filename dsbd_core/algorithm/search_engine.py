@@ -25,10 +25,13 @@ from dsbd_core.algorithm.search_walk import draft_search, verify_search
 from dsbd_core.algorithm.state import NO_FOREST, DecodeState, Forest, Outcome
 
 
-def engine_for(config: SamplingConfig, vocab_size: int, *, uses_draft: bool) -> Engine:
-    """The engine that runs `config`: beam search when `config.search`, else sampling."""
+def engine_for(
+    config: SamplingConfig, vocab_size: int, *, uses_draft: bool, graph: bool = False
+) -> Engine:
+    """The engine that runs `config`: beam search when `config.search`, else sampling
+    (`graph`: the verify side as one compiled graph where it applies, `verify_graph.py`)."""
     kind = SearchEngine if config.search else Engine
-    return kind(config, vocab_size, uses_draft=uses_draft)
+    return kind(config, vocab_size, uses_draft=uses_draft, graph=graph)
 
 
 class SearchEngine(Engine):

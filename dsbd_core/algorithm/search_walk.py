@@ -34,7 +34,7 @@ from dsbd_core.algorithm.beams import (
 from dsbd_core.algorithm.candidates import Scores, layer_candidates
 from dsbd_core.algorithm.config import SamplingConfig
 from dsbd_core.algorithm.logprobs import ForestLogprobTable, IterationLogprobs, Segment
-from dsbd_core.algorithm.scorer import ForestLayer, ForestLogprobs, Roots, ScoreCall
+from dsbd_core.algorithm.scorer import ForestLayer, ForestLogprobs, ScoreCall
 from dsbd_core.algorithm.search import SearchStep, search_step
 from dsbd_core.algorithm.state import (
     NO_FOREST,
@@ -43,6 +43,7 @@ from dsbd_core.algorithm.state import (
     Outcome,
     Pool,
     deepest_layer,
+    roots_of,
     zero_counters,
 )
 
@@ -58,7 +59,7 @@ def draft_search(
     depth_max = deepest_layer(state)
     if depth_max == 0:
         return NO_FOREST
-    scored = yield ScoreCall(Roots(state.tokens, state.length, state.alive, state.origin), [])
+    scored = yield ScoreCall(roots_of(state), [])
     logq, support = scored.roots, scored.support
     assert logq is not None
     width = logq.shape[-1]  # V, or K for a restricted head
@@ -87,7 +88,7 @@ def verify_search(
 ) -> Generator[ScoreCall, ForestLogprobs, Outcome]:
     """Score the forest in one target call; take the target's search steps through it."""
     assert state.depth is not None and state.finished_scores is not None
-    scored = yield ScoreCall(Roots(state.tokens, state.length, state.alive, state.origin),
+    scored = yield ScoreCall(roots_of(state),
                              list(forest.layers))  # fmt: skip
     assert scored.roots is not None
     walk = _SearchWalk(state, forest, config, vocab, eos)

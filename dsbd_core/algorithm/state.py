@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from dsbd_core.algorithm.logprobs import IterationLogprobs, TokenLogprobs
-from dsbd_core.algorithm.scorer import ForestLayer, Origin
+from dsbd_core.algorithm.scorer import ForestLayer, Origin, Roots
 
 # Per-session integer counters. "proposed": draft tokens in the forest (every node drafted);
 # "drafted": those of them verification reached (a live parent in a verified layer).
@@ -39,6 +39,10 @@ class Pool:
     # config.logprobs set: each entry's token log-probs ([n, T]), kept by the router (the
     # verifier's pool entries get theirs in `Engine.advance`, from `Outcome.logprobs`)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # per entry: which of its rows are pool beams. All of them where the engine found the
+    # leaving beams by reading a mask (the host); on a device the engine pools every row of
+    # the mask with the mask here instead of waiting for the read (`beams.pool_add`)
+    kept: list[torch.Tensor] = field(default_factory=list)
 
     def extend(self, other: Pool) -> None:
         """Append another pool's beams (an iteration's finished beams to the session's pool)."""
@@ -48,6 +52,7 @@ class Pool:
         self.score += other.score
         self.finished += other.finished
         self.logprobs += other.logprobs
+        self.kept += other.kept
 
 
 @dataclass
@@ -78,6 +83,9 @@ class DecodeState:
     # config.logprobs set: the token log-probs of every beam's generated positions [B, W, T]
     # (router side only: the verifier sends what an iteration adds, `logprobs.Segment`)
     logprobs: TokenLogprobs | None = None
+    # the iteration's roots on the host, copied with the planning values where the state lives
+    # on a device (`Roots.host`); None on the host
+    host_roots: Roots | None = None
     # deterministic beam search (config.search): the length-normalised scores of the best W
     # finished hypotheses so far, best first, -inf where fewer have finished [B, W]
     finished_scores: torch.Tensor | None = None
@@ -90,6 +98,11 @@ class DecodeState:
         tokens, scores and flags, the planned depth, and the `Origin` the caches compact from.
         """
         return replace(self, pool=Pool(), counters={}, history=[], logprobs=None)
+
+
+def roots_of(state: DecodeState) -> Roots:
+    """The beams the iteration starts from, with their host copy where there is one."""
+    return Roots(state.tokens, state.length, state.alive, state.origin, host=state.host_roots)
 
 
 def deepest_layer(state: DecodeState) -> int:

@@ -29,11 +29,13 @@ from dataclasses import dataclass
 import torch
 
 from dsbd_core.algorithm.distributions import (
+    Source,
     draw_distinct,
     draw_one,
     draw_with_replacement,
     normalise,
     residual,
+    uniform,
 )
 from dsbd_core.algorithm.host_reads import may_read
 
@@ -68,7 +70,7 @@ def verify_layer(
     width: torch.Tensor,
     active: torch.Tensor,
     distinct: bool,
-    generator: torch.Generator,
+    source: Source,
     epsilon: float = 0.0,
 ) -> LayerVerdict:
     """Run the acceptance chain of one layer.
@@ -100,7 +102,7 @@ def verify_layer(
     accepted = torch.zeros(batch, m, dtype=torch.bool, device=device)
     chosen = torch.zeros_like(target, dtype=torch.bool)
     drafted_mass = torch.zeros(batch, dtype=target.dtype, device=device)
-    uniforms = torch.rand(batch, m, generator=generator, dtype=target.dtype, device=device)
+    uniforms = uniform(source, (batch, m), target.dtype, device)
     bias = torch.zeros(batch, dtype=target.dtype, device=device)
     bonus = epsilon * (target > 0).to(target.dtype) if epsilon > 0 else None
     # on the host, drafts that can change nothing are skipped; a device computes them (they
@@ -189,7 +191,7 @@ def fill_failed_layer(
     slots: int,
     remaining: torch.Tensor,
     distinct: bool,
-    generator: torch.Generator,
+    source: Source,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Output slots of a layer that got fewer than K acceptances (spec §4.3, fail branch).
 
@@ -206,11 +208,11 @@ def fill_failed_layer(
     if m < slots:
         accepted_first = torch.cat([accepted_first, drafts.new_zeros(batch, slots - m)], dim=1)
     accepted_first = accepted_first[:, :slots]
-    fallback, fallback_exists = draw_one(verdict.chain, generator)
+    fallback, fallback_exists = draw_one(verdict.chain, source)
     if distinct:
         taken = verdict.chosen.scatter(1, fallback[:, None], fallback_exists[:, None])
         target = target * ~taken
-    fresh, fresh_exists = _draw(target, slots, distinct, generator)
+    fresh, fresh_exists = _draw(target, slots, distinct, source)
     k = torch.arange(slots, device=drafts.device).expand(batch, slots)
     shift = (k - n[:, None] - 1).clamp(min=0)
     fresh = fresh.gather(1, shift)
@@ -226,19 +228,19 @@ def draw_slots(
     slots: int,
     remaining: torch.Tensor,
     distinct: bool,
-    generator: torch.Generator,
+    source: Source,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`slots` beams from P (beam sampling step / DSBD bonus layer): (index, exists)."""
-    index, exists = _draw(target, slots, distinct, generator)
+    index, exists = _draw(target, slots, distinct, source)
     k = torch.arange(slots, device=target.device).expand(target.shape[0], slots)
     return index, exists & (k < remaining[:, None])
 
 
 def _draw(
-    weights: torch.Tensor, slots: int, distinct: bool, generator: torch.Generator
+    weights: torch.Tensor, slots: int, distinct: bool, source: Source
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`slots` draws per row, distinct (sequential without replacement) or i.i.d."""
     if distinct:
-        index, _, exists = draw_distinct(weights, slots, generator)
+        index, _, exists = draw_distinct(weights, slots, source)
         return index, exists
-    return draw_with_replacement(weights, slots, generator)
+    return draw_with_replacement(weights, slots, source)

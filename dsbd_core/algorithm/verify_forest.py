@@ -17,7 +17,7 @@ failure fill, refill — per layer, in this order.
 
 from __future__ import annotations
 
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 
 import torch
 
@@ -35,15 +35,17 @@ from dsbd_core.algorithm.config import SamplingConfig
 from dsbd_core.algorithm.distributions import joint_filter
 from dsbd_core.algorithm.host_reads import may_read
 from dsbd_core.algorithm.logprobs import ForestLogprobTable, IterationLogprobs, Segment
-from dsbd_core.algorithm.scorer import ForestLayer, ForestLogprobs, Roots, ScoreCall
+from dsbd_core.algorithm.scorer import ForestLayer, ForestLogprobs, ScoreCall
 from dsbd_core.algorithm.state import (
     DecodeState,
     Forest,
     Outcome,
     Pool,
     deepest_layer,
+    roots_of,
     zero_counters,
 )
+from dsbd_core.algorithm.streams import ACCEPT, BONUS, FILL, REFILL, LayerStreams
 from dsbd_core.algorithm.verify import LayerVerdict, draw_slots, fill_failed_layer, verify_layer
 from dsbd_core.algorithm.width import layer_width
 from dsbd_core.algorithm.width_distinct import distinct_layer_width
@@ -57,27 +59,53 @@ def verify_forest(
     config: SamplingConfig,
     vocab: int,
     eos: torch.Tensor,
-    generator: torch.Generator,
+    streams: LayerStreams,
     width_generator: torch.Generator,
+    verify: Callable[..., Outcome] | None = None,
 ) -> Generator[ScoreCall, ForestLogprobs, Outcome]:
-    """Score the forest in one target call and verify it layer by layer."""
+    """Score the forest in one target call and verify it layer by layer (with `verify`, the
+    same function run another way: `verify_graph.VerifyGraph`)."""
     assert state.depth is not None, "plan the iteration first (Engine.next_iteration)"
+    roots = roots_of(state)
+    scored = yield ScoreCall(roots, list(forest.layers))
+    assert scored.roots is not None
+    node_logp = [scored.roots] + list(scored.layers)
+    return (verify or verify_scored)(
+        state, forest, node_logp, config, vocab, eos, streams, width_generator,
+        deepest_layer(state),
+    )  # fmt: skip
+
+
+def verify_scored(
+    state: DecodeState,
+    forest: Forest,
+    node_logp: list[torch.Tensor],
+    config: SamplingConfig,
+    vocab: int,
+    eos: torch.Tensor,
+    streams: LayerStreams,
+    width_generator: torch.Generator,
+    deepest: int,
+) -> Outcome:
+    """Verify the scored forest layer by layer (`node_logp`: the target's log-probs at the
+    roots, then at each layer's nodes; `deepest`: the planned deepest layer).
+
+    Everything after the target's forward, as one function of tensors: on a device, with the
+    fixed-width rule, it reads no value on the host, so it is one graph
+    (`tests/test_iteration_graph.py` compiles it with `fullgraph=True`).
+    """
     batch = state.alive.shape[0]
     counters = zero_counters(batch, state.alive.device)
-    roots = Roots(state.tokens, state.length, state.alive, state.origin)
-    scored = yield ScoreCall(roots, list(forest.layers))
     counters["target"] += state.alive.any(dim=1).long()
     for layer in forest.layers:
         counters["proposed"] += layer.exists.sum(dim=1)
-    assert scored.roots is not None
     # The tables stay in the dtype the scorer returns: float64 for float64 models (exactness
     # tests), float32 otherwise (bfloat16/float32 models: every table op costs half). Scores
     # (log-likelihoods) are always accumulated in float64 (`_Walk.scores`).
-    node_logp = [scored.roots] + list(scored.layers)
-    walk = _Walk(state, forest, config, vocab, eos, generator, width_generator, counters)
+    walk = _Walk(state, forest, config, vocab, eos, streams, width_generator, counters)
     if config.logprobs is not None:  # asked for: the values come from these same rows
         walk.table = ForestLogprobTable(node_logp, forest.layers, config.logprobs)
-    for level in range(1, deepest_layer(state) + 2):
+    for level in range(1, deepest + 2):
         if not walk.step(level, node_logp[level - 1]):
             break
     return walk.outcome()
@@ -93,14 +121,14 @@ class _Walk:
         config: SamplingConfig,
         vocab: int,
         eos: torch.Tensor,
-        generator: torch.Generator,
+        streams: LayerStreams,
         width_generator: torch.Generator,
         counters: dict[str, torch.Tensor],
     ) -> None:
         self.state, self.forest, self.config, self.vocab, self.eos = (
             state, forest, config, vocab, eos
         )  # fmt: skip
-        self.generator, self.width_generator, self.counters = generator, width_generator, counters
+        self.streams, self.width_generator, self.counters = streams, width_generator, counters
         assert state.depth is not None
         self.depth = state.depth
         batch, self.width = state.alive.shape
@@ -122,22 +150,27 @@ class _Walk:
 
     def step(self, level: int, logp: torch.Tensor) -> bool:
         """Layer `level`: bonus slots for sessions past their depth, else verification.
-        Returns False when no session is left to verify."""
-        if not bool(self.pending.any()):
+        Returns False when no session is left to verify.
+
+        On the host, work no session needs is skipped (a read of a mask); on a device every
+        layer up to the deepest drafted one runs, its draws taken and selected with `where`
+        (each draw has its own stream, so skipping one moves no other: `streams.py`)."""
+        read = may_read(self.pending)
+        if read and not bool(self.pending.any()):
             return False
         cfg = self.config
         candidates = layer_candidates(self.parent_score, logp, self.valid)
         target = joint_filter(candidates, cfg.temperature, cfg.top_k, cfg.top_p)
         scores = Scores(self.parent_score, logp)
         bonus = self.pending & (self.depth < level)
-        if bool(bonus.any()):
+        if not read or bool(bonus.any()):
             index, exists = draw_slots(
-                target, self.width, self.remaining, self.distinct, self.generator
+                target, self.width, self.remaining, self.distinct, self.streams.at(level, BONUS)
             )
             self.out.set(bonus, level - 1, index, exists, scores.of(index))
             self.pending &= ~bonus
         verifying = self.pending & (self.depth >= level)
-        if not bool(verifying.any()):
+        if level > len(self.forest.layers) or (read and not bool(verifying.any())):
             return False  # every pending session took its bonus layer here
         self._verify(level, target, scores, verifying)
         return True
@@ -166,16 +199,17 @@ class _Walk:
         self.alphas.append(torch.where(verifying, alpha, -1.0))
         verdict = verify_layer(
             target, table, valid_rows, drafts, probs, layer.exists, parent_valid, k, verifying,
-            self.distinct, self.generator, epsilon=self.config.epsilon,
+            self.distinct, self.streams.at(level, ACCEPT), epsilon=self.config.epsilon,
         )  # fmt: skip
         self.counters["accepted"] += verdict.count * verifying
         self.counters["epsilon_bias"] += torch.where(verifying, verdict.bias, 0.0)
         passed = verifying & (verdict.count == k)
         failed = verifying & ~passed
-        if bool(failed.any()):
+        if not may_read(failed) or bool(failed.any()):
             index, exists = fill_failed_layer(
-                verdict, drafts, target, self.width, self.remaining, self.distinct, self.generator
-            )
+                verdict, drafts, target, self.width, self.remaining, self.distinct,
+                self.streams.at(level, FILL),
+            )  # fmt: skip
             self.out.set(failed, level - 1, index, exists, scores.of(index))
             self.pending &= ~failed
         self._passed(level, layer, target, scores, drafts, verdict, passed)
@@ -241,33 +275,45 @@ class _Walk:
         accepted = verdict.accepted & passed[:, None]
         node_score = scores.of(drafts)
         finished_here = accepted & torch.isin(layer.token, self.eos)
-        if bool(finished_here.any()):
-            state = self.state
-            seq, seq_len = sequences(
-                state.tokens, state.length, self.forest.layers,
-                torch.full_like(self.depth, level),
-                torch.arange(layer.token.shape[1], device=layer.token.device).expand_as(
-                    layer.token
-                ),
-            )  # fmt: skip
-            pool_add(self.finished, seq, seq_len, state.prompt_len, node_score, finished_here,
-                     True, self.config.max_new_tokens)  # fmt: skip
-            if self.table is not None:
-                self.finished_logprobs.append(node_logprobs(self.table, level, finished_here))
-            self.remaining = self.remaining - finished_here.sum(dim=1)
+        # a device pools every accepted node under a mask rather than read which finished
+        # (with log-probs asked for, their segments need the pooled rows: read there too)
+        compact = may_read(finished_here) or self.table is not None
+        if not compact or bool(finished_here.any()):
+            self._pool_finished(level, layer, node_score, finished_here, compact)
         self.valid = accepted & ~finished_here
         self.parent_score = node_score
         # Every accepted beam of the layer finished. With width left (dynamic width: K < R)
         # the open slots are fresh draws from P_l, exactly as in the fail branch.
         emptied = passed & ~self.valid.any(dim=1)
         refill = emptied & (self.remaining > 0)
-        if bool(refill.any()):
+        if not may_read(refill) or bool(refill.any()):
             rest = target * ~verdict.chosen if self.distinct else target
             index, exists = draw_slots(
-                rest, self.width, self.remaining, self.distinct, self.generator
+                rest, self.width, self.remaining, self.distinct, self.streams.at(level, REFILL)
             )
             self.out.set(refill, level - 1, index, exists, scores.of(index))
         self.pending &= ~emptied
+
+    def _pool_finished(
+        self,
+        level: int,
+        layer: ForestLayer,
+        node_score: torch.Tensor,
+        finished_here: torch.Tensor,
+        compact: bool,
+    ) -> None:
+        """Accepted drafts of layer `level` that end in EOS leave for the pool and take their
+        slot with them."""
+        state = self.state
+        seq, seq_len = sequences(
+            state.tokens, state.length, self.forest.layers, torch.full_like(self.depth, level),
+            torch.arange(layer.token.shape[1], device=layer.token.device).expand_as(layer.token),
+        )  # fmt: skip
+        pool_add(self.finished, seq, seq_len, state.prompt_len, node_score, finished_here,
+                 True, self.config.max_new_tokens, compact=compact)  # fmt: skip
+        if self.table is not None:
+            self.finished_logprobs.append(node_logprobs(self.table, level, finished_here))
+        self.remaining = self.remaining - finished_here.sum(dim=1)
 
     def outcome(self) -> Outcome:
         """The next input beams from the filled output slots, and what to count."""
@@ -278,6 +324,7 @@ class _Walk:
             state.tokens, state.length, state.prompt_len, self.forest.layers, out,
             self.remaining, self.live, self.finished, vocab=self.vocab, eos=self.eos,
             lean_memory=self.config.lean_memory, max_new_tokens=self.config.max_new_tokens,
+            compact=self.table is not None,
         )  # fmt: skip
         logprobs = None
         if self.table is not None:

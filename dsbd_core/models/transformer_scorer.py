@@ -128,12 +128,14 @@ class TransformerScorer:
 
     def set_roots(self, roots: Roots) -> None:
         """Start an iteration: compact each session's cache to the new roots (or drop it)."""
+        self._out_device = roots.tokens.device  # outputs go where the engine lives
+        device = self._device
+        if roots.host is not None and device.type == "cpu":
+            roots = roots.host  # copied with the engine's planning values: no wait here
         tokens, lengths, alive, origin = roots.tokens, roots.lengths, roots.alive, roots.origin
         batch, root_count, _ = tokens.shape
-        self._out_device = tokens.device
         self._root_count = root_count
         self._roots_pending = True
-        device = self._device
         parts = [tokens, lengths, alive] + ([origin.root, origin.path] if origin else [])
         tokens, lengths, alive, *rest = one_copy(parts, device)
         lengths_list = [int(x) for x in lengths.tolist()]

@@ -1,0 +1,131 @@
+"""The verify side after its forward as one compiled graph (opt-in: `IterationCall.graph`).
+
+Where the engine lives on a device, everything after the target's forward (`verify_scored`:
+verification, draws, the next beams, the pool) is a fixed-shape function of tensors with no
+read on the host, for the fixed-width rule. Run eagerly it is ~1,400 small kernels a DSBD
+iteration (W = 3, gamma = 3; `benchmarks/host_reads.py`), each a launch of several microseconds
+on a GPU; compiled with `torch.compile(fullgraph=True)` on the `cudagraphs` backend it is one
+graph replay. A compiled graph cannot take a `torch.Generator`, so its uniforms are drawn
+before each call from the same per-(layer, purpose) streams (`streams.py`) in the same shapes:
+the first call at a shape runs eagerly and records them (`streams.Recording`), later calls
+draw that layout and replay it (`streams.Recorded`). The tokens are those of the eager path
+(`tests/test_iteration_graph.py` decodes through it with the `eager` backend on the CPU).
+
+Graphs are per process and per backend (`graph_for`), as captured graphs are in every engine
+that keeps them; Dynamo compiles again where a shape or a config differs (a new gamma, batch
+or vocabulary), and the layouts are keyed the same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from dsbd_core.algorithm.config import SamplingConfig
+from dsbd_core.algorithm.distributions import uniform
+from dsbd_core.algorithm.state import DecodeState, Forest, Outcome
+from dsbd_core.algorithm.streams import LayerStreams, Recorded, Recording, Streams
+
+Verify = Callable[..., Outcome]
+Layout = dict[tuple[int, int], list[tuple[tuple[int, ...], torch.dtype]]]
+
+
+def graph_applies(config: SamplingConfig) -> bool:
+    """The configs whose verify side reads nothing on a device: fixed width, no log-probs,
+    not deterministic search (those read, docs/ARCHITECTURE.md "Where the engine runs")."""
+    return config.fixed_width and config.logprobs is None and not config.search
+
+
+class VerifyGraph:
+    """`verify_scored`, compiled once per shape and config, fed pre-drawn uniforms."""
+
+    def __init__(self, verify: Verify, backend: str) -> None:
+        self.eager = verify
+        self.compiled = torch.compile(verify, fullgraph=True, backend=backend, dynamic=False)
+        self.backend = backend
+        self.layouts: dict[tuple, Layout] = {}
+        self.replays = 0
+
+    def __call__(
+        self,
+        state: DecodeState,
+        forest: Forest,
+        node_logp: list[torch.Tensor],
+        config: SamplingConfig,
+        vocab: int,
+        eos: torch.Tensor,
+        streams: LayerStreams,
+        width_generator: torch.Generator,
+        deepest: int,
+    ) -> Outcome:
+        assert isinstance(streams, Streams)
+        key = _key(state, forest, node_logp, config, deepest)
+        layout = self.layouts.get(key)
+        if layout is None:  # first call at this shape: eager, learning what it draws
+            recording = Recording(streams.generator, streams.seed)
+            outcome = self.eager(state, forest, node_logp, config, vocab, eos, recording,
+                                 width_generator, deepest)  # fmt: skip
+            self.layouts[key] = {
+                where: [(tuple(t.shape), t.dtype) for t in drawn]
+                for where, drawn in recording.tape.items()
+            }
+            return outcome
+        device = state.tokens.device
+        tape = {}
+        for (level, purpose), shapes in layout.items():
+            source = streams.at(level, purpose)
+            tape[(level, purpose)] = [uniform(source, s, d, device) for s, d in shapes]
+        if self.backend == "cudagraphs":
+            torch.compiler.cudagraph_mark_step_begin()
+        outcome = self.compiled(state, forest, node_logp, config, vocab, eos, Recorded(tape),
+                                width_generator, deepest)  # fmt: skip
+        self.replays += 1
+        # a captured graph's outputs are its buffers, rewritten by its next replay
+        return _cloned(outcome) if self.backend == "cudagraphs" else outcome
+
+
+_GRAPHS: dict[str, VerifyGraph] = {}
+
+
+def graph_for(device: torch.device, verify: Verify) -> VerifyGraph:
+    """This process's graph of `verify` for `device`: CUDA graphs on CUDA, Dynamo's traced
+    graph run eagerly elsewhere. The engine takes it only where it keeps its state on a
+    device (on the CPU: where the tests force the device's branches); the CPU gains nothing
+    from a graph."""
+    backend = "cudagraphs" if device.type == "cuda" else "eager"
+    graph = _GRAPHS.get(backend)
+    if graph is None or graph.eager is not verify:
+        graph = _GRAPHS[backend] = VerifyGraph(verify, backend)
+    return graph
+
+
+def _key(
+    state: DecodeState,
+    forest: Forest,
+    node_logp: list[torch.Tensor],
+    config: SamplingConfig,
+    deepest: int,
+) -> tuple:
+    """What fixes the layout of an iteration's draws: the shapes and the config."""
+    shapes = tuple(tuple(x.shape) for x in node_logp) + tuple(
+        tuple(layer.token.shape) for layer in forest.layers
+    )
+    return (tuple(state.tokens.shape), shapes, node_logp[0].dtype, deepest,
+            config.model_dump_json(exclude={"seed"}))  # fmt: skip
+
+
+def _cloned(tree: Any) -> Any:
+    """`tree` (dataclasses, dicts, lists of tensors) with every tensor copied."""
+    if isinstance(tree, torch.Tensor):
+        return tree.clone()
+    if isinstance(tree, dict):
+        return {key: _cloned(value) for key, value in tree.items()}
+    if isinstance(tree, list | tuple):
+        return type(tree)(_cloned(value) for value in tree)
+    if dataclasses.is_dataclass(tree) and not isinstance(tree, type):
+        fields = dataclasses.fields(tree)
+        return type(tree)(**{f.name: _cloned(getattr(tree, f.name)) for f in fields})
+    return tree
