@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from deployments.admission import check_fits
 from deployments.api_errors import APIError
 from dsbd_core.algorithm.config import SamplingConfig
-from dsbd_core.algorithm.decoders import METHODS_WITH_DRAFT, method_config
+from dsbd_core.algorithm.decoders import METHODS_WITH_DRAFT, MethodConfigError, method_config
 
 
 class Limits(BaseModel):
@@ -64,7 +64,10 @@ def check_config(
     if bad:
         raise APIError(400, f"prompt_ids: token id {bad[0]} out of range; allowed "
                        f"0..{vocab - 1}", "prompt_ids")  # fmt: skip
-    config = method_config(method, config)
+    try:
+        config = method_config(method, config)
+    except MethodConfigError as error:
+        raise APIError(400, str(error), error.field) from None
     draft_field = "draft_width" if config.draft_width is not None else "width"
     for field, value, limit, name in (
         ("prompt", len(prompt_ids), limits.max_prompt_tokens, "max_prompt_tokens"),

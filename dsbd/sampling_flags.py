@@ -12,7 +12,7 @@ import argparse
 from collections.abc import Callable
 from typing import Any, get_args
 
-from dsbd_core.algorithm.config import Mode, SamplingConfig
+from dsbd_core.algorithm.config import Mode, SamplingConfig, Selection
 
 
 def _optional_float(text: str) -> float | None:
@@ -78,6 +78,8 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
             kind: dict[str, Any] = {"action": argparse.BooleanOptionalAction}
         elif name == "mode":
             kind = {"choices": get_args(Mode)}
+        elif name == "selection":
+            kind = {"choices": get_args(Selection)}
         else:
             parse = _FIELD_TYPES[name]
             metavar = {int: "N", float: "X", _optional_float: "T|none", _optional_int: "N|none",

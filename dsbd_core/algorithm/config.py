@@ -13,6 +13,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 Mode = Literal["with_replacement", "distinct"]
+Selection = Literal["paper", "transformers"]
 
 
 class SamplingConfig(BaseModel):
@@ -79,6 +80,17 @@ class SamplingConfig(BaseModel):
             " lean_memory and epsilon do not apply."
         ),
     )
+    selection: Selection = Field(
+        "paper",
+        description=(
+            "Which beams beam sampling keeps each step. paper: the W it samples (the DSBD"
+            " paper's law, the joint filter over beams x vocabulary). transformers: as"
+            " transformers' generate(do_sample=True, num_beams=W): sample K = max(2, 1 + #EOS)"
+            " x W distinct candidates, keep the W best by score, finish the EOS ones among"
+            " them (temperature, top_k, top_p per beam; length_penalty, early_stopping as in"
+            " its beam search). transformers applies to method beam (no draft) only."
+        ),
+    )
     early_stopping: bool | Literal["never"] = Field(
         False,
         description=(
@@ -99,6 +111,15 @@ class SamplingConfig(BaseModel):
     )
 
     @model_validator(mode="after")
+    def _selection_samples(self) -> SamplingConfig:
+        if self.search and self.selection == "transformers":
+            raise ValueError(
+                "selection='transformers' samples its candidates, search=true takes the best"
+                " ones; allowed: one of them"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _w_min_within_width(self) -> SamplingConfig:
         if self.w_min > self.width:
             raise ValueError(
@@ -112,6 +133,12 @@ class SamplingConfig(BaseModel):
         """The draft width W_S: `draft_width`, or the beam width W when it is not set (the
         field stays None then, so an error can name the field the client actually set)."""
         return self.draft_width if self.draft_width is not None else self.width
+
+    @property
+    def searching(self) -> bool:
+        """The search engine runs the decode: deterministic beam search, or beam sampling
+        under transformers' law (the search's steps with a sampled candidate set)."""
+        return self.search or self.selection == "transformers"
 
     @property
     def fixed_width(self) -> bool:

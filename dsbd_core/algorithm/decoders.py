@@ -28,8 +28,31 @@ METHODS: tuple[str, ...] = get_args(Method)
 METHODS_WITH_DRAFT: tuple[str, ...] = ("sps", "dsbd", "spec_beam_search")
 
 
+class MethodConfigError(ValueError):
+    """A config field the method cannot honour (`field` names it)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
 def method_config(method: str, config: SamplingConfig) -> SamplingConfig:
-    """The config a method actually runs with."""
+    """The config a method actually runs with.
+
+    selection='transformers' is transformers' beam sampling, `num_beams=W` with W > 1; with
+    one beam transformers samples plainly (`_sample`), which is the paper's law at W = 1, so
+    one-beam methods run that. The speculative decoders follow the paper's law only.
+    """
+    if config.selection == "transformers":
+        if method in METHODS_WITH_DRAFT and method != "sps":
+            raise MethodConfigError(
+                "selection",
+                f"selection='transformers' is not available for method={method!r}; allowed:"
+                " method beam (or sample, sps), or selection='paper'",
+            )
+        one_beam = method in ("sample", "sps") or config.width == 1
+        if one_beam:
+            config = config.model_copy(update={"selection": "paper"})
     if method == "sample":
         return config.model_copy(
             update={"width": 1, "w_min": 1, "draft_width": None, "lean_memory": False}

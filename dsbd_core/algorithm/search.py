@@ -28,6 +28,8 @@ from dataclasses import dataclass
 import torch
 
 from dsbd_core.algorithm.config import SamplingConfig
+from dsbd_core.algorithm.distributions import Source
+from dsbd_core.algorithm.transformers_law import sampled_candidates
 
 NEG_INF = float("-inf")
 
@@ -58,19 +60,29 @@ def search_step(
     finished_scores: torch.Tensor,
     eos: torch.Tensor,
     config: SamplingConfig,
+    source: Source | None = None,
 ) -> SearchStep:
     """One beam-search step from the running beams marked `valid` [B, P] among `P` parent rows.
 
     parent_score: [B, P] log-likelihoods; logp: [B, P, V] the target's log-probs at the parents;
     generated: [B] generated length of the candidates (tokens after the prompt, this one
     included); finished_scores: [B, W] the session's W best normalised finished scores so far.
+    `source`: the K candidates are sampled as transformers' beam sampling samples them
+    (`transformers_law.py`), drawing from it; None: the K best (deterministic search).
     """
     batch, parents, vocab = logp.shape
     width = finished_scores.shape[1]
     weights = parent_score[:, :, None] + logp.to(torch.float64)
-    weights = weights.masked_fill_(~valid[:, :, None], NEG_INF).reshape(batch, -1)
-    keep = min(max(2, 1 + eos.numel()) * width, weights.shape[1])
-    top = weights.topk(keep, dim=1)  # sorted: best first
+    weights = weights.masked_fill_(~valid[:, :, None], NEG_INF)
+    keep = min(max(2, 1 + eos.numel()) * width, parents * vocab)
+    if source is None:
+        top = weights.reshape(batch, -1).topk(keep, dim=1)  # sorted: best first
+        top_values, top_indices = top.values, top.indices
+    else:
+        top_values, top_indices = sampled_candidates(
+            weights, logp, keep, width, eos.numel(), config, source
+        )
+    top = _Top(top_values, top_indices)
     exists = torch.isfinite(top.values)
     is_eos = torch.isin(top.indices % vocab, eos)
     at_limit = (generated >= config.max_new_tokens)[:, None]
@@ -108,6 +120,12 @@ def search_step(
         finished_scores=merged,
         done=done | (stopping | ~exists).all(dim=1),
     )
+
+
+@dataclass
+class _Top:
+    values: torch.Tensor  # [B, K] scores, best first
+    indices: torch.Tensor  # [B, K] flat candidate indices
 
 
 def _search_done(

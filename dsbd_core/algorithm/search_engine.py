@@ -8,7 +8,8 @@ finished hypotheses (`DecodeState.finished_scores`) travel with the state. Witho
 (`spec_beam_search`) an iteration may take several, the output being the same tokens.
 
 `engine_for` is what `loop.Decode` and `loop.IterationCall.engine` build: `Engine` for
-sampling methods, `SearchEngine` when `config.search` is set.
+sampling methods, `SearchEngine` when `config.searching` (deterministic beam search, or beam
+sampling under transformers' law: the search's steps over a sampled candidate set).
 """
 
 from __future__ import annotations
@@ -18,11 +19,12 @@ from collections.abc import Generator
 import torch
 
 from dsbd_core.algorithm.config import SamplingConfig
-from dsbd_core.algorithm.engine import Engine
+from dsbd_core.algorithm.engine import _VERIFY_STREAM, Engine
 from dsbd_core.algorithm.result import DecodeResult, collect_results
 from dsbd_core.algorithm.scorer import ForestLogprobs, ScoreCall
 from dsbd_core.algorithm.search_walk import draft_search, verify_search
 from dsbd_core.algorithm.state import NO_FOREST, DecodeState, Forest, Outcome
+from dsbd_core.algorithm.streams import Streams
 
 
 def engine_for(
@@ -30,7 +32,7 @@ def engine_for(
 ) -> Engine:
     """The engine that runs `config`: beam search when `config.search`, else sampling
     (`graph`: the verify side as one compiled graph where it applies, `verify_graph.py`)."""
-    kind = SearchEngine if config.search else Engine
+    kind = SearchEngine if config.searching else Engine
     return kind(config, vocab_size, uses_draft=uses_draft, graph=graph)
 
 
@@ -59,7 +61,8 @@ class SearchEngine(Engine):
         """Target side: one forward over the forest, the target's search steps through it."""
         assert state.depth is not None, "call next_iteration first"
         eos = self._place(state)
-        return (yield from verify_search(state, forest, self.config, self.vocab, eos))
+        streams = Streams(self.generator, self._reseed(state, _VERIFY_STREAM))
+        return (yield from verify_search(state, forest, self.config, self.vocab, eos, streams))
 
     def advance(self, state: DecodeState, outcome: Outcome) -> None:
         """As `Engine.advance`, and the finished hypotheses' scores."""

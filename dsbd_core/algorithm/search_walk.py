@@ -46,6 +46,7 @@ from dsbd_core.algorithm.state import (
     roots_of,
     zero_counters,
 )
+from dsbd_core.algorithm.streams import BONUS, Streams
 
 NEG_INF = float("-inf")
 
@@ -84,14 +85,20 @@ def draft_search(
 
 
 def verify_search(
-    state: DecodeState, forest: Forest, config: SamplingConfig, vocab: int, eos: torch.Tensor
+    state: DecodeState,
+    forest: Forest,
+    config: SamplingConfig,
+    vocab: int,
+    eos: torch.Tensor,
+    streams: Streams | None = None,
 ) -> Generator[ScoreCall, ForestLogprobs, Outcome]:
-    """Score the forest in one target call; take the target's search steps through it."""
+    """Score the forest in one target call; take the target's search steps through it
+    (`streams`: where a sampled step draws, transformers' law)."""
     assert state.depth is not None and state.finished_scores is not None
     scored = yield ScoreCall(roots_of(state),
                              list(forest.layers))  # fmt: skip
     assert scored.roots is not None
-    walk = _SearchWalk(state, forest, config, vocab, eos)
+    walk = _SearchWalk(state, forest, config, vocab, eos, streams)
     walk.counters["target"] += state.alive.any(dim=1).long()
     for layer in forest.layers:
         walk.counters["proposed"] += layer.exists.sum(dim=1)
@@ -110,9 +117,10 @@ class _SearchWalk:
 
     def __init__(
         self, state: DecodeState, forest: Forest, config: SamplingConfig, vocab: int,
-        eos: torch.Tensor,
+        eos: torch.Tensor, streams: Streams | None,
     ) -> None:  # fmt: skip
         assert state.depth is not None and state.finished_scores is not None
+        self.streams = streams
         self.state, self.forest, self.config, self.vocab, self.eos = (
             state, forest, config, vocab, eos
         )  # fmt: skip
@@ -135,8 +143,13 @@ class _SearchWalk:
         `level - 1`), for the sessions still pending."""
         state = self.state
         generated = state.length - state.prompt_len + level
+        source = None
+        if self.config.selection == "transformers":
+            assert self.streams is not None, "a sampled step draws"
+            source = self.streams.at(level, BONUS)
         step = search_step(self.parent_score, logp, self.valid & self.pending[:, None],
-                           generated, self.finished_scores, self.eos, self.config)  # fmt: skip
+                           generated, self.finished_scores, self.eos, self.config,
+                           source)  # fmt: skip
         pending = self.pending
         self.finished_scores = torch.where(pending[:, None], step.finished_scores,
                                            self.finished_scores)  # fmt: skip

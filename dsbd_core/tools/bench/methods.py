@@ -3,6 +3,8 @@
     sample                       multinomial sampling (our engine; = beam sampling with W = 1)
     sps-g{G}                     speculative sampling, draft depth G
     beam-w{W}                    beam sampling of width W (our engine)
+    beam-w{W}-tf                 beam sampling of width W under transformers' law (our engine,
+                                 selection='transformers': K = 2W sampled, the W best kept)
     dsbd-w{W}-g{G}-fixed         DSBD, fixed width W
     dsbd-w{W}-g{G}-t{T}          DSBD, dynamic width with threshold T (w_min 1)
     ...-ws{S}                    draft width W_S = S (default: W)
@@ -43,7 +45,7 @@ SEARCH_FAMILIES = ("search", "spec-search", "hf-search")
 # our decoders' names (dsbd_core.algorithm.decoders) where they differ from the family's
 _ENGINE_METHOD = {"search": "beam_search", "spec-search": "spec_beam_search"}
 GRAMMAR = (
-    "sample | sps[-g<G>][-fk] | beam-w<W> | "
+    "sample | sps[-g<G>][-fk] | beam-w<W>[-tf] | "
     "dsbd-w<W>[-g<G>](-fixed|-t<T>)[-ws<S>][-wmin<M>][-lean][-fk] | "
     "hf-sample | hf-beam-w<W> | hf-assisted | "
     "search-w<W> | spec-search-w<W>[-g<G>][-ws<S>][-fk] | hf-search-w<W>"
@@ -66,6 +68,7 @@ class MethodSpec:
     lean: bool = False
     draft_width: int | None = None  # W_S; None = W
     fixed_knobs: bool = False  # draft gamma layers every iteration (no cost model)
+    transformers_law: bool = False  # selection='transformers' (beam only)
 
     @property
     def name(self) -> str:
@@ -75,7 +78,7 @@ class MethodSpec:
         if self.family == "sps":
             return f"sps-g{self.gamma}" + ("-fk" if self.fixed_knobs else "")
         if self.family in ("beam", "hf-beam", "search", "hf-search"):
-            return f"{self.family}-w{self.width}"
+            return f"{self.family}-w{self.width}" + ("-tf" if self.transformers_law else "")
         if self.family == "spec-search":
             ws = f"-ws{self.draft_width}" if self.draft_width not in (None, self.width) else ""
             return f"spec-search-w{self.width}-g{self.gamma}{ws}" + ("-fk" * self.fixed_knobs)
@@ -123,6 +126,8 @@ class MethodSpec:
                           draft_width=self.draft_width)  # fmt: skip
         if self.family == "spec-search":
             update["draft_width"] = self.draft_width
+        if self.transformers_law:
+            update["selection"] = "transformers"
         return SamplingConfig(**{**base.model_dump(), **update})  # validated (model_copy is not)
 
 
@@ -148,7 +153,7 @@ def _build(family: str, rest: list[str], gamma: int, text: str) -> MethodSpec:
         match = _OPTION.match(part)
         if match:
             values[match.group(1)] = float(match.group(2))
-        elif part in ("fixed", "lean", "fk"):
+        elif part in ("fixed", "lean", "fk", "tf"):
             flags.add(part)
         else:
             raise MethodNameError(f"method={text!r}: unknown part {part!r}; allowed: {GRAMMAR}")
@@ -166,8 +171,11 @@ def _build(family: str, rest: list[str], gamma: int, text: str) -> MethodSpec:
     }[family]
     extra = set(values) - allowed
     fk_ok = ("sps", "dsbd", "spec-search")
-    if extra or (flags - {"fk"} and family != "dsbd") or ("fk" in flags and family not in fk_ok):
-        bad = sorted(extra) or sorted(flags)
+    own = {"dsbd": {"fixed", "lean", "fk"}, "beam": {"tf"}}.get(family, set()) | (
+        {"fk"} if family in fk_ok else set()
+    )
+    if extra or flags - own:
+        bad = sorted(extra) or sorted(flags - own)
         raise MethodNameError(f"method={text!r}: {family} takes no {bad}; allowed: {GRAMMAR}")
     if family in ("beam", "hf-beam", "dsbd", *SEARCH_FAMILIES) and "w" not in values:
         raise MethodNameError(f"method={text!r}: {family} needs a width w<W>; allowed: {GRAMMAR}")
@@ -183,6 +191,7 @@ def _build(family: str, rest: list[str], gamma: int, text: str) -> MethodSpec:
         lean="lean" in flags,
         draft_width=int(values["ws"]) if "ws" in values else None,
         fixed_knobs="fk" in flags,
+        transformers_law="tf" in flags,
     )
     try:  # the config model validates ranges (width 1..64, 0 <= t <= 1, w_min <= width, ...)
         spec.sampling_config(SamplingConfig())

@@ -1,0 +1,79 @@
+"""Beam sampling as transformers takes it: the candidate set of one step
+(`generate(do_sample=True, num_beams=W)`, `GenerationMixin._beam_search` in transformers 5.x).
+
+Each running beam's next-token log-probs go through transformers' sampling processors, per beam
+row, in its order: the temperature divides them (log-probs, not logits: `TemperatureLogitsWarper`
+on `log_softmax`), top-k keeps the k highest of the row (ties with the k-th kept), top-p drops
+the row's least likely tokens whose cumulative mass, counted from the bottom, stays within
+1 - top_p; both keep at least #EOS + 1 tokens when W > 1 (1 when W = 1). The candidates' scores
+are the beams' accumulated processed log-probs plus the processed token's; K = max(2, 1 + #EOS)
+x W of them are drawn without replacement from the softmax of those scores over every (beam,
+token) (`torch.multinomial`, i.e. successive sampling) and sorted by score. The rest of the step
+(the EOS ones among the W best finish, the W best others run on, early stopping) is the
+deterministic search's (`search.search_step`).
+
+An accumulated processed score is the raw log-likelihood divided by the temperature (the
+filters only exclude candidates), so the engine keeps raw scores and divides here: the ranking,
+the length-normalised finished scores and the early-stopping comparisons are the same up to
+that factor. The draw is Gumbel top-K, which is successive sampling without replacement.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dsbd_core.algorithm.config import SamplingConfig
+from dsbd_core.algorithm.distributions import Source, uniform
+
+NEG_INF = float("-inf")
+
+
+def row_filter(logp: torch.Tensor, config: SamplingConfig, keep_at_least: int) -> torch.Tensor:
+    """[..., V] bool: the tokens transformers' top-k and top-p processors keep in each row of
+    processed log-probs `logp` (already divided by the temperature)."""
+    kept = torch.ones_like(logp, dtype=torch.bool)
+    vocab = logp.shape[-1]
+    if config.top_k:
+        k = min(max(config.top_k, keep_at_least), vocab)
+        kth = logp.topk(k, dim=-1).values[..., -1:]
+        kept = logp >= kth
+    if config.top_p < 1.0:
+        scores = logp.masked_fill(~kept, NEG_INF)
+        ascending, order = scores.sort(dim=-1, stable=True)
+        mass = ascending.softmax(dim=-1).cumsum(dim=-1)
+        drop = mass <= 1.0 - config.top_p
+        drop[..., vocab - keep_at_least :] = False
+        kept = kept & ~torch.zeros_like(drop).scatter(-1, order, drop)
+    return kept
+
+
+def sampled_candidates(
+    weights: torch.Tensor,
+    logp: torch.Tensor,
+    keep: int,
+    width: int,
+    n_eos: int,
+    config: SamplingConfig,
+    source: Source,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's K = `keep` candidates: (scores [B, K] raw log-likelihoods, best first, -inf
+    where fewer than K could be drawn; flat indices parent * V + token [B, K]).
+
+    weights: [B, P, V] float64 raw accumulated log-likelihoods, -inf at invalid parents;
+    logp: [B, P, V] the target's log-probs at the parents.
+    """
+    batch = weights.shape[0]
+    temperature = config.temperature
+    processed = logp.to(torch.float64) / temperature
+    kept = row_filter(processed, config, n_eos + 1 if width > 1 else 1)
+    scores = (weights / temperature).masked_fill(~kept, NEG_INF).reshape(batch, -1)
+    u = uniform(source, tuple(scores.shape), torch.float64, scores.device)
+    gumbel = -torch.log(-torch.log(u.clamp_min(1e-300)))
+    drawn = (scores + gumbel).topk(keep, dim=1).indices
+    # sorted by score as transformers sorts its draws; -inf: nothing left to draw there
+    values = torch.where(
+        torch.isfinite(scores.gather(1, drawn)), weights.reshape(batch, -1).gather(1, drawn),
+        NEG_INF,
+    )  # fmt: skip
+    values, order = values.sort(dim=1, descending=True, stable=True)
+    return values, drawn.gather(1, order)

@@ -1,0 +1,106 @@
+"""Beam sampling under transformers' law (`selection='transformers'`) follows it exactly.
+
+The law is enumerated independently (`tests/exact_transformers.py`, written from transformers'
+`_beam_search`); 5e4 sessions decoded in one batched call on exact n-gram tables must be within
+the null run's TV quantile at the same sample size, for the processors and stopping rules that
+change the law (temperature, top-k, top-p, length penalty, early stopping). And transformers'
+own `generate(do_sample=True, num_beams=W)` on a tiny Llama follows the same enumeration (run
+on the model's float64 log-probs), which ties the reference to transformers itself.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from dsbd_core import SamplingConfig, TableScorer, generate_batch
+from tests.exact_reference import TableLM, assert_matches, random_table
+from tests.exact_transformers import transformers_beam_outcomes
+
+RUNS = 50_000
+V, EOS, PROMPT, MAX_NEW, WIDTH = 4, 0, [1], 3, 2
+CASES = [
+    ("plain", {}),
+    # top_k >= K = 4: below it transformers cannot draw its K candidates at the first step
+    ("temperature-top-k", {"temperature": 0.7, "top_k": 4, "vocab": 5}),
+    ("top-p-length-penalty", {"top_p": 0.95, "length_penalty": 0.5, "vocab": 5}),
+    ("early-stopping", {"early_stopping": True, "length_penalty": 2.0}),
+    ("never", {"early_stopping": "never", "temperature": 1.5}),
+]
+
+
+def _outcomes(results: list) -> list[tuple[tuple[int, ...], ...]]:
+    return [tuple(tuple(beam.token_ids) for beam in r.beams) for r in results]
+
+
+@pytest.mark.parametrize(("name", "knobs"), CASES, ids=[c[0] for c in CASES])
+def test_beam_under_transformers_law_is_exact(name: str, knobs: dict) -> None:
+    knobs = dict(knobs)
+    rng = np.random.default_rng(sum(map(ord, name)))
+    table = random_table(rng, knobs.pop("vocab", V), 2, concentration=1.0)
+    config = SamplingConfig(width=WIDTH, max_new_tokens=MAX_NEW, eos_token_ids=(EOS,), seed=3,
+                            selection="transformers", **knobs)  # fmt: skip
+    results = generate_batch("beam", TableScorer(torch.from_numpy(table)), [PROMPT] * RUNS,
+                             config)  # fmt: skip
+    exact = transformers_beam_outcomes(TableLM(table), PROMPT, WIDTH, MAX_NEW, {EOS}, **knobs)
+    assert_matches(_outcomes(results), exact, f"transformers' law, {name}")
+
+
+def test_the_paper_law_is_not_transformers_law() -> None:
+    """The two laws differ (the test above could not pass for either by accident)."""
+    rng = np.random.default_rng(7)
+    table = random_table(rng, V, 2, concentration=1.0)
+    config = SamplingConfig(width=WIDTH, max_new_tokens=MAX_NEW, eos_token_ids=(EOS,), seed=3)
+    results = generate_batch("beam", TableScorer(torch.from_numpy(table)), [PROMPT] * RUNS,
+                             config)  # fmt: skip
+    exact = transformers_beam_outcomes(TableLM(table), PROMPT, WIDTH, MAX_NEW, {EOS})
+    with pytest.raises(AssertionError):
+        assert_matches(_outcomes(results), exact, "the paper's law")
+
+
+class _ModelLM:
+    """The tiny model's next-token log-probs (float64) with `TableLM`'s interface."""
+
+    def __init__(self, model: LlamaForCausalLM) -> None:
+        self.model, self.vocab_size = model, model.config.vocab_size
+        self.cache: dict[tuple[int, ...], np.ndarray] = {}
+
+    def next_logprobs(self, seq: tuple[int, ...]) -> np.ndarray:
+        key = tuple(seq)
+        if key not in self.cache:
+            with torch.no_grad():
+                logits = self.model(torch.tensor([key])).logits[0, -1].to(torch.float64)
+            self.cache[key] = torch.log_softmax(logits, -1).numpy()
+        return self.cache[key]
+
+
+def test_transformers_generate_follows_the_enumeration() -> None:
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=5, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=16,
+                         bos_token_id=1, eos_token_id=EOS, pad_token_id=EOS)  # fmt: skip
+    model = LlamaForCausalLM(config).to(torch.float64).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(3.0)
+    prompt = [1, 2]
+    samples = []
+    torch.manual_seed(1)
+    for _ in range(RUNS // 10_000):
+        out = model.generate(
+            torch.tensor([prompt] * 10_000), attention_mask=torch.ones(10_000, len(prompt)),
+            do_sample=True, num_beams=WIDTH, num_return_sequences=WIDTH, max_new_tokens=MAX_NEW,
+            top_k=0, temperature=1.0, eos_token_id=EOS, pad_token_id=EOS,
+            return_dict_in_generate=True, output_scores=False,
+        )  # fmt: skip
+        for i in range(10_000):
+            rows = out.sequences[i * WIDTH : (i + 1) * WIDTH, len(prompt) :].tolist()
+            samples.append(tuple(_until_eos(row) for row in rows))
+    exact = transformers_beam_outcomes(_ModelLM(model), prompt, WIDTH, MAX_NEW, {EOS})
+    assert_matches(samples, exact, "transformers' generate(do_sample=True, num_beams=2)")
+
+
+def _until_eos(row: list[int]) -> tuple[int, ...]:
+    """A returned row's generated tokens up to and including its EOS (the rest is padding)."""
+    return tuple(row[: row.index(EOS) + 1]) if EOS in row else tuple(row)
