@@ -61,6 +61,8 @@ def costs(path: Path, context: int) -> dict[str, Any]:
         "verify_over_beam_16_nodes": max((c["verify_over_beam_step"] for c in dsbd
                                           if c["width"] * c["gamma"] <= 16), default=None),
         "engine_share": w3g3["host_ms"] / iteration if w3g3 and iteration else None,
+        "dsbd_iteration_ms": iteration or None,
+        "beam_iteration_ms": beams[3]["beam_step_ms"] + beams[3]["host_ms"] if 3 in beams else None,
         "modelled_dsbd_vs_beam": max((m["speedup_with_host"] for m in modelled), default=None),
         "static_path": report.get("static_path", {}),
     }  # fmt: skip
@@ -257,6 +259,12 @@ def table(summary: dict[str, Any]) -> str:
         value = summary.get(key)
         shown = f"{value:.3g}" if isinstance(value, float) else str(value)
         rows.append(f"| {target['what']} | {shown} | {target['target']} | {target['met']} |")
+    rows += ["", "| costs (path, engine) | beam iteration ms | DSBD W=3 gamma=3 iteration ms |"
+             " engine share |", "|---|---:|---:|---:|"]  # fmt: skip
+    for key, fig in summary["by_size_and_path"].items():
+        cells = [fig.get(k) for k in ("beam_iteration_ms", "dsbd_iteration_ms", "engine_share")]
+        rows.append(f"| {key} | " + " | ".join("" if v is None else f"{v:.3g}" for v in cells)
+                    + " |")  # fmt: skip
     rows += ["", "| method | ms / token |", "|---|---:|"]
     rows += [f"| {method} (embedded pair) | {ms:.1f} |" for method, ms in summary["e2e"].items()]
     rows += [f"| beam W=3 {method} (random weights, {summary['shapes']}) | {ms:.2f} |"

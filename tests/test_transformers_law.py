@@ -16,6 +16,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from dsbd_core import SamplingConfig, TableScorer, generate_batch
+from dsbd_core.algorithm.decoders import MethodConfigError, method_config
 from tests.exact_reference import TableLM, assert_matches, random_table
 from tests.exact_transformers import transformers_beam_outcomes
 
@@ -32,7 +33,16 @@ CASES = [
 
 
 def _outcomes(results: list) -> list[tuple[tuple[int, ...], ...]]:
-    return [tuple(tuple(beam.token_ids) for beam in r.beams) for r in results]
+    """The W returned sequences of each session, as a set (sorted): n-gram tables give exact
+    ties in score (the same transitions in another order), whose order is arbitrary."""
+    return [tuple(sorted(tuple(beam.token_ids) for beam in r.beams)) for r in results]
+
+
+def _as_sets(exact: dict) -> dict:
+    merged: dict = {}
+    for key, p in exact.items():
+        merged[tuple(sorted(key))] = merged.get(tuple(sorted(key)), 0.0) + p
+    return merged
 
 
 @pytest.mark.parametrize(("name", "knobs"), CASES, ids=[c[0] for c in CASES])
@@ -45,7 +55,37 @@ def test_beam_under_transformers_law_is_exact(name: str, knobs: dict) -> None:
     results = generate_batch("beam", TableScorer(torch.from_numpy(table)), [PROMPT] * RUNS,
                              config)  # fmt: skip
     exact = transformers_beam_outcomes(TableLM(table), PROMPT, WIDTH, MAX_NEW, {EOS}, **knobs)
-    assert_matches(_outcomes(results), exact, f"transformers' law, {name}")
+    assert_matches(_outcomes(results), _as_sets(exact), f"transformers' law, {name}")
+
+
+SPECULATIVE = [
+    ("g1", {"gamma": 1}, {}),
+    ("g3", {"gamma": 3}, {}),
+    ("ws3-temperature", {"gamma": 2, "draft_width": 3, "temperature": 0.8}, {}),
+    ("zero-mass-ws6", {"gamma": 2, "draft_width": 6, "top_k": 4},
+     {"vocab": 5, "target_zeros": 0.15, "draft_zeros": 0.3}),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("name", "knobs", "tables"), SPECULATIVE, ids=[c[0] for c in SPECULATIVE])
+def test_dsbd_under_transformers_law_is_exact(name: str, knobs: dict, tables: dict) -> None:
+    """The draft's layers verified with the distinct chain of width K: transformers' law at
+    fewer target forwards (EOS reachable; W_S below, at and above K; zero draft and target
+    mass where `tables` says)."""
+    rng = np.random.default_rng(sum(map(ord, name)) + 1)
+    vocab = tables.get("vocab", V)
+    target = random_table(rng, vocab, 2, concentration=1.0, zero_prob=tables.get("target_zeros", 0))
+    draft = random_table(rng, vocab, 2, concentration=1.0, zero_prob=tables.get("draft_zeros", 0))
+    config = SamplingConfig(width=WIDTH, max_new_tokens=MAX_NEW, eos_token_ids=(EOS,), seed=5,
+                            selection="transformers", **knobs)  # fmt: skip
+    results = generate_batch("dsbd", TableScorer(torch.from_numpy(target)), [PROMPT] * RUNS,
+                             config, TableScorer(torch.from_numpy(draft)))  # fmt: skip
+    filters = {k: v for k, v in knobs.items() if k in ("temperature", "top_k", "top_p")}
+    exact = transformers_beam_outcomes(TableLM(target), PROMPT, WIDTH, MAX_NEW, {EOS}, **filters)
+    assert_matches(_outcomes(results), _as_sets(exact), f"dsbd under transformers' law, {name}")
+    passes = sum(r.stats.target_forward_passes for r in results) / RUNS
+    steps = sum(r.stats.tokens_emitted for r in results) / RUNS
+    assert passes < steps, f"no step was saved ({passes:.2f} passes for {steps:.2f} steps)"
 
 
 def test_the_paper_law_is_not_transformers_law() -> None:
@@ -57,7 +97,7 @@ def test_the_paper_law_is_not_transformers_law() -> None:
                              config)  # fmt: skip
     exact = transformers_beam_outcomes(TableLM(table), PROMPT, WIDTH, MAX_NEW, {EOS})
     with pytest.raises(AssertionError):
-        assert_matches(_outcomes(results), exact, "the paper's law")
+        assert_matches(_outcomes(results), _as_sets(exact), "the paper's law")
 
 
 class _ModelLM:
@@ -96,11 +136,25 @@ def test_transformers_generate_follows_the_enumeration() -> None:
         )  # fmt: skip
         for i in range(10_000):
             rows = out.sequences[i * WIDTH : (i + 1) * WIDTH, len(prompt) :].tolist()
-            samples.append(tuple(_until_eos(row) for row in rows))
+            samples.append(tuple(sorted(_until_eos(row) for row in rows)))
     exact = transformers_beam_outcomes(_ModelLM(model), prompt, WIDTH, MAX_NEW, {EOS})
-    assert_matches(samples, exact, "transformers' generate(do_sample=True, num_beams=2)")
+    assert_matches(samples, _as_sets(exact), "transformers' generate(do_sample=True, num_beams=2)")
 
 
 def _until_eos(row: list[int]) -> tuple[int, ...]:
     """A returned row's generated tokens up to and including its EOS (the rest is padding)."""
     return tuple(row[: row.index(EOS) + 1]) if EOS in row else tuple(row)
+
+
+def test_what_transformers_law_refuses_is_named() -> None:
+    config = SamplingConfig(selection="transformers", width=3)
+    for field, value in (("threshold", 0.7), ("lean_memory", True), ("epsilon", 0.1)):
+        with pytest.raises(MethodConfigError) as caught:
+            method_config("dsbd", config.model_copy(update={field: value}))
+        assert caught.value.field == field and field in str(caught.value)
+    with pytest.raises(ValueError, match="selection='transformers'"):
+        SamplingConfig(selection="transformers", search=True)
+    # one beam: transformers samples plainly, the paper's law at W = 1
+    assert method_config("sample", config).selection == "paper"
+    assert method_config("sps", config).selection == "paper"
+    assert method_config("beam", config).selection == "transformers"

@@ -44,15 +44,19 @@ def method_config(method: str, config: SamplingConfig) -> SamplingConfig:
     one-beam methods run that. The speculative decoders follow the paper's law only.
     """
     if config.selection == "transformers":
-        if method in METHODS_WITH_DRAFT and method != "sps":
-            raise MethodConfigError(
-                "selection",
-                f"selection='transformers' is not available for method={method!r}; allowed:"
-                " method beam (or sample, sps), or selection='paper'",
-            )
         one_beam = method in ("sample", "sps") or config.width == 1
         if one_beam:
             config = config.model_copy(update={"selection": "paper"})
+        elif method == "dsbd":  # transformers' law has a fixed width and no lossy mode
+            for field, value, neutral in (("threshold", config.threshold, None),
+                                          ("lean_memory", config.lean_memory, False),
+                                          ("epsilon", config.epsilon, 0.0)):  # fmt: skip
+                if value != neutral:
+                    raise MethodConfigError(
+                        field,
+                        f"{field}={value!r} does not apply under selection='transformers' (a"
+                        f" fixed width, exact); allowed: {neutral!r}",
+                    )
     if method == "sample":
         return config.model_copy(
             update={"width": 1, "w_min": 1, "draft_width": None, "lean_memory": False}

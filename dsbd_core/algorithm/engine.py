@@ -40,7 +40,7 @@ from dsbd_core.algorithm.verify_graph import graph_applies, graph_for
 
 # Random streams of an iteration: the two sides, and the width estimate of distinct drafts
 # (its own stream, so choosing a width never moves the verification's uniforms).
-_DRAFT_STREAM, _VERIFY_STREAM, _WIDTH_STREAM = 1, 2, 3
+DRAFT_STREAM, VERIFY_STREAM, WIDTH_STREAM = 1, 2, 3
 
 
 class Engine:
@@ -148,7 +148,7 @@ class Engine:
         if not self.uses_draft:
             return NO_FOREST
         eos = self._place(state)
-        self._reseed(state, _DRAFT_STREAM)
+        self._reseed(state, DRAFT_STREAM)
         return (yield from draft_forest(state, self.config, self.vocab, eos, self.generator))
 
     def verify_steps(
@@ -158,8 +158,8 @@ class Engine:
         generator of its one target-model call."""
         assert state.depth is not None, "call next_iteration first"
         eos = self._place(state)
-        streams = Streams(self.generator, self._reseed(state, _VERIFY_STREAM))
-        self._reseed(state, _WIDTH_STREAM, self.width_generator)
+        streams = Streams(self.generator, self._reseed(state, VERIFY_STREAM))
+        self._reseed(state, WIDTH_STREAM, self.width_generator)
         verify = verify_scored
         if self.graph and graph_applies(self.config) and not may_read(state.alive):
             verify = graph_for(state.alive.device, verify_scored)

@@ -61,6 +61,7 @@ def search_step(
     eos: torch.Tensor,
     config: SamplingConfig,
     source: Source | None = None,
+    drawn: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> SearchStep:
     """One beam-search step from the running beams marked `valid` [B, P] among `P` parent rows.
 
@@ -68,14 +69,18 @@ def search_step(
     generated: [B] generated length of the candidates (tokens after the prompt, this one
     included); finished_scores: [B, W] the session's W best normalised finished scores so far.
     `source`: the K candidates are sampled as transformers' beam sampling samples them
-    (`transformers_law.py`), drawing from it; None: the K best (deterministic search).
+    (`transformers_law.py`), drawing from it; `drawn`: they were drawn already (scores best
+    first, indices: a verified layer, `sampled_search.py`); neither: the K best
+    (deterministic search).
     """
     batch, parents, vocab = logp.shape
     width = finished_scores.shape[1]
     weights = parent_score[:, :, None] + logp.to(torch.float64)
     weights = weights.masked_fill_(~valid[:, :, None], NEG_INF)
     keep = min(max(2, 1 + eos.numel()) * width, parents * vocab)
-    if source is None:
+    if drawn is not None:
+        top_values, top_indices = drawn
+    elif source is None:
         top = weights.reshape(batch, -1).topk(keep, dim=1)  # sorted: best first
         top_values, top_indices = top.values, top.indices
     else:

@@ -19,8 +19,9 @@ from collections.abc import Generator
 import torch
 
 from dsbd_core.algorithm.config import SamplingConfig
-from dsbd_core.algorithm.engine import _VERIFY_STREAM, Engine
+from dsbd_core.algorithm.engine import DRAFT_STREAM, VERIFY_STREAM, Engine
 from dsbd_core.algorithm.result import DecodeResult, collect_results
+from dsbd_core.algorithm.sampled_search import draft_sampled_search
 from dsbd_core.algorithm.scorer import ForestLogprobs, ScoreCall
 from dsbd_core.algorithm.search_walk import draft_search, verify_search
 from dsbd_core.algorithm.state import NO_FOREST, DecodeState, Forest, Outcome
@@ -53,7 +54,11 @@ class SearchEngine(Engine):
         assert state.depth is not None, "call next_iteration first"
         if not self.uses_draft:
             return NO_FOREST
-        return (yield from draft_search(state, self.config, self._place(state)))
+        eos = self._place(state)
+        if self.config.selection == "transformers":  # sampled: DSBD under transformers' law
+            self._reseed(state, DRAFT_STREAM)
+            return (yield from draft_sampled_search(state, self.config, eos, self.generator))
+        return (yield from draft_search(state, self.config, eos))
 
     def verify_steps(
         self, state: DecodeState, forest: Forest
@@ -61,7 +66,7 @@ class SearchEngine(Engine):
         """Target side: one forward over the forest, the target's search steps through it."""
         assert state.depth is not None, "call next_iteration first"
         eos = self._place(state)
-        streams = Streams(self.generator, self._reseed(state, _VERIFY_STREAM))
+        streams = Streams(self.generator, self._reseed(state, VERIFY_STREAM))
         return (yield from verify_search(state, forest, self.config, self.vocab, eos, streams))
 
     def advance(self, state: DecodeState, outcome: Outcome) -> None:

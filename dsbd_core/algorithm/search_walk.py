@@ -34,6 +34,7 @@ from dsbd_core.algorithm.beams import (
 from dsbd_core.algorithm.candidates import Scores, layer_candidates
 from dsbd_core.algorithm.config import SamplingConfig
 from dsbd_core.algorithm.logprobs import ForestLogprobTable, IterationLogprobs, Segment
+from dsbd_core.algorithm.sampled_search import verified_candidates
 from dsbd_core.algorithm.scorer import ForestLayer, ForestLogprobs, ScoreCall
 from dsbd_core.algorithm.search import SearchStep, search_step
 from dsbd_core.algorithm.state import (
@@ -46,7 +47,7 @@ from dsbd_core.algorithm.state import (
     roots_of,
     zero_counters,
 )
-from dsbd_core.algorithm.streams import BONUS, Streams
+from dsbd_core.algorithm.streams import Streams
 
 NEG_INF = float("-inf")
 
@@ -143,13 +144,16 @@ class _SearchWalk:
         `level - 1`), for the sessions still pending."""
         state = self.state
         generated = state.length - state.prompt_len + level
-        source = None
-        if self.config.selection == "transformers":
+        valid = self.valid & self.pending[:, None]
+        drawn = None
+        if self.config.selection == "transformers":  # transformers' law (sampled_search.py)
             assert self.streams is not None, "a sampled step draws"
-            source = self.streams.at(level, BONUS)
-        step = search_step(self.parent_score, logp, self.valid & self.pending[:, None],
-                           generated, self.finished_scores, self.eos, self.config,
-                           source)  # fmt: skip
+            verifying = self.pending & (state.depth >= level)  # type: ignore[operator]
+            drawn = verified_candidates(level, self.parent_score, logp, valid, verifying,
+                                        self.forest, self.config, self.eos,
+                                        self.streams)  # fmt: skip
+        step = search_step(self.parent_score, logp, valid, generated, self.finished_scores,
+                           self.eos, self.config, drawn=drawn)  # fmt: skip
         pending = self.pending
         self.finished_scores = torch.where(pending[:, None], step.finished_scores,
                                            self.finished_scores)  # fmt: skip

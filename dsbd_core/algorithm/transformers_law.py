@@ -47,6 +47,29 @@ def row_filter(logp: torch.Tensor, config: SamplingConfig, keep_at_least: int) -
     return kept
 
 
+def law_scores(
+    weights: torch.Tensor, logp: torch.Tensor, width: int, n_eos: int, config: SamplingConfig
+) -> torch.Tensor:
+    """[B, P x V] the candidates' processed accumulated scores (raw / temperature, -inf where
+    a processor removed the token or the parent is not a running beam): their softmax is the
+    law the K candidates are drawn from."""
+    processed = logp.to(torch.float64) / config.temperature
+    kept = row_filter(processed, config, n_eos + 1 if width > 1 else 1)
+    scores = (weights / config.temperature).masked_fill(~kept, NEG_INF)
+    return scores.reshape(weights.shape[0], -1)
+
+
+def ranked(
+    weights: torch.Tensor, index: torch.Tensor, exists: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Drawn candidates `index` [B, K] sorted by score as transformers sorts its draws: (raw
+    scores best first, -inf where none was drawn; their indices)."""
+    flat = weights.reshape(weights.shape[0], -1)
+    values = torch.where(exists, flat.gather(1, index), NEG_INF)
+    values, order = values.sort(dim=1, descending=True, stable=True)
+    return values, index.gather(1, order)
+
+
 def sampled_candidates(
     weights: torch.Tensor,
     logp: torch.Tensor,
@@ -62,18 +85,8 @@ def sampled_candidates(
     weights: [B, P, V] float64 raw accumulated log-likelihoods, -inf at invalid parents;
     logp: [B, P, V] the target's log-probs at the parents.
     """
-    batch = weights.shape[0]
-    temperature = config.temperature
-    processed = logp.to(torch.float64) / temperature
-    kept = row_filter(processed, config, n_eos + 1 if width > 1 else 1)
-    scores = (weights / temperature).masked_fill(~kept, NEG_INF).reshape(batch, -1)
+    scores = law_scores(weights, logp, width, n_eos, config)
     u = uniform(source, tuple(scores.shape), torch.float64, scores.device)
     gumbel = -torch.log(-torch.log(u.clamp_min(1e-300)))
     drawn = (scores + gumbel).topk(keep, dim=1).indices
-    # sorted by score as transformers sorts its draws; -inf: nothing left to draw there
-    values = torch.where(
-        torch.isfinite(scores.gather(1, drawn)), weights.reshape(batch, -1).gather(1, drawn),
-        NEG_INF,
-    )  # fmt: skip
-    values, order = values.sort(dim=1, descending=True, stable=True)
-    return values, drawn.gather(1, order)
+    return ranked(weights, drawn, torch.isfinite(scores.gather(1, drawn)))

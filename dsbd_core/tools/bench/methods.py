@@ -12,6 +12,7 @@
     ...-lean                     memory-lean DSBD (one beam kept between iterations, spec §7)
     ...-fk                       fixed knobs: draft exactly G layers every iteration (default:
                                  the cost model chooses the depth per iteration, up to G)
+    dsbd-w{W}-g{G}-fixed-tf      DSBD under transformers' law (selection='transformers')
     hf-sample                    transformers `generate(do_sample=True)`
     hf-beam-w{W}                 transformers `generate(num_beams=W, do_sample=True)`
     hf-assisted                  transformers `generate(assistant_model=draft, do_sample=True)`
@@ -46,7 +47,7 @@ SEARCH_FAMILIES = ("search", "spec-search", "hf-search")
 _ENGINE_METHOD = {"search": "beam_search", "spec-search": "spec_beam_search"}
 GRAMMAR = (
     "sample | sps[-g<G>][-fk] | beam-w<W>[-tf] | "
-    "dsbd-w<W>[-g<G>](-fixed|-t<T>)[-ws<S>][-wmin<M>][-lean][-fk] | "
+    "dsbd-w<W>[-g<G>](-fixed|-t<T>)[-ws<S>][-wmin<M>][-lean][-fk][-tf] | "
     "hf-sample | hf-beam-w<W> | hf-assisted | "
     "search-w<W> | spec-search-w<W>[-g<G>][-ws<S>][-fk] | hf-search-w<W>"
 )
@@ -92,6 +93,8 @@ class MethodSpec:
             parts.append("lean")
         if self.fixed_knobs:
             parts.append("fk")
+        if self.transformers_law:
+            parts.append("tf")
         return "-".join(parts)
 
     @property
@@ -171,7 +174,7 @@ def _build(family: str, rest: list[str], gamma: int, text: str) -> MethodSpec:
     }[family]
     extra = set(values) - allowed
     fk_ok = ("sps", "dsbd", "spec-search")
-    own = {"dsbd": {"fixed", "lean", "fk"}, "beam": {"tf"}}.get(family, set()) | (
+    own = {"dsbd": {"fixed", "lean", "fk", "tf"}, "beam": {"tf"}}.get(family, set()) | (
         {"fk"} if family in fk_ok else set()
     )
     if extra or flags - own:
