@@ -175,9 +175,23 @@ def test_speculative_search_matches_plain_with_fewer_target_forwards(server) -> 
           f"{speculative['stats']['target_forward_passes']}")  # fmt: skip
 
 
+def test_transformers_law_is_served_and_reproducible(server) -> None:
+    """selection='transformers' as an extra body field: beam and DSBD (through the draft and
+    verifier deployments), seeded decodes the same twice."""
+    body = {"prompt_ids": [5, 17, 42, 99], "max_new_tokens": 12, "width": 3, "gamma": 2,
+            "seed": 7, "selection": "transformers", "adaptive": False}  # fmt: skip
+    for method in ("beam", "dsbd"):
+        first = native(server, {**body, "method": method})
+        again = native(server, {**body, "method": method})
+        tokens = [b["token_ids"] for b in first["beams"]]
+        assert len(tokens) == 3 and tokens == [b["token_ids"] for b in again["beams"]], method
+
+
 @pytest.mark.parametrize(
     ("path", "body", "fragment"),
     [
+        ("completions", {"prompt": "x", "selection": "transformers", "threshold": 0.7},
+         "threshold=0.7 does not apply under selection='transformers'"),
         ("chat/completions", {"messages": MESSAGES, "top_logprobs": 2},
          "top_logprobs=2 needs logprobs=true"),
         ("chat/completions", {"messages": MESSAGES, "logprobs": True, "top_logprobs": 30},

@@ -35,8 +35,8 @@ Layout = dict[tuple[int, int], list[tuple[tuple[int, ...], torch.dtype]]]
 
 def graph_applies(config: SamplingConfig) -> bool:
     """The configs whose verify side reads nothing on a device: fixed width, no log-probs,
-    not deterministic search (those read, docs/ARCHITECTURE.md "Where the engine runs")."""
-    return config.fixed_width and config.logprobs is None and not config.search
+    not the search engine (those read, docs/ARCHITECTURE.md "Where the engine runs")."""
+    return config.fixed_width and config.logprobs is None and not config.searching
 
 
 class VerifyGraph:
