@@ -100,7 +100,15 @@ class _OpenAIRequest(DecodingKnobs):  # type: ignore[misc, valid-type]
 
     model: str = Field(..., description="A name from /v1/models.")
     max_tokens: int | None = Field(None, ge=1, le=32768, description="Tokens to generate at most.")
-    temperature: float = Field(1.0, gt=0.0, le=100.0)
+    temperature: float = Field(
+        1.0,
+        ge=0.0,
+        le=100.0,
+        description=(
+            "0 means deterministic decoding, as in vLLM: greedy for n = 1, beam search of"
+            " width n for n > 1 or use_beam_search (speculative with a drafting method)."
+        ),
+    )
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     n: int = Field(1, ge=1, le=64, description="How many beams to return, best first (<= width).")
     stream: bool = Field(False, description="Stream the current best beam as server-sent events.")
@@ -123,8 +131,10 @@ class _OpenAIRequest(DecodingKnobs):  # type: ignore[misc, valid-type]
                 raise ValueError(
                     f"{name}={value!r} is not supported by dsbd; allowed: {neutral!r} (omit it)"
                 )
+        if self.temperature == 0:  # vLLM: greedy, or beam search when beams are asked for
+            self.use_beam_search = True
         if self.use_beam_search and "width" not in self.model_fields_set:
-            self.width = self.n  # vLLM: n is the beam width
+            self.width = self.n  # vLLM: n is the beam width (1: greedy)
         width = self.width
         if self.method in BEAM_METHODS and self.n > width:
             raise ValueError(f"n={self.n} is larger than width={width}; allowed: 1 <= n <= width")
@@ -281,7 +291,8 @@ def _sampling_config(
     search = request.use_beam_search or request.method in SEARCH_METHODS  # type: ignore[attr-defined]
     return SamplingConfig(
         **knobs,
-        temperature=request.temperature,  # type: ignore[attr-defined]
+        # 0 (OpenAI routes) decodes deterministically (`search`), where no temperature applies
+        temperature=request.temperature or 1.0,  # type: ignore[attr-defined]
         top_p=request.top_p,  # type: ignore[attr-defined]
         seed=request.seed,  # type: ignore[attr-defined]
         max_new_tokens=max_new_tokens,

@@ -117,3 +117,19 @@ def test_n_is_bounded_by_the_width_and_unknown_fields_are_refused() -> None:
         CompletionRequest(model="m", prompt="p", n=2, method="sample")
     with pytest.raises(ValidationError, match="beams"):
         CompletionRequest(model="m", prompt="p", beams=3)
+
+
+@pytest.mark.parametrize(
+    ("extra", "width"), [({}, 1), ({"n": 3}, 3), ({"n": 2, "width": 4}, 4)]
+)  # fmt: skip
+def test_temperature_zero_decodes_deterministically_as_vllm(extra: dict, width: int) -> None:
+    """temperature 0: greedy for n = 1, beam search of width n (or the given width) for more."""
+    for kind, body in (
+        (CompletionRequest, {"prompt": "x"}),
+        (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}]}),
+    ):
+        request = kind(model="m", temperature=0, **body, **extra)
+        config = request.sampling_config((0,), 16)
+        assert config.search and config.width == width and config.temperature == 1.0
+    sampled = CompletionRequest(model="m", prompt="x", temperature=0.5)
+    assert not sampled.sampling_config((0,), 16).search

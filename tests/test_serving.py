@@ -374,7 +374,7 @@ def test_fuzzing_the_served_openapi_finds_no_server_error(server, tmp_path: Path
         ({"stop": ["one two three"]}, "stop="),
         ({"frequency_penalty": 0.5}, "frequency_penalty=0.5"),
         ({"unknown_knob": 1}, "unknown_knob"),
-        ({"temperature": 0}, "temperature=0"),
+        ({"temperature": -0.5}, "temperature=-0.5"),
     ],
 )
 def test_bad_requests_get_400_naming_the_field(server, body: dict, fragment: str) -> None:
@@ -383,6 +383,18 @@ def test_bad_requests_get_400_naming_the_field(server, body: dict, fragment: str
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert fragment in error["message"] and error["type"] == "invalid_request_error"
+
+
+def test_temperature_zero_is_greedy_or_beam_search(server) -> None:
+    """vLLM's meaning: temperature 0 decodes deterministically, greedy for n = 1 and beam
+    search of width n for more, without a seed."""
+    texts = []
+    for n in (1, 1, 3):
+        completion = client(server).completions.create(
+            model=MODEL, prompt="one two", max_tokens=8, temperature=0, n=n
+        )
+        texts.append([c.text for c in completion.choices])
+    assert texts[0] == texts[1] and len(texts[2]) == 3
 
 
 def test_unknown_model_is_404_and_the_schema_is_served(server) -> None:
