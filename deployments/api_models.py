@@ -166,7 +166,14 @@ class _OpenAIRequest(DecodingKnobs):  # type: ignore[misc, valid-type]
 class CompletionRequest(_OpenAIRequest):
     """POST /v1/completions."""
 
-    prompt: str = Field(..., min_length=1, description="The prompt text.")
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(
+        ...,
+        description=(
+            "The prompt: a text, a list of texts, a list of token ids, or a list of such lists"
+            " (OpenAI's forms). A list is a batch: every prompt is decoded, its n choices"
+            " indexed prompt x n + beam, and usage sums over them."
+        ),
+    )
     logprobs: int | None = Field(
         None,
         ge=0,
@@ -183,6 +190,33 @@ class CompletionRequest(_OpenAIRequest):
         if isinstance(value, bool):  # pydantic would read true as 1
             raise ValueError("completions take an integer 0..5 (the alternatives per token)")
         return value
+
+    @field_validator("prompt", mode="after")
+    @classmethod
+    def _prompts_not_empty(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            if not value:
+                raise ValueError("an empty prompt; allowed: at least one character")
+            return value
+        if not value:
+            raise ValueError("an empty list; allowed: at least one prompt or token id")
+        for i, item in enumerate(value):
+            if isinstance(item, int) and item < 0:
+                raise ValueError(f"prompt[{i}]={item}: token ids are >= 0")
+            if isinstance(item, str | list) and not item:
+                raise ValueError(f"prompt[{i}] is empty; allowed: at least one token")
+            if isinstance(item, list) and any(t < 0 for t in item):
+                bad = next(t for t in item if t < 0)
+                raise ValueError(f"prompt[{i}] holds token id {bad}; token ids are >= 0")
+        return value
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """Each prompt of the request, as a text or as token ids (one for a single prompt)."""
+        value = self.prompt
+        if isinstance(value, str) or all(isinstance(t, int) for t in value):
+            return [value]  # type: ignore[list-item]
+        return list(value)  # type: ignore[arg-type]
 
     @property
     def logprob_count(self) -> int | None:

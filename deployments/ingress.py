@@ -59,7 +59,12 @@ from deployments.auth import APIKeyGuard, guard_with, read_api_key
 from deployments.decode_session import Handles, accepted_per_position
 from deployments.messages import DecodeCall, DecodeEnd
 from deployments.observability import RequestObserver, note_method
-from deployments.openai_responses import BeamText, completion_response, native_beam_logprobs
+from deployments.openai_responses import (
+    BeamText,
+    batch_completion_response,
+    completion_response,
+    native_beam_logprobs,
+)
 from deployments.router_limits import Limits, RouterOptions, check_config
 from deployments.streaming import DecodeStream, sse_events
 from deployments.tracing import replica_id
@@ -162,8 +167,25 @@ class Ingress:
     @app.post("/v1/completions", response_model=None)
     async def completions(self, request: CompletionRequest) -> Any:
         self._check_model(request.model)
-        prompt_ids = self.tokenizer.encode(request.prompt)
-        return await self._openai(request, prompt_ids, chat=False)
+        prompts = await self._prompt_ids(request.prompts)
+        if len(prompts) == 1:
+            return await self._openai(request, prompts[0], chat=False)
+        if request.stream:
+            raise APIError(400, f"stream=true with a list of {len(prompts)} prompts is not "
+                           "supported; allowed: stream=false, or one prompt", "stream")  # fmt: skip
+        # every prompt its own decode, concurrently, through the same admission and batching;
+        # the first failure (a 400, 429, 504) cancels the others and is the reply
+        try:
+            async with asyncio.TaskGroup() as group:
+                tasks = [
+                    group.create_task(self._openai(request, ids, chat=False, beams_only=True))
+                    for ids in prompts
+                ]
+        except ExceptionGroup as failed:
+            raise failed.exceptions[0] from None
+        ends = [task.result() for task in tasks]
+        return batch_completion_response(self.options.model_name, prompts, ends,
+                                         request.n, self.texts)  # fmt: skip
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(self, request: ChatCompletionRequest) -> Any:
@@ -216,7 +238,27 @@ class Ingress:
         }
 
     # ----------------------------------------------------------------- helpers
-    async def _openai(self, request: Any, prompt_ids: list[int], *, chat: bool) -> Any:
+    async def _prompt_ids(self, prompts: list[str | list[int]]) -> list[list[int]]:
+        """Each prompt's token ids (texts tokenized); an id outside the vocabulary is a 400
+        naming where it stands."""
+        vocab = int((await self._model_info())["vocab_size"])
+        out = []
+        for i, prompt in enumerate(prompts):
+            if isinstance(prompt, str):
+                out.append(self.tokenizer.encode(prompt))
+                continue
+            for j, token in enumerate(prompt):
+                if token >= vocab:
+                    where = f"prompt[{i}][{j}]" if len(prompts) > 1 else f"prompt[{j}]"
+                    raise APIError(400, f"{where}={token}: token id out of range; allowed "
+                                   f"0..{vocab - 1}", "prompt")  # fmt: skip
+            out.append(list(prompt))
+        return out
+
+    async def _openai(
+        self, request: Any, prompt_ids: list[int], *, chat: bool, beams_only: bool = False
+    ) -> Any:
+        """One prompt's decode: the reply (streamed or not), or its beams (`beams_only`)."""
         stop_ids = self._stop_token_ids(request.stop_strings)
         stops = tuple(sorted(set(self.stop_ids) | set(stop_ids)))
         config = requested_config(
@@ -237,6 +279,8 @@ class Ingress:
                                 on_end=_report_end)  # fmt: skip
             return DecodeStream(events, leave)
         beams = (await self._run(call)).result.beams[: request.n]
+        if beams_only:
+            return beams
         return completion_response(self.options.model_name, prompt_ids, beams, self.texts,
                                    chat=chat)  # fmt: skip
 

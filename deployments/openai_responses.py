@@ -122,6 +122,33 @@ def usage(prompt_ids: list[int], beams: list[Beam]) -> Usage:
                  total_tokens=len(prompt_ids) + completion)  # fmt: skip
 
 
+def batch_completion_response(
+    model_name: str, prompts: list[list[int]], beams: list[list[Beam]], n: int, texts: BeamText
+) -> CompletionResponse:
+    """The reply to a list of prompts: prompt i's beams are choices i x n + j, best first
+    (OpenAI's order), and usage sums over the prompts."""
+    prompt_tokens = sum(len(p) for p in prompts)
+    completion = sum(len(b.token_ids) for group in beams for b in group)
+    return CompletionResponse(
+        model=model_name,
+        usage=Usage(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion,
+            total_tokens=prompt_tokens + completion,
+        ),  # fmt: skip
+        choices=[
+            CompletionChoice(
+                index=i * n + j,
+                text=texts.text(b),
+                logprobs=texts.beam_logprobs(b, chat=False),  # type: ignore[arg-type]
+                finish_reason=finish_reason(b),
+            )
+            for i, group in enumerate(beams)
+            for j, b in enumerate(group)
+        ],
+    )
+
+
 def completion_response(
     model_name: str, prompt_ids: list[int], beams: list[Beam], texts: BeamText, *, chat: bool
 ) -> ChatCompletionResponse | CompletionResponse:

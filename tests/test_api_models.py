@@ -8,6 +8,7 @@ parse into the client's own response types.
 from __future__ import annotations
 
 import json
+import re
 
 import httpx2 as httpx  # the HTTP library the openai client is built on
 import openai
@@ -133,3 +134,16 @@ def test_temperature_zero_decodes_deterministically_as_vllm(extra: dict, width: 
         assert config.search and config.width == width and config.temperature == 1.0
     sampled = CompletionRequest(model="m", prompt="x", temperature=0.5)
     assert not sampled.sampling_config((0,), 16).search
+
+
+def test_completion_prompts_take_openai_forms() -> None:
+    """A text, texts, token ids, lists of token ids (OpenAI's completions API); empty ones and
+    negative ids are refused naming where they stand."""
+    forms = [("x", ["x"]), (["a", "b"], ["a", "b"]), ([1, 2, 3], [[1, 2, 3]]),
+             ([[1, 2], [3]], [[1, 2], [3]])]  # fmt: skip
+    for prompt, prompts in forms:
+        assert CompletionRequest(model="m", prompt=prompt).prompts == prompts
+    for bad, fragment in (("", "empty prompt"), ([], "empty list"), ([[]], "prompt[0] is empty"),
+                          ([3, -1], "prompt[1]=-1"), ([[1], [2, -4]], "token id -4")):  # fmt: skip
+        with pytest.raises(ValidationError, match=re.escape(fragment)):
+            CompletionRequest(model="m", prompt=bad)
