@@ -9,10 +9,12 @@ output slots (`verify.fill_failed_layer`). A session whose drafted layers all pa
 bonus layer from P at the deepest layer. Accepted drafts ending in EOS leave for the pool and
 take their slot with them; a passed layer whose accepted beams all finished is refilled from P.
 
-Sessions of a batch stop at different layers; `_Walk` keeps which are still verifying. The
-order of random draws is part of the contract (seeded decodes are reproducible, and the
-distributed path draws exactly what the in-process one draws): bonus, width, verification,
-failure fill, refill — per layer, in this order.
+Sessions of a batch stop at different layers; `_Walk` keeps which are still verifying. Where
+each draw's numbers come from is part of the contract (seeded decodes are reproducible, and the
+distributed path draws exactly what the in-process one draws): the bonus, acceptance, fill and
+refill draws of each layer have a stream of their own (`streams.py`), the dynamic width's
+estimate its own generator, so whether a draw runs (the host skips what no session needs, a
+device draws always) moves no other draw.
 """
 
 from __future__ import annotations
