@@ -385,39 +385,6 @@ def test_bad_requests_get_400_naming_the_field(server, body: dict, fragment: str
     assert fragment in error["message"] and error["type"] == "invalid_request_error"
 
 
-def test_completions_take_prompt_batches_and_token_ids(server) -> None:
-    """OpenAI's prompt forms through the openai client: a text, its token ids, a batch of
-    texts, a batch of token-id lists; choices indexed prompt x n + beam; usage summed."""
-    tokenizer, _ = load_tokenizer(str(server["target"]))
-    ids = tokenizer.encode("one two")
-    common = {"model": MODEL, "max_tokens": 6, "temperature": 0}
-    text = client(server).completions.create(prompt="one two", **common)
-    by_ids = client(server).completions.create(prompt=ids, **common)
-    assert by_ids.choices[0].text == text.choices[0].text
-    batch = client(server).completions.create(prompt=["one two", "three"], n=2, **common)
-    assert [c.index for c in batch.choices] == [0, 1, 2, 3]  # prompt x n + beam
-    nested = client(server).completions.create(prompt=[ids, ids], **common)
-    assert [c.text for c in nested.choices] == [text.choices[0].text] * 2
-    assert nested.usage.prompt_tokens == 2 * len(ids)
-    for body, fragment in (({"prompt": [[1, 2], [3, 10**6]]}, "prompt[1][1]=1000000"),
-                           ({"prompt": ["a", "b"], "stream": True}, "stream=true")):  # fmt: skip
-        response = requests.post(f"{server['url']}/v1/completions",
-                                 json={"model": MODEL, **body}, timeout=60)  # fmt: skip
-        assert response.status_code == 400 and fragment in response.text, response.text
-
-
-def test_temperature_zero_is_greedy_or_beam_search(server) -> None:
-    """vLLM's meaning: temperature 0 decodes deterministically, greedy for n = 1 and beam
-    search of width n for more, without a seed."""
-    texts = []
-    for n in (1, 1, 3):
-        completion = client(server).completions.create(
-            model=MODEL, prompt="one two", max_tokens=8, temperature=0, n=n
-        )
-        texts.append([c.text for c in completion.choices])
-    assert texts[0] == texts[1] and len(texts[2]) == 3
-
-
 def test_unknown_model_is_404_and_the_schema_is_served(server) -> None:
     with pytest.raises(openai.NotFoundError, match="available: 'tiny'"):
         client(server).completions.create(model="gpt-4", prompt="x")
