@@ -79,31 +79,28 @@ def search_step(
     weights = weights.masked_fill_(~valid[:, :, None], NEG_INF)
     keep = min(max(2, 1 + eos.numel()) * width, parents * vocab)
     if drawn is not None:
-        top_values, top_indices = drawn
+        values, indices = drawn
     elif source is None:
-        top = weights.reshape(batch, -1).topk(keep, dim=1)  # sorted: best first
-        top_values, top_indices = top.values, top.indices
+        values, indices = weights.reshape(batch, -1).topk(keep, dim=1)  # sorted: best first
     else:
-        top_values, top_indices = sampled_candidates(
-            weights, logp, keep, width, eos.numel(), config, source
-        )
-    top = _Top(top_values, top_indices)
-    exists = torch.isfinite(top.values)
-    is_eos = torch.isin(top.indices % vocab, eos)
+        values, indices = sampled_candidates(weights, logp, keep, width, eos.numel(), config,
+                                             source)  # fmt: skip
+    exists = torch.isfinite(values)
+    is_eos = torch.isin(indices % vocab, eos)
     at_limit = (generated >= config.max_new_tokens)[:, None]
     stopping = exists & (is_eos | at_limit)
     # Only the W best candidates may finish (the rest are the running beams' backup).
     lengths = generated.to(torch.float64)[:, None] ** config.length_penalty
-    normalised = torch.where(stopping, top.values / lengths, NEG_INF)
+    normalised = torch.where(stopping, values / lengths, NEG_INF)
     normalised[:, width:] = NEG_INF
     full = torch.isfinite(finished_scores).all(dim=1)
     if config.early_stopping is True:  # W finished: nothing more enters
         normalised = torch.where(full[:, None], NEG_INF, normalised)
     merged = torch.cat([finished_scores, normalised], dim=1).topk(width, dim=1).values
     pooled = torch.isfinite(normalised) & (normalised >= merged[:, -1:])
-    running_key = torch.where(stopping | ~exists, NEG_INF, top.values)
+    running_key = torch.where(stopping | ~exists, NEG_INF, values)
     chosen = running_key.topk(min(width, keep), dim=1)
-    running = top.indices.gather(1, chosen.indices)
+    running = indices.gather(1, chosen.indices)
     running_exists = torch.isfinite(chosen.values)
     running_score = torch.where(running_exists, chosen.values, 0.0)
     if running.shape[1] < width:  # fewer candidates than beams (tiny vocabularies)
@@ -120,17 +117,11 @@ def search_step(
         running_exists=running_exists,
         pooled=pooled,
         pooled_eos=pooled & is_eos,
-        candidates=top.indices,
-        candidate_score=top.values,
+        candidates=indices,
+        candidate_score=values,
         finished_scores=merged,
         done=done | (stopping | ~exists).all(dim=1),
     )
-
-
-@dataclass
-class _Top:
-    values: torch.Tensor  # [B, K] scores, best first
-    indices: torch.Tensor  # [B, K] flat candidate indices
 
 
 def _search_done(
