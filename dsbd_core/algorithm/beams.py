@@ -104,6 +104,13 @@ def sequences(
     return seq, length + level
 
 
+def finds_rows(mask: torch.Tensor, rows_needed: bool) -> bool:
+    """Whether the beams leaving under `mask` are found by reading it (`pool_add`'s
+    `compact`): where the read costs nothing (the host), or where their rows are needed one by
+    one (log-probs follow the pooled rows); else they go to the pool under the mask."""
+    return rows_needed or may_read(mask)
+
+
 def pool_add(
     pool: Pool,
     seq: torch.Tensor,
@@ -170,13 +177,13 @@ def next_beams(
     eos: torch.Tensor,
     lean_memory: bool,
     max_new_tokens: int,
-    compact: bool = False,
+    rows_needed: bool = False,
 ) -> NextBeams:
     """Turn the output slots into the next iteration's input beams.
 
     Output beams that end in an EOS token go to `pool`; the others are packed to the front of
-    the rows (lean memory: only the most likely one is kept, spec §7). `compact`: pool them
-    compacted even where that reads a mask on a device (their log-probs need the rows).
+    the rows (lean memory: only the most likely one is kept, spec §7). `rows_needed`: their
+    log-probs follow the pooled rows (`finds_rows`).
     """
     batch, width = out.index.shape
     parent, new_token = out.index // vocab, out.index % vocab
@@ -186,7 +193,7 @@ def next_beams(
     seq_len = torch.where(live, seq_len + 1, length)
     exists = out.exists & live[:, None]
     finished = exists & torch.isin(new_token, eos)
-    compact = compact or may_read(finished)
+    compact = finds_rows(finished, rows_needed)
     if not compact or bool(finished.any()):
         pool_add(pool, seq, seq_len, prompt_len, out.score, finished, True, max_new_tokens,
                  compact=compact)  # fmt: skip

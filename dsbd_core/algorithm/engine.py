@@ -26,7 +26,7 @@ from collections.abc import Generator
 
 import torch
 
-from dsbd_core.algorithm.beams import pool_add
+from dsbd_core.algorithm.beams import finds_rows, pool_add
 from dsbd_core.algorithm.config import SamplingConfig
 from dsbd_core.algorithm.draft_forest import draft_forest
 from dsbd_core.algorithm.host_reads import may_read, one_copy
@@ -131,7 +131,7 @@ class Engine:
         else:  # the roots the scorers plan from cross in the same copy (`Roots.host`)
             any_retired, any_live, deepest, state.host_roots = _planning_copy(state, flags, live)
         if any_retired:
-            compact = may_read(retired) or state.logprobs is not None  # (beams.pool_add)
+            compact = finds_rows(retired, state.logprobs is not None)
             pool_add(state.pool, state.tokens, state.length, state.prompt_len, state.score,
                      retired, False, self.config.max_new_tokens, compact=compact)  # fmt: skip
             if state.logprobs is not None:

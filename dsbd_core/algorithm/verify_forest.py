@@ -25,6 +25,7 @@ import torch
 
 from dsbd_core.algorithm.beams import (
     Outputs,
+    finds_rows,
     next_beams,
     node_logprobs,
     pool_add,
@@ -277,9 +278,7 @@ class _Walk:
         accepted = verdict.accepted & passed[:, None]
         node_score = scores.of(drafts)
         finished_here = accepted & torch.isin(layer.token, self.eos)
-        # a device pools every accepted node under a mask rather than read which finished
-        # (with log-probs asked for, their segments need the pooled rows: read there too)
-        compact = may_read(finished_here) or self.table is not None
+        compact = finds_rows(finished_here, self.table is not None)
         if not compact or bool(finished_here.any()):
             self._pool_finished(level, layer, node_score, finished_here, compact)
         self.valid = accepted & ~finished_here
@@ -326,7 +325,7 @@ class _Walk:
             state.tokens, state.length, state.prompt_len, self.forest.layers, out,
             self.remaining, self.live, self.finished, vocab=self.vocab, eos=self.eos,
             lean_memory=self.config.lean_memory, max_new_tokens=self.config.max_new_tokens,
-            compact=self.table is not None,
+            rows_needed=self.table is not None,
         )  # fmt: skip
         logprobs = None
         if self.table is not None:
