@@ -27,16 +27,26 @@ import torch
 import torch.nn.functional as F
 
 
-def gap_equal(dtype: torch.dtype, gaps: list[int], heads: int = 9, dim: int = 64,
-              queries: int = 3, before: int = 30, after: int = 6) -> dict[int, float]:  # fmt: skip
+def gap_equal(
+    dtype: torch.dtype,
+    gaps: list[int],
+    heads: int = 9,
+    dim: int = 64,
+    queries: int = 3,
+    before: int = 30,
+    after: int = 6,
+) -> dict[int, float]:
     """Per gap width: the largest difference between attention with and without the gap."""
     generator = torch.Generator().manual_seed(0)
 
     def randn(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=generator).to(dtype)
 
-    q, k, v = randn(1, heads, queries, dim), randn(1, heads, before + after, dim), randn(
-        1, heads, before + after, dim)  # fmt: skip
+    q, k, v = (
+        randn(1, heads, queries, dim),
+        randn(1, heads, before + after, dim),
+        randn(1, heads, before + after, dim),
+    )
     alone = F.scaled_dot_product_attention(q, k, v)
     out = {}
     for gap in gaps:
@@ -49,8 +59,9 @@ def gap_equal(dtype: torch.dtype, gaps: list[int], heads: int = 9, dim: int = 64
     return out
 
 
-def linear_rows_equal(rows: list[int], features: int = 576, out: int = 1536,
-                      trials: int = 8) -> dict[int, bool]:  # fmt: skip
+def linear_rows_equal(
+    rows: list[int], features: int = 576, out: int = 1536, trials: int = 8
+) -> dict[int, bool]:
     """Per row count: whether EVERY row of a bfloat16 `Linear` call of that many rows is
     bit-identical to the row computed alone. A single random row (what this checked first)
     hides it: most rows agree and a few elements differ, from 33 rows on, on AMX-BF16
@@ -62,8 +73,9 @@ def linear_rows_equal(rows: list[int], features: int = 576, out: int = 1536,
     found = {}
     for count in rows:
         starts = range(0, max(rows) - count + 1, max(1, count // trials))
-        found[count] = all(torch.equal(linear(batch[i : i + count]), alone[i : i + count])
-                           for i in starts)  # fmt: skip
+        found[count] = all(
+            torch.equal(linear(batch[i : i + count]), alone[i : i + count]) for i in starts
+        )
     return found
 
 
@@ -73,8 +85,10 @@ def main() -> int:
     args = parser.parse_args()
     torch.set_num_threads(1)
     gaps = [0, 1, 3, 8, 10, 15, 16, 29, 32, 48]
-    by_dtype = {str(dtype).removeprefix("torch."): gap_equal(dtype, gaps)
-                for dtype in (torch.bfloat16, torch.float32)}  # fmt: skip
+    by_dtype = {
+        str(dtype).removeprefix("torch."): gap_equal(dtype, gaps)
+        for dtype in (torch.bfloat16, torch.float32)
+    }
     rows = [1, 2, 3, 8, 16, 17, 31, 32, 33, 40, 64, 128, 512]
     with torch.inference_mode():
         linear_equal = linear_rows_equal(rows)
@@ -86,10 +100,15 @@ def main() -> int:
     }
     args.out.write_text(json.dumps(results, indent=1) + "\n")
     for dtype, by_gap in results["max_abs_difference_by_gap"].items():
-        print(dtype, "attention:", " ".join(f"gap {g}: {'equal' if d == 0 else f'{d:.2g}'}"
-                              for g, d in by_gap.items()))  # fmt: skip
-    print("bfloat16 Linear: every row of a call equal to the row alone, by rows per call:",
-          linear_equal)  # fmt: skip
+        print(
+            dtype,
+            "attention:",
+            " ".join(f"gap {g}: {'equal' if d == 0 else f'{d:.2g}'}" for g, d in by_gap.items()),
+        )
+    print(
+        "bfloat16 Linear: every row of a call equal to the row alone, by rows per call:",
+        linear_equal,
+    )
     return 0
 
 

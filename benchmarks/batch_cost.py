@@ -67,8 +67,15 @@ print(json.dumps({"seconds": seconds, "tokens": made}))
 def one_run(tree: Path, invariant: bool, requests: int, tokens: int, quantize: str) -> dict:
     """One decode in a fresh process importing the package from `tree`."""
     env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    command = [sys.executable, "-c", CHILD, str(requests), str(tokens), str(int(invariant)),
-               quantize]  # fmt: skip
+    command = [
+        sys.executable,
+        "-c",
+        CHILD,
+        str(requests),
+        str(tokens),
+        str(int(invariant)),
+        quantize,
+    ]
     done = subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -77,8 +84,12 @@ def baseline_tree(revision: str) -> Path:
     """A worktree of `revision` under /tmp (made once, reused)."""
     path = Path("/tmp") / f"dsbd-baseline-{revision}"
     if not path.exists():
-        subprocess.run(["git", "worktree", "add", "--detach", str(path), revision], cwd=ROOT,
-                       check=True, capture_output=True)  # fmt: skip
+        subprocess.run(
+            ["git", "worktree", "add", "--detach", str(path), revision],
+            cwd=ROOT,
+            check=True,
+            capture_output=True,
+        )
     return path
 
 
@@ -88,12 +99,19 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=24)
     parser.add_argument("--repeats", type=int, default=4)
-    parser.add_argument("--quantize", default="none", choices=("none", "int8"),
-                        help="the draft's linear layers (int8: what auto picks here)")  # fmt: skip
+    parser.add_argument(
+        "--quantize",
+        default="none",
+        choices=("none", "int8"),
+        help="the draft's linear layers (int8: what auto picks here)",
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/batch_cost.json")
     args = parser.parse_args()
-    trees = {"batch-invariant (default)": (ROOT, True), "batch_invariant=False": (ROOT, False),
-             f"baseline {args.baseline}": (baseline_tree(args.baseline), True)}  # fmt: skip
+    trees = {
+        "batch-invariant (default)": (ROOT, True),
+        "batch_invariant=False": (ROOT, False),
+        f"baseline {args.baseline}": (baseline_tree(args.baseline), True),
+    }
     load_before = os.getloadavg()
     runs: dict[str, list[dict]] = {name: [] for name in trees}
     for repeat in range(args.repeats):
@@ -104,16 +122,25 @@ def main() -> int:
     load_after = os.getloadavg()
     median = {name: statistics.median(r["seconds"] for r in done) for name, done in runs.items()}
     invariant, fast, old = median.values()
-    results = {"date": datetime.now(UTC).isoformat(timespec="seconds"), "requests": args.requests,
-               "max_new_tokens": args.tokens, "repeats": args.repeats, "quantize": args.quantize,
-               "runs": runs,
-               "median_s": median, "ratio_invariant_over_baseline": invariant / old,
-               "ratio_not_invariant_over_baseline": fast / old,
-               "load_before": load_before, "load_after": load_after}  # fmt: skip
+    results = {
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "requests": args.requests,
+        "max_new_tokens": args.tokens,
+        "repeats": args.repeats,
+        "quantize": args.quantize,
+        "runs": runs,
+        "median_s": median,
+        "ratio_invariant_over_baseline": invariant / old,
+        "ratio_not_invariant_over_baseline": fast / old,
+        "load_before": load_before,
+        "load_after": load_after,
+    }
     args.out.write_text(json.dumps(results, indent=1) + "\n")
-    print(f"median: invariant {invariant:.2f} s, not invariant {fast:.2f} s, baseline {old:.2f} s:"
-          f" ratios {invariant / old:.3f}, {fast / old:.3f} (load {load_before[0]:.2f} -> "
-          f"{load_after[0]:.2f})")  # fmt: skip
+    print(
+        f"median: invariant {invariant:.2f} s, not invariant {fast:.2f} s, baseline {old:.2f} s:"
+        f" ratios {invariant / old:.3f}, {fast / old:.3f} (load {load_before[0]:.2f} -> "
+        f"{load_after[0]:.2f})"
+    )
     return 0
 
 

@@ -30,29 +30,48 @@ from dsbd_core.models import load_tokenizer
 from dsbd_core.models.pair import DraftOptions, load_pair
 from dsbd_core.models.transformer_scorer import TransformerScorer
 
-PROMPTS = [[163, 176, 189, 202], [44, 57, 70, 83, 96, 109, 122], [72, 85, 98, 111, 124, 137],
-           [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15]]  # fmt: skip
+PROMPTS = [
+    [163, 176, 189, 202],
+    [44, 57, 70, 83, 96, 109, 122],
+    [72, 85, 98, 111, 124, 137],
+    [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15],
+]
 VARIANTS = ("float32:none", "bfloat16:none", "float32:int8", "bfloat16:int8")
 
 
 def equal_alone(dtype: str, quantize: str, rounds: int, max_new_tokens: int) -> dict:
     """How many of the batched requests decoded exactly what they decode alone."""
-    pair = load_pair(DEFAULT_TARGET, DEFAULT_DRAFT, dtype=dtype,
-                     draft_options=DraftOptions(quantize=quantize))  # fmt: skip
+    pair = load_pair(
+        DEFAULT_TARGET, DEFAULT_DRAFT, dtype=dtype, draft_options=DraftOptions(quantize=quantize)
+    )
     assert pair.draft is not None
     _, stop = load_tokenizer(DEFAULT_TARGET)
     same = total = 0
     for round_ in range(rounds):
-        requests = [Request(p, SamplingConfig(eos_token_ids=stop, seed=10 * round_ + i,
-                                              max_new_tokens=max_new_tokens, width=3 - i % 2,
-                                              gamma=2))
-                    for i, p in enumerate(PROMPTS)]  # fmt: skip
+        requests = [
+            Request(
+                p,
+                SamplingConfig(
+                    eos_token_ids=stop,
+                    seed=10 * round_ + i,
+                    max_new_tokens=max_new_tokens,
+                    width=3 - i % 2,
+                    gamma=2,
+                ),
+            )
+            for i, p in enumerate(PROMPTS)
+        ]
         target = SessionBatcher(TransformerScorer(pair.target.model))
         draft = SessionBatcher(TransformerScorer(pair.draft.model))
         together, _ = decode_lockstep(requests, target, draft)
         for request, batched in zip(requests, together, strict=True):
-            alone = generate("dsbd", TransformerScorer(pair.target.model), request.prompt_ids,
-                             request.config, draft=TransformerScorer(pair.draft.model))  # fmt: skip
+            alone = generate(
+                "dsbd",
+                TransformerScorer(pair.target.model),
+                request.prompt_ids,
+                request.config,
+                draft=TransformerScorer(pair.draft.model),
+            )
             assert batched.result is not None, batched.error
             total += 1
             tokens = [b.token_ids for b in batched.result.beams]
@@ -65,19 +84,28 @@ def main() -> int:
     parser.add_argument("--variants", default=",".join(VARIANTS), help="DTYPE:QUANTIZE list")
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=8)
-    parser.add_argument("--out", type=Path,
-                        default=Path("benchmarks/results/batch_invariance.json"))  # fmt: skip
+    parser.add_argument(
+        "--out", type=Path, default=Path("benchmarks/results/batch_invariance.json")
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
-    results = {"date": datetime.now(UTC).isoformat(timespec="seconds"),
-               "prompts": len(PROMPTS), "rounds": args.rounds,
-               "max_new_tokens": args.max_new_tokens, "variants": {}}  # fmt: skip
+    results = {
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "prompts": len(PROMPTS),
+        "rounds": args.rounds,
+        "max_new_tokens": args.max_new_tokens,
+        "variants": {},
+    }
     for variant in args.variants.split(","):
         dtype, quantize = variant.split(":")
-        results["variants"][variant] = found = equal_alone(dtype, quantize, args.rounds,
-                                                           args.max_new_tokens)  # fmt: skip
-        print(f"{variant}: {found['equal']}/{found['compared']} equal alone and batched "
-              f"({found['models']})", flush=True)  # fmt: skip
+        results["variants"][variant] = found = equal_alone(
+            dtype, quantize, args.rounds, args.max_new_tokens
+        )
+        print(
+            f"{variant}: {found['equal']}/{found['compared']} equal alone and batched "
+            f"({found['models']})",
+            flush=True,
+        )
     args.out.write_text(json.dumps(results, indent=1) + "\n")
     return 0
 

@@ -59,8 +59,12 @@ def main() -> None:
     prompts = [p.text for p in EVAL_PROMPTS if p.kind in ("english", "code")]
     work = Path(tempfile.mkdtemp(prefix="dsbd-batch-bench-"))
     source = work / "prompts.jsonl"
-    source.write_text("".join(json.dumps({"id": f"p{i}", "prompt": t, "seed": i}) + "\n"
-                              for i, t in enumerate(prompts)))  # fmt: skip
+    source.write_text(
+        "".join(
+            json.dumps({"id": f"p{i}", "prompt": t, "seed": i}) + "\n"
+            for i, t in enumerate(prompts)
+        )
+    )
     start_local_ray(num_cpus=2, namespace="batch-bench")
     runs = []
     try:

@@ -44,32 +44,41 @@ def main() -> None:
     torch.set_num_threads(1)
     target, draft = load_causal_lm("smollm2"), load_causal_lm("smollm2-draft")
     prompts = [encode_prompt(target, p) for p in (PROMPTS * 4)[: args.prompts]]
-    config = SamplingConfig(width=3, gamma=3, max_new_tokens=args.max_new_tokens, seed=0,
-                            eos_token_ids=stop_token_ids(target))  # fmt: skip
+    config = SamplingConfig(
+        width=3,
+        gamma=3,
+        max_new_tokens=args.max_new_tokens,
+        seed=0,
+        eos_token_ids=stop_token_ids(target),
+    )
     results = {}
 
     def sequential(method: str) -> tuple[float, int]:
         start, tokens = time.perf_counter(), 0
         for ids in prompts:
-            r = generate(method, TransformerScorer(target.model), ids, config,
-                         TransformerScorer(draft.model))  # fmt: skip
+            r = generate(
+                method, TransformerScorer(target.model), ids, config, TransformerScorer(draft.model)
+            )
             tokens += r.stats.tokens_emitted
         return time.perf_counter() - start, tokens
 
     def batched(method: str) -> tuple[float, int]:
         start = time.perf_counter()
-        rs = generate_batch(method, TransformerScorer(target.model), prompts, config,
-                            TransformerScorer(draft.model))  # fmt: skip
+        rs = generate_batch(
+            method, TransformerScorer(target.model), prompts, config, TransformerScorer(draft.model)
+        )
         return time.perf_counter() - start, sum(r.stats.tokens_emitted for r in rs)
 
     for method in ("beam", "dsbd"):
         seq_s, seq_tokens = sequential(method)
         bat_s, bat_tokens = batched(method)
         results[method] = {
-            "sequential_seconds": seq_s, "sequential_tokens": seq_tokens,
-            "batched_seconds": bat_s, "batched_tokens": bat_tokens,
+            "sequential_seconds": seq_s,
+            "sequential_tokens": seq_tokens,
+            "batched_seconds": bat_s,
+            "batched_tokens": bat_tokens,
             "throughput_ratio": (bat_tokens / bat_s) / (seq_tokens / seq_s),
-        }  # fmt: skip
+        }
         print(method, json.dumps(results[method]))
     out = {
         "what": f"{args.prompts} prompts batched in one decode vs one by one, embedded pair",

@@ -4,12 +4,13 @@ Starts `dsbd serve` itself (loopback only; the embedded SmolLM2 pair, or `--conf
 `--app NAME`), then runs `--clients` clients back to back for `--duration` seconds: the request
 mix of benchmarks/load.py (OpenAI and native routes, streams, clients that go away mid-decode
 on purpose) plus seeded requests (`adaptive: false`, a seed: a `--seeded-share` of all
-requests). Every 30 to 60 s (`--kill-every`) it SIGKILLs a Router, Draft or Verifier replica
-process (`--targets`, each in turn, in an order shuffled once by `--seed`), its pid read from
-`/v1/dsbd/status` and checked to be a descendant of the server, then measures the recovery:
-the time until the status names a live replica of that deployment other than the killed one
-and a small DSBD request (draft and verifier) succeeds. No kill in the last `--quiet-tail`
-seconds, so latency after the kills is measured too.
+requests). 30 to 60 s (`--kill-every`) after the previous replica recovered it SIGKILLs a
+Router, Draft or Verifier replica process (`--targets`, each in turn, in an order shuffled once
+by `--seed`), its pid read from `/v1/dsbd/status` and checked to be a descendant of the server,
+then measures the recovery: the time until the status names a live replica of that deployment
+other than the killed one and a small DSBD request (draft and verifier) succeeds. The load runs
+`--quiet-tail` seconds past the last recovery at least, and `--kills N` makes N kills however
+long that takes (without it, no kill in the last `--quiet-tail` seconds of `--duration`).
 
 Afterwards it stops the server and decodes every seeded request in-process with the same
 models, loaded as the replicas load them (`dsbd_core.models.pair.load_pair` with the
@@ -100,6 +101,7 @@ class Run:
     seeded: list[dict[str, Any]] = field(default_factory=list)  # body + beams returned
     kills: list[Kill] = field(default_factory=list)
     client_retried: list[Record] = field(default_factory=list)  # attempts a client retried
+    stop_at: float = 0.0  # monotonic: when the clients stop (the killer may push it later)
 
     def now(self) -> float:
         return time.monotonic() - self.t0
@@ -172,11 +174,11 @@ async def attempt(
 
 async def client(
     http: aiohttp.ClientSession, run: Run, config: ChaosConfig, load_config: LoadConfig,
-    index: int, stop_at: float,
+    index: int,
 ) -> None:  # fmt: skip
     rng = random.Random(config.seed * 1000 + index)
     round_ = 0
-    while time.monotonic() < stop_at:
+    while time.monotonic() < run.stop_at:
         number = index + round_ * config.clients  # every request of the run has its own seed
         if rng.random() < config.seeded_share:
             kind, route = "seeded/generate", "/v1/dsbd/generate"
@@ -237,20 +239,17 @@ async def recover(http: aiohttp.ClientSession, run: Run, kill: Kill, timeout_s: 
         await asyncio.sleep(0.25)
 
 
-async def killer(
-    http: aiohttp.ClientSession, run: Run, config: ChaosConfig, stop_at: float
-) -> None:
-    """One kill every `kill_every_s` (uniform), each after the previous one recovered."""
+async def killer(http: aiohttp.ClientSession, run: Run, config: ChaosConfig) -> None:
+    """Kills timed from recoveries (module docstring): each outage is followed by load."""
     rng = random.Random(config.seed)
     order = rng.sample(config.targets, len(config.targets))  # each side in turn, shuffled once
     low, high = config.kill_every_s
     next_at = config.first_kill_s if config.first_kill_s is not None else rng.uniform(low, high)
     last_allowed = config.duration_s - config.quiet_tail_s
-    while next_at <= last_allowed and (config.max_kills is None or
-                                       len(run.kills) < config.max_kills):  # fmt: skip
+    while (len(run.kills) < config.max_kills if config.max_kills is not None
+           else next_at <= last_allowed):  # fmt: skip
+        run.stop_at = max(run.stop_at, run.t0 + next_at + 1.0)  # load runs through the kill
         await asyncio.sleep(max(0.0, next_at - run.now()))
-        if time.monotonic() >= stop_at:
-            return
         kill = await kill_one(http, run, order[len(run.kills) % len(order)])
         if kill is None:  # no status now (a router down): try again shortly
             next_at = run.now() + 2
@@ -260,7 +259,8 @@ async def killer(
         await recover(http, run, kill, config.recovery_timeout_s)
         print(f"[{run.now():7.1f} s] {kill.side} recovered after {kill.recovered_s} s "
               f"(new pid {kill.new_pid})", flush=True)  # fmt: skip
-        next_at = max(run.now(), kill.at_s + rng.uniform(low, high))
+        run.stop_at = max(run.stop_at, time.monotonic() + config.quiet_tail_s)
+        next_at = run.now() + rng.uniform(low, high)
 
 
 async def drive(run: Run, config: ChaosConfig) -> dict[str, Any]:
@@ -274,9 +274,9 @@ async def drive(run: Run, config: ChaosConfig) -> dict[str, Any]:
         async with http.post(run.url + "/v1/dsbd/generate", json=PROBE) as response:
             assert response.status == 200, await response.text()  # warm, and the app works
         run.t0 = time.monotonic()
-        stop_at = run.t0 + config.duration_s
-        kills = asyncio.create_task(killer(http, run, config, stop_at))
-        await asyncio.gather(*(client(http, run, config, load_config, i, stop_at)
+        run.stop_at = run.t0 + config.duration_s
+        kills = asyncio.create_task(killer(http, run, config))
+        await asyncio.gather(*(client(http, run, config, load_config, i)
                                for i in range(config.clients)))  # fmt: skip
         wall = run.now()
         await kills
@@ -431,11 +431,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--app", help="the application to drive (default: the config's first)")
     parser.add_argument("--clients", type=int, default=32)
     parser.add_argument("--duration", type=float, default=600.0, help="seconds of load")
-    parser.add_argument("--kill-every", type=float, nargs=2, default=(30.0, 60.0),
-                        metavar=("MIN", "MAX"), help="seconds between kills (uniform)")  # fmt: skip
+    parser.add_argument("--kill-every", type=float, nargs=2, default=(30.0, 60.0), metavar=("MIN",
+                        "MAX"), help="seconds from a recovery to the next kill")  # fmt: skip
     parser.add_argument("--first-kill", type=float, help="seconds to the first kill")
-    parser.add_argument("--quiet-tail", type=float, default=60.0, help="no kill in the last S s")
-    parser.add_argument("--kills", type=int, help="at most this many kills")
+    parser.add_argument("--quiet-tail", type=float, default=60.0, help="load after the last kill")
+    parser.add_argument("--kills", type=int, help="this many kills (the run lasts for them)")
     parser.add_argument("--targets", default=",".join(SIDES), help="sides that may be killed")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-tokens", type=int, default=8)

@@ -1,6 +1,7 @@
 """Does Ray's GCS server keep memory for every actor that comes and goes?
 
-The eighth 30-minute soak (docs/RELIABILITY.md section 10) found the GCS server's RSS creeping
+The eighth 30-minute soak (docs/history/RELIABILITY-chronicle.md section 10) found the GCS server's
+RSS creeping
 +2.9 % (~1.5 MiB) over a window in which Serve added a third router replica and removed it again,
 while its own state dump showed flat tables (one destroyed actor more). Serve replicas come and
 go for as long as a server runs (autoscaling, a replica that dies and is replaced), so memory
@@ -75,10 +76,14 @@ def churn(cycles: int, payload_kib: int, sample_every: int) -> list[dict[str, An
         ray.kill(actor)
         if cycle % sample_every == 0:
             time.sleep(0.5)  # the GCS hears of the death asynchronously
-            samples.append({"cycle": cycle, "s": round(time.monotonic() - started, 1),
-                            **gcs_memory(pid)})  # fmt: skip
-            print(f"{cycle} actors: GCS RSS {samples[-1]['rss'] / 2**20:.1f} MiB, anon "
-                  f"{samples[-1].get('anon', 0) / 2**20:.1f} MiB", flush=True)  # fmt: skip
+            samples.append(
+                {"cycle": cycle, "s": round(time.monotonic() - started, 1), **gcs_memory(pid)}
+            )
+            print(
+                f"{cycle} actors: GCS RSS {samples[-1]['rss'] / 2**20:.1f} MiB, anon "
+                f"{samples[-1].get('anon', 0) / 2**20:.1f} MiB",
+                flush=True,
+            )
     return samples
 
 
@@ -106,14 +111,18 @@ def main() -> None:
     finally:
         stop_local_ray()
     caps = {name: os.environ.get(name, "Ray's default") for name in GCS_HISTORY_CAPS}
-    report = {"date": datetime.now(UTC).isoformat(timespec="seconds"), "cycles": args.cycles,
-              "payload_kib": args.payload_kib, "gcs_history_caps": caps,
-              "gcs_malloc_conf": os.environ.get("RAY_JEMALLOC_CONF"),
-              "rss_kib_per_100_actors": per_hundred(samples, "rss"),
-              "anon_kib_per_100_actors": per_hundred(samples, "anon"),
-              "rss_kib_per_100_actors_second_half": per_hundred(samples, "rss",
-                                                                len(samples) // 2),
-              "load_after": os.getloadavg()[0], "samples": samples}  # fmt: skip
+    report = {
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "cycles": args.cycles,
+        "payload_kib": args.payload_kib,
+        "gcs_history_caps": caps,
+        "gcs_malloc_conf": os.environ.get("RAY_JEMALLOC_CONF"),
+        "rss_kib_per_100_actors": per_hundred(samples, "rss"),
+        "anon_kib_per_100_actors": per_hundred(samples, "anon"),
+        "rss_kib_per_100_actors_second_half": per_hundred(samples, "rss", len(samples) // 2),
+        "load_after": os.getloadavg()[0],
+        "samples": samples,
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1) + "\n")
     print(json.dumps({k: v for k, v in report.items() if k != "samples"}, indent=1))

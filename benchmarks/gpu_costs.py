@@ -125,9 +125,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--widths", type=int, nargs="+", default=[1, 2, 3, 4])
     parser.add_argument(
-        "--gammas", type=int, nargs="*", default=[1, 2, 3, 4],
+        "--gammas",
+        type=int,
+        nargs="*",
+        default=[1, 2, 3, 4],
         help="DSBD depths timed (none: beam steps only)",
-    )  # fmt: skip
+    )
     parser.add_argument(
         "--contexts",
         type=int,
@@ -150,20 +153,26 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "width; the model calls' shapes do not depend on it, host work does)",
     )
     parser.add_argument(
-        "--decode-path", choices=("dynamic", "static"), default="dynamic",
+        "--decode-path",
+        choices=("dynamic", "static"),
+        default="dynamic",
         help="the scorers' decode path (static: fixed buckets over a KV pool, CUDA graphs on "
         "CUDA); default dynamic",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--engine", choices=("model", "cpu", "graph"), default="model",
+        "--engine",
+        choices=("model", "cpu", "graph"),
+        default="model",
         help="where the engine's state and draws live: beside the models (as `generate` puts "
         "them; default), on the host (as a serving router's engine), or beside the models "
         "with the verify side after its forward as one compiled graph (verify_graph.py)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--compile", choices=COMPILE_MODES, default=None,
+        "--compile",
+        choices=COMPILE_MODES,
+        default=None,
         help="how the static path runs its buckets (default: cuda-graph on CUDA, none on CPU)",
-    )  # fmt: skip
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
@@ -193,14 +202,27 @@ def main(argv: Sequence[str] | None = None) -> dict:
     shapes = SIZES[args.size]
     draft = build_model(shapes["draft"], device, dtype)
     target = build_model(shapes["target"], device, dtype)
-    bench = Bench(target, draft, device, max(args.warmup, 1), repeats, args.threshold, args.seed,
-                  args.decode_path, args.engine, args.compile)  # fmt: skip
+    bench = Bench(
+        target,
+        draft,
+        device,
+        max(args.warmup, 1),
+        repeats,
+        args.threshold,
+        args.seed,
+        args.decode_path,
+        args.engine,
+        args.compile,
+    )
     beams, dsbd = measure_costs(bench, contexts, args.widths, args.gammas, not args.no_progress)
     sources, notes = acceptance_sources(args.results, args.gammas)
     modelled = modelled_speedups(sources, beams, dsbd)
     timed = {(c.width, c.gamma) for c in dsbd}
-    notes += [f"{s.method} ({s.label}): W = {s.width}, γ = {s.gamma} not timed, not modelled"
-              for s in sources if (s.width, s.gamma) not in timed]  # fmt: skip
+    notes += [
+        f"{s.method} ({s.label}): W = {s.width}, γ = {s.gamma} not timed, not modelled"
+        for s in sources
+        if (s.width, s.gamma) not in timed
+    ]
     report = {
         "what": __doc__.splitlines()[0],
         "formula": FORMULA,
@@ -222,14 +244,14 @@ def main(argv: Sequence[str] | None = None) -> dict:
             "engine": args.engine,
             "compile": args.compile,
             "draft_width": "W (W_S = W)",
-        },  # fmt: skip
+        },
         "machine": machine_info(device),
         "versions": versions(),
         "git": git_info(),
         "models": {
             "draft": describe_model(draft, shapes["draft"]),
             "target": describe_model(target, shapes["target"]),
-        },  # fmt: skip
+        },
         "costs": {"beam": [asdict(b) for b in beams], "dsbd": [asdict(c) for c in dsbd]},
         "acceptance_sources": [asdict(s) for s in sources],
         "modelled": modelled,
@@ -238,7 +260,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
             which: scorer.status()
             for which, scorer in bench.scorers.items()
             if hasattr(scorer, "status")
-        },  # fmt: skip
+        },
         "notes": notes
         + [
             "weights are random: call costs depend on shapes; the forest's parent structure and "

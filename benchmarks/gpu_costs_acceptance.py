@@ -80,11 +80,17 @@ def bench_sources(path: Path) -> list[AcceptanceSource]:
         length = row.get("mean_accepted_length")
         if shape is None or length is None or row.get("source", "dsbd") != "dsbd":
             continue
-        out.append(AcceptanceSource(
-            label=f"dsbd bench ({path.parent.name})", method=name, width=shape[0],
-            gamma=shape[1], tokens_per_iteration=length + 1.0,
-            source=shown(path), how="E = mean accepted layers per iteration + 1",
-        ))  # fmt: skip
+        out.append(
+            AcceptanceSource(
+                label=f"dsbd bench ({path.parent.name})",
+                method=name,
+                width=shape[0],
+                gamma=shape[1],
+                tokens_per_iteration=length + 1.0,
+                source=shown(path),
+                how="E = mean accepted layers per iteration + 1",
+            )
+        )
     return out
 
 
@@ -97,11 +103,17 @@ def width_distinct_sources(path: Path) -> list[AcceptanceSource]:
         if shape is None or "estimate" not in row:
             continue
         length = row["estimate"]["accepted_layers_per_iteration"]
-        out.append(AcceptanceSource(
-            label=f"width estimate ({path.stem})", method=name, width=shape[0], gamma=shape[1],
-            tokens_per_iteration=length + 1.0, source=shown(path),
-            how="E = accepted layers per iteration + 1 (distinct-draft width estimate)",
-        ))  # fmt: skip
+        out.append(
+            AcceptanceSource(
+                label=f"width estimate ({path.stem})",
+                method=name,
+                width=shape[0],
+                gamma=shape[1],
+                tokens_per_iteration=length + 1.0,
+                source=shown(path),
+                how="E = accepted layers per iteration + 1 (distinct-draft width estimate)",
+            )
+        )
     return out
 
 
@@ -144,22 +156,25 @@ def modelled_speedups(
                 continue
             e = source.tokens_per_iteration
             iteration = cost.draft_iteration_ms + cost.verify_ms
-            out.append({
-                "kind": "modelled",
-                "label": source.label,
-                "method": source.method,
-                "width": cost.width,
-                "gamma": cost.gamma,
-                "context": cost.context,
-                "tokens_per_iteration": e,
-                "t_beam_ms": beam.beam_step_ms,
-                "t_draft_ms": cost.draft_iteration_ms,
-                "t_verify_ms": cost.verify_ms,
-                "speedup": e * beam.beam_step_ms / iteration,
-                "speedup_with_host": e * (beam.beam_step_ms + beam.host_ms)
-                / (iteration + cost.host_ms),
-                "source": source.source,
-            })  # fmt: skip
+            out.append(
+                {
+                    "kind": "modelled",
+                    "label": source.label,
+                    "method": source.method,
+                    "width": cost.width,
+                    "gamma": cost.gamma,
+                    "context": cost.context,
+                    "tokens_per_iteration": e,
+                    "t_beam_ms": beam.beam_step_ms,
+                    "t_draft_ms": cost.draft_iteration_ms,
+                    "t_verify_ms": cost.verify_ms,
+                    "speedup": e * beam.beam_step_ms / iteration,
+                    "speedup_with_host": e
+                    * (beam.beam_step_ms + beam.host_ms)
+                    / (iteration + cost.host_ms),
+                    "source": source.source,
+                }
+            )
     return out
 
 
@@ -174,9 +189,15 @@ def measured_gpu_figures(results: Path) -> list[dict]:
         for name, row in data.get("summary", {}).items():
             ratio = (row.get("time_vs_reference") or {}).get("value")
             if ratio:
-                out.append({
-                    "kind": "measured", "run": shown(path), "method": name,
-                    "width": row.get("width"), "speedup": 1.0 / ratio,
-                    "device": config.get("device"), "dtype": config.get("dtype"),
-                })  # fmt: skip
+                out.append(
+                    {
+                        "kind": "measured",
+                        "run": shown(path),
+                        "method": name,
+                        "width": row.get("width"),
+                        "speedup": 1.0 / ratio,
+                        "device": config.get("device"),
+                        "dtype": config.get("dtype"),
+                    }
+                )
     return out

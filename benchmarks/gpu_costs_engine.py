@@ -54,8 +54,14 @@ def timed_iterations(
     """Drive the decode loop as `run_decode` does and time `repeats` iterations (from sending
     the previous outcome, which advances the state, to this iteration's outcome)."""
     timers = [t for t in (target, draft) if t is not None]
-    decode = Decode(config, target.vocab_size, [prompt], uses_draft=draft is not None,
-                    device=device, graph=graph)  # fmt: skip
+    decode = Decode(
+        config,
+        target.vocab_size,
+        [prompt],
+        uses_draft=draft is not None,
+        device=device,
+        graph=graph,
+    )
     steps, vocab = decode.steps(), target.vocab_size
     answer = None
     out: list[Iteration] = []
@@ -108,17 +114,30 @@ def sampling_config(bench: Bench, width: int, gamma: int) -> SamplingConfig:
     """Config of a timed run: no EOS and enough budget that every iteration drafts gamma."""
     iterations = bench.warmup + bench.repeats + 1
     return SamplingConfig(
-        width=width, gamma=gamma, threshold=bench.threshold, w_min=1, seed=bench.seed,
-        max_new_tokens=iterations * (gamma + 1) + 1, eos_token_ids=(),
-    )  # fmt: skip
+        width=width,
+        gamma=gamma,
+        threshold=bench.threshold,
+        w_min=1,
+        seed=bench.seed,
+        max_new_tokens=iterations * (gamma + 1) + 1,
+        eos_token_ids=(),
+    )
 
 
 def time_beam(bench: Bench, context: int, width: int) -> BeamCost:
     """(c) beam sampling at width W: the engine with no draft, one target call per step."""
     target = TimedScorer(bench.scorer("target"), bench.device)
     config = sampling_config(bench, width, 1)
-    runs = timed_iterations(config, target, None, random_prompt(bench, context), bench.warmup,
-                            bench.repeats, bench.engine_device, bench.verify_graph)  # fmt: skip
+    runs = timed_iterations(
+        config,
+        target,
+        None,
+        random_prompt(bench, context),
+        bench.warmup,
+        bench.repeats,
+        bench.engine_device,
+        bench.verify_graph,
+    )
     return BeamCost(
         context=context,
         width=width,
@@ -135,8 +154,16 @@ def time_dsbd(bench: Bench, context: int, width: int, gamma: int) -> DsbdCost:
     target = TimedScorer(bench.scorer("target"), bench.device)
     draft = TimedScorer(bench.scorer("draft"), bench.device)
     config = sampling_config(bench, width, gamma)
-    runs = timed_iterations(config, target, draft, random_prompt(bench, context), bench.warmup,
-                            bench.repeats, bench.engine_device, bench.verify_graph)  # fmt: skip
+    runs = timed_iterations(
+        config,
+        target,
+        draft,
+        random_prompt(bench, context),
+        bench.warmup,
+        bench.repeats,
+        bench.engine_device,
+        bench.verify_graph,
+    )
     return DsbdCost(
         context=context,
         width=width,

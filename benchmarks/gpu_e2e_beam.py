@@ -51,18 +51,31 @@ def decoders(model, width: int, tokens: int, prompt: list[int]) -> dict[str, Cal
         scorer = make_scorer(model, path)
 
         def run(seed: int) -> int:
-            config = SamplingConfig(width=width, gamma=1, threshold=None, max_new_tokens=tokens,
-                                    seed=seed, eos_token_ids=())  # fmt: skip
+            config = SamplingConfig(
+                width=width,
+                gamma=1,
+                threshold=None,
+                max_new_tokens=tokens,
+                seed=seed,
+                eos_token_ids=(),
+            )
             result = generate("beam", scorer, prompt, config)
             return len(result.best.token_ids)
 
         return run
 
     hf_config = GenerationConfig(
-        do_sample=True, num_beams=width, max_new_tokens=tokens, min_new_tokens=tokens,
-        top_k=0, top_p=1.0, temperature=1.0, eos_token_id=None, pad_token_id=0,
+        do_sample=True,
+        num_beams=width,
+        max_new_tokens=tokens,
+        min_new_tokens=tokens,
+        top_k=0,
+        top_p=1.0,
+        temperature=1.0,
+        eos_token_id=None,
+        pad_token_id=0,
         num_return_sequences=1,
-    )  # fmt: skip
+    )
 
     def transformers_beam(seed: int) -> int:
         torch.manual_seed(seed)
@@ -71,8 +84,11 @@ def decoders(model, width: int, tokens: int, prompt: list[int]) -> dict[str, Cal
         synchronize(device)
         return out.shape[1] - ids.shape[1]
 
-    return {"ours-static": ours("static"), "ours-dynamic": ours("dynamic"),
-            "transformers": transformers_beam}  # fmt: skip
+    return {
+        "ours-static": ours("static"),
+        "ours-dynamic": ours("dynamic"),
+        "transformers": transformers_beam,
+    }
 
 
 def main() -> None:
@@ -107,13 +123,18 @@ def main() -> None:
     ms = {name: 1000 * statistics.median(times) / args.tokens for name, times in seconds.items()}
     report = {
         "what": __doc__.splitlines()[0],
-        "size": args.size, "device": str(device), "dtype": args.dtype, "width": args.width,
-        "context": args.context, "tokens": args.tokens, "rounds": args.rounds,
+        "size": args.size,
+        "device": str(device),
+        "dtype": args.dtype,
+        "width": args.width,
+        "context": args.context,
+        "tokens": args.tokens,
+        "rounds": args.rounds,
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
         "ms_per_token": ms,
         "over_ours_static": {name: value / ms["ours-static"] for name, value in ms.items()},
         "seconds": seconds,
-    }  # fmt: skip
+    }
     print(json.dumps({k: report[k] for k in ("ms_per_token", "over_ours_static")}, indent=2))
     if args.out:
         args.out.write_text(json.dumps(report, indent=2) + "\n")

@@ -82,9 +82,12 @@ def profiled_ops(run: Callable[[int], object], device: torch.device) -> dict[str
     for repeats in (1, 1 + STEADY):
         with profile(activities=activities) as prof:
             run(repeats)
-        totals.append({e.key: (e.count, e.self_cpu_time_total,
-                               getattr(e, "self_device_time_total", 0.0))
-                       for e in prof.key_averages()})  # fmt: skip
+        totals.append(
+            {
+                e.key: (e.count, e.self_cpu_time_total, getattr(e, "self_device_time_total", 0.0))
+                for e in prof.key_averages()
+            }
+        )
     short, long = totals
     return {
         key: [(n - short.get(key, (0, 0, 0))[i]) / STEADY for i, n in enumerate(values)]
@@ -95,8 +98,16 @@ def profiled_ops(run: Callable[[int], object], device: torch.device) -> dict[str
 def top(ops: dict[str, list[float]], column: int, rows: int) -> list[dict]:
     """The `rows` ops with the most time in `column` (1: host, 2: device), per iteration."""
     ranked = sorted(ops.items(), key=lambda item: -item[1][column])[:rows]
-    return [{"op": key[:90], "calls": round(v[0], 1), "host_us": round(v[1], 1),
-             "device_us": round(v[2], 1)} for key, v in ranked if v[column] > 0]  # fmt: skip
+    return [
+        {
+            "op": key[:90],
+            "calls": round(v[0], 1),
+            "host_us": round(v[1], 1),
+            "device_us": round(v[2], 1),
+        }
+        for key, v in ranked
+        if v[column] > 0
+    ]
 
 
 def main() -> None:
@@ -115,9 +126,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument(
-        "--decode-path", choices=("dynamic", "static"), default="dynamic",
+        "--decode-path",
+        choices=("dynamic", "static"),
+        default="dynamic",
         help="the scorers' path (static: captured buckets)",
-    )  # fmt: skip
+    )
     parser.add_argument("--out", type=Path, default=None, help="JSON of the figures and tables")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -132,18 +145,24 @@ def main() -> None:
     bare = bare_step_ms(target, device, args.width, args.context, args.repeats)
     if args.gamma:
         cost = time_dsbd(bench, args.context, args.width, args.gamma)
-        timed = {"draft_iteration_ms": cost.draft_iteration_ms, "verify_ms": cost.verify_ms,
-                 "host_ms": cost.host_ms}  # fmt: skip
+        timed = {
+            "draft_iteration_ms": cost.draft_iteration_ms,
+            "verify_ms": cost.verify_ms,
+            "host_ms": cost.host_ms,
+        }
     else:
         beam = time_beam(bench, args.context, args.width)
         timed = {"beam_step_ms": beam.beam_step_ms, "host_ms": beam.host_ms}
-    print(f"{args.size} on {device} ({args.dtype}, {args.decode_path} path, {args.threads} "
-          f"threads), W = {args.width}, gamma = {args.gamma}, context {args.context}: bare "
-          f"forward {bare:.2f} ms, {timed}")  # fmt: skip
+    print(
+        f"{args.size} on {device} ({args.dtype}, {args.decode_path} path, {args.threads} "
+        f"threads), W = {args.width}, gamma = {args.gamma}, context {args.context}: bare "
+        f"forward {bare:.2f} ms, {timed}"
+    )
 
     def run(repeats: int) -> None:  # the same scorers (pool, captured buckets)
-        profiled = Bench(target, draft, device, 1, repeats, None, 0, args.decode_path,
-                         scorers=bench.scorers)  # fmt: skip
+        profiled = Bench(
+            target, draft, device, 1, repeats, None, 0, args.decode_path, scorers=bench.scorers
+        )
         if args.gamma:
             time_dsbd(profiled, args.context, args.width, args.gamma)
         else:
@@ -154,24 +173,44 @@ def main() -> None:
     by_host, by_device = top(ops, 1, 25), top(ops, 2, 15)
     host_total = sum(v[1] for v in ops.values()) / 1000
     device_total = sum(v[2] for v in ops.values()) / 1000
-    print(f"per iteration ({STEADY} steady-state iterations): launch calls {launches}, self host "
-          f"{host_total:.2f} ms, self device {device_total:.2f} ms")  # fmt: skip
+    print(
+        f"per iteration ({STEADY} steady-state iterations): launch calls {launches}, self host "
+        f"{host_total:.2f} ms, self device {device_total:.2f} ms"
+    )
     for title, rows in (("by host time", by_host), ("by device time", by_device)):
         print(f"top ops {title} (per iteration):")
         for row in rows:
-            print(f"  {row['host_us']:>9.1f} us host {row['device_us']:>9.1f} us device "
-                  f"{row['calls']:>7.1f} calls  {row['op']}")  # fmt: skip
+            print(
+                f"  {row['host_us']:>9.1f} us host {row['device_us']:>9.1f} us device "
+                f"{row['calls']:>7.1f} calls  {row['op']}"
+            )
     if args.out:
-        args.out.write_text(json.dumps({
-            "size": args.size, "device": str(device), "dtype": args.dtype, "width": args.width,
-            "gamma": args.gamma, "context": args.context, "threads": args.threads,
-            "decode_path": args.decode_path, "bare_forward_ms": bare, **timed,
-            "beam_step_ms": timed.get("beam_step_ms"), "beam_host_ms": timed["host_ms"],
-            "launches_per_step": launches, "self_host_ms_per_iteration": host_total,
-            "self_device_ms_per_iteration": device_total, "by_host": by_host,
-            "by_device": by_device,
-            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-        }, indent=2) + "\n")  # fmt: skip
+        args.out.write_text(
+            json.dumps(
+                {
+                    "size": args.size,
+                    "device": str(device),
+                    "dtype": args.dtype,
+                    "width": args.width,
+                    "gamma": args.gamma,
+                    "context": args.context,
+                    "threads": args.threads,
+                    "decode_path": args.decode_path,
+                    "bare_forward_ms": bare,
+                    **timed,
+                    "beam_step_ms": timed.get("beam_step_ms"),
+                    "beam_host_ms": timed["host_ms"],
+                    "launches_per_step": launches,
+                    "self_host_ms_per_iteration": host_total,
+                    "self_device_ms_per_iteration": device_total,
+                    "by_host": by_host,
+                    "by_device": by_device,
+                    "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+                },
+                indent=2,
+            )
+            + "\n"
+        )
 
 
 if __name__ == "__main__":

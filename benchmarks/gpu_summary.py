@@ -49,23 +49,27 @@ def costs(path: Path, context: int) -> dict[str, Any]:
     one = next((c for c in dsbd if c["width"] == 1 and c["draft_layer_ms"] is not None), None)
     iteration = (w3g3["host_ms"] + w3g3["draft_iteration_ms"] + w3g3["verify_ms"]) if w3g3 else 0
     modelled = [
-        m for m in report["modelled"]
+        m
+        for m in report["modelled"]
         if m["width"] == 3 and m["context"] == context and "dsbd" in m["method"]
-    ]  # fmt: skip
+    ]
     return {
         "beam_step_ms": beams[3]["beam_step_ms"] if 3 in beams else None,
         "beam_host_ms": beams[3]["host_ms"] if 3 in beams else None,
         "draft_step_ms": one["draft_layer_ms"] if one else None,
-        "verify_ms_by_nodes": {str(c["width"] * c["gamma"]): c["verify_ms"]
-                               for c in dsbd if c["width"] == 3},  # fmt: skip
-        "verify_over_beam_16_nodes": max((c["verify_over_beam_step"] for c in dsbd
-                                          if c["width"] * c["gamma"] <= 16), default=None),
+        "verify_ms_by_nodes": {
+            str(c["width"] * c["gamma"]): c["verify_ms"] for c in dsbd if c["width"] == 3
+        },
+        "verify_over_beam_16_nodes": max(
+            (c["verify_over_beam_step"] for c in dsbd if c["width"] * c["gamma"] <= 16),
+            default=None,
+        ),
         "engine_share": w3g3["host_ms"] / iteration if w3g3 and iteration else None,
         "dsbd_iteration_ms": iteration or None,
         "beam_iteration_ms": beams[3]["beam_step_ms"] + beams[3]["host_ms"] if 3 in beams else None,
         "modelled_dsbd_vs_beam": max((m["speedup_with_host"] for m in modelled), default=None),
         "static_path": report.get("static_path", {}),
-    }  # fmt: skip
+    }
 
 
 def end_to_end(bench: Path) -> dict[str, float]:
@@ -91,8 +95,9 @@ def syncs_per_iteration(
 
     target = build_model(SIZES[size]["target"], device, torch.bfloat16)
     draft = build_model(SIZES[size]["draft"], device, torch.bfloat16)
-    config = SamplingConfig(width=3, gamma=3, threshold=None, max_new_tokens=4 * iterations,
-                            seed=0, eos_token_ids=())  # fmt: skip
+    config = SamplingConfig(
+        width=3, gamma=3, threshold=None, max_new_tokens=4 * iterations, seed=0, eos_token_ids=()
+    )
     prompt = list(range(1, 257))
     scorers = StaticScorer(target), StaticScorer(draft)
     generate("dsbd", scorers[0], prompt, config, scorers[1])  # captures every bucket used
@@ -103,8 +108,9 @@ def syncs_per_iteration(
             result = generate("dsbd", scorers[0], prompt, config, scorers[1])
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    sites = Counter(f"{Path(w.filename).name}:{w.lineno}" for w in caught
-                    if "synchroniz" in str(w.message))  # fmt: skip
+    sites = Counter(
+        f"{Path(w.filename).name}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)
+    )
     return sum(sites.values()) / max(result.stats.iterations, 1), dict(sites.most_common(20))
 
 
@@ -211,9 +217,10 @@ def main() -> None:
         "steady_state_profiles": [steady_state(p) for p in args.profiles if p.is_file()],
         "by_size_and_path": figures,
     }
-    summary["targets"] = {key: {"target": f"{op} {bound}", "what": what,
-                                "met": _met(summary.get(key), op, bound)}
-                          for key, (op, bound, what) in TARGETS.items()}  # fmt: skip
+    summary["targets"] = {
+        key: {"target": f"{op} {bound}", "what": what, "met": _met(summary.get(key), op, bound)}
+        for key, (op, bound, what) in TARGETS.items()
+    }
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     (out / "summary.md").write_text(table(summary))
@@ -232,12 +239,27 @@ def passes_per_token(bench: Path) -> dict[str, float]:
 def steady_state(path: Path) -> dict[str, Any]:
     """The per-iteration figures of one gpu_forward_profile.py run, its top ops shortened."""
     report = json.loads(path.read_text())
-    keep = ("size", "decode_path", "width", "gamma", "threads", "bare_forward_ms",
-            "beam_step_ms", "draft_iteration_ms", "verify_ms", "host_ms", "launches_per_step",
-            "self_host_ms_per_iteration", "self_device_ms_per_iteration")  # fmt: skip
-    return {"file": path.name, **{k: report.get(k) for k in keep},
-            "top_host_ops": report.get("by_host", [])[:8],
-            "top_device_ops": report.get("by_device", [])[:6]}  # fmt: skip
+    keep = (
+        "size",
+        "decode_path",
+        "width",
+        "gamma",
+        "threads",
+        "bare_forward_ms",
+        "beam_step_ms",
+        "draft_iteration_ms",
+        "verify_ms",
+        "host_ms",
+        "launches_per_step",
+        "self_host_ms_per_iteration",
+        "self_device_ms_per_iteration",
+    )
+    return {
+        "file": path.name,
+        **{k: report.get(k) for k in keep},
+        "top_host_ops": report.get("by_host", [])[:8],
+        "top_device_ops": report.get("by_device", [])[:6],
+    }
 
 
 def _json(path: Path | None) -> dict[str, Any]:
@@ -252,27 +274,41 @@ def _met(value: float | None, op: str, bound: float) -> bool | None:
 
 
 def table(summary: dict[str, Any]) -> str:
-    rows = [f"# The static decode path on {summary['device']} (torch {summary['torch']}, "
-            f"{summary['shapes']} shapes, context {summary['context']})", "",
-            "| figure | measured | target | met |", "|---|---:|---|---|"]  # fmt: skip
+    rows = [
+        f"# The static decode path on {summary['device']} (torch {summary['torch']}, "
+        f"{summary['shapes']} shapes, context {summary['context']})",
+        "",
+        "| figure | measured | target | met |",
+        "|---|---:|---|---|",
+    ]
     for key, target in summary["targets"].items():
         value = summary.get(key)
         shown = f"{value:.3g}" if isinstance(value, float) else str(value)
         rows.append(f"| {target['what']} | {shown} | {target['target']} | {target['met']} |")
-    rows += ["", "| costs (path, engine) | beam iteration ms | DSBD W=3 gamma=3 iteration ms |"
-             " engine share |", "|---|---:|---:|---:|"]  # fmt: skip
+    rows += [
+        "",
+        "| costs (path, engine) | beam iteration ms | DSBD W=3 gamma=3 iteration ms |"
+        " engine share |",
+        "|---|---:|---:|---:|",
+    ]
     for key, fig in summary["by_size_and_path"].items():
         cells = [fig.get(k) for k in ("beam_iteration_ms", "dsbd_iteration_ms", "engine_share")]
-        rows.append(f"| {key} | " + " | ".join("" if v is None else f"{v:.3g}" for v in cells)
-                    + " |")  # fmt: skip
+        rows.append(
+            f"| {key} | " + " | ".join("" if v is None else f"{v:.3g}" for v in cells) + " |"
+        )
     rows += ["", "| method | ms / token |", "|---|---:|"]
     rows += [f"| {method} (embedded pair) | {ms:.1f} |" for method, ms in summary["e2e"].items()]
-    rows += [f"| beam W=3 {method} (random weights, {summary['shapes']}) | {ms:.2f} |"
-             for method, ms in summary["e2e_beam_random_weights"].items()]  # fmt: skip
+    rows += [
+        f"| beam W=3 {method} (random weights, {summary['shapes']}) | {ms:.2f} |"
+        for method, ms in summary["e2e_beam_random_weights"].items()
+    ]
     passes = summary.get("e2e_target_passes_per_token") or {}
     if passes:
-        rows += ["", "Target passes per token (embedded pair): "
-                 + ", ".join(f"{m} {v:.3f}" for m, v in passes.items())]  # fmt: skip
+        rows += [
+            "",
+            "Target passes per token (embedded pair): "
+            + ", ".join(f"{m} {v:.3f}" for m, v in passes.items()),
+        ]
     for run in summary.get("steady_state_profiles", []):
         what = f"DSBD W={run['width']} gamma={run['gamma']}" if run["gamma"] else "beam step"
         rows += [
@@ -285,13 +321,18 @@ def table(summary: dict[str, Any]) -> str:
             "| top host ops | calls | host us | device us |",
             "|---|---:|---:|---:|",
         ]
-        rows += [f"| `{o['op']}` | {o['calls']} | {o['host_us']} | {o['device_us']} |"
-                 for o in run["top_host_ops"]]  # fmt: skip
+        rows += [
+            f"| `{o['op']}` | {o['calls']} | {o['host_us']} | {o['device_us']} |"
+            for o in run["top_host_ops"]
+        ]
     profile = summary["static_beam_step_profile"]
     if profile:
-        rows += ["", f"Profiled static beam step: {profile['beam_step_ms']:.2f} ms (bare "
-                 f"transformers forward {profile['bare_forward_ms']:.2f} ms), launch calls per "
-                 f"step {profile['launches_per_step']}"]  # fmt: skip
+        rows += [
+            "",
+            f"Profiled static beam step: {profile['beam_step_ms']:.2f} ms (bare "
+            f"transformers forward {profile['bare_forward_ms']:.2f} ms), launch calls per "
+            f"step {profile['launches_per_step']}",
+        ]
     return "\n".join(rows) + "\n"
 
 

@@ -47,8 +47,14 @@ def counted(where: collections.Counter, kinds: collections.Counter) -> Iterator[
 
     def wrap(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
         def read(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            frame = next((f for f in reversed(traceback.extract_stack(limit=6)[:-1])
-                          if "dsbd_core/algorithm" in f.filename), None)  # fmt: skip
+            frame = next(
+                (
+                    f
+                    for f in reversed(traceback.extract_stack(limit=6)[:-1])
+                    if "dsbd_core/algorithm" in f.filename
+                ),
+                None,
+            )
             if frame is not None:
                 kinds[name] += 1
                 where[f"{frame.filename.split('dsbd_core/')[1]}:{frame.lineno}"] += 1
@@ -116,8 +122,9 @@ def main() -> None:
     parser.add_argument("--threshold", type=float, default=None)
     parser.add_argument("--tokens", type=int, default=40)
     parser.add_argument("--vocab", type=int, default=64)
-    parser.add_argument("--device-branches", action="store_true",
-                        help="take the branches the engine takes on a GPU")  # fmt: skip
+    parser.add_argument(
+        "--device-branches", action="store_true", help="take the branches the engine takes on a GPU"
+    )
     args = parser.parse_args()
     sys.path.insert(0, ".")
     from tests.exact_reference import random_table  # the exactness tests' tables
@@ -125,8 +132,14 @@ def main() -> None:
     rng = np.random.default_rng(0)
     target = TableScorer(torch.from_numpy(random_table(rng, args.vocab, 3, concentration=0.5)))
     draft = TableScorer(torch.from_numpy(random_table(rng, args.vocab, 3, concentration=0.5)))
-    config = SamplingConfig(width=args.width, gamma=args.gamma, threshold=args.threshold,
-                            max_new_tokens=args.tokens, seed=0, eos_token_ids=())  # fmt: skip
+    config = SamplingConfig(
+        width=args.width,
+        gamma=args.gamma,
+        threshold=args.threshold,
+        max_new_tokens=args.tokens,
+        seed=0,
+        eos_token_ids=(),
+    )
     where: collections.Counter = collections.Counter()
     kinds: collections.Counter = collections.Counter()
     counter = OpCounter()
@@ -141,8 +154,13 @@ def main() -> None:
     for place, n in where.items():
         phase[_PHASES.get(place.split(":")[0], "iterations")] += n
     report = {
-        "config": {"method": args.method, "width": args.width, "gamma": args.gamma,
-                   "threshold": args.threshold, "tokens": args.tokens},
+        "config": {
+            "method": args.method,
+            "width": args.width,
+            "gamma": args.gamma,
+            "threshold": args.threshold,
+            "tokens": args.tokens,
+        },
         "iterations": iterations,
         "engine_reads_per_iteration": phase["iterations"] / iterations,
         "scorer_reads_per_iteration": phase["scorer"] / iterations,
@@ -153,7 +171,7 @@ def main() -> None:
         "device_branches": args.device_branches,
         "engine_ops_per_iteration": sum(counter.ops.values()) / iterations,
         "top_ops": {k: v / iterations for k, v in counter.ops.most_common(12)},
-    }  # fmt: skip
+    }
     print(json.dumps(report, indent=2))
 
 

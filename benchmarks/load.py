@@ -49,12 +49,21 @@ MIX: list[tuple[str, str, dict[str, Any]]] = [
     ("abandon/completions", "/v1/completions", {"width": 2, "gamma": 2, "max_tokens": 200}),
     ("completions-stream/dsbd", "/v1/completions", {"width": 2, "gamma": 1, "stream": True}),
     ("completions/sample", "/v1/completions", {"method": "sample"}),
-    ("abandon-stream/chat", "/v1/chat/completions",
-     {"method": "beam", "width": 2, "max_tokens": 200, "stream": True}),
-]  # fmt: skip
+    (
+        "abandon-stream/chat",
+        "/v1/chat/completions",
+        {"method": "beam", "width": 2, "max_tokens": 200, "stream": True},
+    ),
+]
 ABANDONED = -2  # the status recorded for a request its client gave up on as planned
-PROMPTS = ["What is the capital of France?", "one two three four", "Write a haiku about rain.",
-           "Why is the sky blue?", "def fib(n):", "List three prime numbers."]  # fmt: skip
+PROMPTS = [
+    "What is the capital of France?",
+    "one two three four",
+    "Write a haiku about rain.",
+    "Why is the sky blue?",
+    "def fib(n):",
+    "List three prime numbers.",
+]
 
 
 @dataclass
@@ -133,9 +142,13 @@ def body_for(config: LoadConfig, route: str, extras: dict[str, Any], i: int) -> 
 
 
 async def send(
-    http: aiohttp.ClientSession, config: LoadConfig, kind: str, route: str, body: dict[str, Any],
+    http: aiohttp.ClientSession,
+    config: LoadConfig,
+    kind: str,
+    route: str,
+    body: dict[str, Any],
     t0: float,
-) -> Record:  # fmt: skip
+) -> Record:
     """One request; a stream counts as an error unless it ends with [DONE] and no error event."""
     start = time.monotonic()
     status, error, tokens = 0, None, 0
@@ -194,9 +207,13 @@ async def abandon(
 
 
 async def client(
-    http: aiohttp.ClientSession, config: LoadConfig, index: int, t0: float, stop_at: float,
+    http: aiohttp.ClientSession,
+    config: LoadConfig,
+    index: int,
+    t0: float,
+    stop_at: float,
     records: list[Record],
-) -> None:  # fmt: skip
+) -> None:
     mix = [m for m in MIX if config.abandon or not m[0].startswith("abandon")]
     round_ = 0
     while time.monotonic() < stop_at:
@@ -226,9 +243,12 @@ async def every(period_s: float, done: asyncio.Event, sample: Any) -> None:
 
 
 def sampler(
-    http: aiohttp.ClientSession, config: LoadConfig, t0: float, samples: Samples,
+    http: aiohttp.ClientSession,
+    config: LoadConfig,
+    t0: float,
+    samples: Samples,
     done: asyncio.Event,
-) -> list[Any]:  # fmt: skip
+) -> list[Any]:
     """Two loops: the process tree's memory (local, cheap) and the server's session counts (an
     HTTP call that waits its turn behind the load, so it is sampled separately)."""
 
@@ -244,9 +264,14 @@ def sampler(
         now = round(time.monotonic() - t0, 2)
         state = await status(http, config)
         if state is not None:
-            samples.sessions.append((now, state["open_sessions"],
-                                     state["verifier"]["cached_sessions"],
-                                     state["draft"]["cached_sessions"]))  # fmt: skip
+            samples.sessions.append(
+                (
+                    now,
+                    state["open_sessions"],
+                    state["verifier"]["cached_sessions"],
+                    state["draft"]["cached_sessions"],
+                )
+            )
 
     loops = [every(config.sample_s, done, sessions)]
     if config.pid is not None:
@@ -262,8 +287,13 @@ def percentiles(values: list[float]) -> dict[str, float]:
     def at(q: float) -> float:
         return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 4)
 
-    return {"p50": at(0.50), "p90": at(0.90), "p99": at(0.99), "max": round(ordered[-1], 4),
-            "mean": round(statistics.fmean(ordered), 4)}  # fmt: skip
+    return {
+        "p50": at(0.50),
+        "p90": at(0.90),
+        "p99": at(0.99),
+        "max": round(ordered[-1], 4),
+        "mean": round(statistics.fmean(ordered), 4),
+    }
 
 
 def memory_summary(samples: Samples, config: LoadConfig) -> dict[str, Any]:
@@ -312,8 +342,12 @@ async def drain(http: aiohttp.ClientSession, config: LoadConfig) -> dict[str, An
     state = None
     while time.monotonic() - start < config.settle_s:
         state = await status(http, config)
-        if state and state["open_sessions"] == 0 and state["verifier"]["cached_sessions"] == 0 \
-                and state["draft"]["cached_sessions"] == 0:  # fmt: skip
+        if (
+            state
+            and state["open_sessions"] == 0
+            and state["verifier"]["cached_sessions"] == 0
+            and state["draft"]["cached_sessions"] == 0
+        ):
             break
         await asyncio.sleep(0.5)
     return {
@@ -352,7 +386,7 @@ async def run_load(config: LoadConfig) -> dict[str, Any]:
             "platform": platform.platform(),
             "cpus": psutil.cpu_count(),
             "python": sys.version.split()[0],
-        },  # fmt: skip
+        },
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "wall_s": round(wall, 2),
         "requests": len(records),
@@ -388,29 +422,44 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sample-s", type=float, default=1.0)
     parser.add_argument("--request-timeout", type=float, default=120.0)
     parser.add_argument("--settle", type=float, default=60.0)
-    parser.add_argument("--no-abandon", action="store_true",
-                        help="leave out the clients that go away mid-decode")  # fmt: skip
-    parser.add_argument("--abandon-after", type=float, default=0.3,
-                        help="seconds before a plain request's client gives up")  # fmt: skip
+    parser.add_argument(
+        "--no-abandon", action="store_true", help="leave out the clients that go away mid-decode"
+    )
+    parser.add_argument(
+        "--abandon-after",
+        type=float,
+        default=0.3,
+        help="seconds before a plain request's client gives up",
+    )
     parser.add_argument("--out", type=Path, required=True, help="JSON results file")
     args = parser.parse_args(argv)
     if args.clients < 1 or args.duration <= 0:
         parser.error(f"--clients={args.clients} --duration={args.duration}: both must be > 0")
     config = LoadConfig(
-        url=args.url.rstrip("/"), clients=args.clients, duration_s=args.duration,
-        model=args.model, max_tokens=args.max_tokens, pid=args.pid, api_key=args.api_key,
-        sample_s=args.sample_s, warmup_fraction=args.warmup_fraction,
-        request_timeout_s=args.request_timeout, settle_s=args.settle,
-        abandon=not args.no_abandon, abandon_after_s=args.abandon_after,
-    )  # fmt: skip
+        url=args.url.rstrip("/"),
+        clients=args.clients,
+        duration_s=args.duration,
+        model=args.model,
+        max_tokens=args.max_tokens,
+        pid=args.pid,
+        api_key=args.api_key,
+        sample_s=args.sample_s,
+        warmup_fraction=args.warmup_fraction,
+        request_timeout_s=args.request_timeout,
+        settle_s=args.settle,
+        abandon=not args.no_abandon,
+        abandon_after_s=args.abandon_after,
+    )
     results = asyncio.run(run_load(config))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=1) + "\n")
     memory = results["memory"]
-    print(f"{results['requests']} requests in {results['wall_s']} s, {results['ok']} ok, "
-          f"errors {results['errors'] or 0}; {results['throughput_rps']} req/s; latency "
-          f"{results['latency_s']}; memory after warm-up: {memory.get('rss', 'not sampled')}; "
-          f"sessions after: {results['sessions_after']}")  # fmt: skip
+    print(
+        f"{results['requests']} requests in {results['wall_s']} s, {results['ok']} ok, "
+        f"errors {results['errors'] or 0}; {results['throughput_rps']} req/s; latency "
+        f"{results['latency_s']}; memory after warm-up: {memory.get('rss', 'not sampled')}; "
+        f"sessions after: {results['sessions_after']}"
+    )
     return 0
 
 

@@ -1,4 +1,5 @@
-"""Which allocation keeps the steps of the draft's RSS in the soak (docs/RELIABILITY.md §10)?
+"""Which allocation keeps the steps of the draft's RSS in the soak
+(docs/history/RELIABILITY-chronicle.md §10)?
 
 The soaks saw the draft replica's RSS grow in steps that are never given back (+2.0 % and
 +4.2 % over the last 20 minutes), and no per-request leak in the serving classes
@@ -49,15 +50,23 @@ VARIANTS = {
     "mmap_threshold_1m": {"MALLOC_MMAP_THRESHOLD_": "1048576"},
     "jemalloc": {"LD_PRELOAD": "<jemalloc>"},
     # jemalloc with oneDNN's primitive cache (default 1024 entries) off or smaller
-    **{f"jemalloc_onednn_cache_{n}": {"LD_PRELOAD": "<jemalloc>",
-                                      "ONEDNN_PRIMITIVE_CACHE_CAPACITY": str(n)}
-       for n in (0, 64, 128, 256)},
+    **{
+        f"jemalloc_onednn_cache_{n}": {
+            "LD_PRELOAD": "<jemalloc>",
+            "ONEDNN_PRIMITIVE_CACHE_CAPACITY": str(n),
+        }
+        for n in (0, 64, 128, 256)
+    },
     # and PyTorch's own cache of oneDNN matmuls (ideep's, `LRU_CACHE_CAPACITY`, default 1024)
-    **{f"jemalloc_caches_{n}": {"LD_PRELOAD": "<jemalloc>",
-                                "ONEDNN_PRIMITIVE_CACHE_CAPACITY": str(n),
-                                "LRU_CACHE_CAPACITY": str(n)}
-       for n in (64, 128, 256)},
-}  # fmt: skip
+    **{
+        f"jemalloc_caches_{n}": {
+            "LD_PRELOAD": "<jemalloc>",
+            "ONEDNN_PRIMITIVE_CACHE_CAPACITY": str(n),
+            "LRU_CACHE_CAPACITY": str(n),
+        }
+        for n in (64, 128, 256)
+    },
+}
 
 
 def child(seconds: float, seed: int) -> dict:
@@ -85,12 +94,18 @@ def child(seconds: float, seed: int) -> dict:
     samples, rounds, start, allocated = [], 0, time.monotonic(), []
     while time.monotonic() - start < seconds:
         requests = [
-            Request([rng.randrange(5, 40000) for _ in range(rng.randint(3, 60))],
-                    SamplingConfig(eos_token_ids=stop, seed=rng.randrange(2**31),
-                                   width=rng.randint(2, 4), gamma=rng.randint(1, 3),
-                                   max_new_tokens=rng.randint(4, 24)))
+            Request(
+                [rng.randrange(5, 40000) for _ in range(rng.randint(3, 60))],
+                SamplingConfig(
+                    eos_token_ids=stop,
+                    seed=rng.randrange(2**31),
+                    width=rng.randint(2, 4),
+                    gamma=rng.randint(1, 3),
+                    max_new_tokens=rng.randint(4, 24),
+                ),
+            )
             for _ in range(rng.randint(1, 8))
-        ]  # fmt: skip
+        ]
         decode_lockstep(requests, target, draft)
         rounds += 1
         samples.append((round(time.monotonic() - start, 2), process.memory_info().rss / 2**20))
@@ -104,9 +119,12 @@ def growth(samples: list[tuple[float, float]]) -> dict[str, float]:
     window = samples[len(samples) // 3 :]
     first = sum(v for _, v in window[:3]) / 3
     last = sum(v for _, v in window[-3:]) / 3
-    return {"first_mib": round(first, 1), "last_mib": round(last, 1),
-            "max_mib": round(max(v for _, v in window), 1),
-            "growth": round(last / first - 1, 4)}  # fmt: skip
+    return {
+        "first_mib": round(first, 1),
+        "last_mib": round(last, 1),
+        "max_mib": round(max(v for _, v in window), 1),
+        "growth": round(last / first - 1, 4),
+    }
 
 
 def main() -> int:
@@ -120,24 +138,47 @@ def main() -> int:
     if args.child:
         print(json.dumps(child(args.seconds, args.seed)))
         return 0
-    results = {"date": datetime.now(UTC).isoformat(timespec="seconds"), "seconds": args.seconds,
-               "load_before": os.getloadavg(), "variants": {}}  # fmt: skip
+    results = {
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "seconds": args.seconds,
+        "load_before": os.getloadavg(),
+        "variants": {},
+    }
     for name in args.variants.split(","):
         variant = {k: _jemalloc() if v == "<jemalloc>" else v for k, v in VARIANTS[name].items()}
         env = {**os.environ, **variant, "OMP_NUM_THREADS": "1"}
-        done = subprocess.run([sys.executable, __file__, "--child", "--seconds",
-                               str(args.seconds), "--seed", str(args.seed)],
-                              env=env, capture_output=True, text=True, check=True)  # fmt: skip
+        done = subprocess.run(
+            [
+                sys.executable,
+                __file__,
+                "--child",
+                "--seconds",
+                str(args.seconds),
+                "--seed",
+                str(args.seed),
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         run = json.loads(done.stdout.strip().splitlines()[-1])
-        found = {"env": variant, "rounds": run["rounds"],
-                 "rounds_per_s": round(run["rounds"] / args.seconds, 2),
-                 **growth(run["samples"]), "models": run["models"],
-                 "allocated": growth(run["allocated"]) if run["allocated"] else None,
-                 "samples": run["samples"]}  # fmt: skip
+        found = {
+            "env": variant,
+            "rounds": run["rounds"],
+            "rounds_per_s": round(run["rounds"] / args.seconds, 2),
+            **growth(run["samples"]),
+            "models": run["models"],
+            "allocated": growth(run["allocated"]) if run["allocated"] else None,
+            "samples": run["samples"],
+        }
         results["variants"][name] = found
-        print(f"{name}: {found['rounds']} rounds, RSS {found['first_mib']} -> "
-              f"{found['last_mib']} MiB over the last 2/3 ({found['growth']:+.1%}), "
-              f"max {found['max_mib']}; allocated {found['allocated']}", flush=True)  # fmt: skip
+        print(
+            f"{name}: {found['rounds']} rounds, RSS {found['first_mib']} -> "
+            f"{found['last_mib']} MiB over the last 2/3 ({found['growth']:+.1%}), "
+            f"max {found['max_mib']}; allocated {found['allocated']}",
+            flush=True,
+        )
     results["load_after"] = os.getloadavg()
     args.out.write_text(json.dumps(results, indent=1) + "\n")
     return 0

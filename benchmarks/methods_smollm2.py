@@ -52,27 +52,40 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     target, draft = load_causal_lm(args.target), load_causal_lm(args.draft)
-    base = SamplingConfig(width=3, gamma=3, max_new_tokens=args.max_new_tokens, seed=0,
-                          eos_token_ids=stop_token_ids(target))  # fmt: skip
+    base = SamplingConfig(
+        width=3,
+        gamma=3,
+        max_new_tokens=args.max_new_tokens,
+        seed=0,
+        eos_token_ids=stop_token_ids(target),
+    )
     rows: dict[str, list[dict]] = {name: [] for name in METHODS}
     for prompt in PROMPTS:
         ids = encode_prompt(target, prompt)
         for name, (method, extra) in METHODS.items():
             config = base.model_copy(update=extra)
             start = time.perf_counter()
-            result = generate(method, TransformerScorer(target.model), ids, config,
-                              TransformerScorer(draft.model))  # fmt: skip
+            result = generate(
+                method, TransformerScorer(target.model), ids, config, TransformerScorer(draft.model)
+            )
             seconds = time.perf_counter() - start
             st = result.stats
-            rows[name].append({
-                "seconds": seconds, "tokens": st.tokens_emitted,
-                "target_passes": st.target_forward_passes, "draft_passes": st.draft_forward_passes,
-                "drafted": st.drafted_tokens, "accepted": st.accepted_tokens,
-                "accepted_layers": st.accepted_layers,
-                "widths": [w for it in st.widths for w in it],
-                "loglik_per_token": result.best.log_likelihood / len(result.best.token_ids),
-                "answer": target.tokenizer.decode(result.best.token_ids, skip_special_tokens=True),
-            })  # fmt: skip
+            rows[name].append(
+                {
+                    "seconds": seconds,
+                    "tokens": st.tokens_emitted,
+                    "target_passes": st.target_forward_passes,
+                    "draft_passes": st.draft_forward_passes,
+                    "drafted": st.drafted_tokens,
+                    "accepted": st.accepted_tokens,
+                    "accepted_layers": st.accepted_layers,
+                    "widths": [w for it in st.widths for w in it],
+                    "loglik_per_token": result.best.log_likelihood / len(result.best.token_ids),
+                    "answer": target.tokenizer.decode(
+                        result.best.token_ids, skip_special_tokens=True
+                    ),
+                }
+            )
             print(f"{name:28s} {seconds:6.1f}s  {st.as_dict()['target_passes_per_token']:.3f}")
     beam_spt = sum(r["seconds"] for r in rows["beam W=3"]) / sum(
         r["tokens"] for r in rows["beam W=3"]

@@ -2,7 +2,7 @@
 # Does the node's metrics agent (Ray's DashboardAgent) get new Prometheus series per request?
 # Starts `dsbd serve`, runs the soak's load (benchmarks/soak.py, 32 clients) for SECONDS, and
 # saves the metrics page and the agent's RSS at minute 1 and near the end; prints the series
-# counted per metric name, most grown first, and the agent's RSS (docs/RELIABILITY.md section
+# counted per metric name, most grown first, and the agent's RSS (docs/history/RELIABILITY-chronicle.md section
 # 10, the ninth soak). A series set that grows with requests is a cardinality leak; one set per
 # worker appears with each replica Serve adds.
 #

@@ -1,6 +1,7 @@
 """Does Ray's object store or its GCS hold more and more under steady serving load?
 
-The sixth 30-minute soak (docs/RELIABILITY.md section 10) found every dsbd process flat but two
+The sixth 30-minute soak (docs/history/RELIABILITY-chronicle.md section 10) found every dsbd
+process flat but two
 of Ray's own over the 2 % target: the raylet (+3.1 MiB, 2.6 of them pages of the shared object
 store it touched) and the GCS server (+2.4 MiB). Pages touched for the first time are bounded by
 the store's size; objects that are never freed are a leak that fills the store over weeks. This
@@ -34,9 +35,13 @@ from soak import growth, sample
 
 # Ray's node metrics kept (summed over their label sets, per location): the object store's, and
 # the GCS task manager's (task events the GCS keeps for the dashboard, capped by Ray)
-METRICS = ("ray_object_store_memory", "ray_object_store_num_local_objects",
-           "ray_object_store_used_memory", "ray_object_store_available_memory",
-           "ray_gcs_task_manager")  # fmt: skip
+METRICS = (
+    "ray_object_store_memory",
+    "ray_object_store_num_local_objects",
+    "ray_object_store_used_memory",
+    "ray_object_store_available_memory",
+    "ray_gcs_task_manager",
+)
 _LINE = re.compile(r"^(?P<name>[a-z_]+)(?:\{(?P<labels>[^}]*)\})?\s+(?P<value>[-0-9.e+]+)$")
 
 
@@ -57,14 +62,24 @@ def node_metrics(url: str) -> dict[str, float]:
 
 def ray_processes(pid: int) -> dict[str, dict[str, int]]:
     """RSS, private and shared, of the raylet and the GCS server."""
-    return {name.split()[0]: parts for name, parts in sample(pid).items()
-            if name.startswith(("raylet", "gcs_server"))}  # fmt: skip
+    return {
+        name.split()[0]: parts
+        for name, parts in sample(pid).items()
+        if name.startswith(("raylet", "gcs_server"))
+    }
 
 
-async def run(url: str, pid: int, metrics: str, model: str, args: argparse.Namespace
-              ) -> dict[str, Any]:  # fmt: skip
-    config = LoadConfig(url=url, clients=args.clients, duration_s=args.duration, model=model,
-                        max_tokens=8, request_timeout_s=300.0)  # fmt: skip
+async def run(
+    url: str, pid: int, metrics: str, model: str, args: argparse.Namespace
+) -> dict[str, Any]:
+    config = LoadConfig(
+        url=url,
+        clients=args.clients,
+        duration_s=args.duration,
+        model=model,
+        max_tokens=8,
+        request_timeout_s=300.0,
+    )
     records: list[Record] = []
     samples: list[dict[str, Any]] = []
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as http:
@@ -78,19 +93,34 @@ async def run(url: str, pid: int, metrics: str, model: str, args: argparse.Names
             samples.append({"t": round(time.monotonic() - t0, 1), **store, **flat})
 
         sampler = asyncio.create_task(every(args.sample_s, done, take))
-        await asyncio.gather(*(load.client(http, config, i, t0, t0 + args.duration, records)
-                               for i in range(args.clients)))  # fmt: skip
+        await asyncio.gather(
+            *(
+                load.client(http, config, i, t0, t0 + args.duration, records)
+                for i in range(args.clients)
+            )
+        )
         done.set()
         await sampler
     window = [s for s in samples if s["t"] >= samples[-1]["t"] - args.window]
     keys = sorted({k for s in window for k in s if k != "t" and all(k in w for w in window)})
-    report = {k: growth([s["t"] for s in window], [s[k] for s in window],
-                        2**20 if k.endswith(("rss", "pss", "anon", "shmem", "memory")) or
-                        "memory[" in k else 1) for k in keys}  # fmt: skip
-    return {"date": datetime.now(UTC).isoformat(timespec="seconds"), "duration_s": args.duration,
-            "clients": args.clients, "window_s": args.window, "requests": len(records),
-            "ok": sum(r.status == 200 for r in records), "growth_in_window": report,
-            "samples": samples}  # fmt: skip
+    report = {
+        k: growth(
+            [s["t"] for s in window],
+            [s[k] for s in window],
+            2**20 if k.endswith(("rss", "pss", "anon", "shmem", "memory")) or "memory[" in k else 1,
+        )
+        for k in keys
+    }
+    return {
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "duration_s": args.duration,
+        "clients": args.clients,
+        "window_s": args.window,
+        "requests": len(records),
+        "ok": sum(r.status == 200 for r in records),
+        "growth_in_window": report,
+        "samples": samples,
+    }
 
 
 def main() -> int:
@@ -99,8 +129,7 @@ def main() -> int:
     parser.add_argument("--duration", type=float, default=600.0)
     parser.add_argument("--window", type=float, default=300.0, help="seconds measured at the end")
     parser.add_argument("--sample-s", type=float, default=15.0)
-    parser.add_argument("--out", type=Path,
-                        default=Path("benchmarks/results/object_store.json"))  # fmt: skip
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/object_store.json"))
     args = parser.parse_args()
     workdir = Path(os.environ.get("TMPDIR", "/tmp")) / f"dsbd-object-store-{os.getpid()}"
     server = server_process.start(workdir)

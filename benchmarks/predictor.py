@@ -105,13 +105,15 @@ def main() -> None:
     torch.set_num_threads(1)
     target, draft = load_causal_lm(args.target), load_causal_lm(args.draft)
     pair = (args.target, args.draft)
-    common = SamplingConfig(max_new_tokens=args.max_new_tokens, seed=0,
-                            eos_token_ids=stop_token_ids(target))  # fmt: skip
+    common = SamplingConfig(
+        max_new_tokens=args.max_new_tokens, seed=0, eos_token_ids=stop_token_ids(target)
+    )
     cost = CostModel()
     controllers = {family: PairTracker() for family in FAMILIES}  # the predictor arms
     observers = {family: PairTracker() for family in FAMILIES}  # every arm feeds the estimate
-    rows: dict[str, dict[str, list[dict]]] = {f: {a: [] for a in arms} for f, (_, arms) in
-                                              FAMILIES.items()}  # fmt: skip
+    rows: dict[str, dict[str, list[dict]]] = {
+        f: {a: [] for a in arms} for f, (_, arms) in FAMILIES.items()
+    }
     prompts = PROMPTS[: args.prompts]
     for prompt in prompts:
         ids = encode_prompt(target, prompt)
@@ -129,8 +131,13 @@ def main() -> None:
                 estimate = observers[family].estimate((*pair, family))
                 expected = predicted_length(estimate, config, method)
                 start, cpu_start = time.perf_counter(), time.process_time()
-                result = generate(method, TransformerScorer(target.model), ids, config,
-                                  TransformerScorer(draft.model))  # fmt: skip
+                result = generate(
+                    method,
+                    TransformerScorer(target.model),
+                    ids,
+                    config,
+                    TransformerScorer(draft.model),
+                )
                 seconds = time.perf_counter() - start
                 cpu_seconds = time.process_time() - cpu_start
                 st = result.stats
@@ -138,25 +145,35 @@ def main() -> None:
                     controllers[family].observe((*pair, family), st)
                 observers[family].observe((*pair, family), st)
                 alphas = [a for layer in st.layer_alphas for a in layer]
-                rows[family][name].append({
-                    "method": method, "gamma": config.gamma if method not in ("sample", "beam")
-                    else 0, "draft_width": config.effective_draft_width, "seconds": seconds,
-                    "cpu_seconds": cpu_seconds,
-                    "tokens": st.tokens_emitted, "iterations": st.iterations,
-                    "target_passes": st.target_forward_passes,
-                    "draft_passes": st.draft_forward_passes,
-                    "verified_layers": sum(len(w) for w in st.widths),
-                    "passed_layers": sum(st.accepted_layers),
-                    "alpha_compensator": predicted_rejections(alphas),
-                    "mean_alpha": sum(alphas) / len(alphas) if alphas else None,
-                    "predicted_accepted_length": expected,
-                    "accepted_length": st.mean_accepted_length,
-                    "epsilon_bias_bound": st.epsilon_bias_bound,
-                    "plan": None if plan is None else {**plan.__dict__, "speedup": plan.speedup},
-                })  # fmt: skip
-                print(f"{family} {name:30s} {method:6s} g={rows[family][name][-1]['gamma']} "
-                      f"{seconds:6.1f}s {st.target_forward_passes / max(st.tokens_emitted, 1):.3f} "
-                      f"passes/token", flush=True)  # fmt: skip
+                rows[family][name].append(
+                    {
+                        "method": method,
+                        "gamma": config.gamma if method not in ("sample", "beam") else 0,
+                        "draft_width": config.effective_draft_width,
+                        "seconds": seconds,
+                        "cpu_seconds": cpu_seconds,
+                        "tokens": st.tokens_emitted,
+                        "iterations": st.iterations,
+                        "target_passes": st.target_forward_passes,
+                        "draft_passes": st.draft_forward_passes,
+                        "verified_layers": sum(len(w) for w in st.widths),
+                        "passed_layers": sum(st.accepted_layers),
+                        "alpha_compensator": predicted_rejections(alphas),
+                        "mean_alpha": sum(alphas) / len(alphas) if alphas else None,
+                        "predicted_accepted_length": expected,
+                        "accepted_length": st.mean_accepted_length,
+                        "epsilon_bias_bound": st.epsilon_bias_bound,
+                        "plan": None
+                        if plan is None
+                        else {**plan.__dict__, "speedup": plan.speedup},
+                    }
+                )
+                print(
+                    f"{family} {name:30s} {method:6s} g={rows[family][name][-1]['gamma']} "
+                    f"{seconds:6.1f}s {st.target_forward_passes / max(st.tokens_emitted, 1):.3f} "
+                    f"passes/token",
+                    flush=True,
+                )
     summary = summarise(rows)
     estimates = {f: observers[f].estimate((*pair, f)).__dict__ for f in FAMILIES}
     out = {
@@ -173,7 +190,7 @@ def main() -> None:
                 estimates[f]["alpha"], FAMILIES[f][0]["width"], cost, FAMILIES[f][0]["threshold"]
             ).__dict__
             for f in FAMILIES
-        },  # fmt: skip
+        },
         "summary": summary,
         "runs": rows,
         "note": "Qwen pair not installed yet (another issue): not measured.",

@@ -50,19 +50,27 @@ print(json.dumps({"rss_before_mib": before, "rss_after_mib": rss(), "weights_mib
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path,
-                        default=ROOT / "benchmarks/results/prepacked_memory.json")  # fmt: skip
+    parser.add_argument(
+        "--out", type=Path, default=ROOT / "benchmarks/results/prepacked_memory.json"
+    )
     args = parser.parse_args()
     found = {}
     for setting in ("off", "on"):
-        done = subprocess.run([sys.executable, "-c", CHILD, setting], cwd=ROOT, check=True,
-                              capture_output=True, text=True)  # fmt: skip
+        done = subprocess.run(
+            [sys.executable, "-c", CHILD, setting],
+            cwd=ROOT,
+            check=True,
+            capture_output=True,
+            text=True,
+        )
         found[setting] = json.loads(done.stdout.strip().splitlines()[-1])
         print(setting, found[setting], flush=True)
     found["prepacked_extra_mib"] = found["on"]["rss_after_mib"] - found["off"]["rss_after_mib"]
     args.out.write_text(json.dumps(found, indent=1) + "\n")
-    print(f"prepacked weights: +{found['prepacked_extra_mib']:.0f} MiB RSS "
-          f"(bfloat16 weights: {found['on']['weights_mib']:.0f} MiB)")  # fmt: skip
+    print(
+        f"prepacked weights: +{found['prepacked_extra_mib']:.0f} MiB RSS "
+        f"(bfloat16 weights: {found['on']['weights_mib']:.0f} MiB)"
+    )
     return 0
 
 

@@ -129,8 +129,9 @@ def main() -> None:
             start = time.perf_counter()
             if profiler is not None:
                 profiler.enable()
-            result = generate(spec.engine_method(), TransformerScorer(pair.target.model), ids,
-                              config, draft)  # fmt: skip
+            result = generate(
+                spec.engine_method(), TransformerScorer(pair.target.model), ids, config, draft
+            )
             if profiler is not None:
                 profiler.disable()
             split = splits[spec.name]
@@ -146,15 +147,20 @@ def main() -> None:
             if profiler is not None:
                 _print_profile(spec.name, profiler, args.cprofile)
     print(f"load average after: {os.getloadavg()}")
-    print("\n| method | tokens | ms/token | target ms/token | draft ms/token | engine ms/token "
-          "| engine share | iterations | tokens/iteration |")  # fmt: skip
+    print(
+        "\n| method | tokens | ms/token | target ms/token | draft ms/token | engine ms/token "
+        "| engine share | iterations | tokens/iteration |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for split in splits.values():
         print(split.row())
     if args.json:
         with open(args.json, "w") as out:
-            json.dump([asdict(s) | {"engine_seconds": s.engine_seconds} for s in splits.values()],
-                      out, indent=1)  # fmt: skip
+            json.dump(
+                [asdict(s) | {"engine_seconds": s.engine_seconds} for s in splits.values()],
+                out,
+                indent=1,
+            )
 
 
 def _print_profile(name: str, profiler: cProfile.Profile, top: int) -> None:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Memory settings side by side: the throughput and the memory of every process (Ray's GCS and
 # raylet, the ingress, ...) of `dsbd serve` under the soak's load (benchmarks/soak.py, 32
-# clients) for each variant in turn, each on a fresh server (docs/RELIABILITY.md section 10,
+# clients) for each variant in turn, each on a fresh server (docs/history/RELIABILITY-chronicle.md section 10,
 # the seventh and eighth soaks).
 #
 #   bash benchmarks/ray_memory_ab.sh [SECONDS_PER_RUN] [ROUNDS] [VARIANT ...]

@@ -46,11 +46,15 @@ from tests.tiny_models import build_tokenizer  # noqa: E402
 
 OUT = REPO / "benchmarks/results/served_iteration_cost"
 VOCABS = (320, 49_152)
-KNOBS = {"beam": {"method": "beam", "width": 3},
-         "dsbd": {"method": "dsbd", "width": 3, "gamma": 2, "threshold": None}}  # fmt: skip
+KNOBS = {
+    "beam": {"method": "beam", "width": 3},
+    "dsbd": {"method": "dsbd", "width": 3, "gamma": 2, "threshold": None},
+}
 SMALL = 4096  # bytes: an IterationCall or a VerifyReply ("a few KiB")
-FORESTS = {"1.2 MB (SmolLM2 V, W=3, gamma=2, float32)": 2 * 3 * 49_152 * 4,
-           "5.5 MB (Qwen2.5 V, W=3, gamma=3, float32)": 3 * 3 * 151_936 * 4}  # fmt: skip
+FORESTS = {
+    "1.2 MB (SmolLM2 V, W=3, gamma=2, float32)": 2 * 3 * 49_152 * 4,
+    "5.5 MB (Qwen2.5 V, W=3, gamma=3, float32)": 3 * 3 * 151_936 * 4,
+}
 
 
 def loadavg() -> str:
@@ -60,8 +64,11 @@ def loadavg() -> str:
 def summary(ms: list[float]) -> dict[str, float]:
     ordered = sorted(ms)
     p90 = ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))]
-    return {"median_ms": round(statistics.median(ordered), 3), "p90_ms": round(p90, 3),
-            "n": len(ordered)}  # fmt: skip
+    return {
+        "median_ms": round(statistics.median(ordered), 3),
+        "p90_ms": round(p90, 3),
+        "n": len(ordered),
+    }
 
 
 # ------------------------------------------------------------------ 1. the served path
@@ -73,10 +80,17 @@ def instant_pair(root: Path, vocab: int) -> tuple[Path, Path]:
     tokenizer = build_tokenizer(target)
     tokenizer.save_pretrained(draft)
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=vocab, hidden_size=8, intermediate_size=16,
-                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
-                         max_position_embeddings=512, bos_token_id=0,
-                         eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"))  # fmt: skip
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=8,
+        intermediate_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=512,
+        bos_token_id=0,
+        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+    )
     model = LlamaForCausalLM(config).eval()
     model.save_pretrained(target)
     with torch.no_grad():
@@ -92,14 +106,21 @@ def serve(workdir: Path, port: int) -> tuple[subprocess.Popen, str, int]:
     for vocab in VOCABS:
         target, draft = instant_pair(workdir / f"v{vocab}", vocab)
         model = {"dtype": "float32", "threads": 1, "batch_wait_s": 0.01}
-        apps.append({"name": f"v{vocab}", "route_prefix": f"/v{vocab}",
-                     "import_path": "deployments.app:build_app",
-                     "args": {"model_name": f"instant-{vocab}",
-                              "target": {"source": str(target), **model},
-                              "draft": {"source": str(draft), **model},
-                              "router_resources": {"num_cpus": 0.1},
-                              "draft_resources": {"num_cpus": 0.5},
-                              "verifier_resources": {"num_cpus": 1}}})  # fmt: skip
+        apps.append(
+            {
+                "name": f"v{vocab}",
+                "route_prefix": f"/v{vocab}",
+                "import_path": "deployments.app:build_app",
+                "args": {
+                    "model_name": f"instant-{vocab}",
+                    "target": {"source": str(target), **model},
+                    "draft": {"source": str(draft), **model},
+                    "router_resources": {"num_cpus": 0.1},
+                    "draft_resources": {"num_cpus": 0.5},
+                    "verifier_resources": {"num_cpus": 1},
+                },
+            }
+        )
     process, info = launch(workdir, port, apps)
     return process, info["url"], info["pid"]
 
@@ -107,14 +128,22 @@ def serve(workdir: Path, port: int) -> tuple[subprocess.Popen, str, int]:
 def served(rounds: int, max_new: int, port: int) -> dict[str, Any]:
     workdir = Path(tempfile.mkdtemp(prefix="dsbd-iteration-cost-"))
     process, url, pid = serve(workdir, port)
-    cells = {f"{m} V={v}": {"calls": [], "wall": [], "compute": [], "bytes": 0}
-             for v in VOCABS for m in KNOBS}  # fmt: skip
+    cells = {
+        f"{m} V={v}": {"calls": [], "wall": [], "compute": [], "bytes": 0}
+        for v in VOCABS
+        for m in KNOBS
+    }
     load = {"before": loadavg()}
     try:
 
         def decode(vocab: int, method: str, seed: int, tokens: int) -> dict[str, Any]:
-            body = {"prompt_ids": [5, 17, 42, 99, 7], "seed": seed, "max_new_tokens": tokens,
-                    "adaptive": False, **KNOBS[method]}  # fmt: skip
+            body = {
+                "prompt_ids": [5, 17, 42, 99, 7],
+                "seed": seed,
+                "max_new_tokens": tokens,
+                "adaptive": False,
+                **KNOBS[method],
+            }
             reply = requests.post(f"{url}/v{vocab}/v1/dsbd/generate", json=body, timeout=600)
             reply.raise_for_status()
             return reply.json()["stats"]
@@ -130,8 +159,9 @@ def served(rounds: int, max_new: int, port: int) -> dict[str, Any]:
                     # fixed knobs: every iteration drafts but the last ones (budget left: 1)
                     n = len(s["draft_seconds"]) or len(s["verify_seconds"])
                     drafts = s["draft_seconds"] or [0.0] * n
-                    rows = zip(s["iteration_seconds"][:n], s["verify_seconds"][:n], drafts,
-                               strict=True)  # fmt: skip
+                    rows = zip(
+                        s["iteration_seconds"][:n], s["verify_seconds"][:n], drafts, strict=True
+                    )
                     for i, (total, verify, draft) in enumerate(rows):
                         if i > 0:  # the first iteration prefills and opens the caches
                             cell["calls"].append(1e3 * (total - verify - draft))
@@ -143,12 +173,20 @@ def served(rounds: int, max_new: int, port: int) -> dict[str, Any]:
         load["after"] = loadavg()
         os.kill(pid, signal.SIGINT)
         process.wait(timeout=180)
-    return {"load": load, "max_new_tokens": max_new, "rounds": rounds, "cells": {
-        name: {"forest_bytes": c["bytes"],
-               "calls_per_iteration": summary(c["calls"]),
-               "replica_compute_per_iteration": summary(c["compute"]),
-               "request_wall_minus_compute_per_iteration": summary(c["wall"])}
-        for name, c in cells.items()}}  # fmt: skip
+    return {
+        "load": load,
+        "max_new_tokens": max_new,
+        "rounds": rounds,
+        "cells": {
+            name: {
+                "forest_bytes": c["bytes"],
+                "calls_per_iteration": summary(c["calls"]),
+                "replica_compute_per_iteration": summary(c["compute"]),
+                "request_wall_minus_compute_per_iteration": summary(c["wall"]),
+            }
+            for name, c in cells.items()
+        },
+    }
 
 
 # ------------------------------------------------------------------ 2. Ray's mechanisms
@@ -193,18 +231,22 @@ def mechanisms(iterations: int, rounds: int) -> dict[str, Any]:
             compiled_beam = beam_draft.beam.bind(given).experimental_compile()
         serve.start(proxy_location="Disabled")
         sdraft, sverifier = (
-            serve.run(serve.deployment(cls, name=name, ray_actor_options={"num_cpus": 0.1}).bind(),
-                      name=name, route_prefix=None)
+            serve.run(
+                serve.deployment(cls, name=name, ray_actor_options={"num_cpus": 0.1}).bind(),
+                name=name,
+                route_prefix=None,
+            )
             for name, cls in (("draft", Draft), ("verifier", Verifier))
-        )  # fmt: skip
+        )
 
         dsbd: dict[str, Callable[[Any], Any]] = {
             "in_process": lambda c: local_verifier.verify(local_draft.propose(c)),
-            "ray_actor": lambda c: ray.get(actor_verifier.verify.remote(
-                actor_draft.propose.remote(c))),
+            "ray_actor": lambda c: ray.get(
+                actor_verifier.verify.remote(actor_draft.propose.remote(c))
+            ),
             "compiled_graph": lambda c: ray.get(compiled_dsbd.execute(c)),
             "serve_handle": lambda c: sverifier.verify.remote(sdraft.propose.remote(c)).result(),
-        }  # fmt: skip
+        }
         beam: dict[str, Callable[[Any], Any]] = {
             "in_process": local_draft.beam,
             "ray_actor": lambda c: ray.get(actor_draft.beam.remote(c)),
@@ -229,24 +271,37 @@ def mechanisms(iterations: int, rounds: int) -> dict[str, Any]:
     finally:
         load["after"] = loadavg()
         stop_local_ray()
-    return {"load": load, "iterations_per_round": iterations, "rounds": rounds,
-            "ray": ray.__version__, "cells": {shape: {m: summary(v) for m, v in cells.items()}
-                                              for shape, cells in times.items()}}  # fmt: skip
+    return {
+        "load": load,
+        "iterations_per_round": iterations,
+        "rounds": rounds,
+        "ray": ray.__version__,
+        "cells": {
+            shape: {m: summary(v) for m, v in cells.items()} for shape, cells in times.items()
+        },
+    }
 
 
 # ------------------------------------------------------------------ report
 def markdown(results: dict[str, Any]) -> str:
-    lines = [f"# The served path's own cost per iteration\n\n{results['cpu']}, 1 torch thread; "
-             f"load average before/after each part in the JSON.\n"]  # fmt: skip
+    lines = [
+        f"# The served path's own cost per iteration\n\n{results['cpu']}, 1 torch thread; "
+        f"load average before/after each part in the JSON.\n"
+    ]
     if "served" in results:
-        lines += ["## `dsbd serve`, instant models: router seconds per iteration minus replica "
-                  "compute (first iteration dropped)\n",
-                  "| cell | forest | median ms | p90 ms | n | replica compute median ms | "
-                  "request (wall - compute) / iterations, median ms |", "|---|---:|---:|---:|"
-                  "---:|---:|---:|"]  # fmt: skip
+        lines += [
+            "## `dsbd serve`, instant models: router seconds per iteration minus replica "
+            "compute (first iteration dropped)\n",
+            "| cell | forest | median ms | p90 ms | n | replica compute median ms | "
+            "request (wall - compute) / iterations, median ms |",
+            "|---|---:|---:|---:|---:|---:|---:|",
+        ]
         for name, c in results["served"]["cells"].items():
-            k, r, w = (c["calls_per_iteration"], c["replica_compute_per_iteration"],
-                       c["request_wall_minus_compute_per_iteration"])  # fmt: skip
+            k, r, w = (
+                c["calls_per_iteration"],
+                c["replica_compute_per_iteration"],
+                c["request_wall_minus_compute_per_iteration"],
+            )
             lines.append(
                 f"| {name} | {c['forest_bytes'] / 1e6:.3f} MB | {k['median_ms']} | "
                 f"{k['p90_ms']} | {k['n']} | {r['median_ms']} | {w['median_ms']} |"
@@ -254,12 +309,17 @@ def markdown(results: dict[str, Any]) -> str:
     if "mechanisms" in results:
         cells = results["mechanisms"]["cells"]
         methods = list(next(iter(cells.values())))
-        lines += ["\n## One iteration's calls by mechanism, median (p90) ms\n",
-                  "| shape | " + " | ".join(methods) + " |",
-                  "|---|" + "---:|" * len(methods)]  # fmt: skip
+        lines += [
+            "\n## One iteration's calls by mechanism, median (p90) ms\n",
+            "| shape | " + " | ".join(methods) + " |",
+            "|---|" + "---:|" * len(methods),
+        ]
         for shape, by in cells.items():
-            lines.append(f"| {shape} | " + " | ".join(
-                f"{by[m]['median_ms']} ({by[m]['p90_ms']})" for m in methods) + " |")  # fmt: skip
+            lines.append(
+                f"| {shape} | "
+                + " | ".join(f"{by[m]['median_ms']} ({by[m]['p90_ms']})" for m in methods)
+                + " |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -273,8 +333,11 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    cpu = next(line.split(":", 1)[1].strip() for line in lscpu.splitlines()
-               if line.startswith("Model name"))  # fmt: skip
+    cpu = next(
+        line.split(":", 1)[1].strip()
+        for line in lscpu.splitlines()
+        if line.startswith("Model name")
+    )
     path = OUT.with_suffix(".json")
     results: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {}
     results.update({"cpu": f"{cpu}, {os.cpu_count()} cores", "command": " ".join(sys.argv)})

@@ -50,8 +50,9 @@ def application(config: Path | None, name: str | None) -> tuple[AppArgs, str]:
     apps = (yaml.safe_load(config.read_text()) or {}).get("applications") or []
     chosen = [a for a in apps if name is None or a.get("name") == name]
     if not chosen:
-        raise SystemExit(f"--config {config}: no application {name!r}; it has "
-                         f"{[a.get('name') for a in apps]}")  # fmt: skip
+        raise SystemExit(
+            f"--config {config}: no application {name!r}; it has {[a.get('name') for a in apps]}"
+        )
     prefix = (chosen[0].get("route_prefix") or "/").rstrip("/")
     return AppArgs.model_validate(chosen[0].get("args") or {}), prefix
 
@@ -63,10 +64,15 @@ def free_port() -> int:
 
 
 def start(
-    workdir: Path, config: Path | None = None, *, app_name: str | None = None,
-    num_cpus: float | None = None, strace_dir: Path | None = None,
-    env: dict[str, str] | None = None, timeout_s: float = 900.0,
-) -> Server:  # fmt: skip
+    workdir: Path,
+    config: Path | None = None,
+    *,
+    app_name: str | None = None,
+    num_cpus: float | None = None,
+    strace_dir: Path | None = None,
+    env: dict[str, str] | None = None,
+    timeout_s: float = 900.0,
+) -> Server:
     """Start `dsbd serve` on a free loopback port and wait until every application runs.
 
     The server runs in a session of its own (so its Ray processes can be killed as one), so a
@@ -77,8 +83,14 @@ def start(
     workdir.mkdir(parents=True, exist_ok=True)
     port, ready = free_port(), workdir / "ready"
     ready.unlink(missing_ok=True)
-    command = [str(REPO / ".venv/bin/dsbd"), "serve", "--port", str(port),
-               "--ready-file", str(ready)]  # fmt: skip
+    command = [
+        str(REPO / ".venv/bin/dsbd"),
+        "serve",
+        "--port",
+        str(port),
+        "--ready-file",
+        str(ready),
+    ]
     if not Path(command[0]).exists():
         command[0:1] = [sys.executable, "-m", "dsbd"]
     if config is not None:
@@ -87,14 +99,27 @@ def start(
         command += ["--num-cpus", str(num_cpus)]
     if strace_dir is not None and shutil.which("strace"):
         strace_dir.mkdir(parents=True, exist_ok=True)
-        trace = ["strace", "-f", "-ff", "-qq", "--seccomp-bpf", "-e",
-                 "trace=connect,sendto,sendmsg", "-o", str(strace_dir / "t")]  # fmt: skip
+        trace = [
+            "strace",
+            "-f",
+            "-ff",
+            "-qq",
+            "--seccomp-bpf",
+            "-e",
+            "trace=connect,sendto,sendmsg",
+            "-o",
+            str(strace_dir / "t"),
+        ]
         command = trace + command
     log = workdir / "server.log"
     process = subprocess.Popen(
-        command, stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=REPO,
-        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}, start_new_session=True,
-    )  # fmt: skip
+        command,
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+        cwd=REPO,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+        start_new_session=True,
+    )
     deadline = time.monotonic() + timeout_s
     while True:
         if process.poll() is not None or time.monotonic() > deadline:
@@ -132,8 +157,9 @@ def stop(server: Server, wait_s: float = 90.0) -> list[int]:
         server.process.wait()
     deadline = time.monotonic() + 30
     while True:
-        found = subprocess.run(["pgrep", "-s", str(server.process.pid)], capture_output=True,
-                               text=True)  # fmt: skip
+        found = subprocess.run(
+            ["pgrep", "-s", str(server.process.pid)], capture_output=True, text=True
+        )
         left = [int(x) for x in found.stdout.split()]
         if not left or time.monotonic() > deadline:
             break

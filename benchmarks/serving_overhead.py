@@ -39,8 +39,9 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results/serving_overhead.json")
     args = parser.parse_args()
     tokenizer, _ = load_tokenizer("smollm2")
-    text = tokenizer.apply_chat_template([{"role": "user", "content": PROMPTS[0]}],
-                                         tokenize=False, add_generation_prompt=True)  # fmt: skip
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": PROMPTS[0]}], tokenize=False, add_generation_prompt=True
+    )
     prompt_ids = tokenizer.encode(text, add_special_tokens=False)
     process, info = start_server(Path(tempfile.mkdtemp(prefix="dsbd-overhead-")), args.port, 0.01)
     overhead: dict[str, list[float]] = {name: [] for name in CONFIGS}
@@ -57,11 +58,12 @@ def main() -> None:
         os.kill(info["pid"], signal.SIGINT)
         process.wait(timeout=120)
     results = {
-        "env_RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD":
-            os.environ.get("RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD", "default"),
+        "env_RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": os.environ.get(
+            "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD", "default"
+        ),
         "overhead_ms_per_iteration": overhead,
         "median_ms": {k: statistics.median(v) for k, v in overhead.items()},
-    }  # fmt: skip
+    }
     Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
     print(json.dumps(results["median_ms"]))
 

@@ -34,10 +34,16 @@ PROMPTS = [
 # DSBD at the server's default knobs (fixed width W = 3, the cost model choosing the depth up to
 # gamma = 3 each iteration), with four draft beams per layer (W_S = 4, the fastest measured)
 CONFIGS = {
-    "dsbd": {"method": "dsbd", "width": 3, "draft_width": 4, "gamma": 3, "threshold": None,
-             "adaptive": True},
+    "dsbd": {
+        "method": "dsbd",
+        "width": 3,
+        "draft_width": 4,
+        "gamma": 3,
+        "threshold": None,
+        "adaptive": True,
+    },
     "beam": {"method": "beam", "width": 3},
-}  # fmt: skip
+}
 
 
 def main() -> None:
@@ -48,15 +54,17 @@ def main() -> None:
     args = parser.parse_args()
     tokenizer, _ = load_tokenizer("qwen-coder")
     prompts = [
-        tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
-                                      add_generation_prompt=True)
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True
+        )
         for p in PROMPTS
-    ]  # fmt: skip
+    ]
     prompt_ids = [tokenizer.encode(p, add_special_tokens=False) for p in prompts]
     load_before = os.getloadavg()
     workdir = Path(tempfile.mkdtemp(prefix="dsbd-bench-qwen-"))
-    process, info = start_server(workdir, args.port, 0.01, "qwen-coder", "qwen-coder-draft",
-                                 "qwen-coder")  # fmt: skip
+    process, info = start_server(
+        workdir, args.port, 0.01, "qwen-coder", "qwen-coder-draft", "qwen-coder"
+    )
     url, n = info["url"], args.max_new_tokens
     per_token: dict[str, list[float]] = {name: [] for name in CONFIGS}
     stats: dict[str, list[dict]] = {name: [] for name in CONFIGS}
@@ -67,20 +75,32 @@ def main() -> None:
             for name in names:
                 out = http_decode(url, ids, CONFIGS[name], n, i)
                 per_token[name].append(out["client_seconds"] / out["stats"]["tokens_emitted"])
-                stats[name].append({k: out["stats"][k] for k in (
-                    "tokens_emitted", "target_forward_passes", "acceptance_rate",
-                    "mean_accepted_length")})  # fmt: skip
+                stats[name].append(
+                    {
+                        k: out["stats"][k]
+                        for k in (
+                            "tokens_emitted",
+                            "target_forward_passes",
+                            "acceptance_rate",
+                            "mean_accepted_length",
+                        )
+                    }
+                )
         ratios = [d / b for d, b in zip(per_token["dsbd"], per_token["beam"], strict=True)]
         throughput = {}
         for mode in ("sequential", "concurrent"):
             start = time.perf_counter()
             if mode == "sequential":
-                outs = [http_decode(url, ids, CONFIGS["dsbd"], n, 100 + i)
-                        for i, ids in enumerate(prompt_ids)]  # fmt: skip
+                outs = [
+                    http_decode(url, ids, CONFIGS["dsbd"], n, 100 + i)
+                    for i, ids in enumerate(prompt_ids)
+                ]
             else:
                 with ThreadPoolExecutor(len(prompt_ids)) as pool:
-                    futures = [pool.submit(http_decode, url, ids, CONFIGS["dsbd"], n, 100 + i)
-                               for i, ids in enumerate(prompt_ids)]  # fmt: skip
+                    futures = [
+                        pool.submit(http_decode, url, ids, CONFIGS["dsbd"], n, 100 + i)
+                        for i, ids in enumerate(prompt_ids)
+                    ]
                     outs = [f.result() for f in futures]
             tokens = sum(o["stats"]["tokens_emitted"] for o in outs)
             throughput[mode] = tokens / (time.perf_counter() - start)
@@ -90,19 +110,29 @@ def main() -> None:
         process.wait(timeout=180)
 
 
-def write_results(out: str, per_token: dict, ratios: list, stats: dict, throughput: dict,
-                  n: int, load_before: tuple) -> None:  # fmt: skip
+def write_results(
+    out: str,
+    per_token: dict,
+    ratios: list,
+    stats: dict,
+    throughput: dict,
+    n: int,
+    load_before: tuple,
+) -> None:
     """The figures, written before the server is stopped (a slow stop must not lose them)."""
     results = {
-        "configs": CONFIGS, "max_new_tokens": n, "prompts": PROMPTS,
-        "load_average_before": load_before, "load_average_after": os.getloadavg(),
+        "configs": CONFIGS,
+        "max_new_tokens": n,
+        "prompts": PROMPTS,
+        "load_average_before": load_before,
+        "load_average_after": os.getloadavg(),
         "per_token_s_median": {k: statistics.median(v) for k, v in per_token.items()},
         "dsbd_over_beam_time_median": statistics.median(ratios),
         "dsbd_speedup_per_token_median": statistics.median(1 / r for r in ratios),
         "stats": stats,
         "dsbd_throughput_tokens_per_s": throughput,
         "dsbd_concurrency_gain": throughput["concurrent"] / throughput["sequential"],
-    }  # fmt: skip
+    }
     Path(out).write_text(json.dumps(results, indent=2) + "\n")
     print(json.dumps({k: v for k, v in results.items() if k != "stats"}, indent=1))
 

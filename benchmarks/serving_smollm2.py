@@ -50,9 +50,13 @@ CONFIGS = {
 
 
 def start_server(
-    workdir: Path, port: int, batch_wait_s: float, target: str = "smollm2",
-    draft: str = "smollm2-draft", model_name: str = "smollm2",
-) -> tuple[subprocess.Popen, dict]:  # fmt: skip
+    workdir: Path,
+    port: int,
+    batch_wait_s: float,
+    target: str = "smollm2",
+    draft: str = "smollm2-draft",
+    model_name: str = "smollm2",
+) -> tuple[subprocess.Popen, dict]:
     """`dsbd serve` on the pair, one torch thread per model; returns the process and ready info."""
     models = {"threads": 1, "batch_wait_s": batch_wait_s}
     args = {
@@ -63,8 +67,12 @@ def start_server(
         "draft_resources": {"num_cpus": 0.5},
         "verifier_resources": {"num_cpus": 1},
     }
-    app = {"name": "dsbd", "route_prefix": "/", "import_path": "deployments.app:build_app",
-           "args": args}  # fmt: skip
+    app = {
+        "name": "dsbd",
+        "route_prefix": "/",
+        "import_path": "deployments.app:build_app",
+        "args": args,
+    }
     return launch(workdir, port, [app])
 
 
@@ -75,10 +83,23 @@ def launch(workdir: Path, port: int, applications: list[dict]) -> tuple[subproce
     ready = workdir / "ready"
     log = (workdir / "server.log").open("w")
     process = subprocess.Popen(
-        [str(REPO / ".venv/bin/dsbd"), "serve", "--config", str(workdir / "serve.yaml"),
-         "--port", str(port), "--num-cpus", "4", "--ready-file", str(ready)],
-        stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True,
-    )  # fmt: skip
+        [
+            str(REPO / ".venv/bin/dsbd"),
+            "serve",
+            "--config",
+            str(workdir / "serve.yaml"),
+            "--port",
+            str(port),
+            "--num-cpus",
+            "4",
+            "--ready-file",
+            str(ready),
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        cwd=REPO,
+        start_new_session=True,
+    )
     deadline = time.monotonic() + 600
     while not ready.exists() or not ready.read_text().endswith("}"):
         if process.poll() is not None or time.monotonic() > deadline:
@@ -88,8 +109,13 @@ def launch(workdir: Path, port: int, applications: list[dict]) -> tuple[subproce
 
 
 def http_decode(url: str, prompt_ids: list[int], knobs: dict, max_new: int, seed: int) -> dict:
-    body = {"prompt_ids": prompt_ids, "seed": seed, "max_new_tokens": max_new,
-            "adaptive": False, **knobs}  # fmt: skip
+    body = {
+        "prompt_ids": prompt_ids,
+        "seed": seed,
+        "max_new_tokens": max_new,
+        "adaptive": False,
+        **knobs,
+    }
     start = time.perf_counter()
     response = requests.post(f"{url}/v1/dsbd/generate", json=body, timeout=600)
     response.raise_for_status()
@@ -129,14 +155,20 @@ def measure_latency(
     for round_ in range(args.rounds):
         for i, ids in enumerate(prompts):
             seed = 1000 * round_ + i
-            config = SamplingConfig(max_new_tokens=args.max_new_tokens, seed=seed,
-                                    eos_token_ids=stops, **config_knobs)  # fmt: skip
+            config = SamplingConfig(
+                max_new_tokens=args.max_new_tokens, seed=seed, eos_token_ids=stops, **config_knobs
+            )
             order = (0, 1) if (round_ + i) % 2 == 0 else (1, 0)
             for side in order:
                 if side == 0:
                     start = time.perf_counter()
-                    local = generate(method, TransformerScorer(target.model), ids, config,
-                                     TransformerScorer(draft.model))  # fmt: skip
+                    local = generate(
+                        method,
+                        TransformerScorer(target.model),
+                        ids,
+                        config,
+                        TransformerScorer(draft.model),
+                    )
                     local_s = time.perf_counter() - start
                 else:
                     remote = http_decode(url, ids, knobs, args.max_new_tokens, seed)
@@ -147,12 +179,9 @@ def measure_latency(
             latency["same_tokens"].append(
                 [b["token_ids"] for b in remote["beams"]] == [b.token_ids for b in local.beams]
             )
-    ratios = [d / p for d, p in zip(latency["distributed"], latency["in_process"],
-                                    strict=True)]  # fmt: skip
+    ratios = [d / p for d, p in zip(latency["distributed"], latency["in_process"], strict=True)]
     return {
-        "per_token_s": {
-            k: statistics.median(v) for k, v in latency.items() if k != "same_tokens"
-        },  # fmt: skip
+        "per_token_s": {k: statistics.median(v) for k, v in latency.items() if k != "same_tokens"},
         "latency_ratio_median": statistics.median(ratios),
         "latency_ratio_mean": statistics.fmean(ratios),
         "same_tokens_fraction": sum(latency["same_tokens"]) / len(latency["same_tokens"]),
@@ -171,8 +200,10 @@ def measure_concurrency(
             seeds = [5000 + 100 * round_ + i for i in range(len(prompts))]
             start = time.perf_counter()
             if mode == "seq":
-                outs = [http_decode(url, ids, knobs, args.max_new_tokens, s)
-                        for ids, s in zip(prompts, seeds, strict=True)]  # fmt: skip
+                outs = [
+                    http_decode(url, ids, knobs, args.max_new_tokens, s)
+                    for ids, s in zip(prompts, seeds, strict=True)
+                ]
             else:
                 with ThreadPoolExecutor(len(prompts)) as pool:
                     futures = [
@@ -204,10 +235,15 @@ def main() -> None:
     workdir = Path(tempfile.mkdtemp(prefix="dsbd-bench-"))
     process, info = start_server(workdir, args.port, args.batch_wait_s)
     url = info["url"]
-    results: dict = {"machine": platform.platform(), "cpus": os.cpu_count(),
-                     "max_new_tokens": args.max_new_tokens, "rounds": args.rounds,
-                     "concurrency": args.concurrency, "configs": CONFIGS,
-                     "batch_wait_s": args.batch_wait_s}  # fmt: skip
+    results: dict = {
+        "machine": platform.platform(),
+        "cpus": os.cpu_count(),
+        "max_new_tokens": args.max_new_tokens,
+        "rounds": args.rounds,
+        "concurrency": args.concurrency,
+        "configs": CONFIGS,
+        "batch_wait_s": args.batch_wait_s,
+    }
     try:
         for name, knobs in CONFIGS.items():
             # warm both paths (first calls pay imports, allocator growth, caches)
@@ -235,10 +271,18 @@ def plot(results: dict, path: Path) -> None:
     names = [n for n in CONFIGS if n in results]
     fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.6))
     x = range(len(names))
-    left.bar([i - 0.2 for i in x], [results[n]["per_token_s"]["in_process"] * 1e3 for n in names],
-             0.4, label="in-process")  # fmt: skip
-    left.bar([i + 0.2 for i in x], [results[n]["per_token_s"]["distributed"] * 1e3 for n in names],
-             0.4, label="Ray Serve (HTTP)")  # fmt: skip
+    left.bar(
+        [i - 0.2 for i in x],
+        [results[n]["per_token_s"]["in_process"] * 1e3 for n in names],
+        0.4,
+        label="in-process",
+    )
+    left.bar(
+        [i + 0.2 for i in x],
+        [results[n]["per_token_s"]["distributed"] * 1e3 for n in names],
+        0.4,
+        label="Ray Serve (HTTP)",
+    )
     left.set_xticks(list(x), names)
     left.set_ylabel("ms per token (median)")
     left.set_title("one request at a time")

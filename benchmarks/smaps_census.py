@@ -3,7 +3,8 @@ allocator's pages grow when a process's RSS creeps with no Python object behind 
 
 Why: Ray's DashboardAgent grew +1.5-2 MiB (PSS +2.1 %) over the last 20 minutes of 30-minute
 soaks while its Python heap (tracemalloc, benchmarks/gc_census heap mode) grew a fifth of that,
-so what grows is native memory (docs/RELIABILITY.md section 10). The agent runs glibc's malloc
+so what grows is native memory (docs/history/RELIABILITY-chronicle.md section 10). The agent runs
+glibc's malloc
 (Ray strips its jemalloc preload from the processes the raylet starts); glibc gives every
 thread that allocates an arena of its own (mmap'd, 64 MiB-aligned), up to 8 per core, and the
 main thread's arena is the `[heap]` (brk). Python's small objects live in pymalloc's 1 MiB

@@ -67,8 +67,11 @@ def sample(pid: int) -> dict[str, dict[str, Any]]:
         with contextlib.suppress(psutil.Error):
             info = psutil.Process(child).memory_full_info()
             name = server_process.process_name(title) if child != pid else "dsbd-serve"
-            out[f"{name} {child}"] = {"rss": info.rss, "pss": getattr(info, "pss", info.rss),
-                                      **rss_parts(child)}  # fmt: skip
+            out[f"{name} {child}"] = {
+                "rss": info.rss,
+                "pss": getattr(info, "pss", info.rss),
+                **rss_parts(child),
+            }
     return out
 
 
@@ -95,18 +98,23 @@ def growth(times: list[float], values: list[int], unit: float = 2**20) -> dict[s
     spread = sum((t - mean_t) ** 2 for t in times)
     slope = sum((t - mean_t) * (v - mean_v) for t, v in zip(times, values, strict=True))
     slope = slope / spread if spread else 0.0  # bytes per second
-    residual = sum((v - mean_v - slope * (t - mean_t)) ** 2
-                   for t, v in zip(times, values, strict=True))  # fmt: skip
+    residual = sum(
+        (v - mean_v - slope * (t - mean_t)) ** 2 for t, v in zip(times, values, strict=True)
+    )
     # the slope's standard error with independent samples (neighbours correlate: a floor)
     slope_se = (residual / (len(values) - 2) / spread) ** 0.5 if len(values) > 2 and spread else 0
     span = times[-1] - times[0]
     tag = "_mib" if unit == 2**20 else ""
-    return {f"first{tag}": round(first / unit, 1), f"last{tag}": round(last / unit, 1),
-            f"max{tag}": round(max(values) / unit, 1), "growth": round((last - first) / base, 4),
-            "max_growth": round((max(values) - first) / base, 4),
-            "slope_per_hour": round(slope * 3600 / base, 4),
-            "trend": round(slope * span / base, 4),
-            "trend_se": round(slope_se * span / base, 4)}  # fmt: skip
+    return {
+        f"first{tag}": round(first / unit, 1),
+        f"last{tag}": round(last / unit, 1),
+        f"max{tag}": round(max(values) / unit, 1),
+        "growth": round((last - first) / base, 4),
+        "max_growth": round((max(values) - first) / base, 4),
+        "slope_per_hour": round(slope * 3600 / base, 4),
+        "trend": round(slope * span / base, 4),
+        "trend_se": round(slope_se * span / base, 4),
+    }
 
 
 def last_window(samples: list[tuple[float, Any]], window_s: float) -> list[tuple[float, Any]]:
@@ -135,8 +143,9 @@ def memory_report(samples: list[tuple[float, dict[str, Any]]], window_s: float) 
     total = [sum(v["rss"] for k, v in s.items() if k in start_names) for _, s in window]
     report["rss_total_growth"] = growth([t for t, _ in window], total)
     last = window[-1][1]
-    report["started_in_window_mib"] = {k: round(v["rss"] / 2**20, 1) for k, v in last.items()
-                                       if k not in start_names}  # fmt: skip
+    report["started_in_window_mib"] = {
+        k: round(v["rss"] / 2**20, 1) for k, v in last.items() if k not in start_names
+    }
     report["gone_in_window"] = sorted(start_names - set(last))
     return report
 
@@ -159,8 +168,7 @@ def replica_sample(status: dict[str, Any] | None) -> dict[str, dict[str, int]]:
     return out
 
 
-def replica_report(samples: list[tuple[float, dict[str, Any]]], window_s: float
-                   ) -> dict[str, Any]:  # fmt: skip
+def replica_report(samples: list[tuple[float, dict[str, Any]]], window_s: float) -> dict[str, Any]:
     """Per replica and statistic: its growth over the last `window_s` seconds. Live bytes
     (`allocated`, `python_blocks`) that grow with `resident` mean objects are kept; `resident`
     growing alone means the allocator keeps freed pages."""
@@ -170,17 +178,26 @@ def replica_report(samples: list[tuple[float, dict[str, Any]]], window_s: float
     out: dict[str, Any] = {}
     for name in sorted(window[0][1]):
         rows = [(t, s[name]) for t, s in window if name in s]
-        out[name] = {stat: growth([t for t, _ in rows], [r[stat] for _, r in rows],
-                                  1 if stat in _COUNTS else 2**20)
-                     for stat in rows[0][1] if all(stat in r for _, r in rows)}  # fmt: skip
+        out[name] = {
+            stat: growth(
+                [t for t, _ in rows], [r[stat] for _, r in rows], 1 if stat in _COUNTS else 2**20
+            )
+            for stat in rows[0][1]
+            if all(stat in r for _, r in rows)
+        }
     return out
 
 
 async def soak(url: str, pid: int, model: str, args: argparse.Namespace) -> dict[str, Any]:
     """The load and the sampler; then the sessions left (load.drain) and the report."""
-    config = LoadConfig(url=url, clients=args.clients, duration_s=args.duration,
-                        model=model, max_tokens=args.max_tokens,
-                        request_timeout_s=args.request_timeout)  # fmt: skip
+    config = LoadConfig(
+        url=url,
+        clients=args.clients,
+        duration_s=args.duration,
+        model=model,
+        max_tokens=args.max_tokens,
+        request_timeout_s=args.request_timeout,
+    )
     records: list[Record] = []
     samples: list[tuple[float, dict[str, Any]]] = []
     replicas: list[tuple[float, dict[str, Any]]] = []
@@ -198,8 +215,9 @@ async def soak(url: str, pid: int, model: str, args: argparse.Namespace) -> dict
 
         sampler = asyncio.create_task(every(args.sample_s, done, memory))
         stop_at = t0 + args.duration
-        await asyncio.gather(*(load.client(http, config, i, t0, stop_at, records)
-                               for i in range(args.clients)))  # fmt: skip
+        await asyncio.gather(
+            *(load.client(http, config, i, t0, stop_at, records) for i in range(args.clients))
+        )
         wall = time.monotonic() - t0
         done.set()
         await sampler
@@ -250,8 +268,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.url is None:
         tmp = Path(os.environ.get("TMPDIR", "/tmp"))
         workdir = args.workdir or tmp / f"dsbd-soak-{os.getpid()}"
-        server = server_process.start(workdir, args.config, app_name=args.app,
-                                      num_cpus=args.num_cpus)  # fmt: skip
+        server = server_process.start(
+            workdir, args.config, app_name=args.app, num_cpus=args.num_cpus
+        )
         url, pid, model = server.url, server.pid, args.model or server.model
         print(f"dsbd serve at {url} (pid {pid}, log {server.log})", flush=True)
     else:
@@ -265,8 +284,11 @@ def main(argv: list[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=1) + "\n")
     print(server_process.summary(results))
-    print(json.dumps({k: results[k] for k in ("rss_growth_after_warmup", "rss_total_growth")},
-                     indent=1))  # fmt: skip
+    print(
+        json.dumps(
+            {k: results[k] for k in ("rss_growth_after_warmup", "rss_total_growth")}, indent=1
+        )
+    )
     return 0
 
 

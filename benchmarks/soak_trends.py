@@ -39,9 +39,12 @@ def trends(path: Path) -> dict[str, dict[str, float]]:
     out: dict[str, dict[str, float]] = {}
     for name, rss in soak["rss_details"].items():
         pss = soak["pss_details"].get(name, {})
-        row = {"rss_end": rss["growth"], "rss_trend": rss["slope_per_hour"] * window / 3600,
-               "pss_end": pss.get("growth", 0.0),
-               "pss_trend": pss.get("slope_per_hour", 0.0) * window / 3600}  # fmt: skip
+        row = {
+            "rss_end": rss["growth"],
+            "rss_trend": rss["slope_per_hour"] * window / 3600,
+            "pss_end": pss.get("growth", 0.0),
+            "pss_trend": pss.get("slope_per_hour", 0.0) * window / 3600,
+        }
         series = [(s["t"], s[name]) for s in rows if name in s]
         if len(series) > 2:
             row["rss_trend_se"] = growth([t for t, _ in series], [v for _, v in series])["trend_se"]
@@ -60,15 +63,21 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(table, indent=1))
         return 0
     for path, rows in table.items():
-        largest = {k: max(max(r[f"rss_{k}"], r[f"pss_{k}"]) for r in rows.values())
-                   for k in ("end", "trend")}  # fmt: skip
-        print(f"{Path(path).name}: largest end {largest['end']:+.2%}, "
-              f"largest trend {largest['trend']:+.2%}")  # fmt: skip
+        largest = {
+            k: max(max(r[f"rss_{k}"], r[f"pss_{k}"]) for r in rows.values())
+            for k in ("end", "trend")
+        }
+        print(
+            f"{Path(path).name}: largest end {largest['end']:+.2%}, "
+            f"largest trend {largest['trend']:+.2%}"
+        )
         worst = sorted(rows.items(), key=lambda r: -max(r[1][k] for k in FIGURES))
         for name, r in worst[: args.top]:
             se = f" (se {r['rss_trend_se']:.2%})" if "rss_trend_se" in r else ""
-            print(f"  {name:28s} RSS end {r['rss_end']:+.2%} trend {r['rss_trend']:+.2%}{se}"
-                  f"  PSS end {r['pss_end']:+.2%} trend {r['pss_trend']:+.2%}")  # fmt: skip
+            print(
+                f"  {name:28s} RSS end {r['rss_end']:+.2%} trend {r['rss_trend']:+.2%}{se}"
+                f"  PSS end {r['pss_end']:+.2%} trend {r['pss_trend']:+.2%}"
+            )
     return 0
 
 

@@ -81,24 +81,42 @@ def main() -> None:
     parser.add_argument("--pair", choices=sorted(PAIRS), default="qwen-coder")
     parser.add_argument("--prompt", type=int, default=0, help="index into the held-out prompts")
     parser.add_argument("--tokens", type=int, default=24)
-    parser.add_argument("--quantize", choices=["auto", "int8", "none"], default="auto",
-                        help="the draft's int8 layers (DraftOptions.quantize)")  # fmt: skip
+    parser.add_argument(
+        "--quantize",
+        choices=["auto", "int8", "none"],
+        default="auto",
+        help="the draft's int8 layers (DraftOptions.quantize)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
-    pair = load_pair(*PAIRS[args.pair], dtype="auto", decode_path="dynamic",
-                     draft_options=DraftOptions(quantize=args.quantize))  # fmt: skip
+    pair = load_pair(
+        *PAIRS[args.pair],
+        dtype="auto",
+        decode_path="dynamic",
+        draft_options=DraftOptions(quantize=args.quantize),
+    )
     prompt = prompt_set("held-out")[args.prompt]
     ids = pair.encode(prompt.text, chat=prompt.chat)
-    config = SamplingConfig(width=3, gamma=2, threshold=None, max_new_tokens=args.tokens, seed=0,
-                            eos_token_ids=tuple(pair.stop_ids))  # fmt: skip
+    config = SamplingConfig(
+        width=3,
+        gamma=2,
+        threshold=None,
+        max_new_tokens=args.tokens,
+        seed=0,
+        eos_token_ids=tuple(pair.stop_ids),
+    )
     target = TransformerScorer(pair.target.model)
     draft = Lockstep(TransformerScorer(pair.draft.model), StaticScorer(pair.draft.model))
     result = generate("dsbd", target, ids, config, draft)
-    print(f"{pair.describe()}\nprompt {args.prompt} ({len(ids)} tokens), "
-          f"{len(result.beams[0].token_ids)} tokens decoded")  # fmt: skip
+    print(
+        f"{pair.describe()}\nprompt {args.prompt} ({len(ids)} tokens), "
+        f"{len(result.beams[0].token_ids)} tokens decoded"
+    )
     for index, (which, difference, tv) in enumerate(draft.calls):
-        print(f"draft call {index:3d} ({which}): largest log-prob difference {difference:.3g}, "
-              f"largest TV {tv:.3g}")  # fmt: skip
+        print(
+            f"draft call {index:3d} ({which}): largest log-prob difference {difference:.3g}, "
+            f"largest TV {tv:.3g}"
+        )
 
 
 if __name__ == "__main__":

@@ -71,15 +71,19 @@ class Clocked:
 
 def decode(method: str, fields: dict, scorers: tuple, ids: list[int], args: Any) -> dict:
     target, draft = Clocked(scorers[0]), Clocked(scorers[1])
-    config = SamplingConfig(max_new_tokens=args.max_new_tokens, seed=args.seed,
-                            eos_token_ids=args.stop_ids, **fields)  # fmt: skip
+    config = SamplingConfig(
+        max_new_tokens=args.max_new_tokens, seed=args.seed, eos_token_ids=args.stop_ids, **fields
+    )
     start = time.perf_counter()
     result = generate(method, target, ids, config, draft if method == "dsbd" else None)
     wall = time.perf_counter() - start
     tokens = result.stats.tokens_emitted
-    return {"ms_per_token": 1000 * wall / max(tokens, 1), "tokens": tokens,
-            "engine_share": 1 - (target.seconds + draft.seconds) / wall,
-            "beams": [b.token_ids for b in result.beams]}  # fmt: skip
+    return {
+        "ms_per_token": 1000 * wall / max(tokens, 1),
+        "tokens": tokens,
+        "engine_share": 1 - (target.seconds + draft.seconds) / wall,
+        "beams": [b.token_ids for b in result.beams],
+    }
 
 
 def ratio_interval(static: list[float], dynamic: list[float], seed: int = 0) -> dict:
@@ -88,8 +92,12 @@ def ratio_interval(static: list[float], dynamic: list[float], seed: int = 0) -> 
     rng = np.random.default_rng(seed)
     boot = [rng.choice(logs, logs.size).mean() for _ in range(2000)]
     low, high = np.percentile(boot, [2.5, 97.5])
-    return {"value": float(np.exp(logs.mean())), "low": float(np.exp(low)),
-            "high": float(np.exp(high)), "n": int(logs.size)}  # fmt: skip
+    return {
+        "value": float(np.exp(logs.mean())),
+        "low": float(np.exp(low)),
+        "high": float(np.exp(high)),
+        "n": int(logs.size),
+    }
 
 
 def compile_probe(model: torch.nn.Module, slots: int, repeats: int) -> dict:
@@ -146,21 +154,28 @@ def main() -> None:
         summary[name] = {
             "dynamic_ms_per_token": statistics.mean(r["ms_per_token"] for r in dynamic),
             "static_ms_per_token": statistics.mean(r["ms_per_token"] for r in static),
-            "static_over_dynamic_time": ratio_interval([r["ms_per_token"] for r in static],
-                                                       [r["ms_per_token"] for r in dynamic]),
+            "static_over_dynamic_time": ratio_interval(
+                [r["ms_per_token"] for r in static], [r["ms_per_token"] for r in dynamic]
+            ),
             "same_tokens": same,
             "engine_share_dynamic": statistics.mean(r["engine_share"] for r in dynamic),
             "engine_share_static": statistics.mean(r["engine_share"] for r in static),
-        }  # fmt: skip
+        }
     report = {
         "what": __doc__.splitlines()[0],
-        "pair": args.pair, "models": pair.describe(), "dtype": pair.dtype_name,
-        "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
-        "cpu": _cpu(), "torch": torch.__version__, "threads": 1,
-        "load_average_start": load_start, "summary": summary,
+        "pair": args.pair,
+        "models": pair.describe(),
+        "dtype": pair.dtype_name,
+        "prompts": len(prompts),
+        "max_new_tokens": args.max_new_tokens,
+        "cpu": _cpu(),
+        "torch": torch.__version__,
+        "threads": 1,
+        "load_average_start": load_start,
+        "summary": summary,
         "compile_probe": compile_probe(pair.target.model, 4, 5) if args.compile_probe else None,
         "load_average_end": os.getloadavg(),
-    }  # fmt: skip
+    }
     out = args.out or Path(__file__).parent / "results" / f"static_path_cpu_{args.pair}.json"
     out.write_text(json.dumps(report, indent=2) + "\n")
     out.with_suffix(".md").write_text(_table(report))
@@ -174,23 +189,32 @@ def _cpu() -> str:
 
 
 def _table(report: dict) -> str:
-    rows = [f"# Decode paths on {report['cpu']} ({report['pair']}, {report['dtype']}, "
-            f"{report['prompts']} prompts x {report['max_new_tokens']} tokens, 1 thread)", "",
-            f"load average {report['load_average_start']} -> {report['load_average_end']}", "",
-            "| method | dynamic ms/token | static ms/token | static / dynamic time [95 % CI] "
-            "| same tokens | engine share dyn / static |",
-            "|---|---:|---:|---|---:|---|"]  # fmt: skip
+    rows = [
+        f"# Decode paths on {report['cpu']} ({report['pair']}, {report['dtype']}, "
+        f"{report['prompts']} prompts x {report['max_new_tokens']} tokens, 1 thread)",
+        "",
+        f"load average {report['load_average_start']} -> {report['load_average_end']}",
+        "",
+        "| method | dynamic ms/token | static ms/token | static / dynamic time [95 % CI] "
+        "| same tokens | engine share dyn / static |",
+        "|---|---:|---:|---|---:|---|",
+    ]
     for name, s in report["summary"].items():
         r = s["static_over_dynamic_time"]
-        rows.append(f"| {name} | {s['dynamic_ms_per_token']:.1f} | {s['static_ms_per_token']:.1f} "
-                    f"| {r['value']:.2f} [{r['low']:.2f}, {r['high']:.2f}] | {s['same_tokens']}"
-                    f"/{r['n']} | {s['engine_share_dynamic']:.2f} / "
-                    f"{s['engine_share_static']:.2f} |")  # fmt: skip
+        rows.append(
+            f"| {name} | {s['dynamic_ms_per_token']:.1f} | {s['static_ms_per_token']:.1f} "
+            f"| {r['value']:.2f} [{r['low']:.2f}, {r['high']:.2f}] | {s['same_tokens']}"
+            f"/{r['n']} | {s['engine_share_dynamic']:.2f} / "
+            f"{s['engine_share_static']:.2f} |"
+        )
     probe = report.get("compile_probe")
     if probe:
-        rows += ["", f"Inductor on one bucket (1 x 4 slots): compile {probe['compile_s']:.0f} s, "
-                 f"step {probe['compiled_ms']:.1f} ms compiled vs {probe['eager_ms']:.1f} ms "
-                 "eager"]  # fmt: skip
+        rows += [
+            "",
+            f"Inductor on one bucket (1 x 4 slots): compile {probe['compile_s']:.0f} s, "
+            f"step {probe['compiled_ms']:.1f} ms compiled vs {probe['eager_ms']:.1f} ms "
+            "eager",
+        ]
     return "\n".join(rows) + "\n"
 
 

@@ -1,13 +1,13 @@
 """Dynamic width with distinct drafts: the i.i.d. DP against the estimate of the distinct rule.
 
-`threshold = t` promises that a verified layer passes with probability >= t (spec §5.2). With
-distinct drafts (the default mode) the width used to come from the DP of spec §5.1, which
-assumes i.i.d. drafts; `dsbd_core/algorithm/width_distinct.py` now estimates the distinct rule
+`threshold = t` promises that a verified layer passes with probability >= t (ALGORITHM.md §5.2).
+With distinct drafts (the default mode) the width used to come from the DP of ALGORITHM.md §5.1,
+which assumes i.i.d. drafts; `dsbd_core/algorithm/width_distinct.py` now estimates the distinct rule
 itself. This script decodes the same prompts with both width rules in one process, alternating which
-goes first per prompt, and reports per rule: the realized pass rate of verified layers (against
-t), the widths chosen, target and draft forward passes per token, accepted layers per iteration,
-wall and CPU time per token, and the target log-likelihood per token of the answer (the quality
-the narrower widths may cost). Ratios are "estimate / DP" with paired bootstrap intervals.
+goes first per prompt, and reports per rule: the realized pass rate of verified layers (against t),
+the widths chosen, target and draft forward passes per token, accepted layers per iteration, wall
+and CPU time per token, and the target log-likelihood per token of the answer (the quality the
+narrower widths may cost). Ratios are "estimate / DP" with paired bootstrap intervals.
 
     .venv/bin/python benchmarks/width_distinct.py --pair qwen-coder --prompts 4
     .venv/bin/python benchmarks/width_distinct.py --pair smollm2 --prompts 8
@@ -38,14 +38,17 @@ from dsbd_core.tools.bench.prompts import PROMPT_SETS, prompt_set
 from dsbd_core.tools.bench.quality import answer_log_likelihood, paired_bootstrap, ratio_bootstrap
 from dsbd_core.tools.bench.runners import Pair, run_engine
 
-PAIRS = {"smollm2": ("smollm2", "smollm2-draft", "held-out"),
-         "qwen-coder": ("qwen-coder", "qwen-coder-draft", "humaneval")}  # fmt: skip
+PAIRS = {
+    "smollm2": ("smollm2", "smollm2-draft", "held-out"),
+    "qwen-coder": ("qwen-coder", "qwen-coder-draft", "humaneval"),
+}
 ESTIMATE = engine_module.distinct_layer_width
 
 
-def iid_dp_width(target, table, valid_rows, drafts, threshold, w_min, w_max, generator):
+def iid_dp_width(target, table, valid_rows, drafts, slots, threshold, w_min, w_max, source):
     """The previous rule: the i.i.d. DP for distinct drafts too (same signature)."""
-    return layer_width(target, table * valid_rows, drafts, threshold, w_min, w_max)
+    restricted = table if valid_rows is None else table * valid_rows
+    return layer_width(target, restricted, drafts, slots, threshold, w_min, w_max)
 
 
 RULES = {"estimate": ESTIMATE, "dp": iid_dp_width}
@@ -64,12 +67,16 @@ def decode(rule: str, spec, pair: Pair, ids: list[int], base: SamplingConfig, en
     with pair.target_counter.paused():
         loglik = answer_log_likelihood(pair.target.model, ids, decoded.answer_ids)
     return {
-        "seconds": cost.seconds, "cpu_seconds": cost.cpu_seconds, "tokens": decoded.tokens,
+        "seconds": cost.seconds,
+        "cpu_seconds": cost.cpu_seconds,
+        "tokens": decoded.tokens,
         "target_passes": pair.target_counter.calls,
         "draft_passes": pair.draft_counter.calls if pair.draft_counter else 0,
-        "accepted_layers": stats.get("accepted_layers", []), "widths": widths,
-        "answer_tokens": len(decoded.answer_ids), "loglik": loglik,
-    }  # fmt: skip
+        "accepted_layers": stats.get("accepted_layers", []),
+        "widths": widths,
+        "answer_tokens": len(decoded.answer_ids),
+        "loglik": loglik,
+    }
 
 
 def summary(rows: list[dict]) -> dict:
@@ -124,22 +131,34 @@ def main() -> None:
     records = []
     for i, prompt in enumerate(prompts):
         ids = encode_prompt(target, prompt.text, chat=prompt.chat)
-        base = SamplingConfig(max_new_tokens=args.max_new_tokens, gamma=args.gamma,
-                              seed=args.seed + i, eos_token_ids=pair.stop_ids)  # fmt: skip
+        base = SamplingConfig(
+            max_new_tokens=args.max_new_tokens,
+            gamma=args.gamma,
+            seed=args.seed + i,
+            eos_token_ids=pair.stop_ids,
+        )
         for spec in specs:
             order = ("estimate", "dp") if i % 2 == 0 else ("dp", "estimate")
             for rule in order:
                 row = decode(rule, spec, pair, ids, base, energy)
                 records.append({"prompt": prompt.id, "method": spec.name, "rule": rule, **row})
-                print(f"{prompt.id:16s} {spec.name:22s} {rule:8s} {row['seconds']:7.1f}s "
-                      f"{row['tokens']:3d} tokens {row['target_passes']:3d} target passes",
-                      flush=True)  # fmt: skip
+                print(
+                    f"{prompt.id:16s} {spec.name:22s} {rule:8s} {row['seconds']:7.1f}s "
+                    f"{row['tokens']:3d} tokens {row['target_passes']:3d} target passes",
+                    flush=True,
+                )
     result: dict = {
-        "pair": args.pair, "settings": vars(args), "command": sys.argv,
-        "machine": {"platform": platform.platform(), "load_average_end": os.getloadavg(),
-                    "threads": torch.get_num_threads()},
-        "methods": {}, "records": records,
-    }  # fmt: skip
+        "pair": args.pair,
+        "settings": vars(args),
+        "command": sys.argv,
+        "machine": {
+            "platform": platform.platform(),
+            "load_average_end": os.getloadavg(),
+            "threads": torch.get_num_threads(),
+        },
+        "methods": {},
+        "records": records,
+    }
     for spec in specs:
         by = {r: [x for x in records if x["method"] == spec.name and x["rule"] == r] for r in RULES}
         new, old = by["estimate"], by["dp"]
@@ -160,7 +179,7 @@ def main() -> None:
                     a["loglik"] / max(a["answer_tokens"], 1)
                     - b["loglik"] / max(b["answer_tokens"], 1)
                     for a, b in zip(new, old, strict=True)
-                ]  # fmt: skip
+                ]
             ),
         }
     out = Path(args.out or f"benchmarks/results/width_distinct_{args.pair}")
@@ -173,15 +192,17 @@ def main() -> None:
 def markdown(result: dict) -> str:
     s = result["settings"]
     lines = [
-        f"# Dynamic width with distinct drafts: estimate vs i.i.d. DP ({result['pair']})", "",
+        f"# Dynamic width with distinct drafts: estimate vs i.i.d. DP ({result['pair']})",
+        "",
         f"{s['prompts']} prompts, {s['max_new_tokens']} new tokens, gamma {s['gamma']}, seed "
         f"{s['seed']} + i, {s['threads']} thread; both rules decode every prompt in one process, "
         f"alternating which goes first; load average at the end "
-        f"{tuple(round(x, 2) for x in result['machine']['load_average_end'])}.", "",
+        f"{tuple(round(x, 2) for x in result['machine']['load_average_end'])}.",
+        "",
         "| method | rule | layer pass rate (t) | widths | accepted layers / iteration | "
         "target passes / token | ms / token | estimate / DP time [95% CI] | loglik / token |",
         "|---|---|---:|---|---:|---:|---:|---:|---:|",
-    ]  # fmt: skip
+    ]
     for name, m in result["methods"].items():
         ratio = m["time_estimate_over_dp"]
         for rule in ("estimate", "dp"):

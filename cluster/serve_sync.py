@@ -45,8 +45,10 @@ def merge(base: Any, patch: Any, path: str = "") -> Any:
         names = [app.get("name") for app in base]
         for app in patch:
             if app.get("name") not in names:
-                raise ValueError(f"overrides: applications[name={app.get('name')!r}] is not in "
-                                 f"serve_config.yaml (it has {names})")  # fmt: skip
+                raise ValueError(
+                    f"overrides: applications[name={app.get('name')!r}] is not in "
+                    f"serve_config.yaml (it has {names})"
+                )
             index = names.index(app["name"])
             merged_apps[index] = merge(base[index], app, f"applications[{app['name']}]")
         return merged_apps
@@ -81,8 +83,11 @@ def differences(a: Any, b: Any, path: str = "") -> list[str]:
                 found += differences(a[key], b[key], where)
         return found
     if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
-        return [d for i, (x, y) in enumerate(zip(a, b, strict=True))
-                for d in differences(x, y, f"{path}[{i}]")]  # fmt: skip
+        return [
+            d
+            for i, (x, y) in enumerate(zip(a, b, strict=True))
+            for d in differences(x, y, f"{path}[{i}]")
+        ]
     return [] if a == b else [f"{path or 'serveConfigV2'}: manifest {a!r}, merge {b!r}"]
 
 

@@ -71,8 +71,12 @@ def replica_memory(
     else:
         budget = int(fraction * free_bytes)
         source = f"session_memory_fraction={fraction} of {free_bytes / 2**30:.2f} GiB free at start"
-    return {"kv_bytes_per_token": kv_per_token, "working_copies": WORKING_COPIES,
-            "session_memory_bytes": budget, "source": source}  # fmt: skip
+    return {
+        "kv_bytes_per_token": kv_per_token,
+        "working_copies": WORKING_COPIES,
+        "session_memory_bytes": budget,
+        "source": source,
+    }
 
 
 def router_view(target: dict[str, Any], draft: dict[str, Any], routers: int) -> dict[str, Any]:
@@ -105,9 +109,12 @@ def session_charge(
 
 
 def check_fits(
-    config: SamplingConfig, uses_draft: bool, prompt_len: int, view: dict[str, Any] | None,
+    config: SamplingConfig,
+    uses_draft: bool,
+    prompt_len: int,
+    view: dict[str, Any] | None,
     tokens_field: str,
-) -> None:  # fmt: skip
+) -> None:
     """HTTP 400 for a decode that could never be admitted: its charge exceeds this ingress's
     share of a side's budget even with nothing else running."""
     for side, charge in session_charge(config, uses_draft, prompt_len, view).items():

@@ -1,16 +1,12 @@
 """The memory settings of the model replicas: jemalloc (the one Ray ships, preloaded) and the
 capacity of the matmul primitive caches.
 
-Why: under steady load the draft replica's RSS grew in steps that were never given back (+2.0 %
-and +4.2 % over the last 20 minutes of two 30-minute soaks, docs/RELIABILITY.md section 10),
-with no per-request leak in the serving classes (tests/test_replica_leak.py). The serving
-path's batching in one process (benchmarks/memory_shapes.py: rounds of 1-8 requests of random
-shapes) reproduces it with glibc's malloc (+4.2 % and +5.1 % within two minutes) and not with
-jemalloc (-3.2 %: it gives memory back), which also holds 260-380 MiB less and ran 39 rounds to
-glibc's 37 in the same time. Fewer malloc arenas (`MALLOC_ARENA_MAX=2`: +4.2 % in the soak)
-are not the fix, nor is turning oneDNN's primitive cache off under glibc (+7.3 %: primitives
-rebuilt every forward fragment its heap); a fixed mmap threshold of 128 KiB also stops the
-growth but cost a fifth of the rounds.
+Why jemalloc: under steady load glibc's malloc keeps the pages freed by batches of ever-changing
+shapes, so a replica's RSS grows in steps it never gives back; jemalloc returns them, and holds
+less. The serving classes leak nothing per request (tests/test_replica_leak.py); fewer glibc
+arenas, oneDNN's primitive cache off and a fixed mmap threshold were tried and are no fix or too
+slow. benchmarks/memory_shapes.py reproduces the growth in minutes; the soaks' figures are in
+docs/history/RELIABILITY-chronicle.md section 10.
 
 A replica's process gets `LD_PRELOAD` through its Ray `runtime_env` (`env_vars` are in the
 environment the worker is started with, so the dynamic loader sees them; the tensor-parallel
@@ -24,16 +20,13 @@ threads' arenas were measured as they come, not as two.
 The other holders of memory per batch shape are two caches of matmul primitives: oneDNN's
 own (`ONEDNN_PRIMITIVE_CACHE_CAPACITY`) and the one PyTorch keeps in front of it for its
 bfloat16/int8 matmuls (ideep's, `LRU_CACHE_CAPACITY`), 1024 entries each by default. Every
-(rows, in, out) shape a forward meets gets an entry in each, about 0.3 MiB with its
-scratchpad and packed operands for the draft's linear layers, and a replica keeps meeting new
-row counts for many minutes (rows vary with the batch mates). So the caches filled for 20
-minutes of a soak: jemalloc's live bytes in the draft grew +2.8 % over the last 20 minutes
-while Python's objects and the cached sessions stayed flat (benchmarks/soak.py, replica
-statistics); bfloat16 linears of 300 new row counts kept 83 MiB with only oneDNN's cache
-capped, 0.2 MiB with both capped (tests/test_allocator.py). `ModelOptions.
-primitive_cache` caps both (the variables are read when the first primitive is built, so they
-are set in the replica's environment): 128 entries fill during warm-up at the same speed;
-0 rebuilds every primitive every forward, a third slower (benchmarks/memory_shapes.py).
+(rows, in, out) shape a forward meets gets an entry in each (a fraction of a MiB with its
+scratchpad and packed operands), and a replica meets new row counts for many minutes, as the
+rows vary with the batch mates; capping one cache alone keeps most of that memory
+(tests/test_allocator.py). `ModelOptions.primitive_cache` caps both (the variables are read
+when the first primitive is built, so they are set in the replica's environment): 128 entries
+fill during warm-up; 0 rebuilds every primitive every forward, about a third slower
+(benchmarks/memory_shapes.py).
 """
 
 from __future__ import annotations
@@ -97,12 +90,11 @@ def serve_controller_options(configured: Mapping[str, Any] | None) -> dict[str, 
     """Serve's `controller_options` for `dsbd serve`: the controller on Ray's jemalloc, and with
     it the proxies it starts (an actor created without a runtime_env inherits its creator's).
 
-    Why: Serve's proxy was the last process to creep in the soaks (its one glibc thread arena
-    +1.4 to +2.2 MiB per 20 minutes, +2.10 % of its PSS by trend in the fifteenth: free chunks
-    spread over pages it already held, docs/RELIABILITY.md section 10), as the ingress had
-    before it moved to jemalloc. The application's own `controller_options` win: its env_vars
-    are kept and an LD_PRELOAD of its own is not replaced. Without Ray's bundled library the
-    processes keep glibc (and the two arenas deployments.local_ray gives Ray's processes).
+    Why: Serve's proxy on glibc keeps growing its thread arena under steady load, as the
+    ingress did before it moved to jemalloc (docs/history/RELIABILITY-chronicle.md section 10).
+    The application's own `controller_options` win: its env_vars are kept and an LD_PRELOAD of
+    its own is not replaced. Without Ray's bundled library the processes keep glibc (and the two
+    arenas deployments.local_ray gives Ray's processes).
     """
     options = dict(configured or {})
     runtime_env = dict(options.get("runtime_env") or {})
@@ -150,8 +142,16 @@ def allocator_stats() -> dict[str, int]:
         libc.mallctl(b"epoch", ctypes.byref(epoch), ctypes.byref(size), ctypes.byref(epoch), size)
         for name in _JEMALLOC_STATS:
             value, size = ctypes.c_size_t(0), ctypes.c_size_t(ctypes.sizeof(ctypes.c_size_t))
-            if libc.mallctl(f"stats.{name}".encode(), ctypes.byref(value), ctypes.byref(size),
-                            None, ctypes.c_size_t(0)) == 0:  # fmt: skip
+            if (
+                libc.mallctl(
+                    f"stats.{name}".encode(),
+                    ctypes.byref(value),
+                    ctypes.byref(size),
+                    None,
+                    ctypes.c_size_t(0),
+                )
+                == 0
+            ):
                 stats[name] = value.value
     elif hasattr(libc, "mallinfo2"):
         libc.mallinfo2.restype = _MallInfo2
@@ -164,6 +164,18 @@ def allocator_stats() -> dict[str, int]:
 class _MallInfo2(ctypes.Structure):
     """glibc's `struct mallinfo2` (every field a size_t)."""
 
-    _fields_ = [(name, ctypes.c_size_t) for name in (
-        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
-        "fordblks", "keepcost")]  # fmt: skip
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]

@@ -22,9 +22,15 @@ class APIError(Exception):
     """An error a client can act on: HTTP status, message, offending parameter."""
 
     def __init__(
-        self, status: int, message: str, param: str | None = None, *,
-        kind: str | None = None, code: str | None = None, headers: dict[str, str] | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        *,
+        kind: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.param = status, message, param
         self.kind, self.code, self.headers = kind, code, headers
@@ -61,9 +67,13 @@ async def validation_error_handler(request: Request, error: RequestValidationErr
 
 
 def error_response(
-    status: int, message: str, param: str | None, *, kind: str | None = None,
+    status: int,
+    message: str,
+    param: str | None,
+    *,
+    kind: str | None = None,
     code: str | None = None,
-) -> JSONResponse:  # fmt: skip
+) -> JSONResponse:
     kind = kind or ("invalid_request_error" if status < 500 else "server_error")
     body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
     return JSONResponse(body, status_code=status)
@@ -77,20 +87,25 @@ def requested_config(build: Callable[[], SamplingConfig]) -> SamplingConfig:
         return build()
     except ValidationError as error:
         loc = error.errors()[0]["loc"]
-        raise APIError(400, config_error_message(error).replace("\n", "; "),
-                       str(loc[0]) if loc else None) from None  # fmt: skip
+        raise APIError(
+            400, config_error_message(error).replace("\n", "; "), str(loc[0]) if loc else None
+        ) from None
 
 
 def replica_lost_body(why: str) -> dict[str, Any]:
     """The error event of a stream whose decode was lost with its router and could not be
     replayed to the tokens already sent (deployments/router_client.py)."""
-    message = (f"the decode was lost with its router replica and its replay differs from the "
-               f"text already sent ({why}); retry the request")  # fmt: skip
+    message = (
+        f"the decode was lost with its router replica and its replay differs from the "
+        f"text already sent ({why}); retry the request"
+    )
     return {"error": {"message": message, "type": "replica_lost", "param": None, "code": 503}}
 
 
 def timeout_body(request_timeout_s: float) -> dict[str, Any]:
     """The 504 body of a decode stopped at the server's `request_timeout_s` limit."""
-    message = (f"the decode did not finish within request_timeout_s={request_timeout_s}; "
-               "it was stopped and its sessions freed; ask for fewer tokens or retry")  # fmt: skip
+    message = (
+        f"the decode did not finish within request_timeout_s={request_timeout_s}; "
+        "it was stopped and its sessions freed; ask for fewer tokens or retry"
+    )
     return {"error": {"message": message, "type": "timeout", "param": None, "code": 504}}

@@ -28,8 +28,15 @@ from dsbd_core.algorithm.decoders import METHODS
 # SamplingConfig fields that OpenAI requests carry under their own names, that the server fills,
 # or that other fields decide (`search`: `method` or `use_beam_search`; `logprobs`: the routes'
 # own logprobs fields).
-_OPENAI_NAMED = {"temperature", "top_p", "seed", "max_new_tokens", "eos_token_ids", "search",
-                 "logprobs"}  # fmt: skip
+_OPENAI_NAMED = {
+    "temperature",
+    "top_p",
+    "seed",
+    "max_new_tokens",
+    "eos_token_ids",
+    "search",
+    "logprobs",
+}
 Method = Literal["dsbd", "beam", "sps", "sample", "beam_search", "spec_beam_search"]
 assert set(Method.__args__) == set(METHODS)  # type: ignore[attr-defined]
 BEAM_METHODS = ("dsbd", "beam", "beam_search", "spec_beam_search")  # methods with W beams
@@ -80,7 +87,6 @@ DecodingKnobs.__doc__ = "DSBD knobs as extra body fields (see SamplingConfig for
 # OpenAI fields that are accepted only at their neutral value (anything else is refused).
 _NEUTRAL: dict[str, Any] = {
     "best_of": 1,
-    "echo": False,
     "frequency_penalty": 0.0,
     "presence_penalty": 0.0,
     "logit_bias": None,
@@ -99,7 +105,12 @@ class _OpenAIRequest(DecodingKnobs):  # type: ignore[misc, valid-type]
     model_config = ConfigDict(extra="forbid")
 
     model: str = Field(..., description="A name from /v1/models.")
-    max_tokens: int | None = Field(None, ge=1, le=32768, description="Tokens to generate at most.")
+    max_tokens: int | None = Field(
+        None,
+        ge=0,
+        le=32768,
+        description="Tokens to generate at most (0: none, with echo: score the prompt only).",
+    )
     temperature: float = Field(
         1.0,
         ge=0.0,
@@ -117,7 +128,13 @@ class _OpenAIRequest(DecodingKnobs):  # type: ignore[misc, valid-type]
     seed: int | None = Field(None, ge=0)
     user: str | None = None
     best_of: int | None = None
-    echo: bool = False
+    echo: bool = Field(
+        False,
+        description=(
+            "Completions: return the prompt before each choice's text, and with `logprobs` its"
+            " tokens' log-probabilities too (the first token's null), from one target forward."
+        ),
+    )
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
@@ -131,6 +148,13 @@ class _OpenAIRequest(DecodingKnobs):  # type: ignore[misc, valid-type]
                 raise ValueError(
                     f"{name}={value!r} is not supported by dsbd; allowed: {neutral!r} (omit it)"
                 )
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError(
+                "max_tokens=0 decodes nothing; allowed: max_tokens >= 1, or 0 with"
+                " echo=true (scores the prompt only)"
+            )
+        if self.echo and self.stream:
+            raise ValueError("echo=true with stream=true is not supported; allowed: stream=false")
         if self.temperature == 0:  # vLLM: greedy, or beam search when beams are asked for
             self.use_beam_search = True
         if self.use_beam_search and "width" not in self.model_fields_set:
@@ -159,8 +183,9 @@ class _OpenAIRequest(DecodingKnobs):  # type: ignore[misc, valid-type]
         self, eos_token_ids: tuple[int, ...], max_new_tokens: int
     ) -> SamplingConfig:
         """The SamplingConfig this request asks for (validated once more by SamplingConfig)."""
-        return _sampling_config(self, self.max_tokens or max_new_tokens, eos_token_ids,
-                                self.logprob_count)  # fmt: skip
+        return _sampling_config(
+            self, self.max_tokens or max_new_tokens, eos_token_ids, self.logprob_count
+        )
 
 
 class CompletionRequest(_OpenAIRequest):
@@ -262,6 +287,8 @@ class ChatCompletionRequest(_OpenAIRequest):
 
     @model_validator(mode="after")
     def _one_limit(self) -> ChatCompletionRequest:
+        if self.echo:
+            raise ValueError("echo=true is a completions field; allowed on chat: false (omit it)")
         if self.max_completion_tokens is not None:
             if self.max_tokens is not None and self.max_tokens != self.max_completion_tokens:
                 raise ValueError(
@@ -349,8 +376,8 @@ class CompletionLogprobs(BaseModel):
     its text starts in the choice's text."""
 
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]] | None
+    token_logprobs: list[float | None]  # None: an echoed prompt's first token (no context)
+    top_logprobs: list[dict[str, float] | None] | None
     text_offset: list[int]
 
 

@@ -66,9 +66,11 @@ class Resources(BaseModel):
         return value
 
     def options(
-        self, model: ModelOptions | None = None, inherited_env: dict[str, Any] | None = None,
+        self,
+        model: ModelOptions | None = None,
+        inherited_env: dict[str, Any] | None = None,
         allocator: Allocator | None = None,
-    ) -> dict[str, Any]:  # fmt: skip
+    ) -> dict[str, Any]:
         """Serve deployment options; a model with `tp_size > 1` adds its placement group: the
         replica's own bundle first, then one bundle per rank (deployments/tensor_parallel.py).
         A deployment without a model gets `allocator` (None: the environment's malloc)."""
@@ -104,10 +106,14 @@ class Resources(BaseModel):
                     "policy": {"policy_function": AUTOSCALING_POLICY},  # no flapping
                 }
             }
-        return {"ray_actor_options": actor, "max_ongoing_requests": self.max_ongoing_requests,
-                "health_check_period_s": self.health_check_period_s,
-                "health_check_timeout_s": self.health_check_timeout_s,
-                **placement, **scaling}  # fmt: skip
+        return {
+            "ray_actor_options": actor,
+            "max_ongoing_requests": self.max_ongoing_requests,
+            "health_check_period_s": self.health_check_period_s,
+            "health_check_timeout_s": self.health_check_timeout_s,
+            **placement,
+            **scaling,
+        }
 
 
 class AppArgs(BaseModel):
@@ -135,11 +141,12 @@ class AppArgs(BaseModel):
     )  # parses, checks, admits and streams; the decode loops run in the routers
     router_resources: Resources = Resources(num_cpus=0.1, max_replicas=4, max_ongoing_requests=256)
     allocator: Allocator = Field(
-        "jemalloc", description="The ingress and router replicas' malloc: jemalloc (Ray's, "
+        "jemalloc",
+        description="The ingress and router replicas' malloc: jemalloc (Ray's, "
         "preloaded; their RSS flat under load) or system (glibc's: the ingress's climbed ~25 "
         "MiB over 8 minutes and dropped at once, again and again). The model replicas have "
         "their own: target.allocator, draft.allocator. deployments/allocator.py.",
-    )  # fmt: skip
+    )
     draft_resources: Resources = Resources(num_cpus=0.5)
     verifier_resources: Resources = Resources(num_cpus=1.0)
 

@@ -45,9 +45,14 @@ def presented_key(headers: Headers) -> str:
 
 def unauthorized() -> JSONResponse:
     """401 in OpenAI's error shape, with the challenge RFC 6750 asks for."""
-    body = {"error": {"message": "missing or wrong API key; send it as `Authorization: Bearer "
-                      "KEY`", "type": "authentication_error", "param": None,
-                      "code": "invalid_api_key"}}  # fmt: skip
+    body = {
+        "error": {
+            "message": "missing or wrong API key; send it as `Authorization: Bearer KEY`",
+            "type": "authentication_error",
+            "param": None,
+            "code": "invalid_api_key",
+        }
+    }
     return JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})
 
 

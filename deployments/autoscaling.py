@@ -2,14 +2,13 @@
 scaling down, so that a steady load does not start and stop a replica again and again.
 
 Why: Serve's default rule (`replica_queue_length_autoscaling_policy`) wants ceil(ongoing /
-target) replicas both ways, so a steady load near a multiple of the target flaps: in a 30-minute
-soak (32 clients, routers' target 16) the routers went 2 -> 3 when the ongoing requests read
-32.75, back to 2 ten minutes later (Serve's downscale delay) at 31.83, and up again a minute
-after that, twice (docs/RELIABILITY.md section 10, the eleventh soak). Each start costs a
-process (~530 MiB for a router) and its warm-up, and leaves the new worker's metric series in
-Ray's node metrics agent for the agent's life: the agent's private memory rose ~0.5 MiB within
-a minute of each router start, three quarters of its growth over that soak
-(benchmarks/smaps_census.py). Flapping is churn for the user and a slow leak for the node.
+target) replicas both ways, so a steady load near a multiple of the target flaps: a replica
+starts when the ongoing requests read just above the multiple, stops after Serve's downscale
+delay when they read just below, and starts again (seen in a soak:
+docs/history/RELIABILITY-chronicle.md section 10). Each start costs a process (hundreds of MiB
+for a router) and its warm-up, and leaves the new worker's metric series in Ray's node metrics
+agent for the agent's life (benchmarks/smaps_census.py). Flapping is churn for the user and a
+slow leak for the node.
 
 The rule: up as Serve's (ceil(ongoing / target), so a burst is met as fast as before); down only
 to the count that would run at `DOWNSCALE_UTILIZATION` of the target or less, ceil(ongoing /

@@ -276,8 +276,9 @@ def _execute(
     if out.fmt == "parquet":
         files = RunFiles(run, "parquet")
         # a file per batch of rows: what an interrupted job loses, and resumes, is one batch
-        decoded.write_parquet(out.uri, filename_provider=files, ray_remote_args=light,
-                              max_rows_per_file=size)  # fmt: skip
+        decoded.write_parquet(
+            out.uri, filename_provider=files, ray_remote_args=light, max_rows_per_file=size
+        )
     else:
         decoded.write_datasink(JsonLinesDatasink(out.uri, run), ray_remote_args=light)
 

@@ -104,8 +104,14 @@ class BatchDecoder:
         torch.set_num_threads(s.threads)
         hf_logging.set_verbosity_error()
         hf_logging.disable_progress_bar()
-        pair = load_pair(s.target, s.draft, dtype=s.dtype, device=s.device,
-                         draft_options=s.draft_variant, decode_path=s.decode_path)  # fmt: skip
+        pair = load_pair(
+            s.target,
+            s.draft,
+            dtype=s.dtype,
+            device=s.device,
+            draft_options=s.draft_variant,
+            decode_path=s.decode_path,
+        )
         assert pair.draft is not None
         self.target, self.draft = pair.target, pair.draft
         # the cost model's calibration: measured once per machine and cached (same tokens for
@@ -143,8 +149,9 @@ class BatchDecoder:
             shapes.append(n)
         if requests:
             try:
-                results, _ = decode_lockstep(requests, self.target_batcher, self.draft_batcher,
-                                             controller=self._controller)  # fmt: skip
+                results, _ = decode_lockstep(
+                    requests, self.target_batcher, self.draft_batcher, controller=self._controller
+                )
             except Exception as error:  # the shared decode broke: every row of it fails
                 message = f"the batch failed while decoding: {type(error).__name__}: {error}"
                 for k in where:

@@ -110,13 +110,18 @@ async def pair_calibration(handles: Handles) -> Calibration | None:
         if verifier.get("costs") is None or draft.get("costs") is None:
             _CALIBRATIONS[key] = None
         else:
-            description = (f"target {verifier['dtype']}; draft {draft['dtype']}, "
-                           f"{draft.get('variant') or 'as loaded'}")  # fmt: skip
+            description = (
+                f"target {verifier['dtype']}; draft {draft['dtype']}, "
+                f"{draft.get('variant') or 'as loaded'}"
+            )
             _CALIBRATIONS[key] = await asyncio.to_thread(
-                assemble, ForwardCosts.model_validate(verifier["costs"]),
-                ForwardCosts.model_validate(draft["costs"]), int(verifier["vocab_size"]),
-                draft.get("support_size"), description,
-            )  # fmt: skip
+                assemble,
+                ForwardCosts.model_validate(verifier["costs"]),
+                ForwardCosts.model_validate(draft["costs"]),
+                int(verifier["vocab_size"]),
+                draft.get("support_size"),
+                description,
+            )
     return _CALIBRATIONS[key]
 
 
@@ -151,11 +156,18 @@ class DecodeSession:
     async def iterations(self, prompt_ids: list[int]) -> AsyncIterator[DecodeState]:
         """Run the decode; yields the state after every iteration (for streaming)."""
         start = time.perf_counter()
-        limits = Knobs(gamma=self.config.gamma if self.uses_draft else 0,
-                       draft_width=self.config.effective_draft_width)  # fmt: skip
+        limits = Knobs(
+            gamma=self.config.gamma if self.uses_draft else 0,
+            draft_width=self.config.effective_draft_width,
+        )
         self.controller = await self._controller()
-        decode = Decode(self.config, self.vocab_size, [prompt_ids], uses_draft=self.uses_draft,
-                        controller=self.controller)  # fmt: skip
+        decode = Decode(
+            self.config,
+            self.vocab_size,
+            [prompt_ids],
+            uses_draft=self.uses_draft,
+            controller=self.controller,
+        )
         state = self.state = decode.state
         observer = SessionObserver(self.session)  # spans and metrics (deployments/observability)
         self.totals = observer.totals
@@ -163,8 +175,11 @@ class DecodeSession:
         try:  # the open call too: a request cancelled while it runs still closes its session
             OPEN_HERE.add(self.session)
             keep_reporting(self.handles.controller)
-            await self.receive(self.handles.controller.open.remote(
-                self.session, limits, self.adaptive, ROUTER_PROCESS))  # fmt: skip
+            await self.receive(
+                self.handles.controller.open.remote(
+                    self.session, limits, self.adaptive, ROUTER_PROCESS
+                )
+            )
             try:
                 call = next(steps)
             except StopIteration as stop:  # nothing to decode (not reached for valid input)
@@ -225,8 +240,9 @@ class DecodeSession:
             gamma=config.gamma if self.uses_draft else 0,
             draft_width=config.effective_draft_width,
         )
-        with observer.iteration(state.iteration, knobs.gamma, knobs.draft_width,
-                                int(state.depth.max())) as observed:  # fmt: skip
+        with observer.iteration(
+            state.iteration, knobs.gamma, knobs.draft_width, int(state.depth.max())
+        ) as observed:
             start = time.perf_counter()
             reply = await self._iteration(replace(call, trace=observed.trace), draft=draft)
             self.stats.iteration_seconds.append(time.perf_counter() - start)
@@ -254,8 +270,9 @@ class DecodeSession:
                 return reply
             except Exception as error:
                 if lineage is not None and not history and _in_chain(error, (ReplayNeeded,)):
-                    self.stats.replays.append(f"iteration {call.state.iteration}: a replica "
-                                              "had no cache, history sent")  # fmt: skip
+                    self.stats.replays.append(
+                        f"iteration {call.state.iteration}: a replica had no cache, history sent"
+                    )
                     history = True
                     continue
                 lost = lost_replica(error)
@@ -287,8 +304,9 @@ class DecodeSession:
         for side, report in (("verifier", reply.report), ("draft", reply.draft)):
             replayed = report.batch.replayed.get(self.session) if report is not None else None
             if replayed:
-                s.replays.append(f"iteration {len(s.gamma) - 1}: {side} replayed {replayed} "
-                                 "iterations")  # fmt: skip
+                s.replays.append(
+                    f"iteration {len(s.gamma) - 1}: {side} replayed {replayed} iterations"
+                )
         if reply.draft is not None:
             s.draft_batch_requests.append(reply.draft.batch.requests)
             s.draft_forwards.append(reply.draft.batch.forwards)
@@ -307,8 +325,10 @@ class DecodeSession:
             stop_reporting()
 
         async def release() -> None:
-            calls = [handles.controller.close.remote(session),
-                     handles.verifier.release.remote(session)]  # fmt: skip
+            calls = [
+                handles.controller.close.remote(session),
+                handles.verifier.release.remote(session),
+            ]
             if uses_draft:
                 calls.append(handles.draft.release.remote(session))
             for call in calls:
@@ -360,8 +380,13 @@ def stop_reporting() -> None:
             running.cancel()
 
 
-_LOST = (RayActorError, ActorUnavailableError, ReplicaUnavailableError,
-         DeploymentUnavailableError, TensorParallelBroken)  # fmt: skip
+_LOST = (
+    RayActorError,
+    ActorUnavailableError,
+    ReplicaUnavailableError,
+    DeploymentUnavailableError,
+    TensorParallelBroken,
+)
 
 
 def lost_replica(error: BaseException) -> BaseException | None:

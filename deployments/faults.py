@@ -69,8 +69,11 @@ def fault_point(role: str, call: str | None = None, calls: int = 1) -> None:
     for fault_role, fault_call, n in parse(spec):
         hit = (fault_role, fault_call) == (role, call) and before < n <= after
         if hit and _claim(role, call, n):
-            print(f"dsbd: {ENV}: {role} exits inside its {call} call {n} (pid {os.getpid()})",
-                  file=sys.stderr, flush=True)  # fmt: skip
+            print(
+                f"dsbd: {ENV}: {role} exits inside its {call} call {n} (pid {os.getpid()})",
+                file=sys.stderr,
+                flush=True,
+            )
             os._exit(EXIT_CODE)
 
 

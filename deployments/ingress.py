@@ -30,8 +30,8 @@ deployments/openai_responses.py.
 import asyncio
 import os
 import uuid
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Coroutine, Iterable
+from typing import Any, TypeVar
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
@@ -63,6 +63,7 @@ from deployments.openai_responses import (
     BeamText,
     batch_completion_response,
     completion_response,
+    echo_completion_response,
     native_beam_logprobs,
 )
 from deployments.router_limits import Limits, RouterOptions, check_config
@@ -111,13 +112,28 @@ def _report_end(end: DecodeEnd) -> None:
     span.set_attributes({f"dsbd.{name}": value for name, value in end.totals.items()})
 
 
+T = TypeVar("T")
+
+
+async def _each(calls: Iterable[Coroutine[Any, Any, T]]) -> list[T]:
+    """Run the calls concurrently; their values in order. The first failure (a 400, 429, 504)
+    cancels the others and is raised as itself."""
+    try:
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(call) for call in calls]
+    except ExceptionGroup as failed:
+        raise failed.exceptions[0] from None
+    return [task.result() for task in tasks]
+
+
 @serve.deployment(name="Ingress", max_ongoing_requests=256)
 @serve.ingress(app)
 class Ingress:
     """Autoscaled HTTP ingress; hands each request's decode to a router replica."""
 
-    def __init__(self, router: Any, draft: Any, verifier: Any, controller: Any,
-                 options: dict[str, Any]) -> None:  # fmt: skip
+    def __init__(
+        self, router: Any, draft: Any, verifier: Any, controller: Any, options: dict[str, Any]
+    ) -> None:
         self.options = RouterOptions.model_validate(options)
         self.router = router
         self.router_stream = router.options(stream=True)
@@ -146,11 +162,15 @@ class Ingress:
         verifier = await self.handles.verifier.info.remote()
         draft = await self.handles.draft.info.remote()
         router = await self.router.info.remote()
-        ingress = {"replica": replica_id(), "pid": os.getpid(), "running": self._running,
-                   "admitted_memory_bytes": dict(self._memory.admitted),
-                   "admitted_memory_peak_bytes": dict(self._memory.peak),
-                   "allocator": active_allocator(),  # jemalloc unless asked otherwise (app.py)
-                   "allocator_stats": allocator_stats()}  # fmt: skip
+        ingress = {
+            "replica": replica_id(),
+            "pid": os.getpid(),
+            "running": self._running,
+            "admitted_memory_bytes": dict(self._memory.admitted),
+            "admitted_memory_peak_bytes": dict(self._memory.peak),
+            "allocator": active_allocator(),  # jemalloc unless asked otherwise (app.py)
+            "allocator_stats": allocator_stats(),
+        }
         return {
             "model": self.options.model_name,
             **load,
@@ -168,31 +188,34 @@ class Ingress:
     async def completions(self, request: CompletionRequest) -> Any:
         self._check_model(request.model)
         prompts = await self._prompt_ids(request.prompts)
+        if request.echo:
+            return await self._echo(request, prompts)
         if len(prompts) == 1:
             return await self._openai(request, prompts[0], chat=False)
         if request.stream:
-            raise APIError(400, f"stream=true with a list of {len(prompts)} prompts is not "
-                           "supported; allowed: stream=false, or one prompt", "stream")  # fmt: skip
-        # every prompt its own decode, concurrently, through the same admission and batching;
-        # the first failure (a 400, 429, 504) cancels the others and is the reply
-        try:
-            async with asyncio.TaskGroup() as group:
-                tasks = [
-                    group.create_task(self._openai(request, ids, chat=False, beams_only=True))
-                    for ids in prompts
-                ]
-        except ExceptionGroup as failed:
-            raise failed.exceptions[0] from None
-        ends = [task.result() for task in tasks]
-        return batch_completion_response(self.options.model_name, prompts, ends,
-                                         request.n, self.texts)  # fmt: skip
+            raise APIError(
+                400,
+                f"stream=true with a list of {len(prompts)} prompts is not "
+                "supported; allowed: stream=false, or one prompt",
+                "stream",
+            )
+        # every prompt its own decode, through the same admission and batching
+        ends = await _each(
+            self._openai(request, ids, chat=False, beams_only=True) for ids in prompts
+        )
+        return batch_completion_response(
+            self.options.model_name, prompts, ends, request.n, self.texts
+        )
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(self, request: ChatCompletionRequest) -> Any:
         self._check_model(request.model)
         if not getattr(self.tokenizer, "chat_template", None):
-            raise APIError(400, f"model {request.model!r} has no chat template; use "
-                           "/v1/completions", "messages")  # fmt: skip
+            raise APIError(
+                400,
+                f"model {request.model!r} has no chat template; use /v1/completions",
+                "messages",
+            )
         prompt_ids = self._chat_ids([m.model_dump() for m in request.messages])
         return await self._openai(request, prompt_ids, chat=True)
 
@@ -206,8 +229,9 @@ class Ingress:
         else:
             prompt_ids = self.tokenizer.encode(request.prompt)
         config = requested_config(lambda: request.sampling_config(self.stop_ids))
-        config = await self._config(config, request.method, prompt_ids,
-                                    tokens_field="max_new_tokens")  # fmt: skip
+        config = await self._config(
+            config, request.method, prompt_ids, tokens_field="max_new_tokens"
+        )
         handed: list[str] = []  # hand-overs to another router (deployments/router_client.py)
         call = self._call(config, request.method, request.adaptive, prompt_ids)
         end = await self._run(call, handed)
@@ -238,6 +262,33 @@ class Ingress:
         }
 
     # ----------------------------------------------------------------- helpers
+    async def _echo(self, request: CompletionRequest, prompts: list[list[int]]) -> Any:
+        """`echo`: every prompt scored by the verifier when logprobs are asked (a target
+        forward of its own), then decoded as usual unless `max_tokens` is 0; concurrently,
+        the first failure being the reply."""
+
+        async def one(ids: list[int]) -> tuple[Any, list]:
+            if request.max_tokens == 0:  # nothing decoded: the limits are checked all the same
+                config = requested_config(lambda: request.sampling_config(self.stop_ids, 1))
+                await self._config(config, request.method, ids)
+            scored = None
+            if request.logprobs is not None:
+                scored = await self.handles.verifier.prompt_logprobs.remote(ids, request.logprobs)
+            beams = []
+            if request.max_tokens != 0:
+                beams = await self._openai(request, ids, chat=False, beams_only=True)
+            return scored, beams
+
+        done = await _each(one(ids) for ids in prompts)
+        return echo_completion_response(
+            self.options.model_name,
+            prompts,
+            [beams for _, beams in done],
+            [scored for scored, _ in done],
+            request.n,
+            self.texts,
+        )
+
     async def _prompt_ids(self, prompts: list[str | list[int]]) -> list[list[int]]:
         """Each prompt's token ids (texts tokenized); an id outside the vocabulary is a 400
         naming where it stands."""
@@ -250,8 +301,11 @@ class Ingress:
             for j, token in enumerate(prompt):
                 if token >= vocab:
                     where = f"prompt[{i}][{j}]" if len(prompts) > 1 else f"prompt[{j}]"
-                    raise APIError(400, f"{where}={token}: token id out of range; allowed "
-                                   f"0..{vocab - 1}", "prompt")  # fmt: skip
+                    raise APIError(
+                        400,
+                        f"{where}={token}: token id out of range; allowed 0..{vocab - 1}",
+                        "prompt",
+                    )
             out.append(list(prompt))
         return out
 
@@ -266,23 +320,35 @@ class Ingress:
         )
         config = await self._config(config, request.method, prompt_ids)
         if request.n > self.options.limits.max_n:
-            raise APIError(400, f"n={request.n} exceeds this server's limit max_n="
-                           f"{self.options.limits.max_n}", "n")  # fmt: skip
+            raise APIError(
+                400,
+                f"n={request.n} exceeds this server's limit max_n={self.options.limits.max_n}",
+                "n",
+            )
         call = self._call(config, request.method, request.adaptive, prompt_ids)
         if request.stream:
             leave = self._admit(call)
             ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
             updates = router_client.stream(self.router_stream, call)
-            events = sse_events(updates, request, prompt_ids, chat=chat,
-                                model_name=self.options.model_name, limits=self.options.limits,
-                                texts=self.texts, ident=ident, stops=config.eos_token_ids,
-                                on_end=_report_end)  # fmt: skip
+            events = sse_events(
+                updates,
+                request,
+                prompt_ids,
+                chat=chat,
+                model_name=self.options.model_name,
+                limits=self.options.limits,
+                texts=self.texts,
+                ident=ident,
+                stops=config.eos_token_ids,
+                on_end=_report_end,
+            )
             return DecodeStream(events, leave)
         beams = (await self._run(call)).result.beams[: request.n]
         if beams_only:
             return beams
-        return completion_response(self.options.model_name, prompt_ids, beams, self.texts,
-                                   chat=chat)  # fmt: skip
+        return completion_response(
+            self.options.model_name, prompt_ids, beams, self.texts, chat=chat
+        )
 
     def _admit(self, call: DecodeCall) -> Callable[[], None]:
         """Count a decode in, or refuse it (429) when this ingress runs too many already or
@@ -290,8 +356,12 @@ class Ingress:
         returns what counts it out, once however often it is called."""
         limit = self.options.limits.max_concurrent_sessions
         if self._running >= limit:
-            raise APIError(429, f"this server runs {limit} decodes at once "
-                           "(max_concurrent_sessions); retry shortly", None)  # fmt: skip
+            raise APIError(
+                429,
+                f"this server runs {limit} decodes at once "
+                "(max_concurrent_sessions); retry shortly",
+                None,
+            )
         view = (self._info or {}).get("admission")
         charge = session_charge(call.config, call.uses_draft, len(call.prompt_ids), view)
         self._memory.take(charge, view)
@@ -322,19 +392,28 @@ class Ingress:
         _report_end(end)
         return end
 
-    def _call(self, config: SamplingConfig, method: str, adaptive: bool,
-              prompt_ids: list[int]) -> DecodeCall:  # fmt: skip
+    def _call(
+        self, config: SamplingConfig, method: str, adaptive: bool, prompt_ids: list[int]
+    ) -> DecodeCall:
         """The decode a router replica runs for this request (in the request span's trace)."""
         assert self._info is not None
-        return DecodeCall(prompt_ids=list(prompt_ids), config=config,
-                          uses_draft=method in METHODS_WITH_DRAFT, adaptive=adaptive,
-                          vocab_size=int(self._info["vocab_size"]),
-                          trace=tracing.inject(trace.get_current_span()))  # fmt: skip
+        return DecodeCall(
+            prompt_ids=list(prompt_ids),
+            config=config,
+            uses_draft=method in METHODS_WITH_DRAFT,
+            adaptive=adaptive,
+            vocab_size=int(self._info["vocab_size"]),
+            trace=tracing.inject(trace.get_current_span()),
+        )
 
     async def _config(
-        self, config: SamplingConfig, method: str, prompt_ids: list[int], *,
+        self,
+        config: SamplingConfig,
+        method: str,
+        prompt_ids: list[int],
+        *,
         tokens_field: str = "max_tokens",
-    ) -> SamplingConfig:  # fmt: skip
+    ) -> SamplingConfig:
         """The method's config, checked against this server's limits and what the model can
         hold. Errors name the request's own fields: `tokens_field` is what the route calls the
         token budget (OpenAI `max_tokens`, native `max_new_tokens`); the draft width is W_S
@@ -353,16 +432,23 @@ class Ingress:
 
     def _check_model(self, model: str) -> None:
         if model != self.options.model_name:
-            raise APIError(404, f"model={model!r} does not exist; available: "
-                           f"{self.options.model_name!r}", "model")  # fmt: skip
+            raise APIError(
+                404,
+                f"model={model!r} does not exist; available: {self.options.model_name!r}",
+                "model",
+            )
 
     def _stop_token_ids(self, stops: list[str]) -> list[int]:
         ids = []
         for stop in stops:
             encoded = self.tokenizer.encode(stop, add_special_tokens=False)
             if len(encoded) != 1:
-                raise APIError(400, f"stop={stop!r} is {len(encoded)} tokens; allowed: stop "
-                               "strings that are exactly one token", "stop")  # fmt: skip
+                raise APIError(
+                    400,
+                    f"stop={stop!r} is {len(encoded)} tokens; allowed: stop "
+                    "strings that are exactly one token",
+                    "stop",
+                )
             ids.append(encoded[0])
         return ids
 

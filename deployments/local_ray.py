@@ -1,11 +1,11 @@
 """Start (and stop) a local Ray that only ever talks over loopback.
 
 Ray started plainly reaches outside even with the dashboard off and usage stats disabled: its
-usage-stats code probes cloud metadata (HTTP to 169.254.169.254, DNS for
-metadata.google.internal) when `~/ray_bootstrap_config.yaml` is missing, and its processes talk
-to each other over the machine's own non-loopback address (ENVIRONMENT.md, measured). The checked
-fix, applied here: point HOME at a folder whose `ray_bootstrap_config.yaml` says
-`provider: {type: local}`, disable usage stats, and bind the node to 127.0.0.1.
+usage-stats code probes cloud metadata (HTTP to 169.254.169.254, DNS for metadata.google.internal)
+when `~/ray_bootstrap_config.yaml` is missing, and its processes talk to each other over the
+machine's own non-loopback address (measured on this project's machines). The checked fix, applied
+here: point HOME at a folder whose `ray_bootstrap_config.yaml` says `provider: {type: local}`,
+disable usage stats, and bind the node to 127.0.0.1.
 
 Binding alone is not enough in Ray 2.60 (seen in tests/test_local_ray.py's syscall
 trace): `ray.init` passes the requested node address through `resolve_ip_for_localhost`, which
@@ -22,17 +22,15 @@ presets in the empty temporary HOME (found when serving the Qwen pair).
 Every dsbd entry point that starts Ray (tests, `dsbd serve`, batch jobs) goes through
 `start_local_ray`.
 
-Memory of Ray's own processes (docs/RELIABILITY.md section 10, the seventh soak): under steady
-load the GCS server and the raylet grew by 2-3 MiB in the last 20 minutes of a 30-minute soak
-(+4.6 % and +7.5 %) while the GCS's tables stayed flat (16 task events kept, no actor, job or
-subscriber added) and the object store held ~20 MiB of objects. Two causes: the jemalloc Ray
-preloads into both keeps freed pages for seconds per arena (the GCS's RSS wandered +-1 MiB and
-crept), and the raylet's plasma allocator touched pages of the 6.8 GiB shared store for the
-first time (placement, not retention; bounded only by the store's size). So the GCS server gets
-one jemalloc arena that returns freed pages at once (`ray_process_environment`), and `dsbd
-serve` starts a store sized to what serving needs, all of it touched at start
-(`object_store_mib`, `--object-store-mib`). The raylet keeps jemalloc's defaults: with the
-GCS's settings it served a fifth fewer requests (it handles every object a call puts).
+Memory of Ray's own processes under steady load (figures: docs/history/RELIABILITY-chronicle.md
+section 10): the GCS server's RSS creeps while its tables stay flat, because the jemalloc Ray
+preloads into it keeps freed pages per arena for seconds; and the raylet's plasma allocator
+touches pages of the shared store for the first time as objects come and go (placement, not
+retention, bounded by the store's size). So the GCS server gets one jemalloc arena that returns
+freed pages at once (`ray_process_environment`), and `dsbd serve` starts a store sized to what
+serving needs, all of it touched at start (`object_store_mib`, `--object-store-mib`). The raylet
+keeps jemalloc's defaults: with the GCS's settings it serves markedly fewer requests (it handles
+every object a call puts).
 
 The GCS also keeps a record of every actor and worker that is gone and of every task's events,
 up to 100,000 of each by default (for the dashboard and `ray list`): ~18 KiB per actor that
@@ -43,11 +41,9 @@ the last 1,000 actors and workers and 10,000 tasks' events: the GCS's memory the
 Ray's Python processes that run on glibc's malloc (the node's metrics agent, the runtime-env
 agent, Serve's controller and proxy; the model, ingress and router replicas run Ray's
 jemalloc) start a thread arena per thread that allocates, up to 8 per core, each keeping its
-high-water mark: the metrics agent's arenas reached 8-10 MiB at a different minute in every
-30-minute soak, and put its PSS at +0.9 to +2.15 % over the last 20 (docs/RELIABILITY.md
-section 10). `MALLOC_ARENA_MAX` (`GLIBC_MALLOC_ARENAS`) caps them at two, on every node: the
-agent then kept one 2.8 MiB thread arena, flat; Serve's proxy 4.3 MiB of arenas instead of 20.
-Replicas left on glibc (`allocator: system`) get glibc's own count back (deployments.allocator).
+high-water mark, so their memory wanders up over hours. `MALLOC_ARENA_MAX`
+(`GLIBC_MALLOC_ARENAS`) caps them at two, on every node, which keeps them flat. Replicas left on
+glibc (`allocator: system`) get glibc's own count back (deployments.allocator).
 """
 
 from __future__ import annotations
@@ -129,9 +125,13 @@ def ray_process_settings() -> dict[str, str]:
 
 
 def start_local_ray(
-    *, num_cpus: int | None = None, home: Path | None = None,
-    metrics_export_port: int | None = None, object_store_mib: int | None = None, **init: Any,
-) -> Any:  # fmt: skip
+    *,
+    num_cpus: int | None = None,
+    home: Path | None = None,
+    metrics_export_port: int | None = None,
+    object_store_mib: int | None = None,
+    **init: Any,
+) -> Any:
     """`ray.init` on this machine with loopback-only networking; returns Ray's context.
 
     The environment is set in this process before Ray starts, so every Ray process inherits it.

@@ -29,8 +29,15 @@ from dsbd_core.algorithm.scorer import ForestLayer
 from dsbd_core.algorithm.session_batch import BatchReport
 from dsbd_core.algorithm.state import Forest, Outcome
 
-__all__ = ["Committed", "DecodeCall", "DecodeEnd", "DraftReply", "IterationCall", "SideReport",
-           "VerifyReply"]  # fmt: skip
+__all__ = [
+    "Committed",
+    "DecodeCall",
+    "DecodeEnd",
+    "DraftReply",
+    "IterationCall",
+    "SideReport",
+    "VerifyReply",
+]
 
 
 @dataclass

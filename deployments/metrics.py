@@ -50,8 +50,15 @@ ITERATION_LATENCY = "dsbd_iteration_latency_s"
 TIME_TO_FIRST_TOKEN = "dsbd_time_to_first_token_s"
 OPEN_SESSIONS = "dsbd_open_sessions"
 
-COUNTERS = (NUM_DRAFTS, NUM_DRAFT_TOKENS, NUM_VERIFIED_DRAFT_TOKENS, NUM_ACCEPTED_TOKENS,
-            NUM_ACCEPTED_TOKENS_PER_POS, GENERATED_TOKENS, REQUESTS)  # fmt: skip
+COUNTERS = (
+    NUM_DRAFTS,
+    NUM_DRAFT_TOKENS,
+    NUM_VERIFIED_DRAFT_TOKENS,
+    NUM_ACCEPTED_TOKENS,
+    NUM_ACCEPTED_TOKENS_PER_POS,
+    GENERATED_TOKENS,
+    REQUESTS,
+)
 HISTOGRAMS = (WIDTH, REQUEST_LATENCY, ITERATION_LATENCY, TIME_TO_FIRST_TOKEN)
 GAUGES = (OPEN_SESSIONS,)
 METRIC_NAMES = COUNTERS + HISTOGRAMS + GAUGES
@@ -129,34 +136,40 @@ class ServingMetrics:
 
         self.drafts = counter(NUM_DRAFTS, "Iterations that verified a draft forest.")
         self.draft_tokens = counter(
-            NUM_DRAFT_TOKENS, "Draft tokens proposed: every node of the draft forests sent to "
+            NUM_DRAFT_TOKENS,
+            "Draft tokens proposed: every node of the draft forests sent to "
             "verification (those after the first rejected layer included, as vLLM counts).",
-        )  # fmt: skip
+        )
         self.verified_draft_tokens = counter(
-            NUM_VERIFIED_DRAFT_TOKENS, "Draft tokens verification reached: forest nodes with a "
+            NUM_VERIFIED_DRAFT_TOKENS,
+            "Draft tokens verification reached: forest nodes with a "
             "live parent in the layers up to the first rejected one.",
-        )  # fmt: skip
+        )
         self.accepted_tokens = counter(NUM_ACCEPTED_TOKENS, "Draft tokens accepted.")
         self.accepted_per_pos = counter(
-            NUM_ACCEPTED_TOKENS_PER_POS, "Iterations whose draft layer `position` (0 = first) "
-            "passed verification (one beam: vLLM's accepted tokens per position).", ("position",),
-        )  # fmt: skip
+            NUM_ACCEPTED_TOKENS_PER_POS,
+            "Iterations whose draft layer `position` (0 = first) "
+            "passed verification (one beam: vLLM's accepted tokens per position).",
+            ("position",),
+        )
         self.generated = counter(GENERATED_TOKENS, "Decoding steps the beams advanced.")
         self.requests = counter(
             REQUESTS, "Decode requests by decoding method and HTTP status.", ("method", "status")
         )
         self.width = histogram(WIDTH, "Verified width K of each verified layer.", WIDTH_BUCKETS)
         self.request_latency = histogram(
-            REQUEST_LATENCY, "Decode request seconds, to the last byte (status < 400).",
+            REQUEST_LATENCY,
+            "Decode request seconds, to the last byte (status < 400).",
             REQUEST_BUCKETS,
-        )  # fmt: skip
+        )
         self.iteration_latency = histogram(
             ITERATION_LATENCY, "Router seconds per iteration (draft + verify).", ITERATION_BUCKETS
         )
         self.first_token = histogram(
-            TIME_TO_FIRST_TOKEN, "Seconds from the request to its first generated token.",
+            TIME_TO_FIRST_TOKEN,
+            "Seconds from the request to its first generated token.",
             FIRST_TOKEN_BUCKETS,
-        )  # fmt: skip
+        )
         self.open_sessions = metrics.Gauge(
             OPEN_SESSIONS, description="Decodes in progress in this router replica."
         )

@@ -55,9 +55,10 @@ class ModelOptions(BaseModel):
 
     source: str = Field(..., description="Preset, transformers directory, .gguf file or hub id.")
     dtype: str = Field(
-        "auto", pattern="^(auto|float32|bfloat16|float64)$",
+        "auto",
+        pattern="^(auto|float32|bfloat16|float64)$",
         description="auto: bfloat16 on CUDA and on CPUs with AMX/AVX512-BF16, else float32.",
-    )  # fmt: skip
+    )
     variant: DraftOptions = Field(
         DraftOptions(),
         description="Draft deployment only: int8 linear layers and a head restricted to the "
@@ -74,39 +75,46 @@ class ModelOptions(BaseModel):
         "cpu", description="Where the model runs; cuda needs a GPU per replica (per TP rank)."
     )
     tp_size: int = Field(
-        1, ge=1, le=64,
+        1,
+        ge=1,
+        le=64,
         description="Tensor-parallel ranks the model is sharded over (one GPU each on cuda); "
         "must divide the model's attention heads, KV heads and MLP width.",
-    )  # fmt: skip
+    )
     tp_placement: Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"] = Field(
         "STRICT_PACK", description="Placement strategy of the replica and its TP ranks."
     )
     tp_init_timeout_s: float = Field(
-        INIT_TIMEOUT_S, gt=0,
+        INIT_TIMEOUT_S,
+        gt=0,
         description="How long the TP group may take to form (the ranks' resources, loading "
         "their shards, the barrier after it: ranks loading a large model finish minutes apart), "
         "and the timeout of each collective of the group; a call that hangs is cut after 600 s.",
-    )  # fmt: skip
+    )
     session_memory_bytes: int | None = Field(
-        None, ge=1,
+        None,
+        ge=1,
         description="Memory the sessions' KV caches may take on this replica's device (per TP "
         "rank), the copies a batched forward makes included; the router admits decodes "
         "against it (HTTP 429 past it, 400 for one that never fits; deployments/admission.py). "
         "None: session_memory_fraction of the device's free memory when the replica starts.",
-    )  # fmt: skip
+    )
     allocator: Allocator = Field(
-        "jemalloc", description="The replica process's malloc: jemalloc (Ray's, preloaded: "
+        "jemalloc",
+        description="The replica process's malloc: jemalloc (Ray's, preloaded: "
         "RSS flat under shapes that change batch to batch) or system (glibc's); "
         "deployments/allocator.py.",
-    )  # fmt: skip
+    )
     primitive_cache: int | None = Field(
-        128, ge=0, le=1_000_000,
+        128,
+        ge=0,
+        le=1_000_000,
         description="Entries of each matmul primitive cache in the replica process (oneDNN's, "
         "ONEDNN_PRIMITIVE_CACHE_CAPACITY, and PyTorch's in front of it, LRU_CACHE_CAPACITY): "
         "one per matmul shape met, ~0.3 MiB each. Their default 1024 filled over ~20 minutes "
         "of load; 0 rebuilds every primitive (a third slower); None: the libraries' default. "
         "deployments/allocator.py.",
-    )  # fmt: skip
+    )
     batch_invariant: bool = Field(
         True,
         description="A session's outputs in a batched forward are bit-identical to its forward "
@@ -122,12 +130,14 @@ class ModelOptions(BaseModel):
         "graphs on cuda (a seeded request's last bits then depend on its batch mates); auto: "
         "static on cuda, dynamic on cpu. A tensor-parallel model runs the dynamic path. "
         "dsbd_core/models/decode_path.py.",
-    )  # fmt: skip
+    )
     session_memory_fraction: float = Field(
-        0.5, gt=0, le=1,
+        0.5,
+        gt=0,
+        le=1,
         description="The share of the device's free memory at start-up (after loading the "
         "model) that is the session budget when session_memory_bytes is not set.",
-    )  # fmt: skip
+    )
 
 
 class SessionReleased(RuntimeError):
@@ -154,16 +164,20 @@ class ModelReplica:
             from deployments.tensor_parallel import TensorParallelScorer
 
             self.tp_group = TensorParallelScorer(
-                self.options.source, tp_size=self.options.tp_size, dtype=self.dtype_name,
-                device=self.options.device, threads=self.options.threads,
+                self.options.source,
+                tp_size=self.options.tp_size,
+                dtype=self.dtype_name,
+                device=self.options.device,
+                threads=self.options.threads,
                 placement_strategy=self.options.tp_placement,
                 init_timeout_s=self.options.tp_init_timeout_s,
-            )  # fmt: skip
+            )
             self.scorer: Any = self.tp_group
             self.vocab_size = self.tp_group.vocab_size
             self.max_positions = self.tp_group.max_positions
-            kv = kv_bytes_per_token(model_config(self.options.source), torch_dtype,
-                                    self.options.tp_size)  # fmt: skip
+            kv = kv_bytes_per_token(
+                model_config(self.options.source), torch_dtype, self.options.tp_size
+            )
             free = min(info.get("free_bytes", 0) for info in self.tp_group.rank_infos)
         else:
             loaded = load_causal_lm(self.options.source, dtype=torch_dtype)
@@ -176,23 +190,31 @@ class ModelReplica:
             self.vocab_size = loaded.vocab_size
             self.max_positions = int(getattr(model.config, "max_position_embeddings", 0) or 1 << 20)
             self.decode_path = resolve_decode_path(self.options.decode_path, self.options.device)
-            self.scorer = make_scorer(model, self.decode_path,
-                                      batch_invariant=self.options.batch_invariant)  # fmt: skip
+            self.scorer = make_scorer(
+                model, self.decode_path, batch_invariant=self.options.batch_invariant
+            )
             if isinstance(self.scorer, StaticScorer) and self.options.device == "cuda":
                 status = self.scorer.capture(
                     rows=self.options.max_batch_size, length=min(self.max_positions, 2048)
                 )  # grows on demand
-                print(f"{type(self).__name__} static path: buckets rows {status['row_buckets']} "
-                      f"x slots {status['slot_buckets']} captured in {status['capture_s']:.1f} s, "
-                      f"graphs {status['graph_memory_mib']} MiB, KV pool {status['pool_mib']} MiB",
-                      flush=True)  # fmt: skip
-            identity = {"model": model_identity(loaded), "dtype": self.dtype_name,
-                        "device": self.options.device, "variant": self.variant}  # fmt: skip
+                print(
+                    f"{type(self).__name__} static path: buckets rows {status['row_buckets']} "
+                    f"x slots {status['slot_buckets']} captured in {status['capture_s']:.1f} s, "
+                    f"graphs {status['graph_memory_mib']} MiB, KV pool {status['pool_mib']} MiB",
+                    flush=True,
+                )
+            identity = {
+                "model": model_identity(loaded),
+                "dtype": self.dtype_name,
+                "device": self.options.device,
+                "variant": self.variant,
+            }
             self.costs = model_costs(model, identity, path=self.decode_path)
             kv = kv_bytes_per_token(model.config, torch_dtype)
             free = device_free_bytes(self.options.device)
-        self.memory = replica_memory(kv, self.options.session_memory_bytes,
-                                     self.options.session_memory_fraction, free)  # fmt: skip
+        self.memory = replica_memory(
+            kv, self.options.session_memory_bytes, self.options.session_memory_fraction, free
+        )
         self.batcher = SessionBatcher(
             self.scorer, ttl_s=self.options.session_ttl_s, max_sessions=self.options.max_sessions
         )
@@ -223,24 +245,30 @@ class ModelReplica:
     def trace_batch(self, calls: list[tuple[str, IterationCall]]) -> BatchSpans:
         """The spans of one batch's calls (deployments/tracing.py); nothing unless tracing."""
         self._batches += 1
-        batch = {"dsbd.replica": self.replica_id, "dsbd.batch.requests": len(calls),
-                 "dsbd.batch.id": f"{self.replica_id}:{self._batches}"}  # fmt: skip
+        batch = {
+            "dsbd.replica": self.replica_id,
+            "dsbd.batch.requests": len(calls),
+            "dsbd.batch.id": f"{self.replica_id}:{self._batches}",
+        }
         return BatchSpans(self.SERVICE, self.SPAN, calls, batch)
 
     async def submit(self, session: str, item: Any) -> Any:
         """Queue one call for the next batch (continuous batching); raises its error if any."""
         if session in self._released:
-            raise SessionReleased(f"session {session!r} was released: a late call of a request "
-                                  "that has ended")  # fmt: skip
+            raise SessionReleased(
+                f"session {session!r} was released: a late call of a request that has ended"
+            )
         now = time.monotonic()
         self._recent[session] = now
         if len(self._recent) > 4 * self.options.max_batch_size:
             self._recent = {k: t for k, t in self._recent.items() if now - t < _ACTIVE_S}
         if self._batcher is None:
             self._batcher = ContinuousBatcher(
-                self.run_batch, max_batch_size=self.options.max_batch_size,
-                wait_s=self.options.batch_wait_s, expected=self._active_sessions,
-            )  # fmt: skip
+                self.run_batch,
+                max_batch_size=self.options.max_batch_size,
+                wait_s=self.options.batch_wait_s,
+                expected=self._active_sessions,
+            )
         return await self._batcher.submit((session, item))
 
     async def run_batch(self, items: list[tuple[str, Any]]) -> list[Any]:
@@ -257,7 +285,7 @@ class ModelReplica:
         The id is remembered (for `session_ttl_s`): a call of the session that is still on its
         way or queued here (the draft call of a cancelled request, which the router never
         awaits) would otherwise re-create the cache after this release, to be held until the
-        TTL. Found under load with clients that go away (docs/RELIABILITY.md).
+        TTL. Found under load with clients that go away (docs/history/RELIABILITY-chronicle.md).
         """
         self._released[session] = time.monotonic()
         self._recent.pop(session, None)

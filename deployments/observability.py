@@ -79,11 +79,14 @@ class RequestObserver:
         context_token = None
         if tracing.enabled():
             span = tracer.start_span(
-                "dsbd.request", context=tracing.extract_headers(scope.get("headers", [])),
+                "dsbd.request",
+                context=tracing.extract_headers(scope.get("headers", [])),
                 kind=SpanKind.SERVER,
-                attributes={"http.request.method": scope.get("method", ""),
-                            "url.path": scope.get("path", "")},
-            )  # fmt: skip
+                attributes={
+                    "http.request.method": scope.get("method", ""),
+                    "url.path": scope.get("path", ""),
+                },
+            )
             context_token = otel_context.attach(trace.set_span_in_context(span))
         status: int | None = None
 
@@ -129,8 +132,13 @@ class SessionObserver:
         self.request = _REQUEST.get()
         self.start = self.request.start if self.request is not None else time.perf_counter()
         self.first_token_seen = False
-        self.totals = {"iterations": 0, "tokens": 0, "draft_tokens": 0,
-                       "verified_draft_tokens": 0, "accepted_tokens": 0}  # fmt: skip
+        self.totals = {
+            "iterations": 0,
+            "tokens": 0,
+            "draft_tokens": 0,
+            "verified_draft_tokens": 0,
+            "accepted_tokens": 0,
+        }
         self.parent = trace.get_current_span()  # the request span (or a no-op one)
         self.parent.set_attribute("dsbd.session", session)
         self.metrics.session_opened()
@@ -141,11 +149,16 @@ class SessionObserver:
         """Span and timing of one iteration; `it.trace` goes into the IterationCall, and
         `it.done(reply)` records the verified outcome."""
         span = self.tracer.start_span(
-            "dsbd.iteration", kind=SpanKind.INTERNAL,
-            attributes={"dsbd.session": self.session, "dsbd.iteration": index,
-                        "dsbd.gamma": gamma, "dsbd.draft_width": draft_width,
-                        "dsbd.depth": depth},
-        )  # fmt: skip
+            "dsbd.iteration",
+            kind=SpanKind.INTERNAL,
+            attributes={
+                "dsbd.session": self.session,
+                "dsbd.iteration": index,
+                "dsbd.gamma": gamma,
+                "dsbd.draft_width": draft_width,
+                "dsbd.depth": depth,
+            },
+        )
         observed = _Iteration(self, span, tracing.inject(span), time.perf_counter())
         try:
             yield observed

@@ -23,6 +23,7 @@ from deployments.api_models import (
     TopLogprob,
     Usage,
 )
+from dsbd_core.algorithm.prompt_logprobs import PromptLogprobs
 from dsbd_core.algorithm.result import Beam
 
 # OpenAI's stand-in for a log-probability of minus infinity (JSON has no infinity).
@@ -78,9 +79,12 @@ class BeamText:
         return ChatLogprobs(content=content)
 
     def completion_logprobs(
-        self, all_ids: list[int], start: int, chosen: list[float],
+        self,
+        all_ids: list[int],
+        start: int,
+        chosen: list[float],
         tops: list[list[tuple[int, float]]],
-    ) -> CompletionLogprobs:  # fmt: skip
+    ) -> CompletionLogprobs:
         """OpenAI completions' `logprobs` for tokens `all_ids[start:start + len(chosen)]`; text
         offsets count from the start of the whole choice's text."""
         ids = all_ids[start : start + len(chosen)]
@@ -91,8 +95,26 @@ class BeamText:
             entry.setdefault(self.piece(token), _finite(logprob))  # OpenAI: the chosen one too
             top_dicts.append(entry)
         offsets = [len(self.decode(all_ids[:i])) for i in range(start, start + len(ids))]
-        return CompletionLogprobs(tokens=tokens, token_logprobs=[_finite(p) for p in chosen],
-                                  top_logprobs=top_dicts, text_offset=offsets)  # fmt: skip
+        return CompletionLogprobs(
+            tokens=tokens,
+            token_logprobs=[_finite(p) for p in chosen],
+            top_logprobs=top_dicts,
+            text_offset=offsets,
+        )
+
+    def prompt_logprobs(self, ids: list[int], scored: PromptLogprobs) -> CompletionLogprobs:
+        """OpenAI completions' `logprobs` of an echoed prompt: the first token has none (null,
+        as OpenAI and vLLM give it), every other its log-probability given the ones before."""
+        rest = self.completion_logprobs(ids, 1, scored.token_logprobs, scored.top_logprobs)
+        return _joined(
+            CompletionLogprobs(
+                tokens=[self.piece(ids[0])],
+                token_logprobs=[None],
+                top_logprobs=[None],
+                text_offset=[0],
+            ),
+            rest,
+        )
 
     def beam_logprobs(
         self, beam: Beam, *, chat: bool, start: int = 0
@@ -117,9 +139,18 @@ def finish_reason(beam: Beam) -> str:
 
 
 def usage(prompt_ids: list[int], beams: list[Beam]) -> Usage:
-    completion = sum(len(b.token_ids) for b in beams)
-    return Usage(prompt_tokens=len(prompt_ids), completion_tokens=completion,
-                 total_tokens=len(prompt_ids) + completion)  # fmt: skip
+    return summed_usage([prompt_ids], [beams])
+
+
+def summed_usage(prompts: list[list[int]], beams: list[list[Beam]]) -> Usage:
+    """Usage over a batch: every prompt's tokens and every returned beam's."""
+    prompt_tokens = sum(len(p) for p in prompts)
+    completion = sum(len(b.token_ids) for group in beams for b in group)
+    return Usage(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion,
+        total_tokens=prompt_tokens + completion,
+    )
 
 
 def batch_completion_response(
@@ -127,15 +158,9 @@ def batch_completion_response(
 ) -> CompletionResponse:
     """The reply to a list of prompts: prompt i's beams are choices i x n + j, best first
     (OpenAI's order), and usage sums over the prompts."""
-    prompt_tokens = sum(len(p) for p in prompts)
-    completion = sum(len(b.token_ids) for group in beams for b in group)
     return CompletionResponse(
         model=model_name,
-        usage=Usage(
-            prompt_tokens=prompt_tokens,
-            completion_tokens=completion,
-            total_tokens=prompt_tokens + completion,
-        ),  # fmt: skip
+        usage=summed_usage(prompts, beams),
         choices=[
             CompletionChoice(
                 index=i * n + j,
@@ -164,7 +189,7 @@ def completion_response(
                     message=AssistantMessage(content=texts.text(b)),
                     logprobs=texts.beam_logprobs(b, chat=True),  # type: ignore[arg-type]
                     finish_reason=finish_reason(b),
-                )  # fmt: skip
+                )
                 for i, b in enumerate(beams)
             ],
         )
@@ -194,3 +219,51 @@ def native_beam_logprobs(beam: Beam, texts: BeamText) -> dict[str, Any]:
             for top in beam.top_logprobs
         ],
     }
+
+
+def echo_completion_response(
+    model_name: str,
+    prompts: list[list[int]],
+    beams: list[list[Beam]],
+    scored: list[PromptLogprobs | None],
+    n: int,
+    texts: BeamText,
+) -> CompletionResponse:
+    """The reply with `echo`: each choice's text is its prompt's, then the beam's (none with
+    `max_tokens: 0`); with `logprobs`, the prompt's tokens come first in the log-probs, then
+    every token the beam generated (its stop token included), offsets counted over the whole
+    text. Choices i x n + j, usage summed."""
+    choices = []
+    for i, (ids, group, prompt_scored) in enumerate(zip(prompts, beams, scored, strict=True)):
+        for j in range(n):
+            beam = group[j] if group else None
+            visible = texts.visible_ids(beam) if beam is not None else []
+            logprobs = None
+            if prompt_scored is not None:
+                logprobs = texts.prompt_logprobs(ids, prompt_scored)
+                if beam is not None and beam.token_logprobs is not None and beam.top_logprobs:
+                    # every generated token, a stop token too: a client reading the prompt's
+                    # log-probs then the `max_tokens` generated ones (lm-evaluation-harness)
+                    # counts on their number
+                    generated = texts.completion_logprobs(
+                        ids + beam.token_ids, len(ids), beam.token_logprobs, beam.top_logprobs
+                    )
+                    logprobs = _joined(logprobs, generated)
+            choices.append(
+                CompletionChoice(
+                    index=i * n + j,
+                    text=texts.decode(ids + visible),
+                    logprobs=logprobs,
+                    finish_reason=finish_reason(beam) if beam is not None else "length",
+                )
+            )
+    return CompletionResponse(model=model_name, choices=choices, usage=summed_usage(prompts, beams))
+
+
+def _joined(first: CompletionLogprobs, then: CompletionLogprobs) -> CompletionLogprobs:
+    return CompletionLogprobs(
+        tokens=first.tokens + then.tokens,
+        token_logprobs=first.token_logprobs + then.token_logprobs,
+        top_logprobs=(first.top_logprobs or []) + (then.top_logprobs or []),
+        text_offset=first.text_offset + then.text_offset,
+    )

@@ -51,8 +51,9 @@ def committed_logprobs(
 ) -> tuple[list[float], list[list[tuple[int, float]]]] | None:
     """The log-probs of the first `count` committed tokens (None when none are tracked); the
     committed tokens' values are final, as the tokens are."""
-    values = prefix_logprobs(state.logprobs, state.alive, state.pool.session,
-                             state.pool.logprobs, count)  # fmt: skip
+    values = prefix_logprobs(
+        state.logprobs, state.alive, state.pool.session, state.pool.logprobs, count
+    )
     if values is None:
         return None
     return beam_lists(values.reshape(1), 0, count)
@@ -76,8 +77,13 @@ class Router:
         }
 
     def _session(self, call: DecodeCall) -> DecodeSession:
-        return DecodeSession(self.handles, call.vocab_size, call.config,
-                             uses_draft=call.uses_draft, adaptive=call.adaptive)  # fmt: skip
+        return DecodeSession(
+            self.handles,
+            call.vocab_size,
+            call.config,
+            uses_draft=call.uses_draft,
+            adaptive=call.adaptive,
+        )
 
     async def decode(self, call: DecodeCall) -> DecodeEnd:
         """Decode to the end."""
@@ -107,8 +113,7 @@ class Router:
                             continue
                         values = committed_logprobs(state, len(ids))
                         chosen, tops = values if values is not None else (None, None)
-                        yield Committed(ids[sent:], chosen and chosen[sent:],
-                                        tops and tops[sent:])  # fmt: skip
+                        yield Committed(ids[sent:], chosen and chosen[sent:], tops and tops[sent:])
                         sent = len(ids)
                 finally:
                     await iterations.aclose()  # frees the sessions (also when cancelled)
@@ -118,5 +123,9 @@ class Router:
 
 
 def _end(session: DecodeSession) -> DecodeEnd:
-    return DecodeEnd(result=session.result(), session=session.session,
-                     serving=session.stats.as_dict(), totals=dict(session.totals))  # fmt: skip
+    return DecodeEnd(
+        result=session.result(),
+        session=session.session,
+        serving=session.stats.as_dict(),
+        totals=dict(session.totals),
+    )

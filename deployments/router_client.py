@@ -63,8 +63,16 @@ async def decode(router: Any, call: DecodeCall, handed: list[str] | None = None)
     handed = [] if handed is None else handed
     attempt = 0
     while True:
+        response = router.decode.remote(call)
         try:
-            return await router.decode.remote(call)
+            return await response
+        except asyncio.CancelledError:
+            # The caller gave up (the request deadline, a client gone): stop the router's
+            # decode. Serve cancels a child call only when the request that made it is
+            # cancelled, not when the awaiting task alone is, and the decode would otherwise run
+            # to its end, holding its sessions and the replicas' time.
+            response.cancel()
+            raise
         except Exception as error:
             await _back_off(error, attempt, handed)
             attempt += 1
@@ -99,8 +107,11 @@ async def stream(
                 replayed += known
                 if known < len(item.ids):
                     fresh = slice(known, None)
-                    yield Committed(item.ids[fresh], item.chosen and item.chosen[fresh],
-                                    item.tops and item.tops[fresh])  # fmt: skip
+                    yield Committed(
+                        item.ids[fresh],
+                        item.chosen and item.chosen[fresh],
+                        item.tops and item.tops[fresh],
+                    )
                     sent.extend(item.ids[fresh])
                     replayed = len(sent)
             raise RuntimeError("the router's stream ended without the decode's end")

@@ -42,28 +42,36 @@ class RouterOptions(BaseModel):
     default_max_tokens: int = Field(64, ge=1, le=32768)
     limits: Limits = Limits()
     api_key_file: str | None = Field(
-        None, description="A file holding the API key clients must send (Bearer); without it, "
+        None,
+        description="A file holding the API key clients must send (Bearer); without it, "
         "the DSBD_API_KEY environment variable; neither: no key. Never the key itself: Serve "
         "logs its application arguments.",
-    )  # fmt: skip
+    )
     router_replicas: int = Field(
-        1, ge=1, description="The ingress deployment's max_replicas: each ingress replica admits "
+        1,
+        ge=1,
+        description="The ingress deployment's max_replicas: each ingress replica admits "
         "decodes against this share of the replicas' session memory (deployments/admission.py).",
-    )  # fmt: skip
+    )
 
 
 def check_config(
-    config: SamplingConfig, method: str, prompt_ids: list[int], info: dict, limits: Limits,
+    config: SamplingConfig,
+    method: str,
+    prompt_ids: list[int],
+    info: dict,
+    limits: Limits,
     tokens_field: str,
-) -> SamplingConfig:  # fmt: skip
+) -> SamplingConfig:
     """The method's config, checked against `limits` and what the model (`info`, the verifier's
     vocab_size and max_positions, and `admission`: the replicas' session memory as this router
     shares it) can hold; see `Ingress._config` for the fields it names."""
     vocab = int(info["vocab_size"])
     bad = [t for t in prompt_ids if not 0 <= t < vocab]
     if bad:
-        raise APIError(400, f"prompt_ids: token id {bad[0]} out of range; allowed "
-                       f"0..{vocab - 1}", "prompt_ids")  # fmt: skip
+        raise APIError(
+            400, f"prompt_ids: token id {bad[0]} out of range; allowed 0..{vocab - 1}", "prompt_ids"
+        )
     try:
         config = method_config(method, config)
     except MethodConfigError as error:
@@ -74,9 +82,13 @@ def check_config(
         (tokens_field, config.max_new_tokens, limits.max_new_tokens, "max_new_tokens"),
         ("width", config.width, limits.max_width, "max_width"),
         (draft_field, config.effective_draft_width, limits.max_draft_width, "max_draft_width"),
-        ("gamma", config.gamma if method in METHODS_WITH_DRAFT else 0, limits.max_gamma,
-         "max_gamma"),
-    ):  # fmt: skip
+        (
+            "gamma",
+            config.gamma if method in METHODS_WITH_DRAFT else 0,
+            limits.max_gamma,
+            "max_gamma",
+        ),
+    ):
         if value > limit:
             shown = f"prompt of {value} tokens" if field == "prompt" else f"{field}={value}"
             raise APIError(400, f"{shown} exceeds this server's limit {name}={limit}", field)
@@ -91,6 +103,7 @@ def check_config(
             f"shorter prompt or a smaller {tokens_field}",
             tokens_field,
         )
-    check_fits(config, method in METHODS_WITH_DRAFT, len(prompt_ids), info.get("admission"),
-               tokens_field)  # fmt: skip
+    check_fits(
+        config, method in METHODS_WITH_DRAFT, len(prompt_ids), info.get("admission"), tokens_field
+    )
     return config

@@ -87,9 +87,12 @@ def serve(schema: Any, options: ServeOptions) -> int:
     # a shell starts background jobs (`dsbd serve &`, nohup) with SIGINT ignored, and Python
     # then never raises KeyboardInterrupt: `kill -INT` left the server running. Ctrl-C stops it.
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    start_local_ray(num_cpus=options.num_cpus, namespace="serve",
-                    metrics_export_port=options.metrics_port,
-                    object_store_mib=options.object_store_mib)  # fmt: skip
+    start_local_ray(
+        num_cpus=options.num_cpus,
+        namespace="serve",
+        metrics_export_port=options.metrics_port,
+        object_store_mib=options.object_store_mib,
+    )
     # ray.init installs Ray's own SIGTERM handler (log a stack, abort): a SIGTERM (Kubernetes,
     # systemd, kill) then killed this process mid-way and left Ray's agents running. Ours again.
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
@@ -108,8 +111,9 @@ def serve(schema: Any, options: ServeOptions) -> int:
             return 1
         url = f"http://{options.host}:{options.port}"
         for app in schema.applications:
-            print(f"dsbd: application {app.name!r} ready at {url}{app.route_prefix or ''}",
-                  flush=True)  # fmt: skip
+            print(
+                f"dsbd: application {app.name!r} ready at {url}{app.route_prefix or ''}", flush=True
+            )
         metrics = metrics_url()
         print(f"dsbd: Prometheus metrics at {metrics}", flush=True)
         if options.ready_file is not None:  # for scripts: where to connect, whom to signal
@@ -143,8 +147,9 @@ def _wait_running(serve: Any, names: list[str], timeout: float, stopping: list) 
         failed = [n for n, s in states.items() if s in ("DEPLOY_FAILED", "UNHEALTHY")]
         if failed:
             for name in failed:
-                print(f"dsbd: application {name!r} failed: {statuses[name].message}",
-                      file=sys.stderr)  # fmt: skip
+                print(
+                    f"dsbd: application {name!r} failed: {statuses[name].message}", file=sys.stderr
+                )
             return False
         if all(s == "RUNNING" for s in states.values()):
             return True

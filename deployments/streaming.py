@@ -55,18 +55,27 @@ def loop_time(deadline: float) -> float:
 
 
 async def sse_events(
-    updates: AsyncIterator[Committed | DecodeEnd], request: Any, prompt_ids: list[int], *,
-    chat: bool, model_name: str, limits: Limits, texts: BeamText, ident: str,
-    stops: tuple[int, ...], on_end: Callable[[DecodeEnd], None] | None = None,
-) -> AsyncIterator[str]:  # fmt: skip
+    updates: AsyncIterator[Committed | DecodeEnd],
+    request: Any,
+    prompt_ids: list[int],
+    *,
+    chat: bool,
+    model_name: str,
+    limits: Limits,
+    texts: BeamText,
+    ident: str,
+    stops: tuple[int, ...],
+    on_end: Callable[[DecodeEnd], None] | None = None,
+) -> AsyncIterator[str]:
     """SSE chunks: committed text of the best beam as it grows (`updates`: the router's
     `Committed` tokens, then its `DecodeEnd`), then the final beams; with logprobs asked, each
     chunk carries those of the tokens its text adds. `on_end` sees the decode's end."""
     created = int(time.time())
     kind = "chat.completion.chunk" if chat else "text_completion"
 
-    def chunk(index: int, text: str | None, finish: str | None, first: bool = False,
-              logprobs: Any = None) -> str:  # fmt: skip
+    def chunk(
+        index: int, text: str | None, finish: str | None, first: bool = False, logprobs: Any = None
+    ) -> str:
         shown = logprobs.model_dump() if logprobs is not None else None
         if chat:
             delta: dict[str, Any] = {}
@@ -76,10 +85,19 @@ async def sse_events(
                 delta["content"] = text
             choice = {"index": index, "delta": delta, "logprobs": shown, "finish_reason": finish}
         else:
-            choice = {"index": index, "text": text or "", "logprobs": shown,
-                      "finish_reason": finish}  # fmt: skip
-        body = {"id": ident, "object": kind, "created": created,
-                "model": model_name, "choices": [choice]}  # fmt: skip
+            choice = {
+                "index": index,
+                "text": text or "",
+                "logprobs": shown,
+                "finish_reason": finish,
+            }
+        body = {
+            "id": ident,
+            "object": kind,
+            "created": created,
+            "model": model_name,
+            "choices": [choice],
+        }
         return f"data: {json.dumps(body)}\n\n"
 
     sent, sent_ids = "", 0  # the best beam's text streamed so far, and its tokens
@@ -130,8 +148,14 @@ async def sse_events(
         yield chunk(index, rest, finish_reason(beam), logprobs=logprobs)
     options = request.stream_options or {}
     if options.get("include_usage"):
-        body = {"id": ident, "object": kind, "created": created, "model": model_name,
-                "choices": [], "usage": usage(prompt_ids, beams).model_dump()}  # fmt: skip
+        body = {
+            "id": ident,
+            "object": kind,
+            "created": created,
+            "model": model_name,
+            "choices": [],
+            "usage": usage(prompt_ids, beams).model_dump(),
+        }
         yield f"data: {json.dumps(body)}\n\n"
     yield "data: [DONE]\n\n"
 

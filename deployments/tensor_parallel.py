@@ -149,9 +149,14 @@ class TPWorker:
 
 
 def _join_and_load(
-    rank: int, world_size: int, store: str, source: str, dtype: str, device: str,
+    rank: int,
+    world_size: int,
+    store: str,
+    source: str,
+    dtype: str,
+    device: str,
     timeout_s: float,
-) -> tuple[ShardedScorer, dict[str, Any]]:  # fmt: skip
+) -> tuple[ShardedScorer, dict[str, Any]]:
     """A rank's setup. Module-level on purpose: Ray pickles actor methods by value, with their
     globals, and some torch modules do not pickle; a module function goes by reference."""
     init_group(rank, world_size, store, device=device, timeout_s=timeout_s)
@@ -230,12 +235,14 @@ class TensorParallelScorer:
         ]
         try:
             nodes = self._all([w.node.remote() for w in self.workers], init_timeout_s, "node")
-            self.store = ray.get(self.workers[0].rendezvous.remote(len(set(nodes)) == 1),
-                                 timeout=init_timeout_s)  # fmt: skip
+            self.store = ray.get(
+                self.workers[0].rendezvous.remote(len(set(nodes)) == 1), timeout=init_timeout_s
+            )
             infos = self._all(
                 [w.setup.remote(self.store, source, dtype, init_timeout_s) for w in self.workers],
-                init_timeout_s, "setup",
-            )  # fmt: skip
+                init_timeout_s,
+                "setup",
+            )
         except BaseException:
             self.shutdown()
             raise
@@ -283,8 +290,9 @@ class TensorParallelScorer:
     def stored(self) -> list[int]:
         """Session caches kept on each rank (tests: nothing leaks)."""
         with self._lock:
-            return self._all([w.stored.remote() for w in self.workers], self.call_timeout_s,
-                             "stored")  # fmt: skip
+            return self._all(
+                [w.stored.remote() for w in self.workers], self.call_timeout_s, "stored"
+            )
 
     def shutdown(self) -> None:
         """Remove the rendezvous file, kill every rank and free the placement group this scorer
@@ -336,8 +344,10 @@ class TensorParallelScorer:
                     rank = refs.index(ref)
                     # a RayTaskError's first line names only the method; its cause says why
                     cause = error.cause if isinstance(error, RayTaskError) else error
-                    self._break(f"rank {rank} failed in {what!r}: {type(error).__name__}: "
-                                f"{str(cause).splitlines()[0] if str(cause) else ''}")  # fmt: skip
+                    self._break(
+                        f"rank {rank} failed in {what!r}: {type(error).__name__}: "
+                        f"{str(cause).splitlines()[0] if str(cause) else ''}"
+                    )
         return [results[ref] for ref in refs]
 
     def _break(self, why: str) -> None:

@@ -98,8 +98,9 @@ def use_provider(provider: Any | None) -> None:
     None: back to undecided, the next `tracer()` call reads the environment again)."""
     global _setup
     with _lock:
-        _setup = None if provider is None else _Setup(provider.get_tracer(INSTRUMENTATION),
-                                                      provider)  # fmt: skip
+        _setup = (
+            None if provider is None else _Setup(provider.get_tracer(INSTRUMENTATION), provider)
+        )
 
 
 def shutdown() -> None:
@@ -118,10 +119,14 @@ def _build(service: str) -> _Setup:
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
     replica = replica_id()
-    resource = Resource.create({
-        "service.name": service, "service.namespace": "dsbd",
-        "service.instance.id": replica, "dsbd.replica": replica,
-    })  # fmt: skip
+    resource = Resource.create(
+        {
+            "service.name": service,
+            "service.namespace": "dsbd",
+            "service.instance.id": replica,
+            "dsbd.replica": replica,
+        }
+    )
     provider = TracerProvider(resource=resource)
     provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
     return _Setup(provider.get_tracer(INSTRUMENTATION), provider)
@@ -186,9 +191,12 @@ class BatchSpans:
                 self.spans.append(None)
                 continue
             span = tracer_.start_span(
-                self.name, context=parent, kind=SpanKind.SERVER, start_time=start,
+                self.name,
+                context=parent,
+                kind=SpanKind.SERVER,
+                start_time=start,
                 attributes={**self.batch, **call_attributes(session, call)},
-            )  # fmt: skip
+            )
             self.spans.append(span)
         live = [span for span in self.spans if span is not None]
         for span in live:
@@ -249,5 +257,8 @@ def batch_attributes(report: Any) -> dict[str, Any]:
 def forest_attributes(forest: Any) -> dict[str, Any]:
     """What a draft span says about the forest it proposed (one session's `Forest`)."""
     nodes = [int(layer.exists[0].sum()) for layer in forest.layers]
-    return {"dsbd.forest.layers": len(nodes), "dsbd.forest.nodes": nodes,
-            "dsbd.draft_tokens_proposed": sum(nodes)}  # fmt: skip
+    return {
+        "dsbd.forest.layers": len(nodes),
+        "dsbd.forest.nodes": nodes,
+        "dsbd.draft_tokens_proposed": sum(nodes),
+    }

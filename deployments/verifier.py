@@ -8,6 +8,7 @@ forest arrives as an object-store reference resolved here; what goes back is the
 
 from __future__ import annotations
 
+import uuid
 from typing import Any
 
 from ray import serve
@@ -16,8 +17,10 @@ from deployments.messages import DraftReply, IterationCall, VerifyReply
 from deployments.metrics import IterationSample
 from deployments.model_replica import ModelReplica
 from deployments.tracing import VERIFIER
+from dsbd_core.algorithm.prompt_logprobs import PromptLogprobs, prompt_logprob_steps
 from dsbd_core.algorithm.replay import verify_job
 from dsbd_core.algorithm.scorer import ForestLayer
+from dsbd_core.algorithm.session_batch import Job
 from dsbd_core.algorithm.state import NO_FOREST, Outcome
 
 
@@ -32,6 +35,18 @@ class Verifier(ModelReplica):
     ) -> VerifyReply:
         """Verify one request's forest (`draft=None`: a plain beam-sampling step)."""
         return await self.submit(session, (call, draft))
+
+    async def prompt_logprobs(self, prompt_ids: list[int], top: int) -> PromptLogprobs:
+        """The prompt's own tokens' log-probabilities (`echo` with `logprobs`): one target
+        forward of its own, whose cache is dropped at once."""
+        key = f"prompt-{uuid.uuid4().hex}"
+        try:
+            (value,), _ = await self.run_jobs([Job(key, prompt_logprob_steps(prompt_ids, top))])
+        finally:
+            await self.release(key)
+        if isinstance(value, BaseException):
+            raise value
+        return value
 
     async def run_batch(
         self, items: list[tuple[str, tuple[IterationCall, DraftReply | None]]]

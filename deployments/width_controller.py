@@ -55,8 +55,12 @@ class WidthController:
         self._routers: dict[str, float] = {}  # router process -> when last heard from
 
     async def open(
-        self, session: str, limits: Knobs, adaptive: bool = True, router: str = "",
-    ) -> Knobs:  # fmt: skip
+        self,
+        session: str,
+        limits: Knobs,
+        adaptive: bool = True,
+        router: str = "",
+    ) -> Knobs:
         """Register a request; returns the knobs it starts from (its own: the cost model in the
         router refines the depth per iteration within them)."""
         now = time.monotonic()

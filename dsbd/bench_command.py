@@ -191,8 +191,14 @@ def main(args: argparse.Namespace) -> int:
         print(str(error), file=sys.stderr)
         return 2
     try:
-        harness.run_bench(config, out, fresh=args.fresh, progress=not args.no_progress,
-                          extra_records=extra, recalibrate=args.recalibrate)  # fmt: skip
+        harness.run_bench(
+            config,
+            out,
+            fresh=args.fresh,
+            progress=not args.no_progress,
+            extra_records=extra,
+            recalibrate=args.recalibrate,
+        )
     except harness.ResumeMismatchError as error:
         print(str(error), file=sys.stderr)
         return 2

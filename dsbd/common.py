@@ -66,33 +66,44 @@ def add_pair_flags(parser: argparse.ArgumentParser, *, knobs: bool = True) -> No
     `knobs`) --fixed-knobs; one definition for generate, batch and bench."""
     group = parser.add_argument_group("models")
     group.add_argument(
-        "--dtype", choices=("auto", "float32", "bfloat16", "float16", "float64"), default="auto",
+        "--dtype",
+        choices=("auto", "float32", "bfloat16", "float16", "float64"),
+        default="auto",
         help="auto (default): bfloat16 on CUDA and on CPUs with AMX/AVX512-BF16, else float32",
-    )  # fmt: skip
+    )
     group.add_argument(
-        "--draft-quantize", choices=("auto", "none", "int8"), default="auto",
+        "--draft-quantize",
+        choices=("auto", "none", "int8"),
+        default="auto",
         help="int8 dynamic quantisation of the draft's linear layers (exact either way); "
         "auto (default): where it measures faster on this CPU",
-    )  # fmt: skip
+    )
     group.add_argument(
-        "--draft-head-tokens", type=int, default=None, metavar="K",
+        "--draft-head-tokens",
+        type=int,
+        default=None,
+        metavar="K",
         help="restrict the draft's head to the K most frequent tokens (exact either way); "
         "0: the full head; default: 32768 for vocabularies over 65536, else the full head",
-    )  # fmt: skip
+    )
     group.add_argument(
-        "--decode-path", choices=("auto", "dynamic", "static"), default="auto",
+        "--decode-path",
+        choices=("auto", "dynamic", "static"),
+        default="auto",
         help="dynamic: packed forests over growing caches; static: fixed-shape buckets over a "
         "preallocated KV pool, captured as CUDA graphs on CUDA; auto (default): static on "
         "CUDA, dynamic on CPU",
-    )  # fmt: skip
+    )
     if knobs:
         group.add_argument(
-            "--fixed-knobs", action="store_true",
+            "--fixed-knobs",
+            action="store_true",
             help="draft exactly --gamma layers of --draft-width beams every iteration, instead "
             "of the cost model choosing the depth per iteration (reproducible experiments)",
-        )  # fmt: skip
+        )
     group.add_argument(
-        "--recalibrate", action="store_true",
+        "--recalibrate",
+        action="store_true",
         help="measure the cost model's forward costs again (else they are read from the "
         "cache where this machine measured them once)",
-    )  # fmt: skip
+    )

@@ -87,9 +87,14 @@ def _generate(args: argparse.Namespace, config: SamplingConfig, options: DraftOp
     uses_draft = args.method in METHODS_WITH_DRAFT
     try:
         device = resolve_device(args.device)
-        pair = load_pair(args.target, args.draft if uses_draft else None, dtype=args.dtype,
-                         device=str(device), draft_options=options,
-                         decode_path=args.decode_path)  # fmt: skip
+        pair = load_pair(
+            args.target,
+            args.draft if uses_draft else None,
+            dtype=args.dtype,
+            device=str(device),
+            draft_options=options,
+            decode_path=args.decode_path,
+        )
         prompt_ids = pair.encode(args.prompt, chat=args.chat)
     except (ModelSourceError, VocabularyMismatchError, ValidationError, ValueError) as error:
         return fail(

@@ -82,8 +82,13 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
             kind = {"choices": get_args(Selection)}
         else:
             parse = _FIELD_TYPES[name]
-            metavar = {int: "N", float: "X", _optional_float: "T|none", _optional_int: "N|none",
-                       _early_stopping: "true|false|never"}[parse]  # fmt: skip
+            metavar = {
+                int: "N",
+                float: "X",
+                _optional_float: "T|none",
+                _optional_int: "N|none",
+                _early_stopping: "true|false|never",
+            }[parse]
             kind = {"type": parse, "metavar": metavar}
         group.add_argument(flag, default=argparse.SUPPRESS, help=help_text, **kind)
 

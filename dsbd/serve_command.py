@@ -58,20 +58,29 @@ def add_arguments(serve: argparse.ArgumentParser) -> None:
         "--timeout", type=float, default=600.0, help="seconds to wait for the deployments"
     )
     serve.add_argument(
-        "--metrics-port", type=int, default=0, metavar="PORT",
+        "--metrics-port",
+        type=int,
+        default=0,
+        metavar="PORT",
         help="Prometheus port of Ray's metrics agent, serving /metrics on 127.0.0.1 "
         "(default 0: a free port, printed and written to --ready-file)",
-    )  # fmt: skip
+    )
     serve.add_argument(
-        "--object-store-mib", type=int, default=512, metavar="MIB",
+        "--object-store-mib",
+        type=int,
+        default=512,
+        metavar="MIB",
         help="size of Ray's shared object store, all of it reserved at start so Ray's memory "
         "stays flat (default 512; 0: Ray's default, 30%% of RAM, reserved as used)",
-    )  # fmt: skip
+    )
     serve.add_argument(
-        "--tp-size", type=int, default=None, metavar="N",
+        "--tp-size",
+        type=int,
+        default=None,
+        metavar="N",
         help="shard every application's target over N tensor-parallel ranks "
         "(overrides target.tp_size of the config)",
-    )  # fmt: skip
+    )
 
 
 def print_ray_env() -> int:
@@ -94,9 +103,15 @@ def load_config(path: Path | None, host: str, port: int, tp_size: int | None = N
 
     if path is None:
         raw: dict[str, Any] = {
-            "applications": [{"name": "dsbd", "route_prefix": "/",
-                              "import_path": DEFAULT_IMPORT_PATH, "args": {}}]
-        }  # fmt: skip
+            "applications": [
+                {
+                    "name": "dsbd",
+                    "route_prefix": "/",
+                    "import_path": DEFAULT_IMPORT_PATH,
+                    "args": {},
+                }
+            ]
+        }
     else:
         try:
             raw = yaml.safe_load(path.read_text()) or {}
@@ -133,8 +148,10 @@ def run(args: argparse.Namespace) -> int:
     if not 0 <= args.metrics_port <= 65535:
         raise SystemExit(fail(f"--metrics-port={args.metrics_port}: allowed 0..65535"))
     if args.object_store_mib != 0 and args.object_store_mib < OBJECT_STORE_MINIMUM_MIB:
-        message = (f"--object-store-mib={args.object_store_mib}: allowed 0 (Ray's default size) "
-                   f"or >= {OBJECT_STORE_MINIMUM_MIB} (Ray's minimum)")  # fmt: skip
+        message = (
+            f"--object-store-mib={args.object_store_mib}: allowed 0 (Ray's default size) "
+            f"or >= {OBJECT_STORE_MINIMUM_MIB} (Ray's minimum)"
+        )
         raise SystemExit(fail(message))
     schema = load_config(args.config, args.host, args.port, args.tp_size)
     try:

@@ -1,10 +1,16 @@
 """One torch thread per test process: on 2 shared cores more threads are 5-25x slower whenever
-anything else runs (ENVIRONMENT.md), and timings stay comparable.
+anything else runs (docs/ARCHITECTURE.md, "Measured facts about CPUs"), and timings stay
+comparable.
 
-`served` is the four-application server (tests/serving_harness.py) that tests/test_serving.py
-and tests/test_serving_api.py share: starting its 22 replicas takes minutes of CPU on two
-cores, so it starts once, and stops right after the last test that uses it rather than at the
-end of the session (its replicas hold gigabytes the later tests should have)."""
+Order (docs/ARCHITECTURE.md, "Tests"): the in-process tests first, then the tests that start Ray
+or a `dsbd serve` (marked `ray`), in file order, and last those of `served`, the four-application
+server (tests/serving_harness.py) that tests/test_lm_eval.py, tests/test_serving.py and
+tests/test_serving_api.py share: starting its 22 replicas takes minutes of CPU on two cores, so
+it starts once, its tests run back to back, and it stops right after the last of them (its
+replicas hold gigabytes). The suite runs on two pytest-xdist workers (`-n 2 --dist loadgroup`,
+pyproject.toml): the in-process tests, one core each, on both; the `ray` tests as one unit on
+one worker once every in-process test has been handed out, so no two clusters run at once and
+no in-process test competes with a server's start for long."""
 
 from __future__ import annotations
 
@@ -28,6 +34,74 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
     with contextlib.ExitStack() as stack:
         _OPEN["served"] = stack
         yield stack.enter_context(running_server(tmp_path_factory.mktemp("serving")))
+
+
+# The modules whose tests start Ray or a `dsbd serve`: each takes both cores while its replicas
+# start, and two clusters at once would hold two servers' memory. A module starts Ray in all of
+# its tests or in none (xdist's controller schedules by test id: it collects nothing).
+RAY_MODULES = frozenset(
+    f"tests/test_{name}.py"
+    for name in (
+        "batch",
+        "batch_streaming",
+        "chaos",
+        "faults",
+        "lm_eval",
+        "local_ray",
+        "observability",
+        "serve_run",
+        "serving",
+        "serving_api",
+        "tp_group",
+    )
+)
+
+
+def _module(nodeid: str) -> str:
+    return nodeid.split("::", 1)[0]
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config: pytest.Config) -> None:
+    """`-s` (print what the tests print) runs in this process: xdist's workers' output never
+    reaches the terminal. An explicit `-n` still wins."""
+    args = config.invocation_params.args
+    explicit = any(a.startswith(("-n", "--numprocesses")) for a in args)
+    if config.getoption("capture", "fd") == "no" and not explicit:
+        config.option.numprocesses = 0
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` selects by markers
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    ray = [item for item in items if _module(item.nodeid) in RAY_MODULES]
+    for item in ray:
+        item.add_marker(pytest.mark.ray)
+    served = [item for item in ray if "served" in getattr(item, "fixturenames", ())]
+    rest = [item for item in ray if item not in served]
+    # the modules with slow tests first, so that the two workers end the in-process phase
+    # together (each module's tests stay together: its module-scoped fixtures are built once)
+    inprocess = [item for item in items if item not in ray]
+    slow = {_module(item.nodeid) for item in inprocess if item.get_closest_marker("slow")}
+    inprocess.sort(key=lambda item: _module(item.nodeid) not in slow)  # stable
+    items[:] = inprocess + rest + served
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """Under `--dist loadgroup`: each in-process test a unit of its own, handed out in
+    collection order, and every `ray` test in one unit, last (xdist's own `xdist_group` marks
+    rename test ids, which pytest 9.2's ids no longer allow)."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    config.option.loadscopereorder = False  # keep the collection order: `ray` last
+
+    class RayLast(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return "ray" if _module(nodeid) in RAY_MODULES else nodeid
+
+    return RayLast(config, log)
 
 
 @pytest.hookimpl(trylast=True)

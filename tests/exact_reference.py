@@ -1,4 +1,5 @@
-"""Independent exact reference for the statistical exactness tests (spec §1, §4.4, §4.5, §12).
+"""Independent exact reference for the statistical exactness tests (ALGORITHM.md §1, §4.4,
+§4.5, §12).
 
 Why this file exists: the claims "DSBD follows target beam sampling" and "W = 1 is ordinary
 sampling" are statements about *distributions*. They can only be tested against a distribution
@@ -126,9 +127,10 @@ def random_table(
 def joint_filter(x: np.ndarray, temperature: float, top_k: int, top_p: float) -> np.ndarray:
     """Distribution over the entries of a flattened candidate table after joint filtering.
 
-    ``x`` holds log-weights (``-inf`` = excluded). Steps, as the engine defines them (spec §1.1
-    step 3): divide finite entries by ``temperature``; top-k keeps the ``top_k`` largest entries
-    plus every entry tied with the k-th value (0 = off, k >= #finite keeps all); top-p sorts the
+    ``x`` holds log-weights (``-inf`` = excluded). Steps, as the engine defines them
+    (ALGORITHM.md §1.1 step 2): divide finite entries by ``temperature``; top-k keeps the
+    ``top_k`` largest entries plus every entry tied with the k-th value (0 = off, k >= #finite
+    keeps all); top-p sorts the
     kept entries by probability (softmax of the tempered values over the kept entries),
     descending with ties broken by the smaller index, and keeps the shortest prefix whose
     cumulative mass reaches ``top_p`` including the entry that crosses (1.0 = off); finally a

@@ -1,5 +1,5 @@
 """The statistical harness of the exactness tests: do samples look like i.i.d. draws from an
-exactly known distribution (spec §12.1)?
+exactly known distribution (ALGORITHM.md §12.1)?
 
 Split from tests/exact_reference.py (which re-exports these names), with which it shares the
 rule: plain Python + numpy, no import of ``dsbd_core``, small enough to audit by reading.
@@ -37,7 +37,7 @@ def null_tv_quantile(
 
     Why: with many outcomes the empirical TV of a *correct* sampler is far from 0 and depends
     on ``n`` and on the shape of ``exact``; the null distribution at the same ``n`` is the fair
-    threshold (spec §12.1). Vectorised with multinomial counts (``reps x len(exact)``) and
+    threshold (ALGORITHM.md §12.1). Vectorised with multinomial counts (``reps x len(exact)``) and
     memoised, because several assertions may share one exact distribution.
     """
     # Descending order: numpy's multinomial draws conditional binomials category by category,

@@ -95,8 +95,7 @@ def transformers_beam_outcomes(
         for state, mass in frontier:
             candidates = []  # (acc, sequence)
             for seq, acc in state["running"]:
-                row = processed_row(lm.next_logprobs(seq), temperature, top_k, top_p,
-                                    keep_at_least)  # fmt: skip
+                row = processed_row(lm.next_logprobs(seq), temperature, top_k, top_p, keep_at_least)
                 for token in range(vocab):
                     candidates.append((acc + row[token], seq + (token,)))
             scores = np.array([c[0] for c in candidates])
@@ -107,13 +106,23 @@ def transformers_beam_outcomes(
             probs /= probs.sum()
             for chosen, p in _ordered_draws(probs, keep).items():
                 top = sorted(chosen, key=lambda i: -scores[i])  # sort by score, descending
-                new = _step(state, [candidates[i] for i in top], width, cur_len, prompt_len,
-                            max_length, eos, length_penalty, early_stopping)  # fmt: skip
+                new = _step(
+                    state,
+                    [candidates[i] for i in top],
+                    width,
+                    cur_len,
+                    prompt_len,
+                    max_length,
+                    eos,
+                    length_penalty,
+                    early_stopping,
+                )
                 if new is None:
                     continue
                 if new["done"]:  # the returned sequences (stand-ins for none left out)
-                    key = tuple(s[prompt_len:] for s, score, _ in new["finished"]
-                                if score > -BIG / 2)  # fmt: skip
+                    key = tuple(
+                        s[prompt_len:] for s, score, _ in new["finished"] if score > -BIG / 2
+                    )
                     outcomes[key] = outcomes.get(key, 0.0) + mass * p
                 else:
                     next_frontier.append((new, mass * p))
@@ -123,10 +132,16 @@ def transformers_beam_outcomes(
 
 
 def _step(
-    state: dict, top: list[tuple[float, tuple[int, ...]]], width: int, cur_len: int,
-    prompt_len: int, max_length: int, eos: set[int], length_penalty: float,
+    state: dict,
+    top: list[tuple[float, tuple[int, ...]]],
+    width: int,
+    cur_len: int,
+    prompt_len: int,
+    max_length: int,
+    eos: set[int],
+    length_penalty: float,
     early_stopping: bool | str,
-) -> dict | None:  # fmt: skip
+) -> dict | None:
     """One step of `_beam_search` after the draw: running beams, finished beams, stopping."""
     hits = [seq[-1] in eos or len(seq) >= max_length for _, seq in top]
     # _get_running_beams_for_next_iteration

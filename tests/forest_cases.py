@@ -1,8 +1,8 @@
 """Shared cases of the TransformerScorer tests: tiny models, random forests, exact references.
 
 Every check compares with the model run without any cache on the node's (or beam's) full token
-sequence (spec §12.3 items 12 and 13), on tiny random float64 Llama / Qwen2 models, so the only
-tolerated difference is floating-point reordering (< 1e-6; measured ~1e-15 for sdpa, ~3e-8 for
+sequence (ALGORITHM.md §12.3 items 12 and 13), on tiny random float64 Llama / Qwen2 models, so the
+only tolerated difference is floating-point reordering (< 1e-6; measured ~1e-15 for sdpa, ~3e-8 for
 eager, whose softmax runs in float32 even for a float64 model).
 """
 

@@ -57,10 +57,15 @@ def _table_pair() -> tuple[Any, Any]:
 def _llama_models() -> tuple[torch.nn.Module, torch.nn.Module]:
     torch.manual_seed(5)
     config = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
         attn_implementation="sdpa",
-    )  # fmt: skip
+    )
     target = LlamaForCausalLM(config).to(torch.float64).eval()
     with torch.no_grad():
         target.lm_head.weight.mul_(6.0)
@@ -82,10 +87,18 @@ def _llama_pair() -> tuple[Any, Any]:
 def _summary(result: Any) -> dict[str, Any]:
     return {
         "beams": [[b.token_ids, round(b.log_likelihood, 9), b.finished] for b in result.beams],
-        "stats": {k: v for k, v in result.stats.as_dict().items()
-                  if k not in ("acceptance_rate", "target_passes_per_token",
-                               "mean_accepted_length", "epsilon_bias_bound")},
-    }  # fmt: skip
+        "stats": {
+            k: v
+            for k, v in result.stats.as_dict().items()
+            if k
+            not in (
+                "acceptance_rate",
+                "target_passes_per_token",
+                "mean_accepted_length",
+                "epsilon_bias_bound",
+            )
+        },
+    }
 
 
 def _config(fields: dict[str, Any], seed: int, max_new: int) -> Any:
@@ -122,8 +135,14 @@ def record_lockstep() -> dict[str, Any]:
     requests = []
     for name, method, fields in CASES:
         for seed in SEEDS:
-            requests.append((f"llama/{name}/seed{seed}/lockstep", method,
-                             _config(fields, seed, 10), PROMPTS[seed % len(PROMPTS)]))  # fmt: skip
+            requests.append(
+                (
+                    f"llama/{name}/seed{seed}/lockstep",
+                    method,
+                    _config(fields, seed, 10),
+                    PROMPTS[seed % len(PROMPTS)],
+                )
+            )
     results = lockstep_decode(_llama_models, requests)
     for (key, *_), result in zip(requests, results, strict=True):
         out[key] = _summary(result)

@@ -49,13 +49,20 @@ class _ReceiverHandler(BaseHTTPRequestHandler):
             resource = _attributes(resource_spans.resource.attributes)
             for scope_spans in resource_spans.scope_spans:
                 for span in scope_spans.spans:
-                    spans.append({
-                        "name": span.name, "trace_id": span.trace_id.hex(),
-                        "span_id": span.span_id.hex(), "parent": span.parent_span_id.hex(),
-                        "attributes": _attributes(span.attributes), "resource": resource,
-                        "links": [(link.trace_id.hex(), link.span_id.hex()) for link in span.links],
-                        "status": span.status.code,
-                    })  # fmt: skip
+                    spans.append(
+                        {
+                            "name": span.name,
+                            "trace_id": span.trace_id.hex(),
+                            "span_id": span.span_id.hex(),
+                            "parent": span.parent_span_id.hex(),
+                            "attributes": _attributes(span.attributes),
+                            "resource": resource,
+                            "links": [
+                                (link.trace_id.hex(), link.span_id.hex()) for link in span.links
+                            ],
+                            "status": span.status.code,
+                        }
+                    )
         with self.server.lock:
             self.server.spans.extend(spans)
         reply = ExportTraceServiceResponse().SerializeToString()

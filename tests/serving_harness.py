@@ -35,14 +35,21 @@ from dsbd_core.algorithm.decoders import METHODS_WITH_DRAFT, generate
 from dsbd_core.models import load_causal_lm, load_tokenizer
 from dsbd_core.models.transformer_scorer import TransformerScorer
 
-from .test_local_ray import is_loopback, peers
+from .test_local_ray import is_loopback, peers, strace
 from .tiny_models import build_pair
 
 REPO = Path(__file__).parent.parent
 MODEL = "tiny"
 API_KEY = "sk-test-7f3a9"
-GUARD = {"max_prompt_tokens": 24, "max_new_tokens": 240, "max_width": 4, "max_gamma": 3,
-         "max_n": 2, "max_concurrent_sessions": 2, "request_timeout_s": 1.5}  # fmt: skip
+GUARD = {
+    "max_prompt_tokens": 24,
+    "max_new_tokens": 240,
+    "max_width": 4,
+    "max_gamma": 3,
+    "max_n": 2,
+    "max_concurrent_sessions": 2,
+    "request_timeout_s": 1.5,
+}
 
 # This process's own connections (the server's are traced with strace): the last test of
 # tests/test_serving.py checks that all of them went to loopback.
@@ -59,12 +66,14 @@ sys.addaudithook(_audit)
 # The decodes the distributed path is compared on with the in-process engine.
 CASES = [
     ("dsbd", {"width": 3, "gamma": 3, "threshold": 0.6}),
-    ("dsbd", {"width": 2, "draft_width": 3, "gamma": 2, "threshold": None,
-              "mode": "with_replacement"}),
+    (
+        "dsbd",
+        {"width": 2, "draft_width": 3, "gamma": 2, "threshold": None, "mode": "with_replacement"},
+    ),
     ("dsbd", {"width": 3, "gamma": 2, "lean_memory": True}),
     ("beam", {"width": 3}),
     ("sps", {"gamma": 4}),
-]  # fmt: skip
+]
 
 
 def free_port() -> int:
@@ -76,34 +85,72 @@ def free_port() -> int:
 def write_config(root: Path, target: Path, draft: Path) -> Path:
     """The module's Serve config (four applications) and API key file, written under `root`;
     also used to start the same server by hand (`DSBD_TEST_SERVER`)."""
-    models = {"target": {"source": str(target), "dtype": "float64"},
-              "draft": {"source": str(draft), "dtype": "float64"}}  # fmt: skip
+    models = {
+        "target": {"source": str(target), "dtype": "float64"},
+        "draft": {"source": str(draft), "dtype": "float64"},
+    }
     small = {"num_cpus": 0.1}
     config = {
         "applications": [
-            {"name": "dsbd", "route_prefix": "/", "import_path": "deployments.app:build_app",
-             "args": {"model_name": MODEL, **models, "router_resources": small,
-                      "draft_resources": small, "verifier_resources": small}},
-            {"name": "spread", "route_prefix": "/spread",
-             "import_path": "deployments.app:build_app",
-             "args": {"model_name": MODEL, **models, "session_affinity": False,
-                      "router_resources": small,
-                      "draft_resources": {**small, "min_replicas": 2, "max_replicas": 2},
-                      "verifier_resources": {**small, "min_replicas": 2, "max_replicas": 2}}},
-            {"name": "tp", "route_prefix": "/tp", "import_path": "deployments.app:build_app",
-             "args": {"model_name": MODEL, "target": {**models["target"], "tp_size": 2},
-                      "draft": models["draft"], "router_resources": small,
-                      "draft_resources": small,
-                      "verifier_resources": {**small, "health_check_period_s": 1,
-                                             "health_check_timeout_s": 20}}},
-            {"name": "guarded", "route_prefix": "/guarded",
-             "import_path": "deployments.app:build_app",
-             "args": {"model_name": MODEL, **models, "router_resources": small,
-                      "draft_resources": small, "verifier_resources": small,
-                      "default_max_tokens": 16, "api_key_file": str(root / "key"),
-                      "limits": GUARD}},
+            {
+                "name": "dsbd",
+                "route_prefix": "/",
+                "import_path": "deployments.app:build_app",
+                "args": {
+                    "model_name": MODEL,
+                    **models,
+                    "router_resources": small,
+                    "draft_resources": small,
+                    "verifier_resources": small,
+                },
+            },
+            {
+                "name": "spread",
+                "route_prefix": "/spread",
+                "import_path": "deployments.app:build_app",
+                "args": {
+                    "model_name": MODEL,
+                    **models,
+                    "session_affinity": False,
+                    "router_resources": small,
+                    "draft_resources": {**small, "min_replicas": 2, "max_replicas": 2},
+                    "verifier_resources": {**small, "min_replicas": 2, "max_replicas": 2},
+                },
+            },
+            {
+                "name": "tp",
+                "route_prefix": "/tp",
+                "import_path": "deployments.app:build_app",
+                "args": {
+                    "model_name": MODEL,
+                    "target": {**models["target"], "tp_size": 2},
+                    "draft": models["draft"],
+                    "router_resources": small,
+                    "draft_resources": small,
+                    "verifier_resources": {
+                        **small,
+                        "health_check_period_s": 1,
+                        "health_check_timeout_s": 20,
+                    },
+                },
+            },
+            {
+                "name": "guarded",
+                "route_prefix": "/guarded",
+                "import_path": "deployments.app:build_app",
+                "args": {
+                    "model_name": MODEL,
+                    **models,
+                    "router_resources": small,
+                    "draft_resources": small,
+                    "verifier_resources": small,
+                    "default_max_tokens": 16,
+                    "api_key_file": str(root / "key"),
+                    "limits": GUARD,
+                },
+            },
         ]
-    }  # fmt: skip
+    }
     (root / "key").write_text(API_KEY + "\n")
     (root / "serve.yaml").write_text(yaml.safe_dump(config))
     return root / "serve.yaml"
@@ -117,9 +164,14 @@ def running_server(root: Path) -> Iterator[dict[str, Any]]:
     external = os.environ.get("DSBD_TEST_SERVER")
     if external:
         url, models_dir, *pid = external.split()
-        yield {"url": url, "target": Path(models_dir) / "target",
-               "draft": Path(models_dir) / "draft", "trace": None, "log": None,
-               "pid": int(pid[0]) if pid else None}  # fmt: skip
+        yield {
+            "url": url,
+            "target": Path(models_dir) / "target",
+            "draft": Path(models_dir) / "draft",
+            "trace": None,
+            "log": None,
+            "pid": int(pid[0]) if pid else None,
+        }
         return
     target, draft = build_pair(root / "models")
     with serving(root, write_config(root, target, draft)) as info:
@@ -136,20 +188,35 @@ def serving(root: Path, config: Path, start_s: float = 600) -> Iterator[dict[str
     of `write_config` took 239 s to start on two quiet cores, 349 s under pytest and strace, and
     longer on a slower CI machine."""
     port, ready = free_port(), root / "ready"
-    command = [str(REPO / ".venv/bin/dsbd"), "serve", "--config", str(config),
-               "--port", str(port), "--num-cpus", "8", "--ready-file", str(ready)]  # fmt: skip
+    command = [
+        str(REPO / ".venv/bin/dsbd"),
+        "serve",
+        "--config",
+        str(config),
+        "--port",
+        str(port),
+        "--num-cpus",
+        "8",
+        "--ready-file",
+        str(ready),
+    ]
     if not Path(command[0]).exists():
         command[0:1] = [sys.executable, "-m", "dsbd"]
     trace = root / "trace"
     trace.mkdir()
     traced = shutil.which("strace") is not None
     if traced:
-        command = ["strace", "-f", "-ff", "-qq", "--seccomp-bpf", "-e",
-                   "trace=connect,sendto,sendmsg", "-o", str(trace / "t"), *command]  # fmt: skip
+        command = [*strace(trace), *command]
     log = root / "server.log"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    process = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=REPO,
-                               env=env, start_new_session=True)  # fmt: skip
+    process = subprocess.Popen(
+        command,
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+        cwd=REPO,
+        env=env,
+        start_new_session=True,
+    )
     deadline = time.monotonic() + start_s
     while True:  # the file may be seen before it is fully written
         if process.poll() is not None or time.monotonic() > deadline:
@@ -162,8 +229,13 @@ def serving(root: Path, config: Path, start_s: float = 600) -> Iterator[dict[str
     url = info["url"]
     assert url == f"http://127.0.0.1:{port}"
     try:
-        yield {"url": url, "pid": info["pid"], "root": root, "log": log,
-               "trace": trace if traced else None}  # fmt: skip
+        yield {
+            "url": url,
+            "pid": info["pid"],
+            "root": root,
+            "log": log,
+            "trace": trace if traced else None,
+        }
     finally:
         # SIGINT to dsbd serve itself: strace, the session leader, would only detach
         stop(process, lambda: os.kill(info["pid"], signal.SIGINT))
@@ -214,9 +286,12 @@ def in_process_decoder(server: dict[str, Any]) -> Any:
     def decode(method: str, prompt_ids: list[int], **knobs: Any):
         config = SamplingConfig(eos_token_ids=stop_ids, **knobs)
         return generate(
-            method, TransformerScorer(target.model), prompt_ids, config,
+            method,
+            TransformerScorer(target.model),
+            prompt_ids,
+            config,
             draft=TransformerScorer(draft.model) if method in METHODS_WITH_DRAFT else None,
-        )  # fmt: skip
+        )
 
     return decode
 
@@ -226,8 +301,9 @@ def client(server, prefix: str = "") -> openai.OpenAI:
 
 
 def native(server, body: dict, prefix: str = "", timeout: float = 120) -> dict:
-    response = requests.post(f"{server['url']}{prefix}/v1/dsbd/generate", json=body,
-                             timeout=timeout)  # fmt: skip
+    response = requests.post(
+        f"{server['url']}{prefix}/v1/dsbd/generate", json=body, timeout=timeout
+    )
     assert response.status_code == 200, response.text
     return response.json()
 
@@ -247,8 +323,9 @@ def assert_same(got: dict, want) -> None:
 IN_FLIGHT = 20  # decodes in flight when a replica is killed (issue 9)
 
 
-def decode_while_killing(server, reference, prefix: str, pid_of: Any,
-                         freeze_s: float = 0.0) -> list[dict]:  # fmt: skip
+def decode_while_killing(
+    server, reference, prefix: str, pid_of: Any, freeze_s: float = 0.0
+) -> list[dict]:
     """Start 20 decodes; SIGKILL `pid_of(status)` once all 20 are in flight; all must come
     back, each equal to the in-process engine's decode draw for draw (the lost iterations are
     retried, re-prefilled on a live or replacement replica). With `freeze_s`, the process is
@@ -257,9 +334,17 @@ def decode_while_killing(server, reference, prefix: str, pid_of: Any,
     between two calls, and Serve routes around a dead replica fast)."""
     # 48 tokens: long enough that all 20 are open at once even on a loaded 2-core machine,
     # where the router opens sessions slower than 24-token decodes of these models finish.
-    bodies = [{"prompt_ids": [30 + i % 50, 31, 32], "seed": 200 + i, "max_new_tokens": 48,
-               "width": 2 + i % 2, "gamma": 2, "adaptive": False}
-              for i in range(IN_FLIGHT)]  # fmt: skip
+    bodies = [
+        {
+            "prompt_ids": [30 + i % 50, 31, 32],
+            "seed": 200 + i,
+            "max_new_tokens": 48,
+            "width": 2 + i % 2,
+            "gamma": 2,
+            "adaptive": False,
+        }
+        for i in range(IN_FLIGHT)
+    ]
     # The 20 decodes share two cores with the server's 22 replicas and re-prefill what the kill
     # lost (on /spread, every call to a replica without the session's cache replays it): the
     # three kill tests ran 114-124 s on an Intel Xeon with 2 cores, nearly all of it these
@@ -295,8 +380,12 @@ def _state(pid: int) -> str:
 
 def guarded(server, body: dict, key: str | None = API_KEY, path: str = "completions"):
     headers = {"Authorization": f"Bearer {key}"} if key is not None else {}
-    return requests.post(f"{server['url']}/guarded/v1/{path}", headers=headers, timeout=60,
-                         json={"model": MODEL, "prompt": "one two", **body})  # fmt: skip
+    return requests.post(
+        f"{server['url']}/guarded/v1/{path}",
+        headers=headers,
+        timeout=60,
+        json={"model": MODEL, "prompt": "one two", **body},
+    )
 
 
 def wait_drained(server, prefix: str = "", timeout_s: float = 60) -> dict:
@@ -304,8 +393,11 @@ def wait_drained(server, prefix: str = "", timeout_s: float = 60) -> dict:
     deadline = time.monotonic() + timeout_s
     while True:
         now = status(server, prefix)
-        if now["open_sessions"] == 0 and now["verifier"]["cached_sessions"] == 0 \
-                and now["draft"]["cached_sessions"] == 0:  # fmt: skip
+        if (
+            now["open_sessions"] == 0
+            and now["verifier"]["cached_sessions"] == 0
+            and now["draft"]["cached_sessions"] == 0
+        ):
             return now
         assert time.monotonic() < deadline, f"sessions still held: {now}"
         time.sleep(0.2)

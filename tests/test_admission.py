@@ -27,8 +27,14 @@ from dsbd_core import SamplingConfig
 
 MIB = 2**20
 # 4 layers x 2 (K, V) x 2 KV heads x head dim 16 x 4 bytes (float32) = 1 KiB per token
-SMALL = LlamaConfig(num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                    hidden_size=64, intermediate_size=64, vocab_size=320)  # fmt: skip
+SMALL = LlamaConfig(
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    hidden_size=64,
+    intermediate_size=64,
+    vocab_size=320,
+)
 
 
 def _view(budget: int, routers: int = 1, kv: int = 1024) -> dict:

@@ -105,13 +105,22 @@ def _kept_mib(primitive_cache: int | None, shapes: int = 300, **extra: str) -> d
         for name in PRIMITIVE_CACHE_VARIABLES:
             env.pop(name, None)
     env.update(extra)
-    done = subprocess.run([sys.executable, "-c", CHILD, str(shapes)], env=env, check=True,
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", CHILD, str(shapes)],
+        env=env,
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(),
-                    reason="bfloat16 matmuls do not go through oneDNN on this CPU")  # fmt: skip
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not torch.ops.mkldnn._is_mkldnn_bf16_supported(),
+    reason="bfloat16 matmuls do not go through oneDNN on this CPU",
+)
 def test_capped_primitive_caches_keep_no_memory_per_new_shape() -> None:
     """300 new row counts kept, with both caches at 8 entries / only oneDNN's at 8 / the defaults
     (1024 each): 0.2 / 83 / ~180 MiB on an AMX Xeon, -0.1 / 9.3 / 18.1 MiB on an AVX512 Xeon

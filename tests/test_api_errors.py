@@ -27,8 +27,9 @@ def _client() -> TestClient:
 
 
 def test_a_body_that_is_not_json_is_named_as_the_body() -> None:
-    response = _client().post("/v1/completions", content=b'{"prompt": ',
-                              headers={"content-type": "application/json"})  # fmt: skip
+    response = _client().post(
+        "/v1/completions", content=b'{"prompt": ', headers={"content-type": "application/json"}
+    )
     assert response.status_code == 400
     error = response.json()["error"]
     assert error["param"] == "body"

@@ -50,15 +50,24 @@ def test_logprob_fields_map_to_the_config_and_follow_openai_ranges() -> None:
         (CompletionRequest, {"model": "m", "prompt": "p", "logprobs": 6}, "equal to 5"),
         (CompletionRequest, {"model": "m", "prompt": "p", "logprobs": True}, "integer 0..5"),
         (GenerateRequest, {"prompt_ids": [1], "logprobs": 21}, "less than or equal to 20"),
-        (CompletionRequest, {"model": "m", "prompt": "p", "use_beam_search": True, "n": 3,
-                             "width": 2}, "n=3 is larger than width=2"),  # fmt: skip
-        (CompletionRequest, {"model": "m", "prompt": "p", "method": "beam_search", "n": 4,
-                             "width": 3}, "n=4 is larger than width=3"),  # fmt: skip
-        (CompletionRequest, {"model": "m", "prompt": "p", "early_stopping": "sometimes"},
-         "early_stopping"),  # fmt: skip
+        (
+            CompletionRequest,
+            {"model": "m", "prompt": "p", "use_beam_search": True, "n": 3, "width": 2},
+            "n=3 is larger than width=2",
+        ),
+        (
+            CompletionRequest,
+            {"model": "m", "prompt": "p", "method": "beam_search", "n": 4, "width": 3},
+            "n=4 is larger than width=3",
+        ),
+        (
+            CompletionRequest,
+            {"model": "m", "prompt": "p", "early_stopping": "sometimes"},
+            "early_stopping",
+        ),
         (CompletionRequest, {"model": "m", "prompt": "p", "method": "greedy"}, "method"),
     ],
-)  # fmt: skip
+)
 def test_bad_fields_are_refused_naming_field_value_and_what_is_allowed(model, body, fragment):
     assert fragment in _error(model, body)
 
@@ -66,10 +75,16 @@ def test_bad_fields_are_refused_naming_field_value_and_what_is_allowed(model, bo
 def test_vllm_beam_search_fields_make_a_search_config() -> None:
     """vLLM's extension fields: use_beam_search, n as the beam width, length_penalty,
     early_stopping; the method decides plain or speculative."""
-    request = CompletionRequest.model_validate({
-        "model": "m", "prompt": "p", "n": 3, "use_beam_search": True, "length_penalty": 0.6,
-        "early_stopping": "never",
-    })  # fmt: skip
+    request = CompletionRequest.model_validate(
+        {
+            "model": "m",
+            "prompt": "p",
+            "n": 3,
+            "use_beam_search": True,
+            "length_penalty": 0.6,
+            "early_stopping": "never",
+        }
+    )
     config = request.sampling_config((2,), 16)
     assert (config.search, config.width, config.length_penalty) == (True, 3, 0.6)
     assert config.early_stopping == "never" and request.method == "dsbd"  # speculative
@@ -80,9 +95,11 @@ def test_vllm_beam_search_fields_make_a_search_config() -> None:
     named = GenerateRequest(prompt_ids=[1], method="beam_search", width=2)
     assert named.sampling_config((2,)).search
     with pytest.raises(Exception) as info:  # an invalid combination is the client's 400
-        requested_config(lambda: CompletionRequest(
-            model="m", prompt="p", use_beam_search=True, n=2, w_min=3
-        ).sampling_config((2,), 16))  # fmt: skip
+        requested_config(
+            lambda: CompletionRequest(
+                model="m", prompt="p", use_beam_search=True, n=2, w_min=3
+            ).sampling_config((2,), 16)
+        )
     assert "w_min=3 is larger than width=2" in str(info.value)
 
 
@@ -105,8 +122,12 @@ def _beam(texts: BeamText, words: str, finished: bool) -> Beam:
 
 def _client(body: dict) -> openai.OpenAI:
     transport = httpx.MockTransport(lambda request: httpx.Response(200, json=body))
-    return openai.OpenAI(api_key="k", base_url="http://127.0.0.1:9/v1", max_retries=0,
-                         http_client=httpx.Client(transport=transport))  # fmt: skip
+    return openai.OpenAI(
+        api_key="k",
+        base_url="http://127.0.0.1:9/v1",
+        max_retries=0,
+        http_client=httpx.Client(transport=transport),
+    )
 
 
 def test_the_openai_client_reads_both_formats(texts: BeamText) -> None:

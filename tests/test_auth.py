@@ -41,19 +41,32 @@ def _app() -> FastAPI:
 
 
 def call(
-    app, method: str, path: str, body: dict | None = None,
-    headers: dict[str, str] | None = None, root_path: str = "",
-) -> tuple[int, dict, dict]:  # fmt: skip
+    app,
+    method: str,
+    path: str,
+    body: dict | None = None,
+    headers: dict[str, str] | None = None,
+    root_path: str = "",
+) -> tuple[int, dict, dict]:
     """One request through the ASGI app: (status, headers, JSON body)."""
     raw = json.dumps(body).encode() if body is not None else b""
     scope = {
-        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method,
-        "scheme": "http", "path": root_path + path, "raw_path": (root_path + path).encode(),
-        "root_path": root_path, "query_string": b"", "server": ("127.0.0.1", 8000),
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": method,
+        "scheme": "http",
+        "path": root_path + path,
+        "raw_path": (root_path + path).encode(),
+        "root_path": root_path,
+        "query_string": b"",
+        "server": ("127.0.0.1", 8000),
         "client": ("127.0.0.1", 5000),
-        "headers": [(k.lower().encode(), v.encode()) for k, v in
-                    {"content-type": "application/json", **(headers or {})}.items()],
-    }  # fmt: skip
+        "headers": [
+            (k.lower().encode(), v.encode())
+            for k, v in {"content-type": "application/json", **(headers or {})}.items()
+        ],
+    }
     sent: list[dict] = []
     messages = [{"type": "http.request", "body": raw, "more_body": False}]
 

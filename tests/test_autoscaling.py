@@ -24,21 +24,38 @@ TARGET = 16.0
 
 
 def config(**overrides: Any) -> AutoscalingConfig:
-    return AutoscalingConfig(**{
-        "min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": TARGET,
-        "upscale_delay_s": 0.0, "downscale_delay_s": 0.0, **overrides,
-    })  # fmt: skip
+    return AutoscalingConfig(
+        **{
+            "min_replicas": 1,
+            "max_replicas": 4,
+            "target_ongoing_requests": TARGET,
+            "upscale_delay_s": 0.0,
+            "downscale_delay_s": 0.0,
+            **overrides,
+        }
+    )
 
 
 def context(replicas: int, ongoing: float, state: dict[str, Any]) -> AutoscalingContext:
     return AutoscalingContext(
-        deployment_id=None, deployment_name="Router", app_name="dsbd",
-        current_num_replicas=replicas, target_num_replicas=replicas, running_replicas=[],
-        total_num_requests=ongoing, total_queued_requests=0.0, aggregated_metrics={},
-        raw_metrics={}, capacity_adjusted_min_replicas=1, capacity_adjusted_max_replicas=4,
-        policy_state=state, last_scale_up_time=None, last_scale_down_time=None,
-        current_time=None, config=config(),
-    )  # fmt: skip
+        deployment_id=None,
+        deployment_name="Router",
+        app_name="dsbd",
+        current_num_replicas=replicas,
+        target_num_replicas=replicas,
+        running_replicas=[],
+        total_num_requests=ongoing,
+        total_queued_requests=0.0,
+        aggregated_metrics={},
+        raw_metrics={},
+        capacity_adjusted_min_replicas=1,
+        capacity_adjusted_max_replicas=4,
+        policy_state=state,
+        last_scale_up_time=None,
+        last_scale_down_time=None,
+        current_time=None,
+        config=config(),
+    )
 
 
 def replica_counts(rule: Callable[..., Any], start: int, readings: list[float]) -> list[int]:

@@ -41,28 +41,56 @@ REPO = Path(__file__).parent.parent
 DEFAULTS = {"max_new_tokens": 6, "width": 3, "gamma": 2}
 # --fixed-knobs: rows are compared with `generate` in-process, which drafts `gamma` layers
 # every iteration (the cost model's choices would draw other, equally exact, tokens)
-FLAGS = ["--max-new-tokens", "6", "--width", "3", "--gamma", "2", "--dtype", "float64",
-         "--batch-size", "4", "--max-prompt-tokens", "40", "--fixed-knobs"]  # fmt: skip
+FLAGS = [
+    "--max-new-tokens",
+    "6",
+    "--width",
+    "3",
+    "--gamma",
+    "2",
+    "--dtype",
+    "float64",
+    "--batch-size",
+    "4",
+    "--max-prompt-tokens",
+    "40",
+    "--fixed-knobs",
+]
 GOOD = [
     {"id": "chat", "prompt": "What is the capital of France?", "seed": 1},
     {"prompt": "one two three", "chat": False, "seed": 2, "width": 2, "n": 2},
-    {"id": "messages", "messages": [{"role": "user", "content": "def add(a, b):"}],
-     "seed": 3, "method": "beam", "top_k": 5},
+    {
+        "id": "messages",
+        "messages": [{"role": "user", "content": "def add(a, b):"}],
+        "seed": 3,
+        "method": "beam",
+        "top_k": 5,
+    },
     {"id": "ids", "prompt_ids": [5, 6, 7, 8], "seed": 4, "method": "sps", "gamma": 3},
     {"id": 17, "prompt": "Beam search keeps", "seed": 5, "threshold": "none", "n": 1},
     {"id": "sample", "prompt": "The quick brown fox", "method": "sample", "temperature": 0.7},
     {"id": "lean", "prompt": "speculative decoding", "lean_memory": True, "w_min": 2, "seed": 6},
-    {"id": "search", "prompt": "one two", "chat": False, "method": "spec_beam_search",
-     "width": 2, "n": 2, "logprobs": 2, "length_penalty": 0.5},
-]  # fmt: skip
+    {
+        "id": "search",
+        "prompt": "one two",
+        "chat": False,
+        "method": "spec_beam_search",
+        "width": 2,
+        "n": 2,
+        "logprobs": 2,
+        "length_penalty": 0.5,
+    },
+]
 BAD = {
     "bad-width": ({"prompt": "x", "width": 0}, "width=0: Input should be greater than or equal"),
     "bad-field": ({"prompt": "x", "widht": 2}, "widht=2: unknown field; allowed: "),
     "empty": ({"prompt": ""}, "prompt='': String should have at least 1 character"),
-    "long": ({"prompt": "The quick brown fox jumps over the lazy dog. " * 3},
-             "too long; allowed: at most max_prompt_tokens=40"),
+    "long": (
+        {"prompt": "The quick brown fox jumps over the lazy dog. " * 3},
+        "too long; allowed: at most max_prompt_tokens=40",
+    ),
     "bad-n": ({"prompt": "x", "n": 4}, "n=4 is larger than width=3"),
-}  # fmt: skip
+}
 
 
 @pytest.fixture(scope="module")
@@ -92,8 +120,9 @@ def expected(pair: dict[str, Any], row: dict[str, Any], seed: int) -> Any:
     knobs = {k: v for k, v in row.items() if k in SamplingConfig.model_fields}
     if knobs.get("threshold") == "none":
         knobs["threshold"] = None
-    config = SamplingConfig(**{**DEFAULTS, **knobs, "seed": seed},
-                            eos_token_ids=stop_token_ids(target))  # fmt: skip
+    config = SamplingConfig(
+        **{**DEFAULTS, **knobs, "seed": seed}, eos_token_ids=stop_token_ids(target)
+    )
     if "prompt_ids" in row:
         ids = row["prompt_ids"]
     elif "messages" in row:
@@ -181,9 +210,12 @@ def test_lockstep_requests_decode_as_alone_and_fail_alone(pair) -> None:
         assert got.error is None and got.seed == request.config.seed
         alone = TransformerScorer(draft.model) if request.method in METHODS_WITH_DRAFT else None
         want = generate(
-            request.method, TransformerScorer(target.model), request.prompt_ids, request.config,
+            request.method,
+            TransformerScorer(target.model),
+            request.prompt_ids,
+            request.config,
             alone,
-        )  # fmt: skip
+        )
         assert [b.token_ids for b in got.result.beams] == [b.token_ids for b in want.beams]
         assert got.result.stats.as_dict() == want.stats.as_dict()
     # one target forward per iteration for all live requests, and no cache left behind
@@ -192,8 +224,11 @@ def test_lockstep_requests_decode_as_alone_and_fail_alone(pair) -> None:
 
 
 def read_jsonl(directory: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for p in sorted(directory.glob("*.jsonl"))
-            for line in p.read_text().splitlines()]  # fmt: skip
+    return [
+        json.loads(line)
+        for p in sorted(directory.glob("*.jsonl"))
+        for line in p.read_text().splitlines()
+    ]
 
 
 def test_jsonl_job_through_the_cli_decodes_every_row_as_alone(pair, tmp_path: Path) -> None:
@@ -205,16 +240,31 @@ def test_jsonl_job_through_the_cli_decodes_every_row_as_alone(pair, tmp_path: Pa
     command = [str(REPO / ".venv/bin/dsbd")]
     if not Path(command[0]).exists():
         command = [sys.executable, "-m", "dsbd"]
-    command += ["batch", "--input", str(source), "--output", str(out), "--ray-num-cpus", "2",
-                *pair["flags"]]  # fmt: skip
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               text=True, cwd=REPO, start_new_session=True)  # fmt: skip
+    command += [
+        "batch",
+        "--input",
+        str(source),
+        "--output",
+        str(out),
+        "--ray-num-cpus",
+        "2",
+        *pair["flags"],
+    ]
+    process = subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+        start_new_session=True,
+    )
     stdout, stderr = process.communicate(timeout=300)
     assert not leftovers(process.pid), "dsbd batch left processes behind"
     assert process.returncode == 0, stderr[-3000:]
     summary = stdout.strip().splitlines()[-1]
-    assert summary.startswith(f"dsbd batch: {len(GOOD)} rows decoded, {len(BAD)} failed, "
-                              "0 skipped"), summary  # fmt: skip
+    assert summary.startswith(
+        f"dsbd batch: {len(GOOD)} rows decoded, {len(BAD)} failed, 0 skipped"
+    ), summary
     check_records(pair, read_jsonl(out), given)
 
 
@@ -319,8 +369,9 @@ def test_progress_bar_on_a_terminal_and_none_with_no_progress(
         with monkeypatch.context() as patch:
             patch.setattr(sys, "stdout", stdout.file)
             patch.setattr(sys, "stderr", stderr.file)
-            status = main(["batch", "--input", str(source), "--output", str(out),
-                           *pair["flags"], *flags])  # fmt: skip
+            status = main(
+                ["batch", "--input", str(source), "--output", str(out), *pair["flags"], *flags]
+            )
         shown[bool(flags)] = stdout.text(), stderr.text()
         assert status == 0, shown[bool(flags)]
         assert len(read_jsonl(out)) == 1
@@ -343,13 +394,23 @@ def test_resume_retries_decode_failures_and_edited_rows_only(tmp_path: Path) -> 
     (tmp_path / "out.jsonl").mkdir()
     old = [
         {"id": "ok", "row_hash": "h1", "index": 0, "stats": {"tokens_emitted": 3}},
-        {"id": "flaky", "row_hash": "h2", "index": 1, "error": "decoding failed: OOM",
-         "error_kind": "decode_failed"},
+        {
+            "id": "flaky",
+            "row_hash": "h2",
+            "index": 1,
+            "error": "decoding failed: OOM",
+            "error_kind": "decode_failed",
+        },
         {"id": "edited", "row_hash": "h3-old", "index": 2, "stats": {"tokens_emitted": 1}},
-        {"id": "invalid", "row_hash": "h4", "index": 3, "error": "width=0: ...",
-         "error_kind": "invalid_row"},
+        {
+            "id": "invalid",
+            "row_hash": "h4",
+            "index": 3,
+            "error": "width=0: ...",
+            "error_kind": "invalid_row",
+        },
         {"id": "other-input", "row_hash": "h5", "index": 0, "stats": {"tokens_emitted": 2}},
-    ]  # fmt: skip
+    ]
     table = pa.Table.from_pylist(old, schema=OUTPUT_SCHEMA)
     (tmp_path / "out.jsonl" / "run1_x_000000.jsonl").write_bytes(out.encode(table))
     keys = [("ok", "h1"), ("flaky", "h2"), ("edited", "h3-new"), ("invalid", "h4"), ("new", "h6")]
@@ -374,7 +435,7 @@ def test_resume_retries_decode_failures_and_edited_rows_only(tmp_path: Path) -> 
         (["--target", "no-such-model"], "--target 'no-such-model':"),
         (["--format", "jsonl"], "--format jsonl contradicts --output"),
     ],
-)  # fmt: skip
+)
 def test_bad_flags_exit_2_before_ray_starts(
     pair, flags: list[str], message: str, tmp_path: Path, monkeypatch, capsys
 ) -> None:

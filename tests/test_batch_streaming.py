@@ -83,13 +83,20 @@ def mixed(tmp_path: Path) -> Path:
     bad lines, a long line, an id repeated across files) and files that must be left out."""
     root = tmp_path / "prompts"
     (root / "b").mkdir(parents=True)
-    lines = ['{"id": "dup", "prompt": "first"}', "", '{"prompt": "alpha", "seed": 1}',
-             "not json {", '{"prompt": "x", "widht": 2}', '{"prompt": "y", "width": 0}',
-             ]  # fmt: skip
+    lines = [
+        '{"id": "dup", "prompt": "first"}',
+        "",
+        '{"prompt": "alpha", "seed": 1}',
+        "not json {",
+        '{"prompt": "x", "widht": 2}',
+        '{"prompt": "y", "width": 0}',
+    ]
     (root / "a.ndjson").write_bytes(("\ufeff" + "\r\n".join(lines) + "\r\n").encode())
-    write_parquet(root / "b/part-0.parquet",
-                  [{"prompt": f"p{i}", "seed": i, "width": 2 if i % 3 else None}
-                   for i in range(7)], row_group_size=2)  # fmt: skip
+    write_parquet(
+        root / "b/part-0.parquet",
+        [{"prompt": f"p{i}", "seed": i, "width": 2 if i % 3 else None} for i in range(7)],
+        row_group_size=2,
+    )
     long_line = json.dumps({"prompt": "long " * 40, "n": 1})
     (root / "b/part-1.jsonl").write_text(
         f'{long_line}\n\n   \n{{"id": "dup", "prompt": "second"}}\n{{"id": 7, "prompt": "z"}}'
@@ -206,8 +213,21 @@ def test_the_rayjob_reads_a_directory() -> None:
 
 
 # --------------------------------------------------------------------------- with Ray
-FLAGS = ["--max-new-tokens", "2", "--width", "2", "--gamma", "1", "--batch-size", "8",
-         "--max-prompt-tokens", "48", "--ray-num-cpus", "2", "--no-progress"]  # fmt: skip
+FLAGS = [
+    "--max-new-tokens",
+    "2",
+    "--width",
+    "2",
+    "--gamma",
+    "1",
+    "--batch-size",
+    "8",
+    "--max-prompt-tokens",
+    "48",
+    "--ray-num-cpus",
+    "2",
+    "--no-progress",
+]
 FILLER = "The quick brown fox jumps over the lazy dog. "
 # The driver, reporting its resident memory when the planning pass starts (Ray started, models
 # checked, nothing of the input read yet) and its peak from then to the end of the job (the
@@ -247,8 +267,9 @@ sys.exit(status)
 """
 
 
-def write_job_input(root: Path, long_rows: int, long_chars: int, decoded_rows: int = 3
-                    ) -> list[Any]:  # fmt: skip
+def write_job_input(
+    root: Path, long_rows: int, long_chars: int, decoded_rows: int = 3
+) -> list[Any]:
     """Four files, JSONL and Parquet in turn; returns the rows in input order (dicts, or the
     raw text of a line that is not JSON). Each file: `decoded_rows` prompts decoded, `long_rows`
     prompts of `long_chars` characters (too long), a bad knob, an unknown field (and in JSONL a
@@ -258,13 +279,21 @@ def write_job_input(root: Path, long_rows: int, long_chars: int, decoded_rows: i
         rows: list[Any] = []
         for k in range(max(decoded_rows, long_rows)):
             if k < decoded_rows:
-                rows.append({"id": f"q{part}-{k}", "prompt": f"one two {k} {part}", "chat": False,
-                             "seed": k})  # fmt: skip
+                rows.append(
+                    {
+                        "id": f"q{part}-{k}",
+                        "prompt": f"one two {k} {part}",
+                        "chat": False,
+                        "seed": k,
+                    }
+                )
             if k < long_rows:
                 text = f"{part}/{k} " + FILLER * (long_chars // len(FILLER))
                 rows.append({"id": f"long{part}-{k}", "prompt": text, "chat": False})
-        rows += [{"id": f"knob{part}", "prompt": "x", "width": 0},
-                 {"id": f"field{part}", "prompt": "x", "widht": 2}]  # fmt: skip
+        rows += [
+            {"id": f"knob{part}", "prompt": "x", "width": 0},
+            {"id": f"field{part}", "prompt": "x", "widht": 2},
+        ]
         if part % 2:
             write_parquet(root / f"part-{part}.parquet", rows, row_group_size=16)
         else:
@@ -282,8 +311,14 @@ def run_driver(
     file. Returns the exit status, stdout + stderr, and the driver's RSS in KiB when planning
     started and its peak from then on."""
     command = [sys.executable, "-c", DRIVER, "batch", *argv]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True, cwd=REPO, start_new_session=True)  # fmt: skip
+    process = subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=REPO,
+        start_new_session=True,
+    )
     started, sent = time.monotonic(), None
     try:
         while interrupt_when is not None and process.poll() is None:
@@ -303,8 +338,9 @@ def run_driver(
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
     assert not leftovers(process.pid), "dsbd batch left processes behind"
-    found = [line.split()[-2:] for line in output.splitlines()
-             if line.startswith("driver RSS KiB: ")]  # fmt: skip
+    found = [
+        line.split()[-2:] for line in output.splitlines() if line.startswith("driver RSS KiB: ")
+    ]
     assert found, output[-3000:]
     return process.returncode, output, (int(found[0][0]), int(found[0][1]))
 
@@ -323,8 +359,11 @@ def records_of(out: Path) -> list[dict[str, Any]]:
 def error_census(out: Path) -> list[tuple[tuple[str, str], int]]:
     """The output's errors by kind and message (first 200 characters), most frequent first:
     what a failing run reports of why its rows failed (the rows' own `error` column)."""
-    found = Counter((str(r.get("error_kind")), str(r["error"])[:200])
-                    for r in records_of(out) if r["error"] is not None)  # fmt: skip
+    found = Counter(
+        (str(r.get("error_kind")), str(r["error"])[:200])
+        for r in records_of(out)
+        if r["error"] is not None
+    )
     return found.most_common(6)
 
 

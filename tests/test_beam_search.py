@@ -30,9 +30,14 @@ def random_llama(seed: int, vocab: int = 24, eos_boost: float = 0.0) -> torch.nn
     """A random 2-layer float64 Llama; `eos_boost` makes token 0 (the EOS here) likelier."""
     torch.manual_seed(seed)
     config = LlamaConfig(
-        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-    )  # fmt: skip
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+    )
     model = LlamaForCausalLM(config).to(torch.float64).eval()
     with torch.no_grad():
         model.lm_head.weight.mul_(4.0)
@@ -51,21 +56,35 @@ def noisy_copy(model: torch.nn.Module, scale: float, seed: int = 9) -> torch.nn.
 
 
 def hf_search(
-    model: torch.nn.Module, prompt: list[int], width: int, eos: tuple[int, ...],
-    max_new: int, length_penalty: float, early_stopping: Any,
-) -> list[tuple[list[int], float | None]]:  # fmt: skip
+    model: torch.nn.Module,
+    prompt: list[int],
+    width: int,
+    eos: tuple[int, ...],
+    max_new: int,
+    length_penalty: float,
+    early_stopping: Any,
+) -> list[tuple[list[int], float | None]]:
     """transformers' beam search: all W hypotheses, best first, as (generated ids, score);
     W = 1 is its greedy decoding, which reports no score (None)."""
     config = GenerationConfig(
-        num_beams=width, do_sample=False, length_penalty=length_penalty,
-        early_stopping=early_stopping, max_new_tokens=max_new, min_new_tokens=0,
-        eos_token_id=list(eos), pad_token_id=eos[0], num_return_sequences=width,
-        return_dict_in_generate=True, output_scores=True, repetition_penalty=1.0,
-    )  # fmt: skip
+        num_beams=width,
+        do_sample=False,
+        length_penalty=length_penalty,
+        early_stopping=early_stopping,
+        max_new_tokens=max_new,
+        min_new_tokens=0,
+        eos_token_id=list(eos),
+        pad_token_id=eos[0],
+        num_return_sequences=width,
+        return_dict_in_generate=True,
+        output_scores=True,
+        repetition_penalty=1.0,
+    )
     ids = torch.tensor([prompt])
     with torch.no_grad():
-        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
-                             generation_config=config)  # fmt: skip
+        out = model.generate(
+            input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config
+        )
     hypotheses = []
     scores = out.sequences_scores.tolist() if width > 1 else [None]
     for row, score in zip(out.sequences.tolist(), scores, strict=True):
@@ -76,12 +95,20 @@ def hf_search(
 
 
 def ours(
-    method: str, target: torch.nn.Module, prompt: list[int], draft: torch.nn.Module | None,
+    method: str,
+    target: torch.nn.Module,
+    prompt: list[int],
+    draft: torch.nn.Module | None,
     **knobs: Any,
-):  # fmt: skip
+):
     config = SamplingConfig(**knobs)
-    return generate(method, TransformerScorer(target), prompt, config,
-                    TransformerScorer(draft) if draft is not None else None)  # fmt: skip
+    return generate(
+        method,
+        TransformerScorer(target),
+        prompt,
+        config,
+        TransformerScorer(draft) if draft is not None else None,
+    )
 
 
 def assert_same_hypotheses(
@@ -98,12 +125,14 @@ def assert_same_hypotheses(
 GRID = [
     (w, lp, es, m)
     for (w, lp, es), m in zip(
-        product((1, 2, 3, 4), (1.0, 0.0, 2.0), (False, True, "never")), [6, 11, 16] * 12,
+        product((1, 2, 3, 4), (1.0, 0.0, 2.0), (False, True, "never")),
+        [6, 11, 16] * 12,
         strict=False,
     )
-]  # fmt: skip
+]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_beam_search_equals_transformers_on_random_llamas(seed: int) -> None:
     """36 settings of W, length penalty, early stopping and length per model; one EOS id (two
@@ -116,8 +145,14 @@ def test_beam_search_equals_transformers_on_random_llamas(seed: int) -> None:
     for i, (width, penalty, early, max_new) in enumerate(GRID):
         prompt = prompts[i % len(prompts)]
         expected = hf_search(target, prompt, width, eos, max_new, penalty, early)
-        knobs = dict(width=width, length_penalty=penalty, early_stopping=early,
-                     max_new_tokens=max_new, eos_token_ids=eos, gamma=2 + i % 3)  # fmt: skip
+        knobs = dict(
+            width=width,
+            length_penalty=penalty,
+            early_stopping=early,
+            max_new_tokens=max_new,
+            eos_token_ids=eos,
+            gamma=2 + i % 3,
+        )
         context = {"case": (width, penalty, early, max_new, prompt), "eos": eos}
         plain = ours("beam_search", target, prompt, None, **knobs)
         assert_same_hypotheses(plain, expected, context)
@@ -127,6 +162,7 @@ def test_beam_search_equals_transformers_on_random_llamas(seed: int) -> None:
     assert finished >= 20  # EOS handling was exercised, not only the length limit
 
 
+@pytest.mark.slow
 def test_beam_search_equals_transformers_on_the_embedded_style_target(tmp_path: Path) -> None:
     """The tiny tokenizer + Llama pair the serving tests use (saved, loaded in float64)."""
     target_dir, draft_dir = build_pair(tmp_path)
@@ -137,13 +173,21 @@ def test_beam_search_equals_transformers_on_the_embedded_style_target(tmp_path: 
     for i, (width, penalty, early, max_new) in enumerate(GRID[::3]):
         prompt = prompts[i % len(prompts)]
         expected = hf_search(target, prompt, width, stop_ids, max_new, penalty, early)
-        knobs = dict(width=width, length_penalty=penalty, early_stopping=early,
-                     max_new_tokens=max_new, eos_token_ids=stop_ids, gamma=3)  # fmt: skip
+        knobs = dict(
+            width=width,
+            length_penalty=penalty,
+            early_stopping=early,
+            max_new_tokens=max_new,
+            eos_token_ids=stop_ids,
+            gamma=3,
+        )
         context = {"case": (width, penalty, early, max_new, prompt), "eos": stop_ids}
-        assert_same_hypotheses(ours("beam_search", target, prompt, None, **knobs), expected,
-                               context)  # fmt: skip
-        assert_same_hypotheses(ours("spec_beam_search", target, prompt, draft, **knobs),
-                               expected, context)  # fmt: skip
+        assert_same_hypotheses(
+            ours("beam_search", target, prompt, None, **knobs), expected, context
+        )
+        assert_same_hypotheses(
+            ours("spec_beam_search", target, prompt, draft, **knobs), expected, context
+        )
 
 
 @pytest.mark.parametrize("width", [1, 3])
@@ -163,21 +207,35 @@ def test_search_runs_in_the_lockstep_batch_decoder_as_in_generate() -> None:
     target = random_llama(1, eos_boost=1.5)
     draft = noisy_copy(target, 0.2)
     requests = [
-        Request([3, 5, 7], SamplingConfig(width=3, max_new_tokens=10, eos_token_ids=(0,)),
-                "beam_search"),
-        Request([11, 2], SamplingConfig(width=2, gamma=3, max_new_tokens=12, eos_token_ids=(0,),
-                                        length_penalty=0.5), "spec_beam_search"),
+        Request(
+            [3, 5, 7], SamplingConfig(width=3, max_new_tokens=10, eos_token_ids=(0,)), "beam_search"
+        ),
+        Request(
+            [11, 2],
+            SamplingConfig(
+                width=2, gamma=3, max_new_tokens=12, eos_token_ids=(0,), length_penalty=0.5
+            ),
+            "spec_beam_search",
+        ),
         Request([9, 4], SamplingConfig(width=2, max_new_tokens=8, seed=1), "dsbd"),
-        Request([9, 4, 4], SamplingConfig(width=1, gamma=2, search=True, max_new_tokens=9),
-                "sps"),  # speculative greedy
-    ]  # fmt: skip
-    results, _ = decode_lockstep(requests, SessionBatcher(TransformerScorer(target)),
-                                 SessionBatcher(TransformerScorer(draft)))  # fmt: skip
+        Request(
+            [9, 4, 4], SamplingConfig(width=1, gamma=2, search=True, max_new_tokens=9), "sps"
+        ),  # speculative greedy
+    ]
+    results, _ = decode_lockstep(
+        requests,
+        SessionBatcher(TransformerScorer(target)),
+        SessionBatcher(TransformerScorer(draft)),
+    )
     for request, got in zip(requests, results, strict=True):
         assert got.error is None and got.result is not None, got.error
-        want = ours(request.method, target, request.prompt_ids,
-                    draft if request.method != "beam_search" else None,
-                    **request.config.model_dump())  # fmt: skip
+        want = ours(
+            request.method,
+            target,
+            request.prompt_ids,
+            draft if request.method != "beam_search" else None,
+            **request.config.model_dump(),
+        )
         assert [b.token_ids for b in got.result.beams] == [b.token_ids for b in want.beams]
         assert got.result.stats.as_dict() == want.stats.as_dict()
 
@@ -185,14 +243,21 @@ def test_search_runs_in_the_lockstep_batch_decoder_as_in_generate() -> None:
 def test_greedy_is_search_of_width_one() -> None:
     """`sample` with `search` is greedy decoding: transformers' num_beams=1, do_sample=False."""
     target = random_llama(2, eos_boost=1.0)
-    result = ours("sample", target, [3, 5], None, search=True, max_new_tokens=10,
-                  eos_token_ids=(0,))  # fmt: skip
+    result = ours(
+        "sample", target, [3, 5], None, search=True, max_new_tokens=10, eos_token_ids=(0,)
+    )
     expected = hf_search(target, [3, 5], 1, (0,), 10, 1.0, False)
     assert result.best.token_ids == expected[0][0]
     ids = torch.tensor([[3, 5]])
     with torch.no_grad():
-        greedy = target.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
-                                 do_sample=False, num_beams=1, max_new_tokens=10,
-                                 eos_token_id=[0], pad_token_id=0)  # fmt: skip
+        greedy = target.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            num_beams=1,
+            max_new_tokens=10,
+            eos_token_id=[0],
+            pad_token_id=0,
+        )
     generated = greedy[0, 2:].tolist()
     assert result.best.token_ids == generated[: generated.index(0) + 1 if 0 in generated else 10]

@@ -70,6 +70,7 @@ def _config(pair: tuple[Path, Path], **update) -> BenchConfig:
     return BenchConfig(**values)
 
 
+@pytest.mark.slow
 def test_harness_figures_are_consistent_and_written(pair, tmp_path):
     out = tmp_path / "run"
     result = run_bench(_config(pair), out, progress=False, say=lambda _: None)
@@ -135,6 +136,7 @@ def test_harness_figures_are_consistent_and_written(pair, tmp_path):
     assert rebuilt.summary["reference:dsbd-ref"].reference == result.records[0].reference
 
 
+@pytest.mark.slow
 def test_harness_runs_humaneval_in_the_sandbox(pair, tmp_path):
     config = _config(pair, prompt_set="humaneval", prompts=1, methods=["sample", "beam-w2"])
     result = run_bench(config, tmp_path / "he", progress=False, say=lambda _: None)
@@ -198,6 +200,7 @@ PROBLEM = {
 }
 
 
+@pytest.mark.slow
 def test_sandbox_pass_fail_timeout():
     assert check_completion(PROBLEM, "    return a + b\n").status == "passed"
     failed = check_completion(PROBLEM, "    return a - b\n")

@@ -19,12 +19,17 @@ METHODS = ["search-w2", "spec-search-w2-g2-fk", "hf-search-w2"]
 
 def test_search_method_names_parse_and_canonicalise() -> None:
     plain = parse_method("search-w3", gamma=2)
-    assert (plain.name, plain.engine_method(), plain.uses_draft) == ("search-w3", "beam_search",
-                                                                     False)  # fmt: skip
+    assert (plain.name, plain.engine_method(), plain.uses_draft) == (
+        "search-w3",
+        "beam_search",
+        False,
+    )
     spec = parse_method("spec-search-w3", gamma=2)
     assert (spec.name, spec.engine_method(), spec.reference) == (
-        "spec-search-w3-g2", "spec_beam_search", "search-w3",
-    )  # fmt: skip
+        "spec-search-w3-g2",
+        "spec_beam_search",
+        "search-w3",
+    )
     assert spec.uses_draft and spec.sampling_config(SamplingConfig()).gamma == 2
     wide = parse_method("spec-search-w3-g4-ws5-fk", gamma=2)
     assert wide.name == "spec-search-w3-g4-ws5-fk" and wide.draft_width == 5 and wide.fixed_knobs
@@ -41,13 +46,29 @@ def pair(tmp_path_factory) -> tuple[Path, Path]:
     return build_pair(tmp_path_factory.mktemp("bench-search-models"))
 
 
+@pytest.mark.slow
 def test_the_three_searches_return_the_same_answers(pair, tmp_path) -> None:
     config = BenchConfig(
-        pair="custom", target=str(pair[0]), draft=str(pair[1]), mode="quick",
-        prompt_set="held-out", prompts=2, methods=METHODS, max_new_tokens=10, gamma=2, seed=0,
-        temperature=1.0, top_k=0, top_p=1.0, device="cpu", dtype="float64", threads=1,
-        warmup_tokens=0, humaneval_timeout_s=10.0, sandbox=None,
-    )  # fmt: skip
+        pair="custom",
+        target=str(pair[0]),
+        draft=str(pair[1]),
+        mode="quick",
+        prompt_set="held-out",
+        prompts=2,
+        methods=METHODS,
+        max_new_tokens=10,
+        gamma=2,
+        seed=0,
+        temperature=1.0,
+        top_k=0,
+        top_p=1.0,
+        device="cpu",
+        dtype="float64",
+        threads=1,
+        warmup_tokens=0,
+        humaneval_timeout_s=10.0,
+        sandbox=None,
+    )
     result = run_bench(config, tmp_path / "run", progress=False, say=lambda _: None)
     answers: dict[str, dict[str, str]] = defaultdict(dict)
     for record in result.records:

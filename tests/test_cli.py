@@ -78,6 +78,7 @@ def test_help_works(capsys: pytest.CaptureFixture[str]) -> None:
     assert "--draft-width" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_console_script_is_installed() -> None:
     script = Path(sys.executable).with_name("dsbd")
     if not script.exists():

@@ -125,6 +125,7 @@ def test_vendored_crds_are_the_kuberay_copies_the_readme_names() -> None:
             assert shared.read_bytes() == (CLUSTER / "crds" / name).read_bytes()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", MANIFESTS)
 def test_manifest_matches_its_kuberay_crd(name: str) -> None:
     documents = list(yaml.safe_load_all((CLUSTER / name).read_text()))
@@ -220,8 +221,12 @@ def test_serve_config_v2_is_serve_config_yaml_plus_the_cluster_overrides() -> No
     assert drift == [], "run: python cluster/serve_sync.py write\n" + "\n".join(drift)
     # ... and the block is exactly what the generator writes (its header included).
     assert serve_sync.replace_block(text, serve_sync.render()) == text
-    done = subprocess.run([sys.executable, str(CLUSTER / "serve_sync.py"), "check"],
-                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, str(CLUSTER / "serve_sync.py"), "check"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 0, done.stdout
 
 
@@ -265,8 +270,10 @@ def test_custom_resources_reach_the_replica_and_its_placement_group() -> None:
 
     draft = Resources(num_cpus=0.5, num_gpus=1, resources={"dsbd_draft": 1})
     assert draft.options()["ray_actor_options"] == {
-        "num_cpus": 0.5, "num_gpus": 1, "resources": {"dsbd_draft": 1}
-    }  # fmt: skip
+        "num_cpus": 0.5,
+        "num_gpus": 1,
+        "resources": {"dsbd_draft": 1},
+    }
     model = ModelOptions(source="smollm2", device="cuda", tp_size=2)
     bundles = Resources(resources={"pinned": 1}).options(model)["placement_group_bundles"]
     assert bundles == [{"CPU": 1.0, "pinned": 1}] + [{"CPU": 1.0, "GPU": 1.0}] * 2

@@ -101,8 +101,10 @@ def test_acceptance_rates_name_their_denominator() -> None:
     tokens verification reached. Each ratio of accepted tokens on the dashboard says which one
     it shows, and divides by the counter that means it."""
     accepted = "ray_dsbd_spec_decode_num_accepted_tokens_total"
-    denominators = {"proposed": "ray_dsbd_spec_decode_num_draft_tokens_total",
-                    "verified": "ray_dsbd_spec_decode_num_verified_draft_tokens_total"}  # fmt: skip
+    denominators = {
+        "proposed": "ray_dsbd_spec_decode_num_draft_tokens_total",
+        "verified": "ray_dsbd_spec_decode_num_verified_draft_tokens_total",
+    }
     shown = set()
     for panel in json.loads(DASHBOARD.read_text())["panels"]:
         for target in panel.get("targets", []):
@@ -131,8 +133,18 @@ def test_dashboard_is_a_grafana_dashboard_over_a_prometheus_variable() -> None:
             assert panel["datasource"] == {"type": "prometheus", "uid": "${datasource}"}
             assert panel["gridPos"]["x"] + panel["gridPos"]["w"] <= 24
     titles = " ".join(p["title"].lower() for p in dashboard["panels"])
-    subjects = ["acceptance rate", "position", "drafts per second", "width", "request latency",
-                "iteration latency", "tokens", "open sessions", "errors", "replicas"]  # fmt: skip
+    subjects = [
+        "acceptance rate",
+        "position",
+        "drafts per second",
+        "width",
+        "request latency",
+        "iteration latency",
+        "tokens",
+        "open sessions",
+        "errors",
+        "replicas",
+    ]
     for subject in subjects:
         assert subject in titles, subject
 
@@ -152,7 +164,8 @@ def test_dashboard_queries_parse_as_promql(tmp_path: Path) -> None:
         rules.append({"record": f"dashboard:query_{index}", "expr": query})
     path = tmp_path / "dashboard-rules.yaml"
     path.write_text(yaml.safe_dump({"groups": [{"name": "dashboard", "rules": rules}]}))
-    done = subprocess.run(["promtool", "check", "rules", str(path)],
-                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    done = subprocess.run(
+        ["promtool", "check", "rules", str(path)], capture_output=True, text=True, timeout=60
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     assert f"SUCCESS: {len(rules)} rules found" in done.stdout

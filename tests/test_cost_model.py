@@ -43,18 +43,22 @@ def test_a_pair_measured_to_rarely_agree_is_not_drafted_at_the_start() -> None:
     assert hopeful.knobs(None).gamma > 0  # type: ignore[arg-type]
 
 
+@pytest.mark.slow
 def test_pass_rates_are_high_for_a_draft_equal_to_the_target_and_lower_for_another() -> None:
     target = tiny("llama", 1)
     prompts = [[1, 2, 3], [4, 5]]
     # no stop token: a layer whose accepted beams all ended has no children to pass with
-    same = measure_pass_rates(TransformerScorer(target), TransformerScorer(tiny("llama", 1)),
-                              prompts, ())  # fmt: skip
-    other = measure_pass_rates(TransformerScorer(target), TransformerScorer(tiny("llama", 7)),
-                               prompts, ())  # fmt: skip
+    same = measure_pass_rates(
+        TransformerScorer(target), TransformerScorer(tiny("llama", 1)), prompts, ()
+    )
+    other = measure_pass_rates(
+        TransformerScorer(target), TransformerScorer(tiny("llama", 7)), prompts, ()
+    )
     assert same and all(rate == pytest.approx(1.0) for rate in same)
     assert other[0] < 0.9
 
 
+@pytest.mark.slow
 def test_calibration_measures_the_pass_rates_once_and_caches_them(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -62,13 +66,15 @@ def test_calibration_measures_the_pass_rates_once_and_caches_them(
     target, draft = tiny("llama", 1).float(), tiny("llama", 7).float()
     identity = {"target": "t", "draft": "d", "description": "tiny pair"}
     said: list[str] = []
-    first = calibrate(target, draft, identity, 16, say=said.append, prompts=[[1, 2, 3]],
-                      stop_ids=(0,))  # fmt: skip
+    first = calibrate(
+        target, draft, identity, 16, say=said.append, prompts=[[1, 2, 3]], stop_ids=(0,)
+    )
     assert first.pass_rates and all(0.0 <= r <= 1.0 for r in first.pass_rates)
     assert any("pass rates" in line for line in said)
     cached = sorted(p.name.split("-")[0] + "-" + p.name.split("-")[1] for p in tmp_path.iterdir())
     assert "pass-rates" in cached
-    again = calibrate(target, draft, identity, 16, say=said.append, prompts=[[1, 2, 3]],
-                      stop_ids=(0,))  # fmt: skip
+    again = calibrate(
+        target, draft, identity, 16, say=said.append, prompts=[[1, 2, 3]], stop_ids=(0,)
+    )
     assert again.pass_rates == first.pass_rates
     assert torch.equal(torch.tensor(again.pass_rates), torch.tensor(first.pass_rates))

@@ -107,6 +107,7 @@ def test_kd_loss_equals_a_hand_computation() -> None:
     assert kl.abs().item() < 1e-5 and tv.abs().item() < 1e-5
 
 
+@pytest.mark.slow
 def test_cache_holds_topk_rows_per_scored_position_and_resumes(teacher) -> None:
     root, _, target, messages = teacher
     names = sorted(p.stem for p in (root / "cache").glob("*.pt"))
@@ -186,6 +187,7 @@ def heldout_curve(run_dir: Path) -> list[tuple[int, float]]:
     return [(r["step"], r["heldout"]["overall"]["acceptance"]) for r in records if "heldout" in r]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec", [DraftSpec("cut", 1), DraftSpec("small", 2, hidden=16)])
 def test_distillation_lowers_kl_and_raises_acceptance(teacher, tmp_path: Path, spec) -> None:
     root, _, target, _ = teacher
@@ -207,6 +209,7 @@ def test_distillation_lowers_kl_and_raises_acceptance(teacher, tmp_path: Path, s
     assert draft.model.config.num_hidden_layers == spec.layers
 
 
+@pytest.mark.slow
 def test_resume_is_exact(teacher, tmp_path: Path) -> None:
     root, _, target, _ = teacher
     config = TrainConfig(
@@ -274,6 +277,7 @@ def test_resume_is_exact(teacher, tmp_path: Path) -> None:
         )
 
 
+@pytest.mark.slow
 def test_distill_cli_end_to_end(teacher, tmp_path: Path, capsys, monkeypatch) -> None:
     root, target_path, _, _ = teacher
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the same on a GPU machine

@@ -1,4 +1,4 @@
-"""The joint beam distribution and the exact draws (spec §12.2 item 11)."""
+"""The joint beam distribution and the exact draws (ALGORITHM.md §12.2 items 10-11, §1.1)."""
 
 import math
 

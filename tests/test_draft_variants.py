@@ -65,15 +65,24 @@ class SupportScorer:
         self.inner.release()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["distinct", "with_replacement"])
 def test_dsbd_with_a_restricted_draft_head_equals_target_beam_sampling(mode: str) -> None:
     rng = np.random.default_rng(12)
     target = random_table(rng, V, 2, concentration=1.0)
     draft = SupportScorer(random_table(rng, V, 2, concentration=1.0), [0, 2, 3, 5])
-    config = SamplingConfig(max_new_tokens=MAX_NEW, eos_token_ids=(EOS,), width=2, gamma=2,
-                            threshold=None, mode=mode, seed=5)  # fmt: skip
-    results = generate_batch("dsbd", TableScorer(torch.from_numpy(target)), [PROMPT] * RUNS,
-                             config, draft)  # fmt: skip
+    config = SamplingConfig(
+        max_new_tokens=MAX_NEW,
+        eos_token_ids=(EOS,),
+        width=2,
+        gamma=2,
+        threshold=None,
+        mode=mode,
+        seed=5,
+    )
+    results = generate_batch(
+        "dsbd", TableScorer(torch.from_numpy(target)), [PROMPT] * RUNS, config, draft
+    )
     outcomes = [tuple(sorted(tuple(b.token_ids) for b in r.beams)) for r in results]
     exact = beam_sampling_outcomes(TableLM(target), PROMPT, 2, MAX_NEW, mode, {EOS})
     assert_matches(outcomes, exact, f"restricted draft head, {mode}")
@@ -82,9 +91,15 @@ def test_dsbd_with_a_restricted_draft_head_equals_target_beam_sampling(mode: str
 
 def _tiny(seed: int) -> LlamaForCausalLM:
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=128)  # fmt: skip
+    config = LlamaConfig(
+        vocab_size=40,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+    )
     return LlamaForCausalLM(config).eval()
 
 
@@ -109,12 +124,14 @@ def test_a_restricted_int8_draft_decodes_and_proposes_only_its_tokens() -> None:
     keep = torch.arange(0, 40, 2)  # even tokens only
     quantize_int8(restrict_head(draft, keep))
     config = SamplingConfig(width=2, gamma=3, threshold=None, max_new_tokens=12, seed=3)
-    result = generate("dsbd", TransformerScorer(target), [1, 2, 3], config,
-                      TransformerScorer(draft))  # fmt: skip
+    result = generate(
+        "dsbd", TransformerScorer(target), [1, 2, 3], config, TransformerScorer(draft)
+    )
     assert result.stats.drafted_tokens > 0 and result.stats.tokens_emitted == 12
     # The draft proposes even tokens only; the target may still emit odd ones (fallback draws).
-    plain = generate("dsbd", TransformerScorer(target), [1, 2, 3], config,
-                     TransformerScorer(_tiny(1)))  # fmt: skip
+    plain = generate(
+        "dsbd", TransformerScorer(target), [1, 2, 3], config, TransformerScorer(_tiny(1))
+    )
     assert len(plain.best.token_ids) == len(result.best.token_ids) == 12
 
 
@@ -140,15 +157,20 @@ def test_width_rules_on_the_support_equal_the_full_layer() -> None:
     target = torch.rand(2, parents * vocab, generator=gen, dtype=torch.float64) ** 4
     target /= target.sum(1, keepdim=True)
     table = torch.zeros_like(target).view(2, parents, vocab)
-    table[:, :, support] = torch.rand(2, parents, support.numel(), generator=gen,
-                                      dtype=torch.float64) ** 4  # fmt: skip
+    table[:, :, support] = (
+        torch.rand(2, parents, support.numel(), generator=gen, dtype=torch.float64) ** 4
+    )
     table = table.view(2, -1) / table.view(2, -1).sum(1, keepdim=True)
     p, q = _lumped(target, table, support, vocab)
     full = acceptance_alphas(target, table, 4)
     torch.testing.assert_close(acceptance_alphas(p, q, 4), full, rtol=0, atol=1e-12)
     drafts, w_max = torch.tensor([4, 4]), torch.tensor([3, 3])
-    assert torch.equal(layer_width(p, q, drafts, 0.6, 1, w_max),
-                       layer_width(target, table, drafts, 0.6, 1, w_max))  # fmt: skip
-    tails = [distinct_count_tails(x, y, None, drafts, torch.Generator().manual_seed(1),
-                                  samples=4000) for x, y in ((target, table), (p, q))]  # fmt: skip
+    assert torch.equal(
+        layer_width(p, q, drafts, 4, 0.6, 1, w_max),
+        layer_width(target, table, drafts, 4, 0.6, 1, w_max),
+    )
+    tails = [
+        distinct_count_tails(x, y, None, drafts, 4, torch.Generator().manual_seed(1), samples=4000)
+        for x, y in ((target, table), (p, q))
+    ]
     assert (tails[0] - tails[1]).abs().max() < 0.05

@@ -28,6 +28,7 @@ CONFIGS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("extra", CONFIGS)
 @pytest.mark.parametrize("method", ["dsbd", "beam"])
 def test_beams_end_at_their_first_eos_and_respect_the_budget(method: str, extra: dict) -> None:
@@ -51,8 +52,15 @@ def test_log_likelihoods_are_true_target_log_probabilities() -> None:
     table = random_table(rng, V, 2, concentration=0.8)
     target = TableScorer(torch.from_numpy(table))
     draft = TableScorer(torch.from_numpy(random_table(rng, V, 2, concentration=0.8)))
-    cfg = SamplingConfig(max_new_tokens=6, eos_token_ids=(EOS,), seed=5, temperature=0.7,
-                         top_k=5, top_p=0.9, length_penalty=0.5)  # fmt: skip
+    cfg = SamplingConfig(
+        max_new_tokens=6,
+        eos_token_ids=(EOS,),
+        seed=5,
+        temperature=0.7,
+        top_k=5,
+        top_p=0.9,
+        length_penalty=0.5,
+    )
     for r in generate_batch("dsbd", target, [[2]] * 50, cfg, draft):
         for beam in r.beams:
             prev, total = 2, 0.0
@@ -76,6 +84,7 @@ def test_same_seed_same_output_and_other_seed_differs(method: str) -> None:
     assert run(11) != run(12)
 
 
+@pytest.mark.slow
 def test_stats_add_up() -> None:
     target, draft = scorers(3)
     cfg = SamplingConfig(max_new_tokens=12, seed=0, width=3, gamma=3, threshold=0.6)

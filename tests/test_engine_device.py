@@ -64,6 +64,7 @@ class _OnHost:
         self.inner.release()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scorer", [TransformerScorer, StaticScorer])
 @pytest.mark.parametrize(("method", "fields"), CASES)
 def test_the_engine_makes_no_tensor_off_its_state_device(
@@ -72,6 +73,7 @@ def test_the_engine_makes_no_tensor_off_its_state_device(
     _same_decodes(method, fields, scorer, tiny("llama", 2).float())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("threshold", [None, 0.7])
 def test_a_restricted_draft_head_keeps_its_tables_on_the_state_device(
     threshold: float | None,
@@ -90,8 +92,9 @@ def _same_decodes(
     config = SamplingConfig(max_new_tokens=10, eos_token_ids=(0,), seed=3, **fields)
     plain = generate_batch(method, scorer(target), PROMPTS, config, scorer(draft))
     with torch.device("meta"):
-        placed = generate_batch(method, _OnHost(scorer(target)), PROMPTS, config,
-                                _OnHost(scorer(draft)))  # fmt: skip
+        placed = generate_batch(
+            method, _OnHost(scorer(target)), PROMPTS, config, _OnHost(scorer(draft))
+        )
     for got, want in zip(placed, plain, strict=True):
         assert [b.token_ids for b in got.beams] == [b.token_ids for b in want.beams]
         assert [b.log_likelihood for b in got.beams] == [b.log_likelihood for b in want.beams]
@@ -108,6 +111,7 @@ def test_an_in_process_decode_keeps_its_state_beside_the_model() -> None:
     assert engine_device(object()) == torch.device("cpu")  # e.g. a remote verifier's stub
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("method", "fields"), CASES)
 def test_the_branches_a_device_takes_decode_the_hosts_tokens(method: str, fields: dict) -> None:
     """On a device the engine computes where the host reads a value to skip work
@@ -121,14 +125,16 @@ def test_the_branches_a_device_takes_decode_the_hosts_tokens(method: str, fields
         config = SamplingConfig(max_new_tokens=10, eos_token_ids=(0,), seed=seed, **fields)
         plain = generate_batch(method, StaticScorer(target), PROMPTS, config, StaticScorer(draft))
         with computing_everywhere():
-            forced = generate_batch(method, StaticScorer(target), PROMPTS, config,
-                                    StaticScorer(draft))  # fmt: skip
+            forced = generate_batch(
+                method, StaticScorer(target), PROMPTS, config, StaticScorer(draft)
+            )
         for got, want in zip(forced, plain, strict=True):
             assert [b.token_ids for b in got.beams] == [b.token_ids for b in want.beams]
             assert [b.log_likelihood for b in got.beams] == [b.log_likelihood for b in want.beams]
             assert got.stats == want.stats
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("method", "fields"), CASES)
 def test_the_device_branches_match_the_host_over_many_sessions(method: str, fields: dict) -> None:
     """The same on an exact n-gram table with 300 sessions in one batch: rejections, refills,
@@ -154,10 +160,12 @@ def test_results_cross_to_the_host_in_one_copy_with_their_values_and_dtypes() ->
 
     tree = (
         [torch.tensor([151_935, 0, 2**40]), torch.tensor([True, False])],
-        {"alphas": torch.tensor([[0.1234567, -1.0]], dtype=torch.float32),
-         "score": torch.tensor([-3.25e-7], dtype=torch.float64)},
+        {
+            "alphas": torch.tensor([[0.1234567, -1.0]], dtype=torch.float32),
+            "score": torch.tensor([-3.25e-7], dtype=torch.float64),
+        },
         [(torch.zeros(0, 3, dtype=torch.long),)],
-    )  # fmt: skip
+    )
     tensors: list[torch.Tensor] = []
     _collect(tree, tensors)
     back = _rebuild(tree, iter(unpacked(packed(tensors), tensors)))

@@ -19,9 +19,16 @@ VOCAB = 16
 
 def tiny(arch: str, seed: int) -> torch.nn.Module:
     torch.manual_seed(seed)
-    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                  attn_implementation="sdpa")  # fmt: skip
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        attn_implementation="sdpa",
+    )
     cls, cfg = (
         (LlamaForCausalLM, LlamaConfig) if arch == "llama" else (Qwen2ForCausalLM, Qwen2Config)
     )
@@ -47,10 +54,12 @@ class RecomputeScorer:
     def set_roots(self, roots: Roots) -> None:
         tokens, lengths, alive = roots.tokens, roots.lengths, roots.alive
         self.sequences = [
-            [tokens[b, r, : lengths[b]].tolist() if alive[b, r] else None
-             for r in range(tokens.shape[1])]
+            [
+                tokens[b, r, : lengths[b]].tolist() if alive[b, r] else None
+                for r in range(tokens.shape[1])
+            ]
             for b in range(tokens.shape[0])
-        ]  # fmt: skip
+        ]
         self.roots = self.sequences
         self.pending = True
 
@@ -71,11 +80,17 @@ class RecomputeScorer:
         for layer in layers:
             parents = self.sequences
             self.sequences = [
-                [parents[b][p] + [t] if e and parents[b][p] is not None else None
-                 for p, t, e in zip(layer.parent[b].tolist(), layer.token[b].tolist(),
-                                    layer.exists[b].tolist(), strict=True)]
+                [
+                    parents[b][p] + [t] if e and parents[b][p] is not None else None
+                    for p, t, e in zip(
+                        layer.parent[b].tolist(),
+                        layer.token[b].tolist(),
+                        layer.exists[b].tolist(),
+                        strict=True,
+                    )
+                ]
                 for b in range(layer.parent.shape[0])
-            ]  # fmt: skip
+            ]
             out.append(self._score(self.sequences))
         return ForestLogprobs(roots=roots, layers=out)
 
@@ -85,14 +100,17 @@ class RecomputeScorer:
 
 CASES = [
     ("dsbd", {"width": 3, "gamma": 3, "threshold": 0.6, "mode": "distinct"}),
-    ("dsbd", {"width": 2, "draft_width": 4, "gamma": 2, "threshold": None,
-              "mode": "with_replacement"}),
+    (
+        "dsbd",
+        {"width": 2, "draft_width": 4, "gamma": 2, "threshold": None, "mode": "with_replacement"},
+    ),
     ("dsbd", {"width": 3, "gamma": 3, "lean_memory": True}),
     ("beam", {"width": 3}),
     ("sps", {"gamma": 4}),
-]  # fmt: skip
+]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize(("method", "extra"), CASES)
 def test_cached_decoding_equals_cache_free_decoding(arch: str, method: str, extra: dict) -> None:

@@ -124,6 +124,7 @@ def test_joint_filter_top_p_uses_mass_after_top_k() -> None:
 # --------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize(
     ("order", "width", "filt", "eos"),
@@ -291,8 +292,21 @@ class BeamSamplingSimulator:
     list to keep 2e4 runs fast; the random draws are fresh every time.
     """
 
-    def __init__(self, lm, prompt, width, n_steps, mode, eos, temperature, top_k, top_p,
-                 *, force_replacement=False, ignore_temperature=False) -> None:  # fmt: skip
+    def __init__(
+        self,
+        lm,
+        prompt,
+        width,
+        n_steps,
+        mode,
+        eos,
+        temperature,
+        top_k,
+        top_p,
+        *,
+        force_replacement=False,
+        ignore_temperature=False,
+    ) -> None:
         self.lm, self.prompt, self.width, self.n_steps = lm, tuple(prompt), width, n_steps
         self.replace = mode == "with_replacement" or force_replacement
         self.eos = set(eos)
@@ -357,6 +371,7 @@ def _setup(width: int) -> tuple[TableLM, tuple[int, ...]]:
     return TableLM(table), tuple(range(order - 1))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("width", [2, 3])
 @pytest.mark.parametrize("mode", MODES)
 def test_monte_carlo_simulation_matches_enumeration(mode, width) -> None:
@@ -370,6 +385,7 @@ def test_monte_carlo_simulation_matches_enumeration(mode, width) -> None:
     assert_matches(answers, best_answer_distribution(exact, lm, prompt), f"answers {mode}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("mode", "bug", "filt", "reason"),
     [

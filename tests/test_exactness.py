@@ -1,7 +1,7 @@
 """End-to-end exactness: DSBD (fixed width) follows target beam sampling in distribution.
 
-Spec §12.1 items 4-7. Each test decodes 1e5 independent sessions in one batched engine call on
-exact n-gram tables (|V| = 4) and compares the distribution of the whole final beam multiset
+ALGORITHM.md §12.1 items 4-7. Each test decodes 1e5 independent sessions in one batched engine
+call on exact n-gram tables (|V| = 4) and compares the distribution of the whole final beam multiset
 with the exact enumeration in `exact_reference` (independent code), at the threshold given by a
 null run of an exact sampler at the same sample size. The engine's own beam sampling is checked
 against the same enumeration (the "null run of the exact sampler").
@@ -49,8 +49,9 @@ def decode(method: str, target: np.ndarray, draft: np.ndarray | None, **config) 
         max_new_tokens=MAX_NEW, eos_token_ids=(EOS,), seed=config.pop("seed", 0), **config
     )
     draft_scorer = TableScorer(torch.from_numpy(draft)) if draft is not None else None
-    return generate_batch(method, TableScorer(torch.from_numpy(target)), [PROMPT] * RUNS, cfg,
-                          draft_scorer)  # fmt: skip
+    return generate_batch(
+        method, TableScorer(torch.from_numpy(target)), [PROMPT] * RUNS, cfg, draft_scorer
+    )
 
 
 def exact_beam(target: np.ndarray, width: int, mode: str, **filters) -> dict:
@@ -60,20 +61,28 @@ def exact_beam(target: np.ndarray, width: int, mode: str, **filters) -> dict:
 GRID = [(w, g) for w in (1, 2, 3) for g in (1, 2, 3)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["with_replacement", "distinct"])
 @pytest.mark.parametrize(("width", "gamma"), GRID)
 def test_fixed_width_dsbd_equals_target_beam_sampling(mode: str, width: int, gamma: int) -> None:
     target, draft = tables(seed=10 * width + gamma)
     results = decode(
-        "dsbd", target, draft, width=width, gamma=gamma, threshold=None, mode=mode,
+        "dsbd",
+        target,
+        draft,
+        width=width,
+        gamma=gamma,
+        threshold=None,
+        mode=mode,
         seed=width * 7 + gamma,
-    )  # fmt: skip
+    )
     exact = exact_beam(target, width, mode)
     assert_matches(outcomes_of(results), exact, f"dsbd {mode} W={width} gamma={gamma}")
     # and it did speculate: some iterations accepted draft layers
     assert any(sum(r.stats.accepted_layers) > 0 for r in results[:1000])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["with_replacement", "distinct"])
 @pytest.mark.parametrize("width", [1, 2, 3])
 def test_engine_beam_sampling_is_the_exact_sampler(mode: str, width: int) -> None:
@@ -83,16 +92,19 @@ def test_engine_beam_sampling_is_the_exact_sampler(mode: str, width: int) -> Non
     assert_matches(outcomes_of(results), exact_beam(target, width, mode), f"beam {mode} W={width}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["with_replacement", "distinct"])
 def test_dsbd_with_temperature_top_k_top_p_follows_filtered_beam_sampling(mode: str) -> None:
     target, draft = tables(seed=21)
     filters = {"temperature": 0.8, "top_k": 6, "top_p": 0.9}
-    results = decode("dsbd", target, draft, width=2, gamma=2, threshold=None, mode=mode,
-                     seed=4, **filters)  # fmt: skip
+    results = decode(
+        "dsbd", target, draft, width=2, gamma=2, threshold=None, mode=mode, seed=4, **filters
+    )
     exact = exact_beam(target, 2, mode, **filters)
     assert_matches(outcomes_of(results), exact, f"dsbd filtered {mode}")
 
 
+@pytest.mark.slow
 def test_returned_answer_follows_the_exact_answer_distribution() -> None:
     target, draft = tables(seed=5)
     results = decode("dsbd", target, draft, width=3, gamma=2, threshold=None, seed=9)
@@ -100,6 +112,7 @@ def test_returned_answer_follows_the_exact_answer_distribution() -> None:
     assert_matches([tuple(r.best.token_ids) for r in results], answers, "best answer")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("gamma", [1, 2, 3])
 def test_width_one_dsbd_and_sps_are_multinomial_sampling(gamma: int) -> None:
     target, draft = tables(seed=30 + gamma)
@@ -116,8 +129,9 @@ def test_width_one_dsbd_and_sps_are_multinomial_sampling(gamma: int) -> None:
         assert_matches(samples, exact, f"{method} {extra} gamma={gamma}")
 
 
+@pytest.mark.slow
 def test_draft_equal_to_target_accepts_every_layer() -> None:
-    """Spec §12.1 item 6: with consistent definitions Q == P, so every draft is accepted and
+    """ALGORITHM.md §12.1 item 6: with consistent definitions Q == P, so every draft is accepted and
     each iteration emits gamma + 1 tokens per beam; output still exact."""
     target, _ = tables(seed=40)
     gamma, width = 2, 2
@@ -133,8 +147,9 @@ def test_draft_equal_to_target_accepts_every_layer() -> None:
     assert_matches(outcomes_of(results), exact_beam(target, width, "with_replacement"), "q == p")
 
 
+@pytest.mark.slow
 def test_disjoint_supports_emit_one_token_per_iteration_and_stay_exact() -> None:
-    """Spec §12.1 item 7: the draft only proposes what the target never emits."""
+    """ALGORITHM.md §12.1 item 7: the draft only proposes what the target never emits."""
     logp = np.full((V, V), -np.inf)
     logp[:, 0], logp[:, 1] = np.log(0.3), np.log(0.7)  # target: tokens {0, 1}
     draft = np.full((V, V), -np.inf)

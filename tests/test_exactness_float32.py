@@ -60,17 +60,24 @@ def _outcomes(results: list) -> list[tuple[tuple[int, ...], ...]]:
     return [tuple(sorted(tuple(beam.token_ids) for beam in r.beams)) for r in results]
 
 
-@pytest.mark.parametrize(("mode", "width", "gamma"), [
-    ("distinct", 3, 2), ("distinct", 2, 3), ("with_replacement", 2, 2),
-])  # fmt: skip
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("mode", "width", "gamma"),
+    [
+        ("distinct", 3, 2),
+        ("distinct", 2, 3),
+        ("with_replacement", 2, 2),
+    ],
+)
 def test_fixed_width_dsbd_on_float32_tables_equals_target_beam_sampling(
     mode: str, width: int, gamma: int
 ) -> None:
     rng = np.random.default_rng(100 + width + gamma)
     target = Float32Scorer(random_table(rng, V, 2, concentration=1.0))
     draft = Float32Scorer(random_table(rng, V, 2, concentration=1.0, zero_prob=0.3))
-    results = _decode("dsbd", target, draft, width=width, gamma=gamma, threshold=None,
-                      mode=mode, seed=3)  # fmt: skip
+    results = _decode(
+        "dsbd", target, draft, width=width, gamma=gamma, threshold=None, mode=mode, seed=3
+    )
     assert all(r.beams[0].log_likelihood <= 0 for r in results[:100])
     exact = beam_sampling_outcomes(TableLM(target.table), PROMPT, width, MAX_NEW, mode, {EOS})
     assert_matches(_outcomes(results), exact, f"float32 dsbd {mode} W={width} gamma={gamma}")
@@ -82,8 +89,9 @@ def test_scores_stay_float64_log_likelihoods() -> None:
     rng = np.random.default_rng(7)
     target = Float32Scorer(random_table(rng, V, 2, concentration=1.0))
     draft = Float32Scorer(random_table(rng, V, 2, concentration=1.0))
-    config = SamplingConfig(max_new_tokens=MAX_NEW, eos_token_ids=(EOS,), width=2, gamma=2,
-                            threshold=None, seed=1)  # fmt: skip
+    config = SamplingConfig(
+        max_new_tokens=MAX_NEW, eos_token_ids=(EOS,), width=2, gamma=2, threshold=None, seed=1
+    )
     (result,) = generate_batch("dsbd", target, [PROMPT], config, draft)
     for beam in result.beams:
         context, total = PROMPT[-1], 0.0

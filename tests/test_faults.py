@@ -41,10 +41,19 @@ from .serving_harness import (
 )
 from .tiny_models import build_pair, build_tokenizer
 
-FAULTS = {"fdraft": "draft:propose:15", "fverifier": "verifier:verify:15",
-          "ftp": "tp-rank1:forward:6", "frouter": "router:decode:5"}  # fmt: skip
-WIDE = {"num_hidden_layers": 16, "num_attention_heads": 2, "num_key_value_heads": 2,
-        "hidden_size": 128, "intermediate_size": 128}  # fmt: skip  # head_dim 64
+FAULTS = {
+    "fdraft": "draft:propose:15",
+    "fverifier": "verifier:verify:15",
+    "ftp": "tp-rank1:forward:6",
+    "frouter": "router:decode:5",
+}
+WIDE = {
+    "num_hidden_layers": 16,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+    "hidden_size": 128,
+    "intermediate_size": 128,
+}  # head_dim 64
 # A decode of PROMPT tokens (+ 8 new + gamma 2 x W_S 2 columns, width 2) is charged
 # 2 x 612 x 32 KiB x WORKING_COPIES = 153 MiB on each side: two fit in BUDGET, a third does
 # not; a prompt of NEVER tokens (503 MiB) never fits.
@@ -70,28 +79,40 @@ def build_wide(root: Path) -> Path:
 
 
 def write_config(root: Path, target: Path, draft: Path, wide: Path) -> Path:
-    models = {"target": {"source": str(target), "dtype": "float64"},
-              "draft": {"source": str(draft), "dtype": "float64"}}  # fmt: skip
+    models = {
+        "target": {"source": str(target), "dtype": "float64"},
+        "draft": {"source": str(draft), "dtype": "float64"},
+    }
     small = {"num_cpus": 0.1}
-    resources = {"router_resources": {**small, "max_replicas": 1},
-                 "ingress_resources": {**small, "max_replicas": 1}, "draft_resources": small,
-                 "verifier_resources": {**small, "health_check_period_s": 1,
-                                        "health_check_timeout_s": 20}}  # fmt: skip
+    resources = {
+        "router_resources": {**small, "max_replicas": 1},
+        "ingress_resources": {**small, "max_replicas": 1},
+        "draft_resources": small,
+        "verifier_resources": {**small, "health_check_period_s": 1, "health_check_timeout_s": 20},
+    }
     apps = []
     for name, spec in FAULTS.items():
         (root / f"claims-{name}").mkdir()
         target_options = {**models["target"], "tp_size": 2 if name == "ftp" else 1}
         env = {faults.ENV: spec, faults.DIR_ENV: str(root / f"claims-{name}")}
-        apps.append({"name": name, "route_prefix": f"/{name}",
-                     "import_path": "deployments.app:build_app",
-                     "runtime_env": {"env_vars": env},
-                     "args": {"model_name": "tiny", **models, "target": target_options,
-                              **resources}})  # fmt: skip
+        apps.append(
+            {
+                "name": name,
+                "route_prefix": f"/{name}",
+                "import_path": "deployments.app:build_app",
+                "runtime_env": {"env_vars": env},
+                "args": {"model_name": "tiny", **models, "target": target_options, **resources},
+            }
+        )
     budget = {"source": str(wide), "dtype": "float64", "session_memory_bytes": BUDGET}
-    apps.append({"name": "memory", "route_prefix": "/memory",
-                 "import_path": "deployments.app:build_app",
-                 "args": {"model_name": "wide", "target": budget, "draft": budget,
-                          **resources}})  # fmt: skip
+    apps.append(
+        {
+            "name": "memory",
+            "route_prefix": "/memory",
+            "import_path": "deployments.app:build_app",
+            "args": {"model_name": "wide", "target": budget, "draft": budget, **resources},
+        }
+    )
     (root / "serve.yaml").write_text(yaml.safe_dump({"applications": apps}))
     return root / "serve.yaml"
 
@@ -119,8 +140,17 @@ def test_a_replica_that_dies_inside_a_call_costs_a_retry_not_the_request(server,
     router in `serving.handovers`."""
     prefix = f"/{app}"
     before = status(server, prefix)
-    bodies = [{"prompt_ids": [40 + i, 31, 32], "seed": 300 + i, "max_new_tokens": 24,
-               "width": 2 + i % 2, "gamma": 2, "adaptive": False} for i in range(8)]  # fmt: skip
+    bodies = [
+        {
+            "prompt_ids": [40 + i, 31, 32],
+            "seed": 300 + i,
+            "max_new_tokens": 24,
+            "width": 2 + i % 2,
+            "gamma": 2,
+            "adaptive": False,
+        }
+        for i in range(8)
+    ]
     with ThreadPoolExecutor(len(bodies)) as pool:
         results = list(pool.map(lambda body: native(server, body, prefix), bodies))
     for body, got in zip(bodies, results, strict=True):
@@ -128,8 +158,7 @@ def test_a_replica_that_dies_inside_a_call_costs_a_retry_not_the_request(server,
         assert_same(got, reference("dsbd", body["prompt_ids"], **knobs))
     what = "handovers" if app == "frouter" else "retries"
     retries = [r for got in results for r in got["stats"]["serving"][what]]
-    print(f"{FAULTS[app]}: {len(retries)} {what}: "
-          f"{sorted({r.split(': ')[1] for r in retries})}")  # fmt: skip
+    print(f"{FAULTS[app]}: {len(retries)} {what}: {sorted({r.split(': ')[1] for r in retries})}")
     assert retries, f"no {what}: the injected fault did not cost a call"
     lost = ("TensorParallelBroken", "ActorDied") if app == "ftp" else ("ActorDied",)
     assert all(any(word in r for word in lost) for r in retries), retries
@@ -161,15 +190,21 @@ def _peak(pid: int) -> int:
 
 
 def _long(i: int, tokens: int = PROMPT, **knobs: Any) -> dict[str, Any]:
-    return {"prompt_ids": [5 + (i * 31 + k * 7) % 300 for k in range(tokens)], "seed": i,
-            "max_new_tokens": 8, "width": 2, "gamma": 2, "adaptive": False, **knobs}  # fmt: skip
+    return {
+        "prompt_ids": [5 + (i * 31 + k * 7) % 300 for k in range(tokens)],
+        "seed": i,
+        "max_new_tokens": 8,
+        "width": 2,
+        "gamma": 2,
+        "adaptive": False,
+        **knobs,
+    }
 
 
 def _until_admitted(server, body: dict[str, Any], refused: list[int]) -> dict[str, Any]:
     """Send until admitted: a 429 (memory taken) is retried shortly, as a client would."""
     while True:
-        response = requests.post(f"{server['url']}/memory/v1/dsbd/generate", json=body,
-                                 timeout=300)  # fmt: skip
+        response = requests.post(f"{server['url']}/memory/v1/dsbd/generate", json=body, timeout=300)
         if response.status_code != 429:
             assert response.status_code == 200, response.text
             return response.json()
@@ -185,8 +220,9 @@ def test_sessions_are_admitted_by_kv_bytes_and_peak_memory_stays_in_budget(serve
     wide = LlamaConfig(**WIDE)
     charge = 2 * (PROMPT + 8 + 2 * 2) * kv_bytes_per_token(wide, torch.float64) * WORKING_COPIES
     assert 2 * charge <= BUDGET < 3 * charge  # two decodes at a time, not three
-    never = requests.post(f"{server['url']}/memory/v1/dsbd/generate", json=_long(0, NEVER),
-                          timeout=60)  # fmt: skip
+    never = requests.post(
+        f"{server['url']}/memory/v1/dsbd/generate", json=_long(0, NEVER), timeout=60
+    )
     assert never.status_code == 400, never.text
     error = never.json()["error"]
     assert error["param"] == "max_new_tokens"
@@ -204,9 +240,11 @@ def test_sessions_are_admitted_by_kv_bytes_and_peak_memory_stays_in_budget(serve
     peaks = {side: _peak(pid) - base[side] for side, pid in pids.items()}
     after = status(server, "/memory")
     most = after["ingress"]["admitted_memory_peak_bytes"]["target"]  # high-water mark
-    print(f"budget {BUDGET / 2**20:.0f} MiB, charge {charge / 2**20:.0f} MiB per decode: "
-          f"{len(refused)} x 429, most admitted {most / 2**20:.0f} MiB; peak above "
-          f"idle {({k: round(v / 2**20) for k, v in peaks.items()})} MiB")  # fmt: skip
+    print(
+        f"budget {BUDGET / 2**20:.0f} MiB, charge {charge / 2**20:.0f} MiB per decode: "
+        f"{len(refused)} x 429, most admitted {most / 2**20:.0f} MiB; peak above "
+        f"idle { ({k: round(v / 2**20) for k, v in peaks.items()}) } MiB"
+    )
     assert len(results) == 6 and all(r["beams"] for r in results)
     assert refused, "no decode was refused: the budget was never reached"
     assert 2 * charge - 1 <= most <= BUDGET
@@ -234,7 +272,9 @@ def test_an_injected_fault_is_off_unless_asked(monkeypatch, tmp_path: Path) -> N
     with pytest.raises(ValueError, match=r"entry 'verifier:verify:0'"):
         faults.parse("verifier:verify:0")
     assert faults.parse("draft:propose:3, tp-rank1:forward:4") == [
-        ("draft", "propose", 3), ("tp-rank1", "forward", 4)]  # fmt: skip
+        ("draft", "propose", 3),
+        ("tp-rank1", "forward", 4),
+    ]
     monkeypatch.setenv(faults.ENV, "draft:propose:3,tp-rank1:forward:2")
     monkeypatch.setenv(faults.DIR_ENV, str(tmp_path))
     monkeypatch.setattr(faults, "_counts", {})

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tests.golden_tokens import PATH, record
 
 
+@pytest.mark.slow
 def test_every_method_decodes_the_recorded_tokens() -> None:
     expected = json.loads(PATH.read_text())
     actual = json.loads(json.dumps(record(), sort_keys=True))

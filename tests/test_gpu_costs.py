@@ -29,19 +29,52 @@ def gpu_costs():
         del sys.modules["gpu_costs"]
 
 
+@pytest.mark.slow
 def test_tiny_cpu_run_writes_costs_and_modelled_speedups(gpu_costs, tmp_path: Path) -> None:
     results = tmp_path / "results"
     results.mkdir()
     (results / "qwen_pair_acceptance.json").write_text(json.dumps({"overall": {"acceptance": 0.8}}))
     out = tmp_path / "costs.json"
-    argv = ["--size", "tiny", "--device", "cpu", "--dtype", "float32", "--widths", "1", "2",
-            "--gammas", "1", "2", "--contexts", "16", "--warmup", "1", "--repeats", "2",
-            "--results", str(results), "--out", str(out), "--no-progress"]  # fmt: skip
+    argv = [
+        "--size",
+        "tiny",
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--widths",
+        "1",
+        "2",
+        "--gammas",
+        "1",
+        "2",
+        "--contexts",
+        "16",
+        "--warmup",
+        "1",
+        "--repeats",
+        "2",
+        "--results",
+        str(results),
+        "--out",
+        str(out),
+        "--no-progress",
+    ]
     report = gpu_costs.main(argv)
 
     assert json.loads(out.read_text()) == json.loads(json.dumps(report))
-    for key in ("formula", "settings", "machine", "versions", "models", "costs", "modelled",
-                "measured_gpu", "acceptance_sources", "notes"):  # fmt: skip
+    for key in (
+        "formula",
+        "settings",
+        "machine",
+        "versions",
+        "models",
+        "costs",
+        "modelled",
+        "measured_gpu",
+        "acceptance_sources",
+        "notes",
+    ):
         assert key in report
     assert report["settings"]["dtype"] == "float32"
     assert report["models"]["target"]["config"]["hidden_size"] == 128
@@ -65,8 +98,10 @@ def test_tiny_cpu_run_writes_costs_and_modelled_speedups(gpu_costs, tmp_path: Pa
 
     # SpS rows from alpha = 0.8 at W = 1, gamma 1 and 2, each with the documented formula
     modelled = report["modelled"]
-    assert [(m["method"], m["kind"]) for m in modelled] == [("sps-g1", "modelled"),
-                                                            ("sps-g2", "modelled")]  # fmt: skip
+    assert [(m["method"], m["kind"]) for m in modelled] == [
+        ("sps-g1", "modelled"),
+        ("sps-g2", "modelled"),
+    ]
     for m, e in zip(modelled, (1.8, 1 + 0.8 + 0.64), strict=True):
         assert m["tokens_per_iteration"] == pytest.approx(e)
         assert m["speedup"] == pytest.approx(

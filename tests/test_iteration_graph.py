@@ -8,7 +8,8 @@ pool) is compiled with `torch.compile(fullgraph=True)` while the CPU takes the d
 draws take the numbers the eager run drew (`streams.Recording` / `streams.Recorded`: a compiled
 graph cannot take a `torch.Generator`), and it must return what the eager run returned, on every
 iteration of decodes that finish beams at EOS mid-forest, fail layers, refill and take bonus
-layers. The fixed-width rule only: the dynamic rules read (docs/ARCHITECTURE.md). The draft's
+layers, for the fixed and the dynamic width rules (the distinct rule's simulated layers
+included) and epsilon's relaxed acceptance. The draft's
 layer between two draft-model calls (`draft_forest.draft_layer`) is checked the same way, and
 whole decodes through `verify_graph.VerifyGraph` (compiled once, uniforms drawn before each
 call) give the eager decodes' tokens.
@@ -48,6 +49,14 @@ CASES = [
     ("dsbd-ws4-topk", {"width": 3, "draft_width": 4, "gamma": 2, "top_k": 5}, True),
     ("dsbd-lean", {"width": 3, "gamma": 3, "lean_memory": True}, True),
     ("dsbd-repl", {"width": 2, "gamma": 2, "mode": "with_replacement"}, True),
+    ("dsbd-dynamic", {"width": 3, "gamma": 3, "threshold": 0.7}, True),
+    (
+        "dsbd-dynamic-repl",
+        {"width": 3, "gamma": 2, "threshold": 0.6, "mode": "with_replacement"},
+        True,
+    ),
+    ("dsbd-dynamic-lean", {"width": 3, "gamma": 3, "threshold": 0.7, "lean_memory": True}, True),
+    ("dsbd-epsilon", {"width": 2, "gamma": 2, "epsilon": 0.1}, True),
 ]
 
 
@@ -74,6 +83,7 @@ def _flat(outcome: Outcome) -> dict[str, torch.Tensor]:
     return values
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("name", "fields", "drafts"), CASES, ids=[c[0] for c in CASES])
 def test_the_verify_side_compiles_as_one_graph_and_decodes_as_eager(
     name: str, fields: dict, drafts: bool
@@ -99,13 +109,8 @@ def test_the_verify_side_compiles_as_one_graph_and_decodes_as_eager(
             node_logp = [scored.roots] + list(scored.layers)
             args = (config, VOCAB, engine.eos)
             recording = Recording(torch.Generator(), 1000 + iterations)
-            eager = verify_scored(
-                state, forest, node_logp, *args, recording, torch.Generator(), deepest
-            )
-            graph = compiled(
-                state, forest, node_logp, *args, Recorded(recording.tape), torch.Generator(),
-                deepest,
-            )  # fmt: skip
+            eager = verify_scored(state, forest, node_logp, *args, recording, deepest)
+            graph = compiled(state, forest, node_logp, *args, Recorded(recording.tape), deepest)
             expected, actual = _flat(eager), _flat(graph)
             assert sorted(actual) == sorted(expected)
             for key, value in expected.items():
@@ -122,8 +127,9 @@ def test_the_verify_side_compiles_as_one_graph_and_decodes_as_eager(
 def test_a_draft_layer_compiles_as_one_graph_and_draws_as_eager(mode: str) -> None:
     torch._dynamo.reset()
     _, draft = _pair()
-    config = SamplingConfig(width=3, draft_width=4, gamma=3, top_p=0.9, mode=mode, seed=1,
-                            eos_token_ids=(EOS,))  # fmt: skip
+    config = SamplingConfig(
+        width=3, draft_width=4, gamma=3, top_p=0.9, mode=mode, seed=1, eos_token_ids=(EOS,)
+    )
     engine = Engine(config, VOCAB, uses_draft=True)
     state = engine.start(PROMPTS)
     counter = CompileCounter()
@@ -147,6 +153,7 @@ def test_a_draft_layer_compiles_as_one_graph_and_draws_as_eager(mode: str) -> No
     assert counter.frame_count >= 1 and counter.op_count > 10
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("name", "fields", "drafts"), CASES, ids=[c[0] for c in CASES])
 def test_a_decode_through_the_verify_graph_gives_the_eager_tokens(
     name: str, fields: dict, drafts: bool
@@ -173,6 +180,7 @@ def test_a_decode_through_the_verify_graph_gives_the_eager_tokens(
         assert a.stats.as_dict() == b.stats.as_dict(), name
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", ["dynamic", "static"])
 def test_a_model_decode_through_the_verify_graph_gives_the_eager_tokens(path: str) -> None:
     """The same through the transformer scorers, float32: the roots they plan from come
@@ -180,13 +188,13 @@ def test_a_model_decode_through_the_verify_graph_gives_the_eager_tokens(path: st
     torch._dynamo.reset()
     models = [tiny("llama", seed).to(torch.float32) for seed in (1, 2)]
     kind = StaticScorer if path == "static" else TransformerScorer
-    config = SamplingConfig(width=3, gamma=3, threshold=None, max_new_tokens=16, seed=5,
-                            eos_token_ids=(EOS,))  # fmt: skip
+    config = SamplingConfig(
+        width=3, gamma=3, threshold=None, max_new_tokens=16, seed=5, eos_token_ids=(EOS,)
+    )
 
     def decode(graphed: bool) -> list:
         target, draft = (kind(model) for model in models)
-        run = Decode(config, target.vocab_size, [[1, 2, 3], [4, 5]], uses_draft=True,
-                     graph=graphed)  # fmt: skip
+        run = Decode(config, target.vocab_size, [[1, 2, 3], [4, 5]], uses_draft=True, graph=graphed)
         return run_decode(run, target, draft)
 
     with computing_everywhere():

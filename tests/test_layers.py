@@ -176,6 +176,7 @@ def _statements(function: ast.AST) -> int:
     return count
 
 
+@pytest.mark.slow
 def test_files_and_functions_are_small() -> None:
     long_files, long_functions = [], []
     for path in _tracked_python_files():
@@ -191,6 +192,7 @@ def test_files_and_functions_are_small() -> None:
     assert not long_functions, "\n".join(long_functions)
 
 
+@pytest.mark.slow
 def test_the_algorithm_imports_nothing_heavy() -> None:
     """Importing the algorithm (and the dsbd_core facade) loads neither transformers nor Ray."""
     code = (

@@ -44,6 +44,13 @@ SCRIPT = textwrap.dedent(
 ADDRESS = re.compile(r'inet_(?:addr|pton)\((?:AF_INET6?, )?"([^"]+)"')
 
 
+def strace(trace_dir: Path) -> list[str]:
+    """The command prefix that records every connect()/sendto()/sendmsg() of a process tree,
+    one file per process in `trace_dir` (read back by `peers`)."""
+    syscalls = ["-e", "trace=connect,sendto,sendmsg"]
+    return ["strace", "-f", "-ff", "-qq", "--seccomp-bpf", *syscalls, "-o", str(trace_dir / "t")]
+
+
 def peers(trace_dir: Path) -> set[str]:
     """Every IP address any traced process tried to reach."""
     found: set[str] = set()
@@ -64,10 +71,12 @@ def test_ray_serve_round_trip_touches_only_loopback(tmp_path: Path) -> None:
     trace_dir = tmp_path / "trace"
     trace_dir.mkdir()
     completed = subprocess.run(
-        ["strace", "-f", "-ff", "-qq", "-e", "trace=connect,sendto,sendmsg", "-o",
-         str(trace_dir / "t"), sys.executable, "-c", SCRIPT],
-        capture_output=True, text=True, timeout=300, cwd=Path(__file__).parent.parent,
-    )  # fmt: skip
+        [*strace(trace_dir), sys.executable, "-c", SCRIPT],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=Path(__file__).parent.parent,
+    )
     assert completed.returncode == 0, completed.stderr[-3000:]
     response = next(x for x in completed.stdout.splitlines() if x.startswith("RESPONSE "))
     assert json.loads(response.removeprefix("RESPONSE ")) == {"ok": True, "body": {"x": 1}}
@@ -129,7 +138,8 @@ MEMORY_SCRIPT = textwrap.dedent(
 
 
 def test_rays_gcs_gets_one_jemalloc_arena_and_the_store_is_touched_at_start() -> None:
-    """The fix for Ray's own processes' growth under load (docs/RELIABILITY.md section 10, the
+    """The fix for Ray's own processes' growth under load (docs/history/RELIABILITY-chronicle.md
+    section 10, the
     seventh soak): the GCS server runs Ray's jemalloc with freed pages given back at once, the
     raylet with jemalloc's defaults (the settings cost it a fifth of the throughput), and the
     object store `dsbd serve` sizes is all touched when the raylet starts (its shared pages no
@@ -143,9 +153,12 @@ def test_rays_gcs_gets_one_jemalloc_arena_and_the_store_is_touched_at_start() ->
     )
 
     completed = subprocess.run(
-        [sys.executable, "-c", MEMORY_SCRIPT], capture_output=True, text=True, timeout=300,
+        [sys.executable, "-c", MEMORY_SCRIPT],
+        capture_output=True,
+        text=True,
+        timeout=300,
         cwd=Path(__file__).parent.parent,
-    )  # fmt: skip
+    )
     assert completed.returncode == 0, completed.stderr[-3000:]
     line = next(x for x in completed.stdout.splitlines() if x.startswith("SEEN "))
     seen = json.loads(line.removeprefix("SEEN "))

@@ -44,10 +44,15 @@ def models() -> tuple[torch.nn.Module, torch.nn.Module]:
     """A peaky float64 target (beams differ, EOS gets drawn) and a noisy copy as the draft."""
     torch.manual_seed(5)
     config = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
         attn_implementation="sdpa",
-    )  # fmt: skip
+    )
     target = LlamaForCausalLM(config).to(torch.float64).eval()
     with torch.no_grad():
         target.lm_head.weight.mul_(6.0)
@@ -63,8 +68,13 @@ def _decode(models, method: str, prompts: list[list[int]], **knobs: Any):
     target, draft = models
     config = SamplingConfig(max_new_tokens=12, eos_token_ids=EOS, **knobs)
     uses_draft = method in METHODS_WITH_DRAFT
-    return generate_batch(method, TransformerScorer(target), prompts, config,
-                          TransformerScorer(draft) if uses_draft else None)  # fmt: skip
+    return generate_batch(
+        method,
+        TransformerScorer(target),
+        prompts,
+        config,
+        TransformerScorer(draft) if uses_draft else None,
+    )
 
 
 def _summary(result) -> list:
@@ -95,6 +105,7 @@ def check_against_forward(target: torch.nn.Module, prompt: list[int], result, to
     return checked
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("method", "knobs"), CASES)
 def test_logprobs_equal_an_independent_forward_and_move_no_draw(models, method, knobs) -> None:
     checked = 0
@@ -113,15 +124,27 @@ def test_logprobs_zero_tracks_the_tokens_only_and_n_past_the_vocabulary_gives_al
     result = _decode(models, "dsbd", PROMPTS[:1], seed=3, width=2, logprobs=0)[0]
     assert all(top == [] for beam in result.beams for top in beam.top_logprobs)
     check_against_forward(models[0], PROMPTS[0], result, 0)
-    small = LlamaForCausalLM(LlamaConfig(
-        vocab_size=12, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
-    )).to(torch.float64).eval()  # fmt: skip
+    small = (
+        LlamaForCausalLM(
+            LlamaConfig(
+                vocab_size=12,
+                hidden_size=16,
+                intermediate_size=32,
+                num_hidden_layers=1,
+                num_attention_heads=2,
+                num_key_value_heads=1,
+                max_position_embeddings=64,
+            )
+        )
+        .to(torch.float64)
+        .eval()
+    )
     config = SamplingConfig(max_new_tokens=5, seed=0, width=2, logprobs=20)
     beam = generate("beam", TransformerScorer(small), [1, 2], config).beams[0]
     assert all(len(top) == 12 for top in beam.top_logprobs)
 
 
+@pytest.mark.slow
 def test_lockstep_requests_carry_the_same_logprobs_as_generate(models) -> None:
     """The lockstep batch decoder (the serving replicas' batching) splices the same values."""
     target, draft = models

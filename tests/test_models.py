@@ -144,7 +144,7 @@ def test_cache_build_is_atomic(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) 
         raise RuntimeError("conversion failed")
 
     with pytest.raises(RuntimeError):
-        loading._cached("thing", failing)
+        loading.cached_conversion("thing", failing)
     assert list(tmp_path.iterdir()) == []
 
     calls = []
@@ -153,12 +153,13 @@ def test_cache_build_is_atomic(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) 
         calls.append(out)
         (out / "done").write_text("ok")
 
-    first = loading._cached("thing", build)
-    assert loading._cached("thing", build) == first == tmp_path / "thing"
+    first = loading.cached_conversion("thing", build)
+    assert loading.cached_conversion("thing", build) == first == tmp_path / "thing"
     assert len(calls) == 1 and (first / "done").read_text() == "ok"
     assert [p.name for p in tmp_path.iterdir()] == ["thing"]
 
 
+@pytest.mark.slow
 @pytest.mark.real_model
 def test_presets_load_from_the_cache_and_share_a_vocabulary() -> None:
     target = load_causal_lm("smollm2")  # converts the GGUF once (~20 s), then reads the cache
@@ -180,6 +181,7 @@ def test_presets_load_from_the_cache_and_share_a_vocabulary() -> None:
     assert prompt.endswith("<|im_start|>user\nHello<|im_end|>\n<|im_start|>assistant\n")
 
 
+@pytest.mark.slow
 @pytest.mark.real_model
 def test_gguf_file_loads_directly() -> None:
     loaded = load_causal_lm(str(models.smollm2_gguf_path()))

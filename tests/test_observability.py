@@ -40,8 +40,14 @@ from .observability_harness import PROMPT, Receiver
 from .serving_harness import REPO, free_port, stop
 from .tiny_models import build_pair
 
-KNOBS = {"method": "dsbd", "width": 2, "gamma": 3, "threshold": 0.6, "max_new_tokens": 12,
-         "adaptive": False}  # fmt: skip
+KNOBS = {
+    "method": "dsbd",
+    "width": 2,
+    "gamma": 3,
+    "threshold": 0.6,
+    "max_new_tokens": 12,
+    "adaptive": False,
+}
 
 
 # ------------------------------------------------------------------------ the server
@@ -51,28 +57,55 @@ def observed(tmp_path_factory: pytest.TempPathFactory):
     root = tmp_path_factory.mktemp("observed")
     target, draft = build_pair(root / "models")
     small = {"num_cpus": 0.1}
-    models = {"target": {"source": str(target), "dtype": "float64"},
-              "draft": {"source": str(draft), "dtype": "float64"}}  # fmt: skip
-    config = {"applications": [{
-        "name": "dsbd", "route_prefix": "/", "import_path": "deployments.app:build_app",
-        "args": {"model_name": "tiny", **models, "router_resources": small,
-                 "draft_resources": small, "verifier_resources": small},
-    }]}  # fmt: skip
+    models = {
+        "target": {"source": str(target), "dtype": "float64"},
+        "draft": {"source": str(draft), "dtype": "float64"},
+    }
+    config = {
+        "applications": [
+            {
+                "name": "dsbd",
+                "route_prefix": "/",
+                "import_path": "deployments.app:build_app",
+                "args": {
+                    "model_name": "tiny",
+                    **models,
+                    "router_resources": small,
+                    "draft_resources": small,
+                    "verifier_resources": small,
+                },
+            }
+        ]
+    }
     (root / "serve.yaml").write_text(yaml.safe_dump(config))
     receiver = Receiver()
     threading.Thread(target=receiver.serve_forever, daemon=True).start()
     port, ready = free_port(), root / "ready"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1",
-           "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint,
-           "OTEL_BSP_SCHEDULE_DELAY": "200",  # export within 0.2 s (default 5 s)
-           "RAY_metrics_report_interval_ms": "1000"}  # fmt: skip
-    command = [str(REPO / ".venv/bin/dsbd"), "serve", "--config", str(root / "serve.yaml"),
-               "--port", str(port), "--num-cpus", "4", "--ready-file", str(ready)]  # fmt: skip
+    env = {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint,
+        "OTEL_BSP_SCHEDULE_DELAY": "200",  # export within 0.2 s (default 5 s)
+        "RAY_metrics_report_interval_ms": "1000",
+    }
+    command = [
+        str(REPO / ".venv/bin/dsbd"),
+        "serve",
+        "--config",
+        str(root / "serve.yaml"),
+        "--port",
+        str(port),
+        "--num-cpus",
+        "4",
+        "--ready-file",
+        str(ready),
+    ]
     if not Path(command[0]).exists():
         command[0:1] = [sys.executable, "-m", "dsbd"]
     log = (root / "server.log").open("w")
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env,
-                               start_new_session=True)  # fmt: skip
+    process = subprocess.Popen(
+        command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env, start_new_session=True
+    )
     deadline = time.monotonic() + 300
     info: dict[str, Any] = {}
     while not info:
@@ -89,26 +122,37 @@ def observed(tmp_path_factory: pytest.TempPathFactory):
         headers = {"traceparent": f"00-{trace_id}-{client_span}-01"}
         alone = _generate(url, {**KNOBS, "seed": 1}, headers)
         with ThreadPoolExecutor(4) as pool:  # concurrent: their calls share forwards
-            together = list(pool.map(
-                lambda s: _generate(url, {**KNOBS, "seed": s, "max_new_tokens": 24}), range(2, 6)
-            ))  # fmt: skip
+            together = list(
+                pool.map(
+                    lambda s: _generate(url, {**KNOBS, "seed": s, "max_new_tokens": 24}),
+                    range(2, 6),
+                )
+            )
         for body in (
             {"prompt": PROMPT, "method": "dsbd", "width": 0},  # refused by the schema
             {"prompt_ids": [10**6], "method": "beam"},
         ):  # refused by the router's checks
             refused = requests.post(f"{url}/v1/dsbd/generate", json=body, timeout=60)
             assert refused.status_code == 400, refused.text
-        yield {"url": url, "metrics_url": info["metrics_url"], "receiver": receiver,
-               "trace_id": trace_id, "client_span": client_span, "alone": alone,
-               "together": together, "log": root / "server.log"}  # fmt: skip
+        yield {
+            "url": url,
+            "metrics_url": info["metrics_url"],
+            "receiver": receiver,
+            "trace_id": trace_id,
+            "client_span": client_span,
+            "alone": alone,
+            "together": together,
+            "log": root / "server.log",
+        }
     finally:
         stop(process, lambda: os.kill(info["pid"], signal.SIGINT))
         receiver.shutdown()
 
 
 def _generate(url: str, body: dict, headers: dict | None = None) -> dict:
-    response = requests.post(f"{url}/v1/dsbd/generate", json={"prompt": PROMPT, **body},
-                             headers=headers, timeout=120)  # fmt: skip
+    response = requests.post(
+        f"{url}/v1/dsbd/generate", json={"prompt": PROMPT, **body}, headers=headers, timeout=120
+    )
     assert response.status_code == 200, response.text
     return response.json()
 
@@ -132,16 +176,20 @@ def test_a_request_is_one_trace_from_the_client_to_draft_and_verifier(observed) 
     expected = 1 + 2 * iterations + drafted  # request, iterations, verifies, drafts
 
     spans = _wait_for(
-        lambda: (s := observed["receiver"].trace(observed["trace_id"])) and len(s) >= expected
-        and s, f"{expected} spans of the traced request",
-    )  # fmt: skip
+        lambda: (
+            (s := observed["receiver"].trace(observed["trace_id"])) and len(s) >= expected and s
+        ),
+        f"{expected} spans of the traced request",
+    )
     by_name = defaultdict(list)
     for span in spans:
         by_name[span["name"]].append(span)
     assert {k: len(v) for k, v in by_name.items()} == {
-        "dsbd.request": 1, "dsbd.iteration": iterations, "dsbd.verify": iterations,
+        "dsbd.request": 1,
+        "dsbd.iteration": iterations,
+        "dsbd.verify": iterations,
         "dsbd.draft": drafted,
-    }  # fmt: skip
+    }
 
     # the client's span -> request (ingress) -> iteration (router) -> draft / verify (replicas)
     (request,) = by_name["dsbd.request"]
@@ -165,8 +213,10 @@ def test_a_request_is_one_trace_from_the_client_to_draft_and_verifier(observed) 
         assert attributes["dsbd.gamma"] == serving["gamma"][index]
         assert attributes["dsbd.verifier.replica"] == serving["verify_replica"][index]
 
-    for side, service, replicas in (("verify", "dsbd-verifier", serving["verify_replica"]),
-                                    ("draft", "dsbd-draft", serving["draft_replica"])):  # fmt: skip
+    for side, service, replicas in (
+        ("verify", "dsbd-verifier", serving["verify_replica"]),
+        ("draft", "dsbd-draft", serving["draft_replica"]),
+    ):
         children = {}
         for span in by_name[f"dsbd.{side}"]:
             parent = next(s for s in iterations_by_index.values() if s["span_id"] == span["parent"])
@@ -201,15 +251,19 @@ def test_a_request_is_one_trace_from_the_client_to_draft_and_verifier(observed) 
 
 def test_calls_batched_into_one_forward_link_to_each_other(observed) -> None:
     sessions = {r["stats"]["serving"]["session"] for r in observed["together"]}
-    shared = sum(n > 1 for r in observed["together"]
-                 for n in r["stats"]["serving"]["verify_batch_requests"])  # fmt: skip
+    shared = sum(
+        n > 1 for r in observed["together"] for n in r["stats"]["serving"]["verify_batch_requests"]
+    )
     assert shared, "the concurrent requests never shared a verifier forward"
 
     def verify_spans() -> list[dict[str, Any]]:
         with observed["receiver"].lock:
             spans = list(observed["receiver"].spans)
-        return [s for s in spans if s["name"] == "dsbd.verify"
-                and s["attributes"]["dsbd.session"] in sessions]  # fmt: skip
+        return [
+            s
+            for s in spans
+            if s["name"] == "dsbd.verify" and s["attributes"]["dsbd.session"] in sessions
+        ]
 
     total = sum(r["stats"]["iterations"] for r in observed["together"])
     spans = _wait_for(lambda: len(s := verify_spans()) == total and s, "the verify spans")
@@ -251,15 +305,28 @@ def test_prometheus_counters_equal_the_sums_of_the_returned_stats(observed) -> N
     iterations = sum(s["iterations"] for s in stats)
     requests_total = prometheus_name("dsbd_requests")
 
+    def unexported(s: dict) -> list[str]:
+        families = [prometheus_name(name) for name in METRIC_NAMES]
+        return [f for f in families if not any(key.startswith(f) for key in s)]
+
     def exported(s: dict) -> bool:
         """Both processes that count have reported: the ingress counts requests, the router
         counts iterations (and the draft counters, in the same report); each reports on its
-        own schedule, so one scrape can hold the first's final counts and not the second's."""
-        return (_total(s, requests_total) >= len(served) + 2
-                and _total(s, "ray_dsbd_iteration_latency_s_count") >= iterations)  # fmt: skip
+        own schedule, so one scrape can hold the first's final counts and not the second's.
+        Ray's agent drops a gauge whose last report is older than two report intervals (2 s
+        here), which a loaded machine's late report exceeds: a scrape counts once it holds
+        every family, the open-sessions gauge included."""
+        return (
+            _total(s, requests_total) >= len(served) + 2
+            and _total(s, "ray_dsbd_iteration_latency_s_count") >= iterations
+            and not unexported(s)
+        )
 
-    samples = _wait_for(lambda: (s := _scrape(url)) and exported(s) and s,
-                        "the ingress and the router to report", timeout=40)  # fmt: skip
+    samples = _wait_for(
+        lambda: (s := _scrape(url)) and exported(s) and s,
+        "the ingress and the router to report",
+        timeout=40,
+    )
     assert _total(samples, requests_total, method="dsbd", status="200") == len(served)
     # before the handler knew the method (schema) / after (the router's own checks)
     assert _total(samples, requests_total, method="none", status="400") == 1
@@ -277,8 +344,11 @@ def test_prometheus_counters_equal_the_sums_of_the_returned_stats(observed) -> N
     def draft_spans() -> list[dict[str, Any]]:
         with observed["receiver"].lock:
             spans = list(observed["receiver"].spans)
-        return [s for s in spans if s["name"] == "dsbd.draft"
-                and s["attributes"]["dsbd.session"] in sessions]  # fmt: skip
+        return [
+            s
+            for s in spans
+            if s["name"] == "dsbd.draft" and s["attributes"]["dsbd.session"] in sessions
+        ]
 
     spans = _wait_for(lambda: len(s := draft_spans()) == drafts and s, "the draft spans")
     proposed = sum(span["attributes"]["dsbd.draft_tokens_proposed"] for span in spans)
@@ -291,8 +361,11 @@ def test_prometheus_counters_equal_the_sums_of_the_returned_stats(observed) -> N
     )
     deepest = max(len(s["accepted_per_position"]) for s in stats)
     for position in range(deepest + 1):
-        want = sum(s["accepted_per_position"][position] for s in stats
-                   if position < len(s["accepted_per_position"]))  # fmt: skip
+        want = sum(
+            s["accepted_per_position"][position]
+            for s in stats
+            if position < len(s["accepted_per_position"])
+        )
         got = counter("dsbd_spec_decode_num_accepted_tokens_per_pos", position=str(position))
         assert got == want, f"position {position}"
     assert counter("dsbd_generated_tokens") == sum(s["tokens_emitted"] for s in stats)
@@ -305,9 +378,7 @@ def test_prometheus_counters_equal_the_sums_of_the_returned_stats(observed) -> N
     assert _total(samples, "ray_dsbd_time_to_first_token_s_count") == len(served)
     assert _total(samples, "ray_dsbd_request_latency_s_count") == len(served)
     assert _total(samples, "ray_dsbd_open_sessions") == 0
-    for name in METRIC_NAMES:
-        family = prometheus_name(name)
-        assert any(key.startswith(family) for key in samples), f"{family} is not exported"
+    assert not unexported(samples), f"{unexported(samples)} not exported"
 
 
 def _listening_addresses(port: int) -> set[str]:

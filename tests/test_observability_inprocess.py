@@ -63,17 +63,21 @@ def _steps(tiny, **knobs: Any):
     return engine, steps, engine.finish(state)[0]
 
 
-@pytest.mark.parametrize("knobs", [
-    {"width": 3, "gamma": 3, "threshold": 0.6, "max_new_tokens": 24},
-    {"width": 1, "gamma": 4, "threshold": None, "max_new_tokens": 20},
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "knobs",
+    [
+        {"width": 3, "gamma": 3, "threshold": 0.6, "max_new_tokens": 24},
+        {"width": 1, "gamma": 4, "threshold": None, "max_new_tokens": 20},
+    ],
+)
 def test_iteration_samples_sum_to_the_request_stats(tiny, knobs) -> None:
     _, steps, result = _steps(tiny, **knobs)
     samples = [IterationSample.from_outcome(outcome) for _, _, outcome in steps]
     stats = result.stats
     # draft tokens: every node of the iteration's forest, as the draft span reports it
-    proposed = [tracing.forest_attributes(forest)["dsbd.draft_tokens_proposed"]
-                for _, forest, _ in steps]  # fmt: skip
+    proposed = [
+        tracing.forest_attributes(forest)["dsbd.draft_tokens_proposed"] for _, forest, _ in steps
+    ]
     assert [s.draft_tokens for s in samples] == proposed
     assert sum(s.verified_draft_tokens for s in samples) == stats.drafted_tokens
     assert all(s.draft_tokens >= s.verified_draft_tokens >= s.accepted_tokens for s in samples)
@@ -87,8 +91,9 @@ def test_iteration_samples_sum_to_the_request_stats(tiny, knobs) -> None:
     assert sum(s.generated_tokens for s in samples) == stats.tokens_emitted
     assert [s.accepted_layers for s in samples] == stats.accepted_layers
     assert [list(s.widths) for s in samples] == stats.widths
-    per_position = [sum(s.accepted_layers > p for s in samples)
-                    for p in range(max(stats.accepted_layers))]  # fmt: skip
+    per_position = [
+        sum(s.accepted_layers > p for s in samples) for p in range(max(stats.accepted_layers))
+    ]
     assert per_position == accepted_per_position(result)
     assert sum(s.drafted for s in samples) == len(samples)  # every iteration drafted here
     attributes = samples[0].attributes()
@@ -112,8 +117,10 @@ def test_batched_calls_continue_their_traces_and_link_each_other(tiny, memory_sp
     iterations = [tracer.start_span("dsbd.iteration") for _ in range(3)]
     models, _, outcome = steps[0]
     config = SamplingConfig(width=2, gamma=2, threshold=None)
-    calls = [(f"s{i}", IterationCall(models, config, True, tracing.inject(span)))
-             for i, span in enumerate(iterations)]  # fmt: skip
+    calls = [
+        (f"s{i}", IterationCall(models, config, True, tracing.inject(span)))
+        for i, span in enumerate(iterations)
+    ]
     calls.append(("untraced", IterationCall(models, config, True)))  # the router did not trace
     assert all(call.trace["traceparent"].startswith("00-") for _, call in calls[:3])
 
@@ -122,8 +129,11 @@ def test_batched_calls_continue_their_traces_and_link_each_other(tiny, memory_sp
     with tracing.BatchSpans(
         tracing.VERIFIER, "dsbd.verify", calls, {"dsbd.batch.id": "r:1", "dsbd.batch.requests": 4}
     ) as batch:
-        batch.finish(report, [outcome, outcome, error, outcome],
-                     lambda o: IterationSample.from_outcome(o).attributes())  # fmt: skip
+        batch.finish(
+            report,
+            [outcome, outcome, error, outcome],
+            lambda o: IterationSample.from_outcome(o).attributes(),
+        )
     for span in iterations:
         span.end()
 
@@ -143,8 +153,10 @@ def test_batched_calls_continue_their_traces_and_link_each_other(tiny, memory_sp
 
 def test_w3c_context_round_trips_through_headers_and_carriers(memory_spans) -> None:
     trace_id, span_id = secrets.token_hex(16), secrets.token_hex(8)
-    headers = [(b"content-type", b"application/json"),
-               (b"traceparent", f"00-{trace_id}-{span_id}-01".encode())]  # fmt: skip
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"traceparent", f"00-{trace_id}-{span_id}-01".encode()),
+    ]
     parent = tracing.extract_headers(headers)
     span = tracing.tracer(tracing.ROUTER).start_span("dsbd.request", context=parent)
     assert f"{span.get_span_context().trace_id:032x}" == trace_id
@@ -168,8 +180,14 @@ def test_without_an_endpoint_no_exporter_exists(tmp_path: Path) -> None:
         "print('ok')\n"
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
-    done = subprocess.run([sys.executable, "-c", script], env=env, cwd=REPO,
-                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
     assert not tracing.export_configured({})
     assert tracing.export_configured({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4318"})

@@ -54,12 +54,14 @@ def test_a_packed_forest_equals_each_path(arch: str, attn: str, monkeypatch) -> 
     assert check_forest(model, roots, layers, out.roots, out.layers) < TOL
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_decodes_with_and_without_packing_draw_the_same(arch: str) -> None:
     model = get_model(arch)
     draft = get_model("qwen2" if arch == "llama" else "llama")
-    config = SamplingConfig(width=3, draft_width=5, gamma=3, threshold=None, max_new_tokens=14,
-                            seed=2)  # fmt: skip
+    config = SamplingConfig(
+        width=3, draft_width=5, gamma=3, threshold=None, max_new_tokens=14, seed=2
+    )
     results = [
         generate(
             "dsbd",
@@ -67,7 +69,7 @@ def test_decodes_with_and_without_packing_draw_the_same(arch: str) -> None:
             [3, 1, 4, 1, 5],
             config,
             TransformerScorer(draft, pack=pack),
-        )  # fmt: skip
+        )
         for pack in (True, False)
     ]
     packed, padded = results

@@ -23,6 +23,7 @@ def eval_json(capsys: pytest.CaptureFixture[str], *flags: str) -> dict:
     return json.loads(capsys.readouterr().out)
 
 
+@pytest.mark.slow
 def test_shipped_draft_is_small_loads_as_default_and_accepts_040(capsys) -> None:
     # The draft is committed in the repository: a missing one is a failure, never a skip.
     assert (SHIPPED / "delta.json").is_file(), f"the shipped draft is missing from {SHIPPED}"
@@ -38,6 +39,7 @@ def test_shipped_draft_is_small_loads_as_default_and_accepts_040(capsys) -> None
     assert report["overall"]["acceptance"] >= 0.40, report
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(
     not (models.cache_root() / "qwen-coder-draft" / "config.json").is_file(),
     reason="run `dsbd models install qwen-coder` first",

@@ -20,6 +20,7 @@ def generate_json(capsys: pytest.CaptureFixture[str], *flags: str) -> dict:
     return json.loads(capsys.readouterr().out)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["dsbd", "sps"])
 def test_generate_answers_and_stats_add_up(method: str, capsys: pytest.CaptureFixture[str]) -> None:
     # At temperature 0.01 every method is greedy in practice: the factual reply, whatever the
@@ -43,6 +44,7 @@ def test_generate_answers_and_stats_add_up(method: str, capsys: pytest.CaptureFi
     assert widths and max(widths) <= (3 if method == "dsbd" else 1)
 
 
+@pytest.mark.slow
 def test_beam_sampling_needs_no_draft(capsys: pytest.CaptureFixture[str]) -> None:
     report = generate_json(capsys, "--method", "beam", "--width", "2", "--temperature", "0.01")
     assert report["draft"] is None
@@ -50,6 +52,7 @@ def test_beam_sampling_needs_no_draft(capsys: pytest.CaptureFixture[str]) -> Non
     assert len(report["beams"]) >= 1 and "Paris" in report["beams"][0]["text"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("method", "flags"),
     [("dsbd", ["--threshold", "0.7"]), ("beam", []), ("spec_beam_search", [])],

@@ -46,8 +46,14 @@ class Faults:
     replayed: int = 0  # past iterations re-run
 
 
-def _run_side(batcher: SessionBatcher, keys: list[str], calls: list, make, faults: Faults,
-              lineages: list[Lineage]) -> list:  # fmt: skip
+def _run_side(
+    batcher: SessionBatcher,
+    keys: list[str],
+    calls: list,
+    make,
+    faults: Faults,
+    lineages: list[Lineage],
+) -> list:
     """One side of an iteration for every request, as the router sends it: history only after
     a replica answered `ReplayNeeded`."""
     values: list = [None] * len(keys)
@@ -90,22 +96,39 @@ def decode(models: tuple, requests: list[tuple[list[int], SamplingConfig]], faul
         proposing = [i for i in live if isinstance(waiting[i], Propose)]
         calls = {i: waiting[i].call for i in live}
         for _ in range(2 if iteration in faults.redo else 1):
-            forests = _run_side(draft, [keys[i] for i in proposing], [calls[i] for i in proposing],
-                                lambda k, c: draft_job(k, c, vocab), faults,
-                                [lineages[i] for i in proposing])  # fmt: skip
+            forests = _run_side(
+                draft,
+                [keys[i] for i in proposing],
+                [calls[i] for i in proposing],
+                lambda k, c: draft_job(k, c, vocab),
+                faults,
+                [lineages[i] for i in proposing],
+            )
         for i, forest in zip(proposing, forests, strict=True):
             waiting[i] = loops[i].send(forest)
         forest_of = {i: waiting[i].forest for i in live}
         assert all(isinstance(waiting[i], Verify) for i in live)
-        outcomes = _run_side(target, [keys[i] for i in live], [calls[i] for i in live],
-                             lambda k, c, f=forest_of: verify_job(k, c, f[keys.index(k)], vocab),
-                             faults, [lineages[i] for i in live])  # fmt: skip
-        bits.append({side: _cache_bits(batcher, keys) for side, batcher in
-                     (("draft", draft), ("target", target))})  # fmt: skip
+        outcomes = _run_side(
+            target,
+            [keys[i] for i in live],
+            [calls[i] for i in live],
+            lambda k, c, f=forest_of: verify_job(k, c, f[keys.index(k)], vocab),
+            faults,
+            [lineages[i] for i in live],
+        )
+        bits.append(
+            {
+                side: _cache_bits(batcher, keys)
+                for side, batcher in (("draft", draft), ("target", target))
+            }
+        )
         for i, outcome in zip(live, outcomes, strict=True):
             forest = forest_of[i]
-            lineages[i].record(calls[i], drafted=i in proposing,
-                               layers=forest.layers if forest is not NO_FOREST else [])  # fmt: skip
+            lineages[i].record(
+                calls[i],
+                drafted=i in proposing,
+                layers=forest.layers if forest is not NO_FOREST else [],
+            )
             try:
                 waiting[i] = loops[i].send(outcome)
             except StopIteration as stop:
@@ -165,17 +188,26 @@ def _check(models: tuple, requests: list, alone: list) -> None:
 
 def _alone(models: tuple, requests: list) -> list:
     target, draft = models
-    return [[b.token_ids for b in generate("dsbd", TransformerScorer(target), prompt, config,
-                                           draft=TransformerScorer(draft)).beams]
-            for prompt, config in requests]  # fmt: skip
+    return [
+        [
+            b.token_ids
+            for b in generate(
+                "dsbd", TransformerScorer(target), prompt, config, draft=TransformerScorer(draft)
+            ).beams
+        ]
+        for prompt, config in requests
+    ]
 
 
+@pytest.mark.slow
 def test_a_lost_cache_is_replayed_bit_for_bit_tiny_float32(tmp_path: Path) -> None:
     """One request at a time (float32 is not batch-invariant: alone, nothing else can differ):
     every kind of loss rebuilds the caches bit for bit."""
     target, draft = build_pair(tmp_path)
-    models = (load_causal_lm(str(target), dtype=torch.float32).model,
-              load_causal_lm(str(draft), dtype=torch.float32).model)  # fmt: skip
+    models = (
+        load_causal_lm(str(target), dtype=torch.float32).model,
+        load_causal_lm(str(draft), dtype=torch.float32).model,
+    )
     request = ([40, 31, 32, 33], SamplingConfig(seed=5, max_new_tokens=16, width=3, gamma=2))
     _check(models, [request], _alone(models, [request]))
 
@@ -185,11 +217,15 @@ def test_a_lost_cache_is_replayed_bit_for_bit_tiny_float32(tmp_path: Path) -> No
 def test_a_lost_cache_is_replayed_bit_for_bit_smollm2_bfloat16() -> None:
     """The serving default here (bfloat16, AMX): three requests batched, caches lost and
     replayed batched; and the control: a re-prefill gives other bits."""
-    models = (load_causal_lm("smollm2", dtype=torch.bfloat16).model,
-              load_causal_lm("smollm2-draft", dtype=torch.bfloat16).model)  # fmt: skip
+    models = (
+        load_causal_lm("smollm2", dtype=torch.bfloat16).model,
+        load_causal_lm("smollm2-draft", dtype=torch.bfloat16).model,
+    )
     prompts = [list(range(100, 140)), [44, 57, 70, 83], [5, 6, 7, 8, 9, 10, 11]]
-    requests = [(p, SamplingConfig(seed=7 + i, max_new_tokens=12, width=2 + i % 2, gamma=2))
-                for i, p in enumerate(prompts)]  # fmt: skip
+    requests = [
+        (p, SamplingConfig(seed=7 + i, max_new_tokens=12, width=2 + i % 2, gamma=2))
+        for i, p in enumerate(prompts)
+    ]
     _check(models, requests, _alone(models, requests))
     _, bits = decode(models, requests, Faults())
     control = Faults(drop={("target", 3)}, exact=False)
@@ -220,8 +256,12 @@ def test_a_job_without_history_asks_for_it() -> None:
     from dsbd_core.algorithm.scorer import Roots, ScoreCall
 
     def steps():
-        roots = Roots(torch.zeros(1, 1, 2, dtype=torch.long), torch.tensor([2]),
-                      torch.ones(1, 1, dtype=torch.bool), None)  # fmt: skip
+        roots = Roots(
+            torch.zeros(1, 1, 2, dtype=torch.long),
+            torch.tensor([2]),
+            torch.ones(1, 1, dtype=torch.bool),
+            None,
+        )
         yield ScoreCall(roots, [])
         return "done"
 

@@ -61,9 +61,11 @@ class _Handle:
 def replicas(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any, Any]:
     target, draft = build_pair(tmp_path_factory.mktemp("models"))
     options = {"dtype": "float64", "session_ttl_s": TTL_S, "batch_wait_s": 0.0}
-    return (Draft.func_or_class({"source": str(draft), **options}),
-            Verifier.func_or_class({"source": str(target), **options}),
-            WidthController.func_or_class(None, TTL_S))  # fmt: skip
+    return (
+        Draft.func_or_class({"source": str(draft), **options}),
+        Verifier.func_or_class({"source": str(target), **options}),
+        WidthController.func_or_class(None, TTL_S),
+    )
 
 
 async def _round(handles: Handles, vocab: int, first_seed: int) -> None:
@@ -71,8 +73,13 @@ async def _round(handles: Handles, vocab: int, first_seed: int) -> None:
     limit = asyncio.Semaphore(CONCURRENT)
 
     async def one(i: int) -> None:
-        config = SamplingConfig(width=2 + i % 2, gamma=1 + i % 3, max_new_tokens=6 + i % 7,
-                                seed=first_seed + i, eos_token_ids=(0,))  # fmt: skip
+        config = SamplingConfig(
+            width=2 + i % 2,
+            gamma=1 + i % 3,
+            max_new_tokens=6 + i % 7,
+            seed=first_seed + i,
+            eos_token_ids=(0,),
+        )
         async with limit:
             session = DecodeSession(handles, vocab, config, uses_draft=True, adaptive=False)
             result = await session.run([5 + i % 40, 17, 42])
@@ -112,10 +119,12 @@ def _census() -> tuple[int, int]:
     return len(gc.get_objects()), _tensors()
 
 
+@pytest.mark.slow
 def test_rounds_of_decodes_leave_nothing_behind(replicas) -> None:
     draft, verifier, controller = replicas
-    handles = Handles(draft=_Handle(draft), verifier=_Handle(verifier),
-                      controller=_Handle(controller))  # fmt: skip
+    handles = Handles(
+        draft=_Handle(draft), verifier=_Handle(verifier), controller=_Handle(controller)
+    )
 
     async def scenario() -> list[tuple[int, int]]:
         censuses = []
@@ -144,8 +153,9 @@ def test_the_router_times_each_iteration_around_its_replicas_compute(replicas) -
     replicas' compute from it): one per iteration, each holding its verify call's compute, and
     all together the draft's too."""
     draft, verifier, controller = replicas
-    handles = Handles(draft=_Handle(draft), verifier=_Handle(verifier),
-                      controller=_Handle(controller))  # fmt: skip
+    handles = Handles(
+        draft=_Handle(draft), verifier=_Handle(verifier), controller=_Handle(controller)
+    )
     config = SamplingConfig(width=3, gamma=2, max_new_tokens=12, seed=5, eos_token_ids=(0,))
     session = DecodeSession(handles, verifier.vocab_size, config, uses_draft=True, adaptive=False)
     result = asyncio.run(session.run([5, 17, 42]))

@@ -1,6 +1,7 @@
 """Sessions end for good: the races that leaked caches and controller sessions under load.
 
-Found by `benchmarks/load.py` (clients that go away mid-decode, docs/RELIABILITY.md): after a
+Found by `benchmarks/load.py` (clients that go away mid-decode,
+docs/history/RELIABILITY-chronicle.md): after a
 run, sessions stayed open on the width controller and cached on the draft until their TTL.
 Each test below replays one race deterministically on the real classes (a real tiny model in
 the draft replica; no Serve: the classes are called as Serve would call them).

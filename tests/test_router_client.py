@@ -22,8 +22,13 @@ from dsbd_core import SamplingConfig
 
 
 def _call(seed: int | None = None) -> DecodeCall:
-    return DecodeCall(prompt_ids=[1, 2], config=SamplingConfig(width=2, seed=seed),
-                      uses_draft=True, adaptive=False, vocab_size=10)  # fmt: skip
+    return DecodeCall(
+        prompt_ids=[1, 2],
+        config=SamplingConfig(width=2, seed=seed),
+        uses_draft=True,
+        adaptive=False,
+        vocab_size=10,
+    )
 
 
 END = DecodeEnd(result=None, session="s", serving={}, totals={})  # type: ignore[arg-type]
@@ -151,3 +156,30 @@ def test_a_plain_decode_is_handed_over_as_is() -> None:
     assert asyncio.run(router_client.decode(router, _call(), handed)) is END
     assert len(router.calls) == 2 and router.calls[0] is router.calls[1]  # no seed added
     assert handed == ["attempt 1: ActorDiedError"]
+
+
+def test_a_decode_given_up_on_cancels_the_routers_call() -> None:
+    """The ingress's deadline cancels the task awaiting the decode: the router's call is
+    cancelled with it (else the decode runs to its end, holding its sessions)."""
+
+    class Pending:
+        def __init__(self) -> None:
+            self.decode, self.cancelled = self, False
+
+        def remote(self, call: DecodeCall) -> Any:
+            return self
+
+        def __await__(self) -> Any:
+            return asyncio.sleep(3600).__await__()
+
+        def cancel(self) -> None:
+            self.cancelled = True
+
+    async def run(router: Pending) -> None:
+        async with asyncio.timeout(0.05):
+            await router_client.decode(router, _call())
+
+    router = Pending()
+    with pytest.raises(TimeoutError):
+        asyncio.run(run(router))
+    assert router.cancelled

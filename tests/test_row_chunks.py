@@ -44,8 +44,16 @@ def test_every_group_gets_the_bits_of_its_call_alone() -> None:
     """Small groups share 32-row calls, large ones (and a dense one padded past 32 rows alone)
     get calls of their own: each group's rows equal the layer run on that group alone."""
     linear = _linear()
-    groups = (RowGroup(5, 5), RowGroup(40, 40), RowGroup(20, 20), RowGroup(12, 36),
-              RowGroup(31, 31), RowGroup(1, 1), RowGroup(70, 70), RowGroup(9, 9))  # fmt: skip
+    groups = (
+        RowGroup(5, 5),
+        RowGroup(40, 40),
+        RowGroup(20, 20),
+        RowGroup(12, 36),
+        RowGroup(31, 31),
+        RowGroup(1, 1),
+        RowGroup(70, 70),
+        RowGroup(9, 9),
+    )
     total = sum(g.rows for g in groups)
     x = (torch.randn(total, 576) * 3).to(torch.bfloat16)
     with torch.inference_mode():
@@ -81,8 +89,12 @@ def test_outside_a_batched_forward_it_is_the_layer_it_replaced() -> None:
         torch.testing.assert_close(before, bf_plain(xb), atol=0.05, rtol=0.02)
         bf_chunked.weight.mul_(2)  # e.g. a draft trained further in the same process
         after = bf_chunked(xb)
-        torch.testing.assert_close(after, torch.nn.functional.linear(
-            xb, bf_chunked.weight, bf_chunked.bias), atol=0.05, rtol=0.02)  # fmt: skip
+        torch.testing.assert_close(
+            after,
+            torch.nn.functional.linear(xb, bf_chunked.weight, bf_chunked.bias),
+            atol=0.05,
+            rtol=0.02,
+        )
         assert not torch.allclose(after, before, atol=0.05, rtol=0.02)
     assert set(bf_chunked.state_dict()) == {"weight", "bias"}
 
@@ -120,8 +132,9 @@ def test_a_batched_forward_gives_each_session_its_bits_alone(pack: bool, width: 
         alone = TransformerScorer(model, pack=pack)
         alone.set_roots(_roots([prompt], width))
         for depth, layer in enumerate(layers):
-            own = ForestLayer(layer.parent[i : i + 1], layer.token[i : i + 1],
-                              layer.exists[i : i + 1])  # fmt: skip
+            own = ForestLayer(
+                layer.parent[i : i + 1], layer.token[i : i + 1], layer.exists[i : i + 1]
+            )
             out = alone.forward([own])
             if depth == 0:
                 assert out.roots is not None and together[0].roots is not None

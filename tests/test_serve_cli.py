@@ -1,31 +1,20 @@
-"""`dsbd serve` configuration handling, and `serve run serve_config.yaml` as Ray users run it.
-
-Config errors must exit 2 naming the field before any Ray process starts; the shipped
-`serve_config.yaml` must validate; and Ray's own `serve run`, given the settings `dsbd ray-env`
-prints, must serve the app while contacting nothing but loopback (traced like test_serving).
-"""
+"""`dsbd serve` configuration handling: config errors exit 2 naming the field before any Ray
+process starts, and the shipped `serve_config.yaml` validates. No test here starts Ray (those
+that serve are tests/test_serve_run.py)."""
 
 from __future__ import annotations
 
 import os
-import shlex
-import shutil
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
-import requests
 import yaml
 
 from deployments.app import AppArgs
 from dsbd.serve_command import load_config
 
-from .test_local_ray import is_loopback, peers
-from .test_serving import _free_port, stop
-from .tiny_models import build_pair
 from .tp_harness import save_tiny
 
 REPO = Path(__file__).parent.parent
@@ -38,11 +27,13 @@ def test_the_shipped_serve_config_is_valid_and_matches_the_defaults() -> None:
     assert app.import_path == "deployments.app:build_app"
     args = AppArgs.model_validate(app.args)
     assert (args.target.source, args.draft.source) == (
-        AppArgs().target.source, AppArgs().draft.source,
-    )  # fmt: skip
+        AppArgs().target.source,
+        AppArgs().draft.source,
+    )
     assert args.verifier_resources.max_replicas > args.verifier_resources.min_replicas
 
 
+@pytest.mark.slow  # a `dsbd` process: imports torch, transformers and Ray
 @pytest.mark.parametrize(
     ("args", "fragment"),
     [
@@ -53,40 +44,65 @@ def test_the_shipped_serve_config_is_valid_and_matches_the_defaults() -> None:
     ],
 )
 def test_bad_configs_exit_2_naming_the_field(tmp_path: Path, args: dict, fragment: str) -> None:
-    app = {"name": "dsbd", "route_prefix": "/", "import_path": "deployments.app:build_app",
-           "args": args}  # fmt: skip
+    app = {
+        "name": "dsbd",
+        "route_prefix": "/",
+        "import_path": "deployments.app:build_app",
+        "args": args,
+    }
     config = {"applications": [app]}
     path = tmp_path / "serve.yaml"
     path.write_text(yaml.safe_dump(config))
-    done = subprocess.run([*DSBD, "serve", "--config", str(path)], capture_output=True,
-                          text=True, timeout=120, cwd=REPO)  # fmt: skip
+    done = subprocess.run(
+        [*DSBD, "serve", "--config", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
     assert done.returncode == 2, done.stderr
     assert fragment in done.stderr
     assert "ray" not in done.stdout.lower()  # refused before Ray started
 
 
+@pytest.mark.slow  # a `dsbd` process: imports torch, transformers and Ray
 def test_tp_size_is_checked_against_the_model_before_ray_starts(tmp_path: Path) -> None:
     model = save_tiny("llama", tmp_path / "m", heads=4, kv_heads=2)
-    app = {"name": "dsbd", "route_prefix": "/", "import_path": "deployments.app:build_app",
-           "args": {"target": {"source": str(model)}, "draft": {"source": str(model)}}}  # fmt: skip
+    app = {
+        "name": "dsbd",
+        "route_prefix": "/",
+        "import_path": "deployments.app:build_app",
+        "args": {"target": {"source": str(model)}, "draft": {"source": str(model)}},
+    }
     path = tmp_path / "serve.yaml"
     path.write_text(yaml.safe_dump({"applications": [app]}))
     for flag, fragment in [
         ("3", "dsbd.args.target.tp_size=3: tp_size=3 does not split llama num_attention_heads=4"),
         ("0", "--tp-size=0: must be >= 1"),
     ]:
-        done = subprocess.run([*DSBD, "serve", "--config", str(path), "--tp-size", flag],
-                              capture_output=True, text=True, timeout=120, cwd=REPO)  # fmt: skip
+        done = subprocess.run(
+            [*DSBD, "serve", "--config", str(path), "--tp-size", flag],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=REPO,
+        )
         assert done.returncode == 2, done.stderr
         assert fragment in done.stderr
         assert "ray" not in done.stdout.lower()
 
 
+@pytest.mark.slow  # a `dsbd` process: imports torch, transformers and Ray
 def test_an_object_store_below_rays_minimum_exits_2_before_ray_starts() -> None:
     """`--object-store-mib` (Ray's shared store, touched at start: deployments/local_ray.py)
     takes 0 (Ray's default size) or Ray's minimum of 75 MiB and more."""
-    done = subprocess.run([*DSBD, "serve", "--object-store-mib", "10"], capture_output=True,
-                          text=True, timeout=120, cwd=REPO)  # fmt: skip
+    done = subprocess.run(
+        [*DSBD, "serve", "--object-store-mib", "10"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
     assert done.returncode == 2, done.stderr
     assert "--object-store-mib=10: allowed 0 (Ray's default size) or >= 75" in done.stderr
     assert "ray" not in done.stdout.lower()
@@ -106,8 +122,9 @@ def test_tp_size_gives_the_verifier_a_placement_group_of_ranks() -> None:
     bundles = gpu.verifier_resources.options(gpu.target)["placement_group_bundles"]
     assert bundles[1:] == [{"CPU": 2.0, "GPU": 1.0}] * 4
     with pytest.raises(ValueError, match=r"verifier_resources.num_gpus=1.0 with target.tp_size=2"):
-        AppArgs.model_validate({"target": {"source": "smollm2", "tp_size": 2},
-                                "verifier_resources": {"num_gpus": 1}})  # fmt: skip
+        AppArgs.model_validate(
+            {"target": {"source": "smollm2", "tp_size": 2}, "verifier_resources": {"num_gpus": 1}}
+        )
     with pytest.raises(ValueError, match=r"target.device='cuda' needs verifier_resources.num_gpus"):
         AppArgs.model_validate({"target": {"source": "smollm2", "device": "cuda"}})
 
@@ -121,6 +138,7 @@ def test_tp_init_timeout_defaults_to_two_hours_and_must_be_positive() -> None:
         AppArgs.model_validate({"target": {"source": "smollm2", "tp_init_timeout_s": 0}})
 
 
+@pytest.mark.slow  # a `dsbd` process: imports torch, transformers and Ray
 def test_ray_env_prints_the_loopback_settings() -> None:
     done = subprocess.run([*DSBD, "ray-env"], capture_output=True, text=True, timeout=60)
     settings = dict(line.split("=", 1) for line in done.stdout.split())
@@ -131,81 +149,3 @@ def test_ray_env_prints_the_loopback_settings() -> None:
     mine = {**os.environ, "MALLOC_ARENA_MAX": "4"}
     done = subprocess.run([*DSBD, "ray-env"], capture_output=True, text=True, timeout=60, env=mine)
     assert "MALLOC_ARENA_MAX=4" in done.stdout.split(), done.stdout
-
-
-@pytest.mark.skipif(shutil.which("strace") is None, reason="strace not installed")
-def test_serve_run_with_dsbd_ray_env_serves_on_loopback_only(tmp_path: Path) -> None:
-    target, draft = build_pair(tmp_path / "models")
-    port = _free_port()
-    small = {"num_cpus": 0.1}
-    config = {
-        "http_options": {"host": "127.0.0.1", "port": port},
-        "applications": [{"name": "dsbd", "route_prefix": "/",
-                          "import_path": "deployments.app:build_app",
-                          "args": {"model_name": "tiny", "target": {"source": str(target)},
-                                   "draft": {"source": str(draft)}, "router_resources": small,
-                                   "draft_resources": small, "verifier_resources": small}}],
-    }  # fmt: skip
-    (tmp_path / "serve.yaml").write_text(yaml.safe_dump(config))
-    printed = subprocess.run([*DSBD, "ray-env"], capture_output=True, text=True, timeout=60)
-    env = {**os.environ, **dict(x.split("=", 1) for x in shlex.split(printed.stdout))}
-    serve = Path(sys.executable).parent / "serve"
-    trace = tmp_path / "trace"
-    trace.mkdir()
-    process = subprocess.Popen(
-        ["strace", "-f", "-ff", "-qq", "--seccomp-bpf", "-e", "trace=connect,sendto,sendmsg",
-         "-o", str(trace / "t"), str(serve), "run", str(tmp_path / "serve.yaml")],
-        env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=(tmp_path / "log").open("w"),
-        start_new_session=True,
-    )  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 420
-        while True:
-            try:
-                if requests.get(f"{url}/healthz", timeout=10).status_code == 200:
-                    break
-            except requests.RequestException:  # not listening yet, or still deploying
-                pass
-            if process.poll() is not None or time.monotonic() > deadline:
-                pytest.fail((tmp_path / "log").read_text()[-3000:])
-            time.sleep(2)
-        body = {"model": "tiny", "prompt": "one two", "max_tokens": 6}
-        response = requests.post(f"{url}/v1/completions", json=body, timeout=120)
-        assert response.status_code == 200 and response.json()["choices"]
-    finally:
-        stop(process, lambda: os.killpg(process.pid, signal.SIGINT))
-    outside = sorted(a for a in peers(trace) if not is_loopback(a))
-    assert not outside, f"serve run tried to reach: {outside}"
-
-
-@pytest.mark.real_model
-def test_the_readme_main_command_serves_the_embedded_models(tmp_path: Path) -> None:
-    """`dsbd serve` with no options: SmolLM2 + its draft, answering the openai client."""
-    import json
-
-    import openai
-
-    port, ready = _free_port(), tmp_path / "ready"
-    process = subprocess.Popen(
-        [*DSBD, "serve", "--port", str(port), "--ready-file", str(ready)], cwd=REPO,
-        stdout=(tmp_path / "log").open("w"), stderr=subprocess.STDOUT, start_new_session=True,
-    )  # fmt: skip
-    try:
-        deadline = time.monotonic() + 600
-        while not ready.exists() or not ready.read_text().endswith("}"):
-            if process.poll() is not None or time.monotonic() > deadline:
-                pytest.fail((tmp_path / "log").read_text()[-3000:])
-            time.sleep(1)
-        info = json.loads(ready.read_text())
-        client = openai.OpenAI(base_url=f"{info['url']}/v1", api_key="unused", max_retries=0)
-        reply = client.chat.completions.create(
-            model="smollm2", messages=[{"role": "user", "content": "What is 2 + 2?"}],
-            max_tokens=12, n=2, seed=0, extra_body={"width": 3, "gamma": 2},
-        )  # fmt: skip
-        assert len(reply.choices) == 2 and reply.choices[0].message.content.strip()
-        assert reply.usage.completion_tokens > 0
-    finally:
-        # SIGTERM, what Kubernetes and systemd send (the serving tests stop with SIGINT): Ray's
-        # own handler once aborted the process mid-shutdown and left its agents running
-        stop(process, lambda: process.send_signal(signal.SIGTERM))

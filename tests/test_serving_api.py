@@ -54,10 +54,10 @@ def _prompt_ids(texts: BeamText, chat: bool) -> list[int]:
 def _request(api, chat: bool, stream: bool, **extra: Any):
     common = {"model": MODEL, "max_tokens": 10, "seed": 4, "n": 2, "stream": stream}
     if chat:
-        return api.chat.completions.create(messages=MESSAGES, logprobs=True, top_logprobs=3,
-                                           extra_body=KNOBS, **common, **extra)  # fmt: skip
-    return api.completions.create(prompt="one two", logprobs=3, extra_body=KNOBS, **common,
-                                  **extra)  # fmt: skip
+        return api.chat.completions.create(
+            messages=MESSAGES, logprobs=True, top_logprobs=3, extra_body=KNOBS, **common, **extra
+        )
+    return api.completions.create(prompt="one two", logprobs=3, extra_body=KNOBS, **common, **extra)
 
 
 def _per_choice(chunks, chat: bool) -> dict[int, list]:
@@ -69,12 +69,17 @@ def _per_choice(chunks, chat: bool) -> dict[int, list]:
             if logprobs is None:
                 continue
             if chat:
-                entries = [(c.token, c.logprob, [t.token for t in c.top_logprobs])
-                           for c in logprobs.content]  # fmt: skip
+                entries = [
+                    (c.token, c.logprob, [t.token for t in c.top_logprobs])
+                    for c in logprobs.content
+                ]
             else:
-                entries = [(t, p, sorted(top)) for t, p, top in zip(
-                    logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs, strict=True
-                )]  # fmt: skip
+                entries = [
+                    (t, p, sorted(top))
+                    for t, p, top in zip(
+                        logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs, strict=True
+                    )
+                ]
             out.setdefault(choice.index, []).extend(entries)
     return out
 
@@ -83,8 +88,9 @@ def _per_choice(chunks, chat: bool) -> dict[int, list]:
 def test_logprobs_equal_the_in_process_decode_streamed_and_not(server, reference, texts, chat):
     api = client(server)
     whole = _request(api, chat, False)
-    want = reference("dsbd", _prompt_ids(texts, chat), seed=4, max_new_tokens=10, logprobs=3,
-                     width=2, gamma=2)  # fmt: skip
+    want = reference(
+        "dsbd", _prompt_ids(texts, chat), seed=4, max_new_tokens=10, logprobs=3, width=2, gamma=2
+    )
     assert len(whole.choices) == 2
     for choice, beam in zip(whole.choices, want.beams, strict=True):
         visible = texts.visible_ids(beam)
@@ -117,8 +123,16 @@ def test_logprobs_equal_the_in_process_decode_streamed_and_not(server, reference
 def test_the_native_route_returns_every_tokens_logprob_summing_to_the_log_likelihood(
     server, reference
 ) -> None:
-    body = {"prompt_ids": [5, 17, 42], "seed": 3, "max_new_tokens": 12, "logprobs": 2,
-            "method": "dsbd", "width": 3, "gamma": 2, "adaptive": False}  # fmt: skip
+    body = {
+        "prompt_ids": [5, 17, 42],
+        "seed": 3,
+        "max_new_tokens": 12,
+        "logprobs": 2,
+        "method": "dsbd",
+        "width": 3,
+        "gamma": 2,
+        "adaptive": False,
+    }
     got = native(server, body)
     want = reference("dsbd", [5, 17, 42], seed=3, max_new_tokens=12, logprobs=2, width=3, gamma=2)
     for served, beam in zip(got["beams"], want.beams, strict=True):
@@ -138,23 +152,33 @@ def test_a_vllm_beam_search_client_works_unchanged(server, reference, texts, met
     if method:
         extra["method"] = method
     api = client(server)
-    completion = api.completions.create(model=MODEL, prompt="one two", max_tokens=12, n=2,
-                                        extra_body=extra)  # fmt: skip
-    want = reference("beam_search", _prompt_ids(texts, False), width=2, length_penalty=0.7,
-                     max_new_tokens=12)  # fmt: skip
+    completion = api.completions.create(
+        model=MODEL, prompt="one two", max_tokens=12, n=2, extra_body=extra
+    )
+    want = reference(
+        "beam_search", _prompt_ids(texts, False), width=2, length_penalty=0.7, max_new_tokens=12
+    )
     assert [c.text for c in completion.choices] == [texts.text(b) for b in want.beams]
-    chat = api.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12, n=2,
-                                       logprobs=True, extra_body=extra)  # fmt: skip
-    want = reference("beam_search", _prompt_ids(texts, True), width=2, length_penalty=0.7,
-                     max_new_tokens=12, logprobs=0)  # fmt: skip
+    chat = api.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=12, n=2, logprobs=True, extra_body=extra
+    )
+    want = reference(
+        "beam_search",
+        _prompt_ids(texts, True),
+        width=2,
+        length_penalty=0.7,
+        max_new_tokens=12,
+        logprobs=0,
+    )
     assert [c.message.content for c in chat.choices] == [texts.text(b) for b in want.beams]
     for choice, beam in zip(chat.choices, want.beams, strict=True):
         visible = texts.visible_ids(beam)
         assert [c.logprob for c in choice.logprobs.content] == pytest.approx(
             beam.token_logprobs[: len(visible)], abs=1e-9
         )
-    stream = api.completions.create(model=MODEL, prompt="one two", max_tokens=12, n=2,
-                                    stream=True, extra_body=extra)  # fmt: skip
+    stream = api.completions.create(
+        model=MODEL, prompt="one two", max_tokens=12, n=2, stream=True, extra_body=extra
+    )
     texts_streamed: dict[int, str] = {}
     for chunk in stream:
         for c in chunk.choices:
@@ -163,23 +187,37 @@ def test_a_vllm_beam_search_client_works_unchanged(server, reference, texts, met
 
 
 def test_speculative_search_matches_plain_with_fewer_target_forwards(server) -> None:
-    body = {"prompt_ids": [5, 17, 42, 99], "max_new_tokens": 16, "width": 3, "gamma": 3,
-            "adaptive": False}  # fmt: skip
+    body = {
+        "prompt_ids": [5, 17, 42, 99],
+        "max_new_tokens": 16,
+        "width": 3,
+        "gamma": 3,
+        "adaptive": False,
+    }
     plain = native(server, {**body, "method": "beam_search"})
     speculative = native(server, {**body, "method": "spec_beam_search"})
     tokens = [b["token_ids"] for b in plain["beams"]]
     assert [b["token_ids"] for b in speculative["beams"]] == tokens
     assert plain["stats"]["target_forward_passes"] == plain["stats"]["tokens_emitted"]
-    print("served beam search, W=3, 16 tokens: target forwards plain "
-          f"{plain['stats']['target_forward_passes']}, speculative "
-          f"{speculative['stats']['target_forward_passes']}")  # fmt: skip
+    print(
+        "served beam search, W=3, 16 tokens: target forwards plain "
+        f"{plain['stats']['target_forward_passes']}, speculative "
+        f"{speculative['stats']['target_forward_passes']}"
+    )
 
 
 def test_transformers_law_is_served_and_reproducible(server) -> None:
     """selection='transformers' as an extra body field: beam and DSBD (through the draft and
     verifier deployments), seeded decodes the same twice."""
-    body = {"prompt_ids": [5, 17, 42, 99], "max_new_tokens": 12, "width": 3, "gamma": 2,
-            "seed": 7, "selection": "transformers", "adaptive": False}  # fmt: skip
+    body = {
+        "prompt_ids": [5, 17, 42, 99],
+        "max_new_tokens": 12,
+        "width": 3,
+        "gamma": 2,
+        "seed": 7,
+        "selection": "transformers",
+        "adaptive": False,
+    }
     for method in ("beam", "dsbd"):
         first = native(server, {**body, "method": method})
         again = native(server, {**body, "method": method})
@@ -190,22 +228,38 @@ def test_transformers_law_is_served_and_reproducible(server) -> None:
 @pytest.mark.parametrize(
     ("path", "body", "fragment"),
     [
-        ("completions", {"prompt": "x", "selection": "transformers", "threshold": 0.7},
-         "threshold=0.7 does not apply under selection='transformers'"),
-        ("chat/completions", {"messages": MESSAGES, "top_logprobs": 2},
-         "top_logprobs=2 needs logprobs=true"),
-        ("chat/completions", {"messages": MESSAGES, "logprobs": True, "top_logprobs": 30},
-         "top_logprobs=30"),
+        (
+            "completions",
+            {"prompt": "x", "selection": "transformers", "threshold": 0.7},
+            "threshold=0.7 does not apply under selection='transformers'",
+        ),
+        (
+            "chat/completions",
+            {"messages": MESSAGES, "top_logprobs": 2},
+            "top_logprobs=2 needs logprobs=true",
+        ),
+        (
+            "chat/completions",
+            {"messages": MESSAGES, "logprobs": True, "top_logprobs": 30},
+            "top_logprobs=30",
+        ),
         ("completions", {"prompt": "x", "logprobs": 9}, "logprobs=9"),
-        ("completions", {"prompt": "x", "use_beam_search": True, "n": 3, "width": 2},
-         "n=3 is larger than width=2"),
-        ("completions", {"prompt": "x", "use_beam_search": True, "early_stopping": "soon"},
-         "early_stopping"),
+        (
+            "completions",
+            {"prompt": "x", "use_beam_search": True, "n": 3, "width": 2},
+            "n=3 is larger than width=2",
+        ),
+        (
+            "completions",
+            {"prompt": "x", "use_beam_search": True, "early_stopping": "soon"},
+            "early_stopping",
+        ),
     ],
-)  # fmt: skip
+)
 def test_bad_logprob_and_beam_search_fields_get_400(server, path, body, fragment) -> None:
-    response = requests.post(f"{server['url']}/v1/{path}", json={"model": MODEL, **body},
-                             timeout=60)  # fmt: skip
+    response = requests.post(
+        f"{server['url']}/v1/{path}", json={"model": MODEL, **body}, timeout=60
+    )
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert fragment in error["message"] and error["type"] == "invalid_request_error"
@@ -257,10 +311,13 @@ def test_completions_take_prompt_batches_and_token_ids(server) -> None:
     nested = client(server).completions.create(prompt=[ids, ids], **common)
     assert [c.text for c in nested.choices] == [text.choices[0].text] * 2
     assert nested.usage.prompt_tokens == 2 * len(ids)
-    for body, fragment in (({"prompt": [[1, 2], [3, 10**6]]}, "prompt[1][1]=1000000"),
-                           ({"prompt": ["a", "b"], "stream": True}, "stream=true")):  # fmt: skip
-        response = requests.post(f"{server['url']}/v1/completions",
-                                 json={"model": MODEL, **body}, timeout=60)  # fmt: skip
+    for body, fragment in (
+        ({"prompt": [[1, 2], [3, 10**6]]}, "prompt[1][1]=1000000"),
+        ({"prompt": ["a", "b"], "stream": True}, "stream=true"),
+    ):
+        response = requests.post(
+            f"{server['url']}/v1/completions", json={"model": MODEL, **body}, timeout=60
+        )
         assert response.status_code == 400 and fragment in response.text, response.text
 
 
@@ -274,3 +331,54 @@ def test_temperature_zero_is_greedy_or_beam_search(server) -> None:
         )
         texts.append([c.text for c in completion.choices])
     assert texts[0] == texts[1] and len(texts[2]) == 3
+
+
+def test_echo_scores_the_prompt_as_an_independent_forward_does(server) -> None:
+    """`echo` with `logprobs` (lm-evaluation-harness's loglikelihood request): the prompt's
+    text and tokens' log-probabilities (the first null) from the target, equal to a plain
+    forward of its weights; `max_tokens: 0` scores only, `max_tokens: 1` appends the decoded
+    token (greedy at temperature 0)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    tokenizer, _ = load_tokenizer(str(server["target"]))
+    ids = tokenizer.encode("one two three four five")
+    model = AutoModelForCausalLM.from_pretrained(str(server["target"]), dtype=torch.float64)
+    with torch.no_grad():
+        expected = model(torch.tensor([ids])).logits[0, :-1].log_softmax(-1)
+    chosen = expected.gather(1, torch.tensor(ids[1:])[:, None]).squeeze(1).tolist()
+    api = client(server)
+    only = api.completions.create(
+        model=MODEL, prompt=[ids, ids[:3]], echo=True, logprobs=2, max_tokens=0
+    )
+    assert [c.index for c in only.choices] == [0, 1]
+    first = only.choices[0]
+    assert first.text == tokenizer.decode(ids, skip_special_tokens=True)
+    assert first.logprobs.token_logprobs[0] is None and first.logprobs.top_logprobs[0] is None
+    assert (
+        max(abs(a - b) for a, b in zip(first.logprobs.token_logprobs[1:], chosen, strict=True))
+        < 1e-9
+    )
+    assert all(len(top) >= 2 for top in first.logprobs.top_logprobs[1:])
+    prefix = only.choices[1].logprobs.token_logprobs[1:]  # scored alone: the same up to last bits
+    assert (
+        max(abs(a - b) for a, b in zip(prefix, first.logprobs.token_logprobs[1:3], strict=True))
+        < 1e-9
+    )
+    assert only.usage.prompt_tokens == len(ids) + 3 and only.usage.completion_tokens == 0
+    more = api.completions.create(
+        model=MODEL, prompt=ids, echo=True, logprobs=1, max_tokens=1, temperature=0
+    )
+    lp = more.choices[0].logprobs
+    assert len(lp.token_logprobs) == len(ids) + 1  # the generated token, a stop token too
+    assert lp.token_logprobs[: len(ids)] == first.logprobs.token_logprobs
+    assert more.choices[0].text.startswith(first.text)
+    for path, body, fragment in (
+        ("completions", {"prompt": "a", "max_tokens": 0}, "max_tokens=0"),
+        ("completions", {"prompt": "a", "echo": True, "stream": True}, "echo=true with stream"),
+        ("chat/completions", {"messages": MESSAGES, "echo": True}, "echo=true is a completions"),
+    ):
+        response = requests.post(
+            f"{server['url']}/v1/{path}", json={"model": MODEL, **body}, timeout=60
+        )
+        assert response.status_code == 400 and fragment in response.text, response.text

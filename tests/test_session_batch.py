@@ -9,6 +9,7 @@ keyed by session id, and a re-prefill (not a wrong answer) when a cache is missi
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from dsbd_core import SamplingConfig, generate
@@ -21,11 +22,20 @@ from .test_engine_transformers import VOCAB, tiny
 
 REQUESTS = [
     ([1, 2, 3, 4], {"width": 3, "gamma": 3, "threshold": 0.6, "seed": 1}),
-    ([5, 6], {"width": 2, "draft_width": 4, "gamma": 2, "threshold": None, "seed": 2,
-              "mode": "with_replacement"}),
+    (
+        [5, 6],
+        {
+            "width": 2,
+            "draft_width": 4,
+            "gamma": 2,
+            "threshold": None,
+            "seed": 2,
+            "mode": "with_replacement",
+        },
+    ),
     ([7], {"width": 1, "gamma": 4, "threshold": None, "seed": 3}),
     ([8, 9, 10, 11, 12, 13], {"width": 3, "gamma": 1, "lean_memory": True, "seed": 4}),
-]  # fmt: skip
+]
 
 
 def configs() -> list[SamplingConfig]:
@@ -41,8 +51,9 @@ def decode_together(
     reports = []
     iteration = 0
     while True:
-        live = [i for i, (e, s) in enumerate(zip(engines, states, strict=True))
-                if e.next_iteration(s)]  # fmt: skip
+        live = [
+            i for i, (e, s) in enumerate(zip(engines, states, strict=True)) if e.next_iteration(s)
+        ]
         if not live:
             break
         iteration += 1
@@ -59,7 +70,7 @@ def decode_together(
             [
                 Job(f"r{i}", engines[i].verify_steps(messages[i], f))
                 for i, f in zip(live, forests, strict=True)
-            ]  # fmt: skip
+            ]
         )
         reports.append(("target", report))
         for i, outcome in zip(live, outcomes, strict=True):
@@ -72,8 +83,11 @@ def alone() -> list:
     target_model, draft_model = tiny("llama", 1), tiny("llama", 2)
     out = []
     for (prompt, _), cfg in zip(REQUESTS, configs(), strict=True):
-        out.append(generate("dsbd", TransformerScorer(target_model), prompt, cfg,
-                            TransformerScorer(draft_model)))  # fmt: skip
+        out.append(
+            generate(
+                "dsbd", TransformerScorer(target_model), prompt, cfg, TransformerScorer(draft_model)
+            )
+        )
     return out
 
 
@@ -85,6 +99,7 @@ def assert_same(got: list, want: list) -> None:
         assert a.stats.as_dict() == b.stats.as_dict()
 
 
+@pytest.mark.slow
 def test_batched_requests_decode_what_each_decodes_alone() -> None:
     target = TransformerScorer(tiny("llama", 1))
     draft = TransformerScorer(tiny("llama", 2))
@@ -102,6 +117,7 @@ def test_batched_requests_decode_what_each_decodes_alone() -> None:
     assert verify_reports[0].reused == 0 and verify_reports[1].reused == verify_reports[1].requests
 
 
+@pytest.mark.slow
 def test_missing_caches_reprefill_and_still_decode_the_same() -> None:
     target = SessionBatcher(TransformerScorer(tiny("llama", 1)))
     draft = SessionBatcher(TransformerScorer(tiny("llama", 2)))

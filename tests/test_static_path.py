@@ -31,6 +31,7 @@ from tests import golden_tokens as golden
 from tests.test_engine_transformers import tiny
 
 
+@pytest.mark.slow
 def test_golden_decodes_are_the_recorded_tokens_on_the_static_path() -> None:
     """Every method and config corner of the golden file, alone, batched and in lockstep
     through `SessionBatcher`s (continuous batching): float64, draw for draw."""
@@ -41,25 +42,37 @@ def test_golden_decodes_are_the_recorded_tokens_on_the_static_path() -> None:
             key = f"llama/{name}/seed{seed}"
             config = golden._config(fields, seed, 12)
             target, draft = golden._llama_models()
-            alone = generate(method, StaticScorer(target), golden.PROMPTS[0], config,
-                             StaticScorer(draft))  # fmt: skip
+            alone = generate(
+                method, StaticScorer(target), golden.PROMPTS[0], config, StaticScorer(draft)
+            )
             target, draft = golden._llama_models()
-            batch = generate_batch(method, StaticScorer(target), golden.PROMPTS, config,
-                                   StaticScorer(draft))  # fmt: skip
-            got = {key + "/single": golden._summary(alone),
-                   key + "/batch": [golden._summary(r) for r in batch]}  # fmt: skip
+            batch = generate_batch(
+                method, StaticScorer(target), golden.PROMPTS, config, StaticScorer(draft)
+            )
+            got = {
+                key + "/single": golden._summary(alone),
+                key + "/batch": [golden._summary(r) for r in batch],
+            }
             for k, value in got.items():
                 if json.loads(json.dumps(value, sort_keys=True)) != expected[k]:
                     moved.append(k)
-    requests = [(f"llama/{name}/seed{seed}/lockstep", method, golden._config(fields, seed, 10),
-                 golden.PROMPTS[seed % len(golden.PROMPTS)])
-                for name, method, fields in golden.CASES for seed in golden.SEEDS]  # fmt: skip
+    requests = [
+        (
+            f"llama/{name}/seed{seed}/lockstep",
+            method,
+            golden._config(fields, seed, 10),
+            golden.PROMPTS[seed % len(golden.PROMPTS)],
+        )
+        for name, method, fields in golden.CASES
+        for seed in golden.SEEDS
+    ]
     target, draft = golden._llama_models()
     target_scorer, draft_scorer = StaticScorer(target), StaticScorer(draft)
     results, _ = decode_lockstep(
         [Request(prompt, config, method) for _, method, config, prompt in requests],
-        SessionBatcher(target_scorer), SessionBatcher(draft_scorer),
-    )  # fmt: skip
+        SessionBatcher(target_scorer),
+        SessionBatcher(draft_scorer),
+    )
     for (key, *_), result in zip(requests, results, strict=True):
         assert result.error is None
         if json.loads(json.dumps(golden._summary(result.result), sort_keys=True)) != expected[key]:
@@ -81,6 +94,7 @@ METHODS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize(("method", "fields"), METHODS)
 def test_float32_static_path_decodes_the_dynamic_paths_tokens(
@@ -90,8 +104,9 @@ def test_float32_static_path_decodes_the_dynamic_paths_tokens(
     prompts = [[1, 2, 3, 4], [5, 6], [8, 9, 10, 11, 12, 13]]
     for seed in (0, 1):
         config = SamplingConfig(max_new_tokens=12, eos_token_ids=(0,), seed=seed, **fields)
-        dynamic = generate_batch(method, TransformerScorer(target), prompts, config,
-                                 TransformerScorer(draft))  # fmt: skip
+        dynamic = generate_batch(
+            method, TransformerScorer(target), prompts, config, TransformerScorer(draft)
+        )
         static_target = StaticScorer(target)
         static = generate_batch(method, static_target, prompts, config, StaticScorer(draft))
         for got, want in zip(static, dynamic, strict=True):
@@ -103,12 +118,20 @@ def test_float32_static_path_decodes_the_dynamic_paths_tokens(
 
 def _model(vocab: int = 40) -> LlamaForCausalLM:
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=256, attn_implementation="sdpa")  # fmt: skip
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        attn_implementation="sdpa",
+    )
     return LlamaForCausalLM(config).eval()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "restricted-head"])
 def test_steps_compile_as_one_graph_and_compute_the_eager_step(arch: str) -> None:
     """CPU-side evidence that the CUDA graphs can be captured: every bucket's step traces with
@@ -163,8 +186,13 @@ def test_bench_counts_graph_replays_which_run_no_forward_hook() -> None:
 def test_pool_rows_are_reused_grown_and_evicted_without_a_wrong_distribution() -> None:
     target, draft = _model(), _model()
     config = SamplingConfig(width=3, gamma=2, max_new_tokens=30, seed=4, eos_token_ids=())
-    want = generate("dsbd", TransformerScorer(target.double()), [1, 2, 3], config,
-                    TransformerScorer(draft.double()))  # fmt: skip
+    want = generate(
+        "dsbd",
+        TransformerScorer(target.double()),
+        [1, 2, 3],
+        config,
+        TransformerScorer(draft.double()),
+    )
     # a pool far too small at first: it grows in rows and columns while decoding
     small = StaticScorer(target, rows=1, length=4)
     got = generate("dsbd", small, [1, 2, 3], config, StaticScorer(draft))
@@ -184,10 +212,10 @@ class _EvictingScorer(StaticScorer):
 
 def test_a_session_whose_rows_were_taken_reprefills_to_the_same_tokens() -> None:
     target, draft = _model().double(), _model().double()
-    config = SamplingConfig(width=3, gamma=2, threshold=0.7, max_new_tokens=16, seed=2,
-                            eos_token_ids=())  # fmt: skip
-    want = generate("dsbd", TransformerScorer(target), [1, 2, 3], config,
-                    TransformerScorer(draft))  # fmt: skip
+    config = SamplingConfig(
+        width=3, gamma=2, threshold=0.7, max_new_tokens=16, seed=2, eos_token_ids=()
+    )
+    want = generate("dsbd", TransformerScorer(target), [1, 2, 3], config, TransformerScorer(draft))
     got = generate("dsbd", _EvictingScorer(target), [1, 2, 3], config, _EvictingScorer(draft))
     assert [b.token_ids for b in got.beams] == [b.token_ids for b in want.beams]
 
@@ -219,8 +247,9 @@ def test_a_serving_replica_on_the_static_path_reports_it_and_frees_released_sess
     from tests.tiny_models import build_pair
 
     source = build_pair(tmp_path)[1]
-    replica = Draft.func_or_class({"source": str(source), "dtype": "float64",
-                                   "decode_path": "static"})  # fmt: skip
+    replica = Draft.func_or_class(
+        {"source": str(source), "dtype": "float64", "decode_path": "static"}
+    )
     assert isinstance(replica.scorer, StaticScorer)
     call = _call(replica.vocab_size, [5, 6, 7])
 

@@ -33,6 +33,7 @@ SMOL_PROMPTS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_tp2_forest_logits_equal_tp1(arch: str, tmp_path: Path) -> None:
     model_dir = save_tiny(arch, tmp_path / "target")
@@ -43,6 +44,7 @@ def test_tp2_forest_logits_equal_tp1(arch: str, tmp_path: Path) -> None:
     assert max_difference(got, want) < 1e-5
 
 
+@pytest.mark.slow
 def test_cpu_ranks_stay_on_cpu_where_torch_reports_cuda(tmp_path: Path) -> None:
     """`device: cpu` holds on a GPU host: there torch (a CUDA build) reports cuda as its
     accelerator, GPU visible or not, and transformers would build its mesh on cuda:LOCAL_RANK
@@ -84,8 +86,9 @@ def test_handles_keep_caches_on_the_rank_until_discarded(tmp_path: Path) -> None
     model_dir = save_tiny("llama", tmp_path / "m")
     scorer = ShardedScorer(load_sharded(model_dir, dtype=torch.float32))
     tokens = torch.tensor([[[1, 2, 3], [4, 5, 6]], [[7, 8, 0], [0, 0, 0]]])
-    scorer.set_roots(Roots(tokens, torch.tensor([3, 2]),
-                           torch.tensor([[True, True], [True, False]]), None))  # fmt: skip
+    scorer.set_roots(
+        Roots(tokens, torch.tensor([3, 2]), torch.tensor([[True, True], [True, False]]), None)
+    )
     first = scorer.forward([])
     handles = scorer.export_sessions()
     assert [type(h).__name__ for h in handles] == ["SessionHandle", "SessionHandle"]
@@ -94,12 +97,14 @@ def test_handles_keep_caches_on_the_rank_until_discarded(tmp_path: Path) -> None
     assert scorer.stored == 1
     scorer.import_sessions([handles[0], None])
     assert scorer.stored == 0
-    scorer.set_roots(Roots(tokens, torch.tensor([3, 2]),
-                           torch.tensor([[True, True], [True, False]]), None))  # fmt: skip
+    scorer.set_roots(
+        Roots(tokens, torch.tensor([3, 2]), torch.tensor([[True, True], [True, False]]), None)
+    )
     again = scorer.forward([])
     assert torch.allclose(again.roots, first.roots, atol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.real_model
 def test_smollm2_target_at_tp3_equals_tp1(tmp_path: Path) -> None:
     """SmolLM2-135M: 9 heads and 3 KV heads split over 3 ranks (one KV head each).

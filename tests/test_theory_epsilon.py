@@ -1,4 +1,4 @@
-"""The ε over-acceptance knob in the product (sd-theory spec §5.4, §9.3 item 6).
+"""The ε over-acceptance knob in the product (THEORY.md §5.4, §9.3 item 6).
 
 Measured through the real verifier (`dsbd_core.algorithm.verify.verify_layer`, one beam) and
 compared with the closed forms of `dsbd_core.tools.theory.overaccept`: rejection `Σ (Q - P - ε)_+`,
@@ -41,11 +41,22 @@ def run_layer(target, draft, eps, drafts=1, distinct=False, seed=0):
         prob = q.gather(1, index)
     ones = torch.ones(RUNS, dtype=torch.bool)
     verdict = verify_layer(
-        t, q, torch.ones_like(t, dtype=torch.bool), index, prob, exists, exists,
-        torch.ones(RUNS, dtype=torch.long), ones, distinct, gen, epsilon=eps,
-    )  # fmt: skip
-    slots, _ = fill_failed_layer(verdict, index, t, 1, torch.ones(RUNS, dtype=torch.long),
-                                 distinct, gen)  # fmt: skip
+        t,
+        q,
+        torch.ones_like(t, dtype=torch.bool),
+        index,
+        prob,
+        exists,
+        exists,
+        torch.ones(RUNS, dtype=torch.long),
+        ones,
+        distinct,
+        gen,
+        epsilon=eps,
+    )
+    slots, _ = fill_failed_layer(
+        verdict, index, t, 1, torch.ones(RUNS, dtype=torch.long), distinct, gen
+    )
     return slots[:, 0].numpy(), (verdict.count == 1).numpy(), verdict.bias.numpy()
 
 
@@ -86,7 +97,7 @@ def test_epsilon_never_accepts_outside_the_target_support() -> None:
 
 
 def test_multi_draft_layer_follows_the_epsilon_chain_and_its_bound() -> None:
-    """K = 1, three i.i.d. drafts (spec §9.3 item 6): the slot law is the ε chain's, the mean
+    """K = 1, three i.i.d. drafts (THEORY.md §9.3 item 6): the slot law is the ε chain's, the mean
     reported bias is Σ_m (Π_{j<m} R_j) β_m, and it bounds the layer's TV bias."""
     eps = 0.08
     token, _, bias = run_layer(TARGET, DRAFT, eps, drafts=3, seed=11)
@@ -115,10 +126,16 @@ def tables(seed: int) -> tuple[np.ndarray, np.ndarray]:
 
 def decode(target, draft, runs, method="sps", **extra):
     cfg = SamplingConfig(max_new_tokens=MAX_NEW, eos_token_ids=(EOS,), seed=1, gamma=2, **extra)
-    return generate_batch(method, TableScorer(torch.from_numpy(target)), [[1]] * runs, cfg,
-                          TableScorer(torch.from_numpy(draft)))  # fmt: skip
+    return generate_batch(
+        method,
+        TableScorer(torch.from_numpy(target)),
+        [[1]] * runs,
+        cfg,
+        TableScorer(torch.from_numpy(draft)),
+    )
 
 
+@pytest.mark.slow
 def test_engine_epsilon_trades_exactness_for_speed_within_the_reported_bound() -> None:
     target, draft = tables(0)
     runs = 40_000

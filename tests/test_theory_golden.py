@@ -1,4 +1,4 @@
-"""Deterministic checks of dsbd_core.tools.theory: spec sd-theory.md §8.1 golden values, single-step
+"""Deterministic checks of dsbd_core.tools.theory: THEORY.md §8.1 golden values, single-step
 exactness (P1, P7), closed forms of the batch improvement (P10, P12), Theorems 4-5 (P13-P15)
 and the ε rule's closed forms (P16-P19)."""
 
@@ -55,7 +55,7 @@ def test_theorem1_golden_value() -> None:
     [(1, 0.508), (2, 0.449376), (3, 0.412711), (4, 0.386736), (8, 0.330200)],
 )
 def test_theorem3_golden_values(drafts: int, value: float) -> None:
-    # The spec prints six decimals; M = 1 and 2 are exact decimals.
+    # THEORY.md §8.1 prints six decimals; M = 1 and 2 are exact decimals.
     got = expected_rejections_batch(golden_chain(), drafts)
     assert abs(got - value) < (EXACT if drafts <= 2 else 5e-7)
 
@@ -207,11 +207,11 @@ def test_epsilon_rule_closed_forms_and_limits() -> None:
         assert abs(overaccept_rejection(target, draft, 0.0) - total) < EXACT
         assert np.abs(overaccept_step_law(target, draft, 0.0) - target).max() < EXACT
         assert overaccept_rejection(target, draft, 1.0) == 0.0
-    assert exceeded, "the bias can exceed ε (spec P19): the bound is not 'within ε'"
+    assert exceeded, "the bias can exceed ε (THEORY.md §8.2, P19): the bound is not 'within ε'"
 
 
 def test_epsilon_layer_bias_bound_dominates_the_layer_bias() -> None:
-    """Spec §9.3 item 6 [derived]: K = 1 layer with M drafts, ε at every stage; ε = 0 exact."""
+    """THEORY.md §9.3 item 6 [derived]: K = 1 layer with M drafts, ε at every stage; ε = 0 exact."""
     for target, draft in _random_pairs(np.random.default_rng(6), 200):
         for drafts in (1, 2, 4):
             law, _, bound = overaccept_layer(target, draft, drafts, 0.0)

@@ -1,4 +1,5 @@
-"""Theorems 1 and 3 against simulation and against exact enumeration (spec §8.2 P2-P5, P8, P9).
+"""Theorems 1 and 3 against simulation and against exact enumeration (THEORY.md §8.2, P2-P5,
+P8, P9).
 
 Monte Carlo: fixed seeds, pass if |mean - theory| <= 4 standard errors (false alarm ~6e-5).
 Enumeration: the exact output law of SD and batch SD is computed by enumerating every draft
@@ -62,7 +63,8 @@ def test_theorem1_matches_monte_carlo_and_sd_is_exact() -> None:
     tv_rows = tv(chain.draft, chain.target)  # [T, S]
     compensator = tv_rows[np.arange(chain.horizon)[None, :], previous].sum(1)
     assert_within_4_se(rejected.sum(1) - compensator, 0.0, "compensator")
-    # the compensator is the less noisy predictor of rejections (spec P5: usual, not a theorem)
+    # the compensator is the less noisy predictor of rejections (THEORY.md §8.2, P5: usual, not
+    # a theorem)
     assert compensator.var() < rejected.sum(1).var()
 
 

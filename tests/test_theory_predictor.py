@@ -119,8 +119,13 @@ def test_rejected_layers_have_the_mean_of_the_alpha_compensator_in_the_engine() 
     target = np.log(rng.dirichlet(np.ones(5), size=(5, 5)))
     draft = np.log(rng.dirichlet(np.ones(5), size=(5, 5)))
     cfg = SamplingConfig(max_new_tokens=8, gamma=3, seed=2)
-    results = generate_batch("sps", TableScorer(torch.from_numpy(target)), [[1, 2]] * 4000, cfg,
-                             TableScorer(torch.from_numpy(draft)))  # fmt: skip
+    results = generate_batch(
+        "sps",
+        TableScorer(torch.from_numpy(target)),
+        [[1, 2]] * 4000,
+        cfg,
+        TableScorer(torch.from_numpy(draft)),
+    )
     diffs = []
     for r in results:
         st = r.stats

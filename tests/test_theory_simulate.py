@@ -19,6 +19,7 @@ PLOTS = {
 }
 
 
+@pytest.mark.slow
 def test_simulate_writes_plots_and_consistent_json(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -22,8 +22,11 @@ REPO = Path(__file__).parent.parent
 def test_group_on_ray(tmp_path: Path) -> None:
     completed = subprocess.run(
         [sys.executable, "-m", "tests.tp_ray_checks", str(tmp_path)],
-        capture_output=True, text=True, timeout=600, cwd=REPO,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=REPO,
+    )
     assert completed.returncode == 0, completed.stderr[-4000:]
     line = next(x for x in completed.stdout.splitlines() if x.startswith("RESULT "))
     result = json.loads(line.removeprefix("RESULT "))
@@ -35,10 +38,19 @@ def test_group_on_ray(tmp_path: Path) -> None:
     exported = result["exported"]
     assert exported >= 1 and result["stored_after_export"] == [exported, exported]
     assert result["stored_after_discard"] == [0, 0]
-    assert result["ranks"] == [
-        {"device": "cpu", "shard_devices": ["cpu"], "cuda_initialized": False,
-         "cuda_visible_devices": "", "group_timeout_s": 900.0}
-    ] * 2  # fmt: skip
+    assert (
+        result["ranks"]
+        == [
+            {
+                "device": "cpu",
+                "shard_devices": ["cpu"],
+                "cuda_initialized": False,
+                "cuda_visible_devices": "",
+                "group_timeout_s": 900.0,
+            }
+        ]
+        * 2
+    )
     assert result["store_kept_while_serving"] is True
     assert "rank 1 failed" in result["after_kill"]
     assert result["fail_seconds"] < 10

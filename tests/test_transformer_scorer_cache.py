@@ -1,8 +1,8 @@
 """TransformerScorer's KV caches across iterations: compaction to accepted paths, re-prefills.
 
 After `set_roots`, each kept cache row must equal a fresh prefill of the beam's leading tokens,
-and every output must equal the model run without any cache (spec §12.3 items 12 and 13), up to
-floating-point reordering (< 1e-6); the shared cases are in forest_cases.py.
+and every output must equal the model run without any cache (ALGORITHM.md §12.3 items 12 and
+13), up to floating-point reordering (< 1e-6); the shared cases are in forest_cases.py.
 """
 
 from __future__ import annotations

@@ -45,15 +45,21 @@ def _as_sets(exact: dict) -> dict:
     return merged
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("name", "knobs"), CASES, ids=[c[0] for c in CASES])
 def test_beam_under_transformers_law_is_exact(name: str, knobs: dict) -> None:
     knobs = dict(knobs)
     rng = np.random.default_rng(sum(map(ord, name)))
     table = random_table(rng, knobs.pop("vocab", V), 2, concentration=1.0)
-    config = SamplingConfig(width=WIDTH, max_new_tokens=MAX_NEW, eos_token_ids=(EOS,), seed=3,
-                            selection="transformers", **knobs)  # fmt: skip
-    results = generate_batch("beam", TableScorer(torch.from_numpy(table)), [PROMPT] * RUNS,
-                             config)  # fmt: skip
+    config = SamplingConfig(
+        width=WIDTH,
+        max_new_tokens=MAX_NEW,
+        eos_token_ids=(EOS,),
+        seed=3,
+        selection="transformers",
+        **knobs,
+    )
+    results = generate_batch("beam", TableScorer(torch.from_numpy(table)), [PROMPT] * RUNS, config)
     exact = transformers_beam_outcomes(TableLM(table), PROMPT, WIDTH, MAX_NEW, {EOS}, **knobs)
     assert_matches(_outcomes(results), _as_sets(exact), f"transformers' law, {name}")
 
@@ -62,11 +68,15 @@ SPECULATIVE = [
     ("g1", {"gamma": 1}, {}),
     ("g3", {"gamma": 3}, {}),
     ("ws3-temperature", {"gamma": 2, "draft_width": 3, "temperature": 0.8}, {}),
-    ("zero-mass-ws6", {"gamma": 2, "draft_width": 6, "top_k": 4},
-     {"vocab": 5, "target_zeros": 0.15, "draft_zeros": 0.3}),
-]  # fmt: skip
+    (
+        "zero-mass-ws6",
+        {"gamma": 2, "draft_width": 6, "top_k": 4},
+        {"vocab": 5, "target_zeros": 0.15, "draft_zeros": 0.3},
+    ),
+]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("name", "knobs", "tables"), SPECULATIVE, ids=[c[0] for c in SPECULATIVE])
 def test_dsbd_under_transformers_law_is_exact(name: str, knobs: dict, tables: dict) -> None:
     """The draft's layers verified with the distinct chain of width K: transformers' law at
@@ -76,10 +86,21 @@ def test_dsbd_under_transformers_law_is_exact(name: str, knobs: dict, tables: di
     vocab = tables.get("vocab", V)
     target = random_table(rng, vocab, 2, concentration=1.0, zero_prob=tables.get("target_zeros", 0))
     draft = random_table(rng, vocab, 2, concentration=1.0, zero_prob=tables.get("draft_zeros", 0))
-    config = SamplingConfig(width=WIDTH, max_new_tokens=MAX_NEW, eos_token_ids=(EOS,), seed=5,
-                            selection="transformers", **knobs)  # fmt: skip
-    results = generate_batch("dsbd", TableScorer(torch.from_numpy(target)), [PROMPT] * RUNS,
-                             config, TableScorer(torch.from_numpy(draft)))  # fmt: skip
+    config = SamplingConfig(
+        width=WIDTH,
+        max_new_tokens=MAX_NEW,
+        eos_token_ids=(EOS,),
+        seed=5,
+        selection="transformers",
+        **knobs,
+    )
+    results = generate_batch(
+        "dsbd",
+        TableScorer(torch.from_numpy(target)),
+        [PROMPT] * RUNS,
+        config,
+        TableScorer(torch.from_numpy(draft)),
+    )
     filters = {k: v for k, v in knobs.items() if k in ("temperature", "top_k", "top_p")}
     exact = transformers_beam_outcomes(TableLM(target), PROMPT, WIDTH, MAX_NEW, {EOS}, **filters)
     assert_matches(_outcomes(results), _as_sets(exact), f"dsbd under transformers' law, {name}")
@@ -88,13 +109,13 @@ def test_dsbd_under_transformers_law_is_exact(name: str, knobs: dict, tables: di
     assert passes < steps, f"no step was saved ({passes:.2f} passes for {steps:.2f} steps)"
 
 
+@pytest.mark.slow
 def test_the_paper_law_is_not_transformers_law() -> None:
     """The two laws differ (the test above could not pass for either by accident)."""
     rng = np.random.default_rng(7)
     table = random_table(rng, V, 2, concentration=1.0)
     config = SamplingConfig(width=WIDTH, max_new_tokens=MAX_NEW, eos_token_ids=(EOS,), seed=3)
-    results = generate_batch("beam", TableScorer(torch.from_numpy(table)), [PROMPT] * RUNS,
-                             config)  # fmt: skip
+    results = generate_batch("beam", TableScorer(torch.from_numpy(table)), [PROMPT] * RUNS, config)
     exact = transformers_beam_outcomes(TableLM(table), PROMPT, WIDTH, MAX_NEW, {EOS})
     with pytest.raises(AssertionError):
         assert_matches(_outcomes(results), _as_sets(exact), "the paper's law")
@@ -116,11 +137,21 @@ class _ModelLM:
         return self.cache[key]
 
 
+@pytest.mark.slow
 def test_transformers_generate_follows_the_enumeration() -> None:
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=5, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=16,
-                         bos_token_id=1, eos_token_id=EOS, pad_token_id=EOS)  # fmt: skip
+    config = LlamaConfig(
+        vocab_size=5,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=16,
+        bos_token_id=1,
+        eos_token_id=EOS,
+        pad_token_id=EOS,
+    )
     model = LlamaForCausalLM(config).to(torch.float64).eval()
     with torch.no_grad():
         model.lm_head.weight.mul_(3.0)
@@ -129,11 +160,19 @@ def test_transformers_generate_follows_the_enumeration() -> None:
     torch.manual_seed(1)
     for _ in range(RUNS // 10_000):
         out = model.generate(
-            torch.tensor([prompt] * 10_000), attention_mask=torch.ones(10_000, len(prompt)),
-            do_sample=True, num_beams=WIDTH, num_return_sequences=WIDTH, max_new_tokens=MAX_NEW,
-            top_k=0, temperature=1.0, eos_token_id=EOS, pad_token_id=EOS,
-            return_dict_in_generate=True, output_scores=False,
-        )  # fmt: skip
+            torch.tensor([prompt] * 10_000),
+            attention_mask=torch.ones(10_000, len(prompt)),
+            do_sample=True,
+            num_beams=WIDTH,
+            num_return_sequences=WIDTH,
+            max_new_tokens=MAX_NEW,
+            top_k=0,
+            temperature=1.0,
+            eos_token_id=EOS,
+            pad_token_id=EOS,
+            return_dict_in_generate=True,
+            output_scores=False,
+        )
         for i in range(10_000):
             rows = out.sequences[i * WIDTH : (i + 1) * WIDTH, len(prompt) :].tolist()
             samples.append(tuple(sorted(_until_eos(row) for row in rows)))

@@ -1,4 +1,4 @@
-"""Single-layer slot exactness (spec §12.1 items 1-3), batched over 2e5 independent runs.
+"""Single-layer slot exactness (ALGORITHM.md §12.1 items 1-3), batched over 2e5 independent runs.
 
 A layer has parents x V candidates. Parent row 1 is *rejected* (its drafts exist, but the target
 gives it no mass), the draft has zero mass on a candidate the target likes, and W >= K. The first
@@ -44,9 +44,18 @@ def run_layer(
     width = torch.full((RUNS,), k)
     active = torch.ones(RUNS, dtype=torch.bool)
     verdict = verify_layer(
-        target, proposal, valid_rows, drafts, prob, exists, parent_valid, width, active,
-        distinct, gen,
-    )  # fmt: skip
+        target,
+        proposal,
+        valid_rows,
+        drafts,
+        prob,
+        exists,
+        parent_valid,
+        width,
+        active,
+        distinct,
+        gen,
+    )
     remaining = torch.full((RUNS,), slots)
     index, out_exists = fill_failed_layer(verdict, drafts, target, slots, remaining, distinct, gen)
     passed = verdict.count == k
@@ -81,11 +90,20 @@ def assert_both_branches(passed: torch.Tensor) -> None:
     assert 100 <= n_pass <= RUNS - 100, f"both branches must be exercised ({n_pass} passed)"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("drafts_n", "k", "proposal"),
-    [(2, 2, "far"), (3, 3, "far"), (3, 2, "far"), (4, 2, "far"), (1, 1, "far"), (4, 1, "far"),
-     (3, 3, "near"), (4, 2, "near")],
-)  # fmt: skip
+    [
+        (2, 2, "far"),
+        (3, 3, "far"),
+        (3, 2, "far"),
+        (4, 2, "far"),
+        (1, 1, "far"),
+        (4, 1, "far"),
+        (3, 3, "near"),
+        (4, 2, "near"),
+    ],
+)
 def test_iid_slots_are_iid_target_draws(drafts_n: int, k: int, proposal: str) -> None:
     q = PROPOSALS[proposal]
     samples, passed = run_layer(drafts_n, k, max(k, drafts_n), False, seed=k, q=q)
@@ -94,6 +112,7 @@ def test_iid_slots_are_iid_target_draws(drafts_n: int, k: int, proposal: str) ->
     assert_matches(samples, exact, f"iid W_S={drafts_n} K={k} {proposal}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("drafts_n", "k", "proposal"),
     [(2, 2, "far"), (4, 2, "far"), (3, 3, "near"), (4, 4, "near"), (4, 2, "near")],
@@ -109,9 +128,10 @@ def test_distinct_slots_are_a_without_replacement_sample(
     assert_matches(samples, exact, f"distinct W_S={drafts_n} K={k} {proposal}")
 
 
+@pytest.mark.slow
 def test_the_reference_codes_rule_with_distinct_drafts_is_biased() -> None:
-    """Spec §4.4 item 4: drafts without replacement verified with the i.i.d. rule. The harness
-    must see the bias (this guards the power of the tests above)."""
+    """ALGORITHM.md §4.5, §12.1 item 3: drafts without replacement verified with the i.i.d.
+    rule. The harness must see the bias (this guards the power of the tests above)."""
     gen = torch.Generator().manual_seed(5)
     target = P.expand(RUNS, -1).clone()
     proposal = Q.expand(RUNS, -1).clone()
@@ -121,9 +141,18 @@ def test_the_reference_codes_rule_with_distinct_drafts_is_biased() -> None:
     parent_valid = VALID_PARENT[drafts // V] & exists
     width = torch.full((RUNS,), 2)
     verdict = verify_layer(
-        target, proposal, valid_rows, drafts, prob, exists, parent_valid, width,
-        torch.ones(RUNS, dtype=torch.bool), False, gen,
-    )  # fmt: skip
+        target,
+        proposal,
+        valid_rows,
+        drafts,
+        prob,
+        exists,
+        parent_valid,
+        width,
+        torch.ones(RUNS, dtype=torch.bool),
+        False,
+        gen,
+    )
     index, _ = fill_failed_layer(verdict, drafts, target, 3, torch.full((RUNS,), 3), False, gen)
     rank = torch.arange(3).expand(RUNS, -1)
     order = torch.where(verdict.accepted, rank, rank + 3).argsort(dim=1, stable=True)

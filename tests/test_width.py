@@ -1,4 +1,5 @@
-"""Golden values of the acceptance-count DP and the width rule (spec §5.5, §12.2 items 8-9)."""
+"""Golden values of the acceptance-count DP and the width rule (ALGORITHM.md §5.5, §12.2
+items 8-9)."""
 
 import torch
 
@@ -59,7 +60,7 @@ def test_width_rule_is_monotone_and_clamped() -> None:
     w_max = torch.randint(2, 7, (64,), generator=gen)
     previous = None
     for t in torch.linspace(0.0, 1.0, 21).tolist():
-        width = layer_width(target, proposal, drafts, t, 2, w_max)
+        width = layer_width(target, proposal, drafts, 6, t, 2, w_max)
         assert bool(((width >= torch.minimum(torch.tensor(2), w_max)) & (width <= w_max)).all())
         if previous is not None:
             assert bool((width <= previous).all()), "width must not grow with the threshold"

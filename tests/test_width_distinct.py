@@ -67,9 +67,18 @@ def simulated_tails(p, q, valid, m: int, seed: int = 0) -> torch.Tensor:
     pb, qb, vb = (x.expand(RUNS, -1).contiguous() for x in (p, q, valid))
     index, prob, exists = draw_distinct(qb, m, g)
     verdict = verify_layer(
-        pb, qb, vb, index, prob, exists, exists & vb.gather(1, index),
-        torch.full((RUNS,), m), torch.ones(RUNS, dtype=torch.bool), True, g,
-    )  # fmt: skip
+        pb,
+        qb,
+        vb,
+        index,
+        prob,
+        exists,
+        exists & vb.gather(1, index),
+        torch.full((RUNS,), m),
+        torch.ones(RUNS, dtype=torch.bool),
+        True,
+        g,
+    )
     counts = torch.bincount(verdict.count, minlength=m + 1).double() / RUNS
     return counts.flip(0).cumsum(0).flip(0)
 
@@ -81,13 +90,18 @@ def dp_tails(p, q, valid, m: int) -> torch.Tensor:
 
 def estimated_tails(p, q, valid, m: int, samples: int, seed: int = 7) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
-    return distinct_count_tails(p, q, valid, torch.tensor([m]), g, samples=samples)[0]
+    return distinct_count_tails(p, q, valid, torch.tensor([m]), m, g, samples=samples)[0]
 
 
-LAYERS = {"peaky .9/.85": peaky(0.9, 0.85), "peaky .7/.6": peaky(0.7, 0.6), "flat": flat(),
-          "forest, rejected parent": forest_layer()}  # fmt: skip
+LAYERS = {
+    "peaky .9/.85": peaky(0.9, 0.85),
+    "peaky .7/.6": peaky(0.7, 0.6),
+    "flat": flat(),
+    "forest, rejected parent": forest_layer(),
+}
 
 
+@pytest.mark.slow
 def test_the_iid_dp_overrates_distinct_drafts_on_a_peaky_layer() -> None:
     """Why the estimate exists: three distinct acceptances are far rarer than the DP says."""
     p, q, valid = LAYERS["peaky .9/.85"]
@@ -95,6 +109,7 @@ def test_the_iid_dp_overrates_distinct_drafts_on_a_peaky_layer() -> None:
     assert dp[3] - real[3] > 0.2, (dp, real)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(LAYERS))
 @pytest.mark.parametrize("m", [2, 3, 4])
 def test_the_reduced_layer_gives_the_full_layers_count_distribution(name: str, m: int) -> None:
@@ -132,7 +147,9 @@ def test_the_threshold_now_holds_where_the_dp_broke_it() -> None:
     p, q, valid = LAYERS["peaky .9/.85"]
     real = reference("peaky .9/.85", 3)
     g = torch.Generator().manual_seed(11)
-    width = int(distinct_layer_width(p, q, valid, torch.tensor([3]), 0.7, 1, torch.tensor([3]), g))
+    width = int(
+        distinct_layer_width(p, q, valid, torch.tensor([3]), 3, 0.7, 1, torch.tensor([3]), g)
+    )
     assert real[width] >= 0.7 - 0.03, (width, real)
     assert width == max(k for k in range(4) if real[k] >= 0.7)
 
@@ -141,7 +158,7 @@ def test_sessions_without_drafts_and_w_min() -> None:
     p, q, valid = LAYERS["flat"]
     g = torch.Generator().manual_seed(0)
     two = (p.expand(2, -1), q.expand(2, -1), valid.expand(2, -1))
-    tails = distinct_count_tails(*two, torch.tensor([0, 2]), g)
+    tails = distinct_count_tails(*two, torch.tensor([0, 2]), 2, g)
     assert tails[0].tolist() == [1.0, 0.0, 0.0] and tails[1, 0] == 1.0
-    widths = distinct_layer_width(*two, torch.tensor([0, 2]), 0.99, 1, torch.tensor([3, 3]), g)
+    widths = distinct_layer_width(*two, torch.tensor([0, 2]), 2, 0.99, 1, torch.tensor([3, 3]), g)
     assert widths[0] == 1  # no drafts: w_min

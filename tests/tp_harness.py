@@ -66,15 +66,25 @@ VOCAB = 48
 
 
 def save_tiny(
-    arch: str, path: Path, *, heads: int = 4, kv_heads: int = 2, seed: int = 3,
+    arch: str,
+    path: Path,
+    *,
+    heads: int = 4,
+    kv_heads: int = 2,
+    seed: int = 3,
     intermediate: int = 64,
-) -> Path:  # fmt: skip
+) -> Path:
     """A tiny fp32 Llama (untied head) or Qwen2 (q/k/v biases, tied embeddings), saved."""
     torch.manual_seed(seed)
-    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=intermediate,
-                  num_hidden_layers=2,
-                  num_attention_heads=heads, num_key_value_heads=kv_heads,
-                  max_position_embeddings=128)  # fmt: skip
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=intermediate,
+        num_hidden_layers=2,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=128,
+    )
     if arch == "llama":
         model = LlamaForCausalLM(LlamaConfig(**common, tie_word_embeddings=False))
     else:
@@ -119,9 +129,16 @@ def replay(scorer: ShardedScorer, script: Script) -> list[ForestLogprobs | None]
 
 
 def _rank_main(
-    rank: int, world: int, store: str, model_dir: str, dtype: torch.dtype, script: Script,
-    out: str, accelerator: str | None, timeout_s: float,
-) -> None:  # fmt: skip
+    rank: int,
+    world: int,
+    store: str,
+    model_dir: str,
+    dtype: torch.dtype,
+    script: Script,
+    out: str,
+    accelerator: str | None,
+    timeout_s: float,
+) -> None:
     torch.set_num_threads(1)
     if accelerator is not None:  # what a CUDA build of torch answers, GPU visible or not
         torch._C._get_accelerator = lambda check=False: torch.device(accelerator)
@@ -156,19 +173,35 @@ def local_fraction(model: torch.nn.Module) -> float:
 
 
 def run_on_ranks(
-    world: int, model_dir: Path, script: Script, tmp: Path, dtype: torch.dtype = torch.float32,
-    *, accelerator: str | None = None, timeout_s: float = INIT_TIMEOUT_S,
-) -> list[ForestLogprobs]:  # fmt: skip
+    world: int,
+    model_dir: Path,
+    script: Script,
+    tmp: Path,
+    dtype: torch.dtype = torch.float32,
+    *,
+    accelerator: str | None = None,
+    timeout_s: float = INIT_TIMEOUT_S,
+) -> list[ForestLogprobs]:
     """Replay `script` on `world` cpu ranks; rank 0's forward outputs. Every rank must have
     freed every cache, held 1/world of the weights, all of it on cpu, never initialised CUDA,
     and run its group with `timeout_s`. `accelerator` is what torch reports in the ranks
     (`torch._C._get_accelerator`): "cuda" plays a CUDA build of torch, as on a GPU host."""
     out = tmp / f"tp{world}"
     mp.spawn(
-        _rank_main, args=(world, f"file://{tmp}/store-tp{world}", str(model_dir), dtype, script,
-                          str(out), accelerator, timeout_s),
-        nprocs=world, join=True,
-    )  # fmt: skip
+        _rank_main,
+        args=(
+            world,
+            f"file://{tmp}/store-tp{world}",
+            str(model_dir),
+            dtype,
+            script,
+            str(out),
+            accelerator,
+            timeout_s,
+        ),
+        nprocs=world,
+        join=True,
+    )
     reports = [torch.load(f"{out}.rank{r}", weights_only=False) for r in range(world)]
     for report in reports:
         assert report["stored"] == 0  # every cache handed out came back or was freed

@@ -46,10 +46,18 @@ def main(work: Path) -> dict:
         scorer = TensorParallelScorer(str(target), tp_size=2, init_timeout_s=900.0)
         result["pids"] = scorer.pids
         result["ranks"] = [
-            {k: info[k] for k in ("device", "shard_devices", "cuda_initialized",
-                                  "cuda_visible_devices", "group_timeout_s")}
+            {
+                k: info[k]
+                for k in (
+                    "device",
+                    "shard_devices",
+                    "cuda_initialized",
+                    "cuda_visible_devices",
+                    "group_timeout_s",
+                )
+            }
             for info in scorer.rank_infos
-        ]  # fmt: skip
+        ]
         store_dir = Path(scorer.store.removeprefix("file://")).parent
         got = []
         for kind, args in script:

@@ -11,7 +11,8 @@ a coroutine's name, a dict's first keys), the size of the oldest generation befo
 the full collections Python ran on its own since the last line (time, objects collected).
 
 Why: the ingress's memory climbed for ~9 minutes and dropped by 6-36 MiB at once under the
-soak's load (docs/RELIABILITY.md section 10). Reference cycles freed only by the oldest
+soak's load (docs/history/RELIABILITY-chronicle.md section 10). Reference cycles freed only by the
+oldest
 generation's collection would look like that; this tells whether they do. (They did not: a
 few hundred objects per 90 s, and a 33 MiB drop with no collection behind it.)
 
@@ -25,7 +26,8 @@ write what is live, by traceback, against the first snapshot taken `GC_CENSUS_BA
 seconds after start (default 300: after the soak's warm-up) and against the previous one, with
 the traced total beside the process's RSS and private memory: growth the traces do not hold is
 native (a C extension, gRPC, the allocator). Why: Ray's node metrics agent (DashboardAgent)
-grew +2.1 % in PSS in the ninth soak (docs/RELIABILITY.md section 10); it is a Python process.
+grew +2.1 % in PSS in the ninth soak (docs/history/RELIABILITY-chronicle.md section 10); it is a
+Python process.
 
     GC_CENSUS_MODE=heap GC_CENSUS_WATCH=dashboard/agent.py PYTHONPATH=benchmarks/gc_census \\
         GC_CENSUS_OUT=/tmp/heap_census .venv/bin/python benchmarks/soak.py --duration 1200 \\
@@ -112,10 +114,16 @@ def _census(name: str, command_line: str) -> None:
         gc.garbage.clear()
         gc.set_debug(0)
         gc.collect()  # now free it
-        record = {"t": time.time(), "process": command_line[:120], "collected": found,
-                  "oldest_generation": oldest, "counts": gc.get_count(),
-                  "types": types.most_common(25), "described": described.most_common(60),
-                  "automatic_full": list(_automatic)}  # fmt: skip
+        record = {
+            "t": time.time(),
+            "process": command_line[:120],
+            "collected": found,
+            "oldest_generation": oldest,
+            "counts": gc.get_count(),
+            "types": types.most_common(25),
+            "described": described.most_common(60),
+            "automatic_full": list(_automatic),
+        }
         _automatic.clear()
         with path.open("a") as out:
             out.write(json.dumps(record) + "\n")
@@ -135,11 +143,19 @@ def _memory_kib() -> dict[str, int]:
 def _top(stats: list[tracemalloc.StatisticDiff], count: int = 30) -> list[dict[str, Any]]:
     """The largest growths, each with its traceback's innermost frames (site-packages trimmed)."""
     rows = sorted(stats, key=lambda stat: stat.size_diff, reverse=True)[:count]
-    return [{"size_diff": stat.size_diff, "size": stat.size, "count_diff": stat.count_diff,
-             "count": stat.count,
-             "where": [f"{frame.filename.split('site-packages/')[-1]}:{frame.lineno}"
-                       for frame in stat.traceback]}
-            for stat in rows]  # fmt: skip
+    return [
+        {
+            "size_diff": stat.size_diff,
+            "size": stat.size,
+            "count_diff": stat.count_diff,
+            "count": stat.count,
+            "where": [
+                f"{frame.filename.split('site-packages/')[-1]}:{frame.lineno}"
+                for frame in stat.traceback
+            ],
+        }
+        for stat in rows
+    ]
 
 
 def _heap(name: str, command_line: str, started: float) -> None:
@@ -155,13 +171,21 @@ def _heap(name: str, command_line: str, started: float) -> None:
         if baseline is None and time.time() - started >= BASELINE_S:
             baseline, baseline_t = snapshot, time.time()
         current, peak = tracemalloc.get_traced_memory()
-        record = {"t": time.time(), "process": command_line[:120], "traced": current,
-                  "traced_peak": peak, "tracing_overhead": tracemalloc.get_tracemalloc_memory(),
-                  **_memory_kib(), "baseline_t": baseline_t,
-                  "since_baseline": [] if baseline is None
-                  else _top(snapshot.compare_to(baseline, "traceback")),
-                  "since_previous": [] if previous is None
-                  else _top(snapshot.compare_to(previous, "traceback"), 15)}  # fmt: skip
+        record = {
+            "t": time.time(),
+            "process": command_line[:120],
+            "traced": current,
+            "traced_peak": peak,
+            "tracing_overhead": tracemalloc.get_tracemalloc_memory(),
+            **_memory_kib(),
+            "baseline_t": baseline_t,
+            "since_baseline": []
+            if baseline is None
+            else _top(snapshot.compare_to(baseline, "traceback")),
+            "since_previous": []
+            if previous is None
+            else _top(snapshot.compare_to(previous, "traceback"), 15),
+        }
         previous = snapshot
         with path.open("a") as out:
             out.write(json.dumps(record) + "\n")
@@ -193,8 +217,21 @@ def _pymalloc() -> dict[str, int]:
 
 
 class _Mallinfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks",
-                "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]  # fmt: skip
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
 
 
 def _glibc() -> dict[str, int]:
@@ -215,9 +252,15 @@ def _allocators(name: str, command_line: str) -> None:
     while True:
         time.sleep(PERIOD_S)
         objects = Counter(type(thing).__name__ for thing in gc.get_objects())
-        record = {"t": time.time(), "process": command_line[:120], **_memory_kib(),
-                  "pymalloc": _pymalloc(), "glibc": _glibc(), "objects": objects.total(),
-                  "types": objects.most_common(25)}  # fmt: skip
+        record = {
+            "t": time.time(),
+            "process": command_line[:120],
+            **_memory_kib(),
+            "pymalloc": _pymalloc(),
+            "glibc": _glibc(),
+            "objects": objects.total(),
+            "types": objects.most_common(25),
+        }
         del objects
         with path.open("a") as out:
             out.write(json.dumps(record) + "\n")

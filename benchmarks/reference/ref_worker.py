@@ -33,10 +33,20 @@ from pathlib import Path
 import torch
 
 _CONFIG_KEYS = (
-    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-    "num_key_value_heads", "hidden_act", "max_position_embeddings", "rms_norm_eps",
-    "tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id",
-)  # fmt: skip
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "hidden_act",
+    "max_position_embeddings",
+    "rms_norm_eps",
+    "tie_word_embeddings",
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
+)
 
 
 def legacy_llama_config(source: Path) -> tuple[dict, bool]:
@@ -156,35 +166,63 @@ def call_reference(method: str, prefix: torch.Tensor, cfg: dict, target, draft):
     top_p = cfg["top_p"] if cfg["top_p"] < 1.0 else 0.0  # the reference disables top-p with 0
     if method == "dsbd":
         return beam_speculative_sampling(
-            prefix, draft, target,
-            eos_token_id=cfg["eos_token_id"], pad_token_id=cfg["pad_token_id"],
-            max_len=cfg["max_new_tokens"], gamma=cfg["gamma"], width=cfg["width"],
-            num_beams=cfg["width"], min_num_beams=cfg["w_min"],
+            prefix,
+            draft,
+            target,
+            eos_token_id=cfg["eos_token_id"],
+            pad_token_id=cfg["pad_token_id"],
+            max_len=cfg["max_new_tokens"],
+            gamma=cfg["gamma"],
+            width=cfg["width"],
+            num_beams=cfg["width"],
+            min_num_beams=cfg["w_min"],
             extra_sample_cnt=1 if cfg["lean_memory"] else -1,
             # threshold None (fixed width W): t = 0 makes get_expect_cnt_by_thres return W
             expect_thres=0.0 if cfg["threshold"] is None else cfg["threshold"],
-            temperature=cfg["temperature"], top_k=cfg["top_k"], top_p=top_p, details=True,
-        )  # fmt: skip
+            temperature=cfg["temperature"],
+            top_k=cfg["top_k"],
+            top_p=top_p,
+            details=True,
+        )
     elif method == "sps":
         return speculative_sampling(
-            prefix, draft, target, eos_token_id=cfg["eos_token_id"],
-            pad_token_id=cfg["pad_token_id"], max_len=cfg["max_new_tokens"], gamma=cfg["gamma"],
-            temperature=cfg["temperature"], top_k=cfg["top_k"], top_p=top_p,
-            random_seed=None, details=True,  # a seed here would reseed before every uniform
-        )  # fmt: skip
+            prefix,
+            draft,
+            target,
+            eos_token_id=cfg["eos_token_id"],
+            pad_token_id=cfg["pad_token_id"],
+            max_len=cfg["max_new_tokens"],
+            gamma=cfg["gamma"],
+            temperature=cfg["temperature"],
+            top_k=cfg["top_k"],
+            top_p=top_p,
+            random_seed=None,
+            details=True,  # a seed here would reseed before every uniform
+        )
     elif method == "beam":
         return random_width_beam_sampling(
-            prefix, target, cfg["max_new_tokens"], eos_token_id=cfg["eos_token_id"],
-            max_num_beams=cfg["width"], min_num_beams=cfg["width"],
-            temperature=cfg["temperature"], top_k=cfg["top_k"], top_p=top_p,
+            prefix,
+            target,
+            cfg["max_new_tokens"],
+            eos_token_id=cfg["eos_token_id"],
+            max_num_beams=cfg["width"],
+            min_num_beams=cfg["width"],
+            temperature=cfg["temperature"],
+            top_k=cfg["top_k"],
+            top_p=top_p,
             pad_token_id=cfg["pad_token_id"],
-        )  # fmt: skip
+        )
     elif method == "sample":
         return autoregressive_sampling(
-            prefix, target, cfg["max_new_tokens"], eos_token_id=cfg["eos_token_id"],
-            temperature=cfg["temperature"], top_k=cfg["top_k"], top_p=top_p,
+            prefix,
+            target,
+            cfg["max_new_tokens"],
+            eos_token_id=cfg["eos_token_id"],
+            temperature=cfg["temperature"],
+            top_k=cfg["top_k"],
+            top_p=top_p,
             pad_token_id=cfg["pad_token_id"],
-        )  # fmt: skip
+        )
     else:
         raise ValueError(f"method={method!r}: allowed dsbd, sps, beam, sample")
 
@@ -260,8 +298,13 @@ def main() -> None:
     counters = {"target": CallCounter(target), "draft": CallCounter(draft)}
     import transformers
 
-    hello = {"ready": True, "torch": torch.__version__, "transformers": transformers.__version__,
-             "nice": os.nice(0), "threads": torch.get_num_threads()}  # fmt: skip
+    hello = {
+        "ready": True,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "nice": os.nice(0),
+        "threads": torch.get_num_threads(),
+    }
     protocol.write(json.dumps(hello) + "\n")
     for line in sys.stdin:
         request = json.loads(line)
@@ -273,7 +316,8 @@ def main() -> None:
                     reply = run_decode(request, target, draft, counters)
             else:
                 reply = {"error": f"op={request['op']!r}: allowed logprobs, decode"}
-        except Exception as error:  # the reference raises on some inputs (spec §9.3 item 14)
+        # the reference raises on some inputs (ALGORITHM.md §9.3 item 14)
+        except Exception as error:
             reply = {"error": f"{type(error).__name__}: {error}"}
         protocol.write(json.dumps(reply) + "\n")
 

@@ -39,11 +39,18 @@ def stop_id(pair: Pair, prompt: BenchPrompt) -> int:
 def reference_config(config: SamplingConfig, eos: int, pad: int) -> dict:
     """The settings the reference worker needs, from the SamplingConfig ours runs with."""
     return {
-        "eos_token_id": eos, "pad_token_id": pad, "max_new_tokens": config.max_new_tokens,
-        "gamma": config.gamma, "width": config.width, "w_min": config.w_min,
-        "lean_memory": config.lean_memory, "threshold": config.threshold,
-        "temperature": config.temperature, "top_k": config.top_k, "top_p": config.top_p,
-    }  # fmt: skip
+        "eos_token_id": eos,
+        "pad_token_id": pad,
+        "max_new_tokens": config.max_new_tokens,
+        "gamma": config.gamma,
+        "width": config.width,
+        "w_min": config.w_min,
+        "lean_memory": config.lean_memory,
+        "threshold": config.threshold,
+        "temperature": config.temperature,
+        "top_k": config.top_k,
+        "top_p": config.top_p,
+    }
 
 
 def decode_quality(pair: Pair, prompt: BenchPrompt, ids: list[int], answer_ids: list[int], args):
@@ -54,12 +61,23 @@ def decode_quality(pair: Pair, prompt: BenchPrompt, ids: list[int], answer_ids: 
     if prompt.task_id is None:
         return loglik, answer, {}
     completion = truncate_completion(answer)
-    problem = {"prompt": prompt.text, "test": prompt.test or "",
-               "entry_point": prompt.entry_point or ""}  # fmt: skip
-    outcome = check_completion(problem, completion, timeout_s=args.humaneval_timeout,
-                               sandbox=args.sandbox)  # fmt: skip
-    return loglik, answer, {"completion": completion, "passed": outcome.passed,
-                            "execution": f"{outcome.status}: {outcome.detail}"[:500]}  # fmt: skip
+    problem = {
+        "prompt": prompt.text,
+        "test": prompt.test or "",
+        "entry_point": prompt.entry_point or "",
+    }
+    outcome = check_completion(
+        problem, completion, timeout_s=args.humaneval_timeout, sandbox=args.sandbox
+    )
+    return (
+        loglik,
+        answer,
+        {
+            "completion": completion,
+            "passed": outcome.passed,
+            "execution": f"{outcome.status}: {outcome.detail}"[:500],
+        },
+    )
 
 
 def decode_ours(spec: MethodSpec, pair: Pair, ids: list[int], config: SamplingConfig, energy):
@@ -69,34 +87,55 @@ def decode_ours(spec: MethodSpec, pair: Pair, ids: list[int], config: SamplingCo
         decoded = run_engine(spec, pair, ids, config)
     draft = pair.draft_counter
     return decoded.answer_ids, {
-        "seconds": cost.seconds, "cpu_seconds": cost.cpu_seconds, "tokens": decoded.tokens,
+        "seconds": cost.seconds,
+        "cpu_seconds": cost.cpu_seconds,
+        "tokens": decoded.tokens,
         "target_forward_passes": pair.target_counter.calls,
         "draft_forward_passes": draft.calls if draft else 0,
         "target_kv_peak_bytes": pair.target_counter.kv_peak_bytes,
         "target_kv_peak_shape": pair.target_counter.kv_peak_shape,
         "draft_kv_peak_bytes": draft.kv_peak_bytes if draft else 0,
-        "rss_peak_delta_bytes": cost.rss_peak_delta_bytes, "cuda_peak_bytes": cost.cuda_peak_bytes,
-        "energy_joules": cost.energy_joules, "engine_loglik": decoded.engine_loglik,
+        "rss_peak_delta_bytes": cost.rss_peak_delta_bytes,
+        "cuda_peak_bytes": cost.cuda_peak_bytes,
+        "energy_joules": cost.energy_joules,
+        "engine_loglik": decoded.engine_loglik,
         "engine_stats": decoded.engine_stats,
-    }  # fmt: skip
+    }
 
 
-def decode_reference(worker: RefWorker, spec: MethodSpec, ids: list[int], config: SamplingConfig,
-                     eos: int, pad: int):  # fmt: skip
+def decode_reference(
+    worker: RefWorker, spec: MethodSpec, ids: list[int], config: SamplingConfig, eos: int, pad: int
+):
     """The reference's decode in its worker; returns the MethodRecord fields (and its extras)."""
     settings = reference_config(config, eos, pad)
-    reply = worker.ask({"op": "decode", "method": spec.family, "prompt_ids": ids,
-                        "seed": config.seed, "config": settings})  # fmt: skip
+    reply = worker.ask(
+        {
+            "op": "decode",
+            "method": spec.family,
+            "prompt_ids": ids,
+            "seed": config.seed,
+            "config": settings,
+        }
+    )
     if "error" in reply:
         raise RuntimeError(reply["error"])
     extras = {k: reply[k] for k in ("accepted_layers", "widths") if k in reply}
-    return reply["answer_ids"], {
-        "seconds": reply["seconds"], "cpu_seconds": reply["cpu_seconds"], "tokens": reply["steps"],
-        "target_forward_passes": reply["target_calls"],
-        "draft_forward_passes": reply["draft_calls"] if spec.uses_draft else 0,
-        "target_kv_peak_bytes": reply["target_kv_peak_bytes"],
-        "target_kv_peak_shape": tuple(reply["target_kv_peak_shape"]),
-        "draft_kv_peak_bytes": reply["draft_kv_peak_bytes"] if spec.uses_draft else 0,
-        "rss_peak_delta_bytes": reply["rss_peak_delta_bytes"], "cuda_peak_bytes": None,
-        "energy_joules": None, "engine_loglik": None, "engine_stats": None,
-    }, extras  # fmt: skip
+    return (
+        reply["answer_ids"],
+        {
+            "seconds": reply["seconds"],
+            "cpu_seconds": reply["cpu_seconds"],
+            "tokens": reply["steps"],
+            "target_forward_passes": reply["target_calls"],
+            "draft_forward_passes": reply["draft_calls"] if spec.uses_draft else 0,
+            "target_kv_peak_bytes": reply["target_kv_peak_bytes"],
+            "target_kv_peak_shape": tuple(reply["target_kv_peak_shape"]),
+            "draft_kv_peak_bytes": reply["draft_kv_peak_bytes"] if spec.uses_draft else 0,
+            "rss_peak_delta_bytes": reply["rss_peak_delta_bytes"],
+            "cuda_peak_bytes": None,
+            "energy_joules": None,
+            "engine_loglik": None,
+            "engine_stats": None,
+        },
+        extras,
+    )

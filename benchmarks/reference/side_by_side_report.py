@@ -26,8 +26,10 @@ except ModuleNotFoundError:
 
 def compare(method: str, records: list[MethodRecord], speculation: dict, budget: int) -> dict:
     """Reference vs ours for one method: per-token rates, quality, paired over prompts."""
-    sides = {s: {r.prompt_id: r for r in records if r.method == method and r.source == s}
-             for s in ("reference", "dsbd")}  # fmt: skip
+    sides = {
+        s: {r.prompt_id: r for r in records if r.method == method and r.source == s}
+        for s in ("reference", "dsbd")
+    }
     prompts = [p for p in sides["dsbd"] if p in sides["reference"]]
     ref = [sides["reference"][p] for p in prompts]
     ours = [sides["dsbd"][p] for p in prompts]
@@ -55,8 +57,10 @@ def compare(method: str, records: list[MethodRecord], speculation: dict, budget:
             "decodes_over_budget": sum(r.tokens > budget for r in rows),
         }
 
-    per_token = [(a.loglik / max(a.answer_tokens, 1)) - (b.loglik / max(b.answer_tokens, 1))
-                 for a, b in zip(ref, ours, strict=True)]  # fmt: skip
+    per_token = [
+        (a.loglik / max(a.answer_tokens, 1)) - (b.loglik / max(b.answer_tokens, 1))
+        for a, b in zip(ref, ours, strict=True)
+    ]
     return {
         "prompts": len(prompts),
         "reference": side(ref, "reference"),
@@ -134,7 +138,7 @@ def build_result(
         "prompts": [
             {**p.to_dict(), "prompt_ids": ids, "stop_id": stop}
             for p, ids, stop in zip(run.prompts, run.encoded, run.stops, strict=True)
-        ],  # fmt: skip
+        ],
         "reference": {**sides.hello, "commit": _ref_commit(args.ref_dir)},
         "model_loads": sides.loads,
         "ours_versions": {"torch": torch.__version__, "transformers": _transformers_version()},
@@ -145,7 +149,7 @@ def build_result(
             "load_average_end": list(_load_average()),
             "nice": os.nice(0),
             "threads": torch.get_num_threads(),
-        },  # fmt: skip
+        },
         "created_note": f"load average at the end {tuple(round(x, 2) for x in _load_average())}",
         "comparison": comparison,
         "errors": errors,
@@ -171,8 +175,9 @@ def _load_average() -> tuple[float, float, float]:
 
 
 def _ref_commit(ref_dir: str) -> str:
-    done = subprocess.run(["git", "-C", ref_dir, "rev-parse", "HEAD"], capture_output=True,
-                          text=True, check=False)  # fmt: skip
+    done = subprocess.run(
+        ["git", "-C", ref_dir, "rev-parse", "HEAD"], capture_output=True, text=True, check=False
+    )
     return done.stdout.strip()
 
 

@@ -53,26 +53,40 @@ class Run:
     def config_for(self, index: int, spec: MethodSpec, tokens: int) -> SamplingConfig:
         args = self.args
         base = SamplingConfig(
-            max_new_tokens=tokens, temperature=args.temperature, top_k=args.top_k,
-            top_p=args.top_p, gamma=args.gamma, seed=args.seed + index,
+            max_new_tokens=tokens,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            gamma=args.gamma,
+            seed=args.seed + index,
             eos_token_ids=(self.stops[index],),
-        )  # fmt: skip
+        )
         return spec.sampling_config(base)
 
     def decode(self, source: str, index: int, spec: MethodSpec, tokens: int):
         """(answer ids, MethodRecord fields, accepted layers and widths) of one decode."""
         config = self.config_for(index, spec, tokens)
         if source == "reference":
-            return decode_reference(self.sides.reference(), spec, self.encoded[index], config,
-                                    self.stops[index], self.pad)  # fmt: skip
+            return decode_reference(
+                self.sides.reference(),
+                spec,
+                self.encoded[index],
+                config,
+                self.stops[index],
+                self.pad,
+            )
         answer_ids, fields = decode_ours(
             spec, self.sides.ours(), self.encoded[index], config, self.energy
         )
         stats = fields["engine_stats"] if spec.uses_draft else None
-        extra = {} if not stats else {
-            "accepted_layers": stats["accepted_layers"],
-            "widths": [w for it in stats["widths"] for w in it],
-        }  # fmt: skip
+        extra = (
+            {}
+            if not stats
+            else {
+                "accepted_layers": stats["accepted_layers"],
+                "widths": [w for it in stats["widths"] for w in it],
+            }
+        )
         return answer_ids, fields, extra
 
     def warmup(self, source: str) -> None:
@@ -133,17 +147,21 @@ def run_schedule(
         prompt = run.prompts[index]
         try:
             answer_ids, fields, extra = run.decode(source, index, spec, run.args.max_new_tokens)
-        except RuntimeError as error:  # the reference raises on some inputs (spec §9.3)
-            errors.append({"prompt_id": prompt.id, "method": spec.name, "source": source,
-                           "error": str(error)})  # fmt: skip
+        except RuntimeError as error:  # the reference raises on some inputs (ALGORITHM.md §9.3)
+            errors.append(
+                {"prompt_id": prompt.id, "method": spec.name, "source": source, "error": str(error)}
+            )
             print(f"[{step + 1}/{len(steps)}] {prompt.id} {spec.name} {source}: {error}")
             continue
         fields["order"] = step
         decodes.append((index, spec, source, answer_ids, fields))
         speculation[spec.name][source][prompt.id] = extra
-        print(f"[{step + 1}/{len(steps)}] {prompt.id:18s} {spec.name:22s} {source:9s} "
-              f"{fields['seconds']:7.2f}s steps {fields['tokens']:3d} target calls "
-              f"{fields['target_forward_passes']:3d}", flush=True)  # fmt: skip
+        print(
+            f"[{step + 1}/{len(steps)}] {prompt.id:18s} {spec.name:22s} {source:9s} "
+            f"{fields['seconds']:7.2f}s steps {fields['tokens']:3d} target calls "
+            f"{fields['target_forward_passes']:3d}",
+            flush=True,
+        )
     return decodes, speculation, errors
 
 
@@ -162,9 +180,20 @@ def score(
         loglik, answer, humaneval = decode_quality(
             pair, prompt, run.encoded[index], answer_ids, args
         )
-        records.append(MethodRecord(
-            source=source, method=spec.name, width=spec.width, reference=spec.reference,
-            prompt_id=prompt.id, prompt_index=index, seed=args.seed + index,
-            answer_tokens=len(answer_ids), loglik=loglik, answer=answer, **fields, **humaneval,
-        ))  # fmt: skip
+        records.append(
+            MethodRecord(
+                source=source,
+                method=spec.name,
+                width=spec.width,
+                reference=spec.reference,
+                prompt_id=prompt.id,
+                prompt_index=index,
+                seed=args.seed + index,
+                answer_tokens=len(answer_ids),
+                loglik=loglik,
+                answer=answer,
+                **fields,
+                **humaneval,
+            )
+        )
     return check, records

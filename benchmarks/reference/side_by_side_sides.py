@@ -22,11 +22,22 @@ class RefWorker:
     """The reference worker subprocess: one JSON request per line, one JSON reply per line."""
 
     def __init__(self, python: str, ref_dir: str, target: Path, draft: Path, threads: int, log):
-        cmd = [python, str(HERE / "ref_worker.py"), "--ref-dir", ref_dir, "--target", str(target),
-               "--draft", str(draft), "--threads", str(threads)]  # fmt: skip
+        cmd = [
+            python,
+            str(HERE / "ref_worker.py"),
+            "--ref-dir",
+            ref_dir,
+            "--target",
+            str(target),
+            "--draft",
+            str(draft),
+            "--threads",
+            str(threads),
+        ]
         # Same niceness as this process (inherited): both sides must compete for the CPU alike.
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=log, text=True, bufsize=1)  # fmt: skip
+        self.proc = subprocess.Popen(
+            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True, bufsize=1
+        )
         self.hello = self._read()
 
     def _read(self) -> dict:
@@ -56,8 +67,11 @@ def parity(theirs: dict, target, draft, ids: list[int]) -> dict:
         idx = torch.tensor(theirs[name]["indices"])
         diff = (ours.gather(1, idx) - torch.tensor(theirs[name]["values"])).abs().max().item()
         top1 = (ours.argmax(-1) == idx[:, 0]).float().mean().item()
-        report[name] = {"max_abs_logprob_diff_topk": diff, "top1_agreement": top1,
-                        "k": idx.shape[1]}  # fmt: skip
+        report[name] = {
+            "max_abs_logprob_diff_topk": diff,
+            "top1_agreement": top1,
+            "k": idx.shape[1],
+        }
     return report
 
 
@@ -81,8 +95,9 @@ class Sides:
             self.close_reference()
         if self._pair is None:
             target, draft = (load_causal_lm(n) for n in self.names)
-            self._pair = Pair(target, draft, torch.device("cpu"),
-                              (int(target.tokenizer.eos_token_id),))  # fmt: skip
+            self._pair = Pair(
+                target, draft, torch.device("cpu"), (int(target.tokenizer.eos_token_id),)
+            )
             self.loads["dsbd"] += 1
             self.warmup("dsbd")
         return self._pair
@@ -92,9 +107,13 @@ class Sides:
             self.drop_ours()
         if self._worker is None:
             with open(self.log_path, "a") as log:
-                self._worker = RefWorker(self.args.ref_python, self.args.ref_dir,
-                                         *(prepare_preset(n) for n in self.names),
-                                         self.args.threads, log)  # fmt: skip
+                self._worker = RefWorker(
+                    self.args.ref_python,
+                    self.args.ref_dir,
+                    *(prepare_preset(n) for n in self.names),
+                    self.args.threads,
+                    log,
+                )
             self.hello = self._worker.hello
             self.loads["reference"] += 1
             self.warmup("reference")

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dsbd_core.algorithm.distributions import NEG_INF
 from dsbd_core.algorithm.host_reads import may_read
 from dsbd_core.algorithm.logprobs import (
     ForestLogprobTable,
@@ -23,8 +24,6 @@ from dsbd_core.algorithm.logprobs import (
 )
 from dsbd_core.algorithm.scorer import ForestLayer, Origin
 from dsbd_core.algorithm.state import Outcome, Pool
-
-NEG_INF = float("-inf")
 
 
 @dataclass
@@ -182,7 +181,7 @@ def next_beams(
     """Turn the output slots into the next iteration's input beams.
 
     Output beams that end in an EOS token go to `pool`; the others are packed to the front of
-    the rows (lean memory: only the most likely one is kept, spec §7). `rows_needed`: their
+    the rows (lean memory: only the most likely one is kept, ALGORITHM.md §7). `rows_needed`: their
     log-probs follow the pooled rows (`finds_rows`).
     """
     batch, width = out.index.shape
@@ -195,11 +194,20 @@ def next_beams(
     finished = exists & torch.isin(new_token, eos)
     compact = finds_rows(finished, rows_needed)
     if not compact or bool(finished.any()):
-        pool_add(pool, seq, seq_len, prompt_len, out.score, finished, True, max_new_tokens,
-                 compact=compact)  # fmt: skip
+        pool_add(
+            pool,
+            seq,
+            seq_len,
+            prompt_len,
+            out.score,
+            finished,
+            True,
+            max_new_tokens,
+            compact=compact,
+        )
     keep = exists & ~finished
     if lean_memory:
-        # Keep the most likely output beam (lowest perplexity; paper §14.4): one KV row.
+        # Keep the most likely output beam (lowest perplexity; ALGORITHM.md §14.4): one KV row.
         best = out.score.masked_fill(~exists, NEG_INF).argmax(dim=1)
         best_alive = keep.gather(1, best[:, None])[:, 0]
         order = torch.arange(width, device=best.device)[None, :].expand(batch, width)
@@ -261,10 +269,17 @@ def slot_logprobs(
 
 
 def walk_outcome(
-    beams: NextBeams, *, emitted: torch.Tensor, finished: Pool, passed_layers: torch.Tensor,
-    widths: list[torch.Tensor], alphas: list[torch.Tensor], counters: dict[str, torch.Tensor],
-    logprobs: IterationLogprobs | None, finished_scores: torch.Tensor | None = None,
-) -> Outcome:  # fmt: skip
+    beams: NextBeams,
+    *,
+    emitted: torch.Tensor,
+    finished: Pool,
+    passed_layers: torch.Tensor,
+    widths: list[torch.Tensor],
+    alphas: list[torch.Tensor],
+    counters: dict[str, torch.Tensor],
+    logprobs: IterationLogprobs | None,
+    finished_scores: torch.Tensor | None = None,
+) -> Outcome:
     """The outcome of a walk over the forest (sampling verification or beam search): the
     same fields from the same places, so the two walks cannot drift apart. `widths` and
     `alphas` hold one [B] tensor per verified layer (beam search has no alphas)."""

@@ -2,7 +2,7 @@
 
 Beam sampling, the draft's proposals and DSBD's target layer distributions all start from the
 same table: log-weight = score(parent) + log p(token | parent), flattened row-major
-(`parent * V + token`, spec §0.2), filtered and normalised by `distributions.joint_filter`.
+(`parent * V + token`, ALGORITHM.md §0.2), filtered and normalised by `distributions.joint_filter`.
 The tables are vocabulary-wide; the scores that become beams' log-likelihoods are few and are
 looked up on demand, always in float64 (`Scores`).
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-NEG_INF = float("-inf")
+from dsbd_core.algorithm.distributions import NEG_INF
 
 
 def layer_candidates(

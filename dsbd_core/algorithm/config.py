@@ -20,8 +20,8 @@ class SamplingConfig(BaseModel):
     """Sampling knobs shared by all decoders.
 
     Filtering (temperature, top-k, top-p) is applied *jointly* over the table of candidates
-    (beams x vocabulary) in beam sampling and in DSBD's target distributions (spec §1, §11.2);
-    with one beam this is ordinary per-token filtering.
+    (beams x vocabulary) in beam sampling and in DSBD's target distributions
+    (ALGORITHM.md §1, §11.2); with one beam this is ordinary per-token filtering.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -59,7 +59,8 @@ class SamplingConfig(BaseModel):
         description="with_replacement: W i.i.d. candidates per step; distinct: W distinct ones.",
     )
     lean_memory: bool = Field(
-        False, description="DSBD keeps one beam (one KV row) between iterations (spec §7)."
+        False,
+        description="DSBD keeps one beam (one KV row) between iterations (docs/ALGORITHM.md §7).",
     )
     epsilon: float = Field(
         0.0,

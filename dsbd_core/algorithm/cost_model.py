@@ -85,22 +85,28 @@ class CostPolicy(BaseModel):
         0.6, ge=0, le=1, description="Pass rate of a first drafted layer before any is seen."
     )
     prior_next: float = Field(
-        0.8, ge=0, le=1,
+        0.8,
+        ge=0,
+        le=1,
         description="Pass rate of a deeper layer given the one above it passed, before any is "
         "seen: layers are not independent (a draft that agrees keeps agreeing).",
-    )  # fmt: skip
+    )
     prior_weight: float = Field(2.0, gt=0, description="Layers each prior counts as.")
     memory: float = Field(
         0.85, gt=0, le=1, description="Weight of older evidence per iteration (1: never fades)."
     )
     probe_every: int = Field(
-        6, ge=1, description="Draft >= 1 layer every this many iterations while speculation "
+        6,
+        ge=1,
+        description="Draft >= 1 layer every this many iterations while speculation "
         "is off, to notice a draft that agrees again.",
-    )  # fmt: skip
+    )
     probe_backoff: int = Field(
-        8, ge=1, description="While probes keep finding that speculation does not pay, the "
+        8,
+        ge=1,
+        description="While probes keep finding that speculation does not pay, the "
         "interval doubles, up to probe_every x this (1: never backs off).",
-    )  # fmt: skip
+    )
 
 
 def expected_tokens(pass_rates: list[float], gamma: int) -> float:

@@ -3,7 +3,7 @@
 All four run on `dsbd_core.algorithm.engine.Engine`, driven by the one decode loop
 (`dsbd_core.algorithm.loop`); a method name only fixes some config fields:
   sample  beam sampling with W = 1 and no draft (= multinomial / ancestral sampling)
-  beam    target beam sampling of width W (spec §1)
+  beam    target beam sampling of width W (ALGORITHM.md §1)
   sps     DSBD with W = W_S = 1 and fixed width (= standard speculative sampling)
   dsbd    DSBD as configured (fixed or dynamic width, full or lean memory)
   beam_search       deterministic beam search of width W (= beam with `search`: the W best
@@ -48,9 +48,11 @@ def method_config(method: str, config: SamplingConfig) -> SamplingConfig:
         if one_beam:
             config = config.model_copy(update={"selection": "paper"})
         elif method == "dsbd":  # transformers' law has a fixed width and no lossy mode
-            for field, value, neutral in (("threshold", config.threshold, None),
-                                          ("lean_memory", config.lean_memory, False),
-                                          ("epsilon", config.epsilon, 0.0)):  # fmt: skip
+            for field, value, neutral in (
+                ("threshold", config.threshold, None),
+                ("lean_memory", config.lean_memory, False),
+                ("epsilon", config.epsilon, 0.0),
+            ):
                 if value != neutral:
                     raise MethodConfigError(
                         field,
@@ -95,9 +97,14 @@ def generate_batch(
             f"draft vocabulary size {draft.vocab_size} != target vocabulary size "
             f"{target.vocab_size}: draft and target must share a vocabulary"
         )
-    decode = Decode(run_config, target.vocab_size, [list(p) for p in prompts],
-                    uses_draft=uses_draft, controller=controller,
-                    device=engine_device(target))  # fmt: skip
+    decode = Decode(
+        run_config,
+        target.vocab_size,
+        [list(p) for p in prompts],
+        uses_draft=uses_draft,
+        controller=controller,
+        device=engine_device(target),
+    )
     return run_decode(decode, target, draft if uses_draft else None)
 
 

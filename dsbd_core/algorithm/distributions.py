@@ -1,9 +1,9 @@
 """Candidate distributions and exact draws, batched over sessions.
 
 A *candidate table* is a [B, N] tensor over N = (#parent beams x |V|) candidates, flattened
-row-major (`parent * V + token`, spec §0.2). Beam sampling, the draft's proposals and DSBD's
+row-major (`parent * V + token`, ALGORITHM.md §0.2). Beam sampling, the draft's proposals and DSBD's
 target layer distributions are all built by `joint_filter`, so the three agree whenever the
-models agree (spec §11.2).
+models agree (ALGORITHM.md §11.2).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ RESIDUAL_EPS = 1e-12
 def joint_filter(
     log_weights: torch.Tensor, temperature: float, top_k: int, top_p: float
 ) -> torch.Tensor:
-    """Probabilities of the joint beam distribution over a candidate table (spec §1.1 step 3).
+    """The joint beam distribution over a candidate table (ALGORITHM.md §1.1 step 2).
 
     log_weights: [B, N] log-weights (`-inf` excludes a candidate). Temperature divides them;
     top-k keeps the k largest of the whole row (ties with the k-th kept); top-p keeps the
@@ -67,10 +67,10 @@ def normalise(weights: torch.Tensor) -> torch.Tensor:
 
 
 def residual(chain: torch.Tensor, proposal: torch.Tensor) -> torch.Tensor:
-    """norm((chain - proposal)_+): the chain's distribution after a rejection (spec §4.2).
+    """norm((chain - proposal)_+): the chain's distribution after a rejection (ALGORITHM.md §4.2).
 
     `proposal` may be sub-stochastic (rows of rejected parents removed). When the residual has
-    no mass the chain is returned unchanged (spec §11.15): that branch has probability ~0.
+    no mass the chain is returned unchanged (ALGORITHM.md §11.15): that branch has probability ~0.
     """
     rest = (chain - proposal).clamp_min_(0.0)
     total = rest.sum(dim=-1, keepdim=True)
@@ -136,8 +136,8 @@ def draw_distinct(
 
     The order of the Gumbel top-k is distributed as sequential sampling without replacement, so
     draw j has the conditional probability `p(d_j) / (1 - sum_{i<j} p(d_i))`, returned as the
-    exact proposal probability DSBD's distinct-beam verification needs (spec §4.5). Draws past
-    the number of candidates with mass get exists=False.
+    exact proposal probability DSBD's distinct-beam verification needs (ALGORITHM.md §4.5).
+    Draws past the number of candidates with mass get exists=False.
     Returns (index [B, n], conditional probability [B, n], exists [B, n]).
     """
     batch, size = probs.shape

@@ -1,4 +1,4 @@
-"""The draft side of an iteration: beam-sample a forest of `depth` layers (spec §3).
+"""The draft side of an iteration: beam-sample a forest of `depth` layers (ALGORITHM.md §3).
 
 The draft runs beam sampling of width W_S from the input beams, starting from their *target*
 scores and with the same temperature and joint filter as the target, so that draft == target

@@ -5,7 +5,7 @@ SpS = DSBD with W = W_S = 1 and fixed width), so a statement such as "DSBD follo
 sampling" compares two configurations of the same state machine, and the exactness tests can run
 1e5 sessions in one batched call on an exact n-gram table.
 
-Per iteration (spec §2): the draft runs beam sampling of width W_S for gamma layers from the
+Per iteration (ALGORITHM.md §2): the draft runs beam sampling of width W_S for gamma layers from the
 input beams (`draft_forest.py`); the target scores the whole forest in one forward and the
 layers are verified in order with a fixed or dynamic width (`verify_forest.py`); beams ending in
 an EOS token move to the finished pool and take their slot with them (the remaining width R
@@ -13,7 +13,7 @@ shrinks), in beam sampling and in DSBD alike.
 
 Scores are true cumulative target log-likelihoods of the generated tokens; the candidate table
 of a step is exp((score + log p) / T) jointly filtered, i.e. beam sampling from the tempered
-sequence distribution (spec §11.3, §11.7).
+sequence distribution (ALGORITHM.md §11.3, §11.7).
 
 The engine holds no model: its two sides are generators of `ScoreCall`s, answered by whoever
 holds the model (`scorer.drive` in-process, a `SessionBatcher` batching many requests in a
@@ -34,13 +34,13 @@ from dsbd_core.algorithm.logprobs import TokenLogprobs, splice
 from dsbd_core.algorithm.result import DecodeResult, collect_results
 from dsbd_core.algorithm.scorer import ForestLogprobs, Origin, Roots, ScoreCall
 from dsbd_core.algorithm.state import NO_FOREST, DecodeState, Forest, Outcome, Pool, zero_counters
-from dsbd_core.algorithm.streams import Streams
+from dsbd_core.algorithm.streams import Streams, side_seed
 from dsbd_core.algorithm.verify_forest import verify_forest, verify_scored
 from dsbd_core.algorithm.verify_graph import graph_applies, graph_for
 
 # Random streams of an iteration: the two sides, and the width estimate of distinct drafts
 # (its own stream, so choosing a width never moves the verification's uniforms).
-DRAFT_STREAM, VERIFY_STREAM, WIDTH_STREAM = 1, 2, 3
+DRAFT_STREAM, VERIFY_STREAM = 1, 2
 
 
 class Engine:
@@ -60,10 +60,9 @@ class Engine:
         self.vocab = vocab_size
         self.uses_draft = uses_draft
         # run the verify side after its forward as one compiled graph where it can be
-        # (`verify_graph.py`: a device, the fixed-width rule)
+        # (`verify_graph.py`: a device, no log-probs, the sampling engine)
         self.graph = graph
         self.generator = torch.Generator()  # reseeded per iteration and side, see _reseed
-        self.width_generator = torch.Generator()  # distinct-draft width estimates, ditto
         self.eos = torch.tensor(sorted(set(config.eos_token_ids)), dtype=torch.long, device="cpu")
 
     def start(self, prompts: list[list[int]], device: torch.device | str = "cpu") -> DecodeState:
@@ -87,7 +86,7 @@ class Engine:
         tokens = torch.zeros(batch, width, capacity, dtype=torch.long, device=device)
         tokens[:, :, :longest] = torch.tensor(padded, dtype=torch.long, device=device)[:, None, :]
         alive = torch.zeros(batch, width, dtype=torch.bool, device=device)
-        alive[:, 0] = True  # one input beam at the start (spec §11.6: no replicated prompt rows)
+        alive[:, 0] = True  # one input beam at the start, no replicated rows (ALGORITHM.md §11.6)
         logprobs = None
         if cfg.logprobs is not None:  # one more position than any beam reaches (`splice`)
             top = min(cfg.logprobs, self.vocab)
@@ -132,8 +131,17 @@ class Engine:
             any_retired, any_live, deepest, state.host_roots = _planning_copy(state, flags, live)
         if any_retired:
             compact = finds_rows(retired, state.logprobs is not None)
-            pool_add(state.pool, state.tokens, state.length, state.prompt_len, state.score,
-                     retired, False, self.config.max_new_tokens, compact=compact)  # fmt: skip
+            pool_add(
+                state.pool,
+                state.tokens,
+                state.length,
+                state.prompt_len,
+                state.score,
+                retired,
+                False,
+                self.config.max_new_tokens,
+                compact=compact,
+            )
             if state.logprobs is not None:
                 state.pool.logprobs.append(state.logprobs.rows(*retired.nonzero(as_tuple=True)))
             state.alive = state.alive & live[:, None]
@@ -142,7 +150,7 @@ class Engine:
         return bool(any_live)
 
     def propose_steps(self, state: DecodeState) -> Generator[ScoreCall, ForestLogprobs, Forest]:
-        """Draft side: beam-sample the forest from the current input beams (spec §3), as a
+        """Draft side: beam-sample the forest from the current input beams (ALGORITHM.md §3), as a
         generator of draft-model calls (one per draft layer)."""
         assert state.depth is not None, "call next_iteration first"
         if not self.uses_draft:
@@ -154,21 +162,25 @@ class Engine:
     def verify_steps(
         self, state: DecodeState, forest: Forest
     ) -> Generator[ScoreCall, ForestLogprobs, Outcome]:
-        """Target side: one forward over the forest, layer-by-layer verification (spec §4), as a
-        generator of its one target-model call."""
+        """Target side: one forward over the forest, layer-by-layer verification
+        (ALGORITHM.md §4), as a generator of its one target-model call."""
         assert state.depth is not None, "call next_iteration first"
         eos = self._place(state)
         streams = Streams(self.generator, self._reseed(state, VERIFY_STREAM))
-        self._reseed(state, WIDTH_STREAM, self.width_generator)
         verify = verify_scored
         if self.graph and graph_applies(self.config) and not may_read(state.alive):
             verify = graph_for(state.alive.device, verify_scored)
         return (
             yield from verify_forest(
-                state, forest, self.config, self.vocab, eos, streams, self.width_generator,
+                state,
+                forest,
+                self.config,
+                self.vocab,
+                eos,
+                streams,
                 verify,
             )
-        )  # fmt: skip
+        )
 
     def advance(self, state: DecodeState, outcome: Outcome) -> None:
         """Take the verified outcome as the next iteration's input beams."""
@@ -184,26 +196,28 @@ class Engine:
         state.steps += outcome.emitted
         state.tokens, state.length, state.score = outcome.tokens, outcome.length, outcome.score
         state.alive, state.remaining, state.origin = (
-            outcome.alive, outcome.remaining, outcome.origin
-        )  # fmt: skip
+            outcome.alive,
+            outcome.remaining,
+            outcome.origin,
+        )
 
     def finish(self, state: DecodeState) -> list[DecodeResult]:
         """Every session's beams best-first and its statistics."""
         return collect_results(
-            state.tokens.shape[0], state.pool, state.steps, state.counters, state.history,
+            state.tokens.shape[0],
+            state.pool,
+            state.steps,
+            state.counters,
+            state.history,
             self.config.length_penalty,
-        )  # fmt: skip
+        )
 
     def _reseed(
         self, state: DecodeState, stream: int, generator: torch.Generator | None = None
     ) -> int:
-        """Seed the generator (or `generator`) from (seed, iteration, stream); returns the seed.
-
-        Draft and verifier may live in different processes; deriving each side's stream from the
-        state (instead of sharing one generator) makes a distributed decode draw exactly what the
-        in-process engine draws for the same seed.
-        """
-        mixed = (state.seed * 1_000_003 + state.iteration * 4 + stream) % (2**63 - 1)
+        """Seed the generator (or `generator`) for this side of the iteration (`side_seed`);
+        returns the seed."""
+        mixed = side_seed(state.seed, state.iteration, stream)
         (generator or self.generator).manual_seed(mixed)
         return mixed
 
@@ -214,7 +228,6 @@ class Engine:
         device = state.tokens.device
         if self.generator.device != device:
             self.generator = torch.Generator(device=device)
-            self.width_generator = torch.Generator(device=device)
         if self.eos.device != device:
             self.eos = self.eos.to(device)
         return self.eos

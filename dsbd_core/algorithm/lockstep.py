@@ -87,8 +87,13 @@ class _Loops:
                     )
                 config = method_config(request.method, request.config)
                 chosen = controller(request, config, uses_draft) if controller else None
-                decode = Decode(config, vocab, [list(request.prompt_ids)], uses_draft=uses_draft,
-                                controller=chosen)  # fmt: skip
+                decode = Decode(
+                    config,
+                    vocab,
+                    [list(request.prompt_ids)],
+                    uses_draft=uses_draft,
+                    controller=chosen,
+                )
                 self.out[i].seed = decode.state.seed
                 self.loops[i] = decode.steps()
                 self.send(i, None)

@@ -153,16 +153,22 @@ def all_of(values: TokenLogprobs, root: torch.Tensor, order: torch.Tensor) -> Se
     batch, width = root.shape
     index = order[:, :, None].expand_as(values.chosen)
     wide = order[:, :, None, None].expand_as(values.top_ids)
-    values = TokenLogprobs(values.chosen.gather(1, index), values.top_ids.gather(1, wide),
-                           values.top_logp.gather(1, wide))  # fmt: skip
+    values = TokenLogprobs(
+        values.chosen.gather(1, index),
+        values.top_ids.gather(1, wide),
+        values.top_logp.gather(1, wide),
+    )
     session = torch.arange(batch, device=root.device)[:, None].expand(batch, width).reshape(-1)
     return Segment(session=session, root=root.reshape(-1), values=values.reshape(batch * width))
 
 
 def prefix_logprobs(
-    rows: TokenLogprobs | None, alive: torch.Tensor, pool_session: list[torch.Tensor],
-    pool_rows: list[TokenLogprobs], count: int,
-) -> TokenLogprobs | None:  # fmt: skip
+    rows: TokenLogprobs | None,
+    alive: torch.Tensor,
+    pool_session: list[torch.Tensor],
+    pool_rows: list[TokenLogprobs],
+    count: int,
+) -> TokenLogprobs | None:
     """Log-probs of the first `count` generated tokens of session 0, which every candidate
     (live beam or pooled one) shares (a stream's committed prefix): taken from any candidate,
     since beams inherit the values of the prefix from their common ancestor."""
@@ -176,8 +182,9 @@ def prefix_logprobs(
         for sessions, entry in zip(pool_session, pool_rows, strict=True):
             hit = (sessions == 0).nonzero().flatten()
             if hit.numel():
-                pick = TokenLogprobs(entry.chosen[hit[:1]], entry.top_ids[hit[:1]],
-                                     entry.top_logp[hit[:1]])  # fmt: skip
+                pick = TokenLogprobs(
+                    entry.chosen[hit[:1]], entry.top_ids[hit[:1]], entry.top_logp[hit[:1]]
+                )
                 break
         if pick is None:
             return None

@@ -133,8 +133,9 @@ class Decode:
             if not self.engine.next_iteration(state, gamma=knobs.gamma):
                 break
             assert state.depth is not None
-            call = IterationCall(state.for_models(), self._config(knobs), self.uses_draft,
-                                 graph=self.graph)  # fmt: skip
+            call = IterationCall(
+                state.for_models(), self._config(knobs), self.uses_draft, graph=self.graph
+            )
             drafting = self.uses_draft and deepest_layer(state) > 0
             forest = (yield Propose(call)) if drafting else NO_FOREST
             outcome = yield Verify(call, forest)

@@ -3,7 +3,8 @@
 Why: a cache built iteration by iteration and one re-prefilled in a single forward hold other
 last bits (bfloat16, int8 and float32 alike: other matmul shapes, other reduction orders), so a
 seeded request whose cache died with its replica could draw other tokens than it draws
-in-process (docs/RELIABILITY.md §11: 18 of 73 re-prefilled requests in the chaos run). A
+in-process (docs/history/RELIABILITY-chronicle.md §11: 18 of 73 re-prefilled requests in the chaos
+run). A
 session's forwards are deterministic functions of their inputs and, batch-invariant
 (`dsbd_core.models.row_chunks`), of nothing else: re-running the session's own iterations in
 order (each one's roots, compaction and forest, alone or batched with any others) rebuilds
@@ -76,10 +77,13 @@ def verify_job(key: str, call: IterationCall, forest: Forest, vocab: int) -> Job
     history = None
     if call.replay.history is not None:
         history = [
-            PastStep(p.call.state.iteration, p.call.state.iteration - 1 if n else None,
-                     partial(_scoring, p, vocab))
+            PastStep(
+                p.call.state.iteration,
+                p.call.state.iteration - 1 if n else None,
+                partial(_scoring, p, vocab),
+            )
             for n, p in enumerate(call.replay.history)
-        ]  # fmt: skip
+        ]
     iteration = call.state.iteration
     return Job(key, steps, iteration, iteration - 1 if iteration else None, True, history)
 

@@ -17,7 +17,7 @@ class Beam:
 
     `log_likelihood` is the true cumulative target log-probability of the generated tokens
     (raw model distribution, before temperature/top-k/top-p), tracked separately from any
-    sampling weights so that the final ranking is meaningful (spec §11.7).
+    sampling weights so that the final ranking is meaningful (ALGORITHM.md §11.7).
     """
 
     token_ids: list[int]
@@ -107,8 +107,15 @@ def collect_results(
     """Every session's pooled beams ranked best-first (the best `keep` of them when given), and
     its statistics from the counters and the per-iteration records (tensors become Python
     numbers once, here, at the end, after one copy to the host)."""
-    parts = [pool.session, pool.tokens, pool.length, pool.score, pool.finished,
-             [(p.chosen, p.top_ids, p.top_logp) for p in pool.logprobs], pool.kept]  # fmt: skip
+    parts = [
+        pool.session,
+        pool.tokens,
+        pool.length,
+        pool.score,
+        pool.finished,
+        [(p.chosen, p.top_ids, p.top_logp) for p in pool.logprobs],
+        pool.kept,
+    ]
     parts, steps, counters, history = on_host((parts, steps, counters, history))
     pool = Pool(*parts[:5], logprobs=[TokenLogprobs(*p) for p in parts[5]], kept=parts[6])
     beams: list[list[Beam]] = [[] for _ in range(batch)]

@@ -32,14 +32,12 @@ import torch
 
 from dsbd_core.algorithm.candidates import Scores
 from dsbd_core.algorithm.config import SamplingConfig
-from dsbd_core.algorithm.distributions import Source, draw_distinct, joint_filter
+from dsbd_core.algorithm.distributions import NEG_INF, Source, draw_distinct, joint_filter
 from dsbd_core.algorithm.scorer import ForestLayer, ForestLogprobs, ScoreCall
 from dsbd_core.algorithm.state import NO_FOREST, DecodeState, Forest, deepest_layer, roots_of
 from dsbd_core.algorithm.streams import ACCEPT, BONUS, FILL, LayerStreams
 from dsbd_core.algorithm.transformers_law import law_scores, ranked
 from dsbd_core.algorithm.verify import fill_failed_layer, verify_layer
-
-NEG_INF = float("-inf")
 
 
 def candidates_per_step(config: SamplingConfig, n_eos: int) -> int:
@@ -126,11 +124,21 @@ def verified_candidates(
     parent_valid = valid.gather(1, layer.parent) & layer.exists
     width = torch.full_like(verifying, keep, dtype=torch.long)
     verdict = verify_layer(
-        target, table, valid.repeat_interleave(vocab, dim=1), drafts, forest.probs[level - 1],
-        layer.exists, parent_valid, width, verifying, True, streams.at(level, ACCEPT),
-    )  # fmt: skip
-    index, exists = fill_failed_layer(verdict, drafts, target, keep, width, True,
-                                      streams.at(level, FILL))  # fmt: skip
+        target,
+        table,
+        valid.repeat_interleave(vocab, dim=1),
+        drafts,
+        forest.probs[level - 1],
+        layer.exists,
+        parent_valid,
+        width,
+        verifying,
+        True,
+        streams.at(level, ACCEPT),
+    )
+    index, exists = fill_failed_layer(
+        verdict, drafts, target, keep, width, True, streams.at(level, FILL)
+    )
     verified = ranked(weights, index, exists)
     rows = verifying[:, None]
     return torch.where(rows, verified[0], drawn[0]), torch.where(rows, verified[1], drawn[1])

@@ -10,7 +10,7 @@ Per iteration the engine calls, for each model:
 
 1. `set_roots(roots)`: the beams the iteration starts from (the forest's roots). `origin`
    says where each new root came from in the previous iteration's forest, so a cached model
-   can compact its KV cache to the accepted paths (spec §6.4) instead of re-prefilling. A
+   can compact its KV cache to the accepted paths (ALGORITHM.md §6.4) instead of re-prefilling. A
    scorer that cannot reuse a cache may always rebuild from `tokens`.
 2. `forward(layers)`, once or several times: feeds the roots' uncached tokens (first call after
    `set_roots` only) and the given new forest layers in ONE model forward, and returns

@@ -28,10 +28,8 @@ from dataclasses import dataclass
 import torch
 
 from dsbd_core.algorithm.config import SamplingConfig
-from dsbd_core.algorithm.distributions import Source
+from dsbd_core.algorithm.distributions import NEG_INF, Source
 from dsbd_core.algorithm.transformers_law import sampled_candidates
-
-NEG_INF = float("-inf")
 
 
 @dataclass
@@ -83,8 +81,9 @@ def search_step(
     elif source is None:
         values, indices = weights.reshape(batch, -1).topk(keep, dim=1)  # sorted: best first
     else:
-        values, indices = sampled_candidates(weights, logp, keep, width, eos.numel(), config,
-                                             source)  # fmt: skip
+        values, indices = sampled_candidates(
+            weights, logp, keep, width, eos.numel(), config, source
+        )
     exists = torch.isfinite(values)
     is_eos = torch.isin(indices % vocab, eos)
     at_limit = (generated >= config.max_new_tokens)[:, None]

@@ -77,6 +77,11 @@ class SearchEngine(Engine):
     def finish(self, state: DecodeState) -> list[DecodeResult]:
         """The W best finished hypotheses of every session, best first."""
         return collect_results(
-            state.tokens.shape[0], state.pool, state.steps, state.counters, state.history,
-            self.config.length_penalty, keep=self.config.width,
-        )  # fmt: skip
+            state.tokens.shape[0],
+            state.pool,
+            state.steps,
+            state.counters,
+            state.history,
+            self.config.length_penalty,
+            keep=self.config.width,
+        )

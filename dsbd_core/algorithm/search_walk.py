@@ -24,6 +24,7 @@ import torch
 
 from dsbd_core.algorithm.beams import (
     Outputs,
+    finds_rows,
     next_beams,
     path_logprobs,
     pool_add,
@@ -33,6 +34,8 @@ from dsbd_core.algorithm.beams import (
 )
 from dsbd_core.algorithm.candidates import Scores, layer_candidates
 from dsbd_core.algorithm.config import SamplingConfig
+from dsbd_core.algorithm.distributions import NEG_INF
+from dsbd_core.algorithm.host_reads import may_read
 from dsbd_core.algorithm.logprobs import ForestLogprobTable, IterationLogprobs, Segment
 from dsbd_core.algorithm.sampled_search import verified_candidates
 from dsbd_core.algorithm.scorer import ForestLayer, ForestLogprobs, ScoreCall
@@ -48,8 +51,6 @@ from dsbd_core.algorithm.state import (
     zero_counters,
 )
 from dsbd_core.algorithm.streams import Streams
-
-NEG_INF = float("-inf")
 
 
 def draft_search(
@@ -96,8 +97,7 @@ def verify_search(
     """Score the forest in one target call; take the target's search steps through it
     (`streams`: where a sampled step draws, transformers' law)."""
     assert state.depth is not None and state.finished_scores is not None
-    scored = yield ScoreCall(roots_of(state),
-                             list(forest.layers))  # fmt: skip
+    scored = yield ScoreCall(roots_of(state), list(forest.layers))
     assert scored.roots is not None
     walk = _SearchWalk(state, forest, config, vocab, eos, streams)
     walk.counters["target"] += state.alive.any(dim=1).long()
@@ -107,8 +107,8 @@ def verify_search(
     if config.logprobs is not None:
         walk.table = ForestLogprobTable(node_logp, forest.layers, config.logprobs)
     for level in range(1, deepest_layer(state) + 2):
-        if not bool(walk.pending.any()):
-            break
+        if may_read(walk.pending) and not bool(walk.pending.any()):
+            break  # on a device every level steps, under the mask (`host_reads`)
         walk.step(level, node_logp[level - 1])
     return walk.outcome()
 
@@ -117,14 +117,23 @@ class _SearchWalk:
     """One iteration's search steps in progress: which sessions still step, their beams."""
 
     def __init__(
-        self, state: DecodeState, forest: Forest, config: SamplingConfig, vocab: int,
-        eos: torch.Tensor, streams: Streams | None,
-    ) -> None:  # fmt: skip
+        self,
+        state: DecodeState,
+        forest: Forest,
+        config: SamplingConfig,
+        vocab: int,
+        eos: torch.Tensor,
+        streams: Streams | None,
+    ) -> None:
         assert state.depth is not None and state.finished_scores is not None
         self.streams = streams
         self.state, self.forest, self.config, self.vocab, self.eos = (
-            state, forest, config, vocab, eos
-        )  # fmt: skip
+            state,
+            forest,
+            config,
+            vocab,
+            eos,
+        )
         batch, self.width = state.alive.shape
         device = state.alive.device
         self.counters = zero_counters(batch, device)
@@ -149,27 +158,51 @@ class _SearchWalk:
         if self.config.selection == "transformers":  # transformers' law (sampled_search.py)
             assert self.streams is not None, "a sampled step draws"
             verifying = self.pending & (state.depth >= level)  # type: ignore[operator]
-            drawn = verified_candidates(level, self.parent_score, logp, valid, verifying,
-                                        self.forest, self.config, self.eos,
-                                        self.streams)  # fmt: skip
-        step = search_step(self.parent_score, logp, valid, generated, self.finished_scores,
-                           self.eos, self.config, drawn=drawn)  # fmt: skip
+            drawn = verified_candidates(
+                level,
+                self.parent_score,
+                logp,
+                valid,
+                verifying,
+                self.forest,
+                self.config,
+                self.eos,
+                self.streams,
+            )
+        step = search_step(
+            self.parent_score,
+            logp,
+            valid,
+            generated,
+            self.finished_scores,
+            self.eos,
+            self.config,
+            drawn=drawn,
+        )
         pending = self.pending
-        self.finished_scores = torch.where(pending[:, None], step.finished_scores,
-                                           self.finished_scores)  # fmt: skip
+        self.finished_scores = torch.where(
+            pending[:, None], step.finished_scores, self.finished_scores
+        )
         self._pool(level, step, pending)
         onward = pending & ~step.done & (self.state.depth >= level)  # type: ignore[operator]
-        if bool(onward.any()):
+        if level <= len(self.forest.layers) and (not may_read(onward) or bool(onward.any())):
             onward = onward & self._follow(level, step, onward)
+        else:
+            onward = torch.zeros_like(onward)  # past the forest: nothing to follow
         stop = pending & ~onward
-        self.out.set(stop, level - 1, step.running, step.running_exists & ~step.done[:, None],
-                     step.running_score)  # fmt: skip
+        self.out.set(
+            stop,
+            level - 1,
+            step.running,
+            step.running_exists & ~step.done[:, None],
+            step.running_score,
+        )
         self.pending = onward
 
     def _pool(self, level: int, step: SearchStep, pending: torch.Tensor) -> None:
         """Finished hypotheses of this step that are among the W best go to the pool."""
         pooled = step.pooled & pending[:, None]
-        if not bool(pooled.any()):
+        if may_read(pooled) and not bool(pooled.any()):
             return
         state, layers = self.state, self.forest.layers
         parent, token = step.candidates // self.vocab, step.candidates % self.vocab
@@ -178,10 +211,19 @@ class _SearchWalk:
         seq.scatter_(2, seq_len[:, None, None].expand(-1, parent.shape[1], 1), token[:, :, None])
         by_eos = pooled & step.pooled_eos
         for finished, mask in ((True, by_eos), (False, pooled & ~by_eos)):
-            if not bool(mask.any()):
+            if may_read(mask) and not bool(mask.any()):
                 continue
-            pool_add(self.finished, seq, seq_len + 1, state.prompt_len, step.candidate_score,
-                     mask, finished, self.config.max_new_tokens)  # fmt: skip
+            pool_add(
+                self.finished,
+                seq,
+                seq_len + 1,
+                state.prompt_len,
+                step.candidate_score,
+                mask,
+                finished,
+                self.config.max_new_tokens,
+                compact=finds_rows(mask, self.table is not None),
+            )
             if self.table is not None:
                 self.finished_logprobs.append(path_logprobs(self.table, at, parent, token, mask))
 
@@ -211,17 +253,32 @@ class _SearchWalk:
         emitted = produced * self.live
         none = torch.zeros(0, dtype=torch.long, device=emitted.device)
         beams = next_beams(
-            state.tokens, state.length, state.prompt_len, self.forest.layers, out,
-            state.remaining, self.live, self.finished, vocab=self.vocab, eos=none,
-            lean_memory=False, max_new_tokens=self.config.max_new_tokens,
-        )  # fmt: skip
+            state.tokens,
+            state.length,
+            state.prompt_len,
+            self.forest.layers,
+            out,
+            state.remaining,
+            self.live,
+            self.finished,
+            vocab=self.vocab,
+            eos=none,
+            lean_memory=False,
+            max_new_tokens=self.config.max_new_tokens,
+        )
         logprobs = None
         if self.table is not None:
             nothing = torch.zeros_like(out.exists)  # running beams never end in EOS
             segment, _ = slot_logprobs(self.table, out, beams, nothing, self.vocab)
             logprobs = IterationLogprobs(segment, self.finished_logprobs)
         return walk_outcome(
-            beams, emitted=emitted, finished=self.finished, passed_layers=self.passed_layers,
-            widths=self.widths, alphas=[], counters=self.counters, logprobs=logprobs,
+            beams,
+            emitted=emitted,
+            finished=self.finished,
+            passed_layers=self.passed_layers,
+            widths=self.widths,
+            alphas=[],
+            counters=self.counters,
+            logprobs=logprobs,
             finished_scores=self.finished_scores,
-        )  # fmt: skip
+        )

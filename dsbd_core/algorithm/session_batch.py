@@ -161,9 +161,13 @@ class SessionBatcher:
         return calls
 
     def _take_caches(
-        self, jobs: list[Job], members: list[int], roots: list[Roots], sizes: list[int],
+        self,
+        jobs: list[Job],
+        members: list[int],
+        roots: list[Roots],
+        sizes: list[int],
         report: BatchReport,
-    ) -> list[Any]:  # fmt: skip
+    ) -> list[Any]:
         """The members' stored caches in batch order (None where a job re-prefills: a fresh
         session, a cache of another shape, or none here)."""
         cached: list[Any] = []
@@ -179,9 +183,16 @@ class SessionBatcher:
         return cached
 
     def _rounds(
-        self, jobs: list[Job], members: list[int], sizes: list[int], widths: list[int],
-        calls: dict[int, ScoreCall], results: list[Any], failed: set[int], report: BatchReport,
-    ) -> None:  # fmt: skip
+        self,
+        jobs: list[Job],
+        members: list[int],
+        sizes: list[int],
+        widths: list[int],
+        calls: dict[int, ScoreCall],
+        results: list[Any],
+        failed: set[int],
+        report: BatchReport,
+    ) -> None:
         """Answer the jobs' calls with one forward a round until every job has its value."""
         first = True
         while calls:
@@ -214,8 +225,9 @@ class SessionBatcher:
         complete = len(sessions) == sum(sizes)
         for i, size in zip(members, sizes, strict=True):
             if i not in failed and complete:
-                self._store[jobs[i].key] = _Entry(sessions[start : start + size], now,
-                                                  jobs[i].iteration)  # fmt: skip
+                self._store[jobs[i].key] = _Entry(
+                    sessions[start : start + size], now, jobs[i].iteration
+                )
             elif complete:
                 _discard(self.scorer, sessions[start : start + size])
             start += size
@@ -224,9 +236,12 @@ class SessionBatcher:
         self._evict()
 
     def _rebuild(
-        self, jobs: list[Job], calls: dict[int, ScoreCall], results: list[Any],
+        self,
+        jobs: list[Job],
+        calls: dict[int, ScoreCall],
+        results: list[Any],
         report: BatchReport,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """Rebuild the lost caches of exact jobs by re-running their sessions' past iterations
         (each round one batch of every job still replaying: batch mates change no bits), or
         fail a job that came without its history with `ReplayNeeded`."""
@@ -237,16 +252,27 @@ class SessionBatcher:
             if not job.exact or job.after is None or (entry and entry.iteration == job.after):
                 continue
             if job.history is None:
-                _fail(i, jobs, calls, results, ReplayNeeded(
-                    f"session {job.key!r}: no cache of iteration {job.after} on this replica; "
-                    "send the call again with its history to rebuild it"))  # fmt: skip
+                _fail(
+                    i,
+                    jobs,
+                    calls,
+                    results,
+                    ReplayNeeded(
+                        f"session {job.key!r}: no cache of iteration {job.after} on this replica; "
+                        "send the call again with its history to rebuild it"
+                    ),
+                )
             else:
                 lost.append(i)
         for r in range(max((len(jobs[i].history or []) for i in lost), default=0)):
             now = [i for i in lost if i in calls and r < len(jobs[i].history or [])]
             past = [jobs[i].history[r] for i in now]  # type: ignore[index]
-            values, _ = self.run([Job(jobs[i].key, p.steps(), p.iteration, p.after)
-                                  for i, p in zip(now, past, strict=True)])  # fmt: skip
+            values, _ = self.run(
+                [
+                    Job(jobs[i].key, p.steps(), p.iteration, p.after)
+                    for i, p in zip(now, past, strict=True)
+                ]
+            )
             for i, value in zip(now, values, strict=True):
                 if isinstance(value, BaseException):  # fails alone, its cache freed
                     _fail(i, jobs, calls, results, value)
@@ -256,9 +282,16 @@ class SessionBatcher:
         for i in lost:
             entry = self._store.get(jobs[i].key)
             if i in calls and (entry is None or entry.iteration != jobs[i].after):
-                _fail(i, jobs, calls, results, RuntimeError(
-                    f"session {jobs[i].key!r}: its history does not end at iteration "
-                    f"{jobs[i].after}"))  # fmt: skip
+                _fail(
+                    i,
+                    jobs,
+                    calls,
+                    results,
+                    RuntimeError(
+                        f"session {jobs[i].key!r}: its history does not end at iteration "
+                        f"{jobs[i].after}"
+                    ),
+                )
 
     def release(self, key: str) -> bool:
         """Free a session's caches (request finished, failed or cancelled)."""

@@ -116,7 +116,7 @@ def deepest_layer(state: DecodeState) -> int:
 
 @dataclass
 class Forest:
-    """The draft's proposal for one iteration (spec §3): travels from draft to verifier."""
+    """The draft's proposal for one iteration (ALGORITHM.md §3): travels from draft to verifier."""
 
     layers: list[ForestLayer]
     tables: list[torch.Tensor]  # per layer: the draft table Q_l [B, parents x V] (or x K)

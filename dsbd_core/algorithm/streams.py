@@ -20,10 +20,19 @@ import torch
 
 from dsbd_core.algorithm.distributions import Source
 
-# What a draw of a verified layer is for (the order of the draws within a layer is unchanged:
-# bonus, width, acceptance, fill, refill; the width estimate has its own generator).
-BONUS, ACCEPT, FILL, REFILL = 0, 1, 2, 3
+# What a draw of a verified layer is for (the order of the draws within a layer: bonus, width,
+# acceptance, fill, refill). WIDTH: the dynamic width's simulated layers (`width_distinct`).
+BONUS, ACCEPT, FILL, REFILL, WIDTH = 0, 1, 2, 3, 4
 _MASK = 2**63 - 1
+
+
+def side_seed(seed: int, iteration: int, side: int) -> int:
+    """The seed of one side's draws (`DRAFT_STREAM` or `VERIFY_STREAM`) in one iteration.
+
+    Draft and verifier may live in different processes; deriving each side's stream from
+    (decode seed, iteration, side) instead of sharing one generator makes a distributed decode
+    draw exactly what the in-process engine draws for the same seed."""
+    return (seed * 1_000_003 + iteration * 4 + side) % _MASK
 
 
 class Streams:
@@ -96,7 +105,8 @@ def stream_seed(seed: int, level: int, purpose: int) -> int:
     decode share their numbers."""
     if (level, purpose) == (1, BONUS):
         return seed
-    z = (seed + 0x9E3779B97F4A7C15 * (level * 4 + purpose + 1)) & 0xFFFFFFFFFFFFFFFF
+    stream = level * 4 + purpose + 1 if purpose < WIDTH else (1 << 32) + level
+    z = (seed + 0x9E3779B97F4A7C15 * stream) & 0xFFFFFFFFFFFFFFFF
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
     return (z ^ (z >> 31)) & _MASK

@@ -23,9 +23,7 @@ from __future__ import annotations
 import torch
 
 from dsbd_core.algorithm.config import SamplingConfig
-from dsbd_core.algorithm.distributions import Source, uniform
-
-NEG_INF = float("-inf")
+from dsbd_core.algorithm.distributions import NEG_INF, Source, uniform
 
 
 def row_filter(logp: torch.Tensor, config: SamplingConfig, keep_at_least: int) -> torch.Tensor:

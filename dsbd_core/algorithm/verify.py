@@ -1,11 +1,11 @@
-"""Exact layer-by-layer verification of a draft layer against the target (spec §4.2, §4.5).
+"""Exact layer-by-layer verification of a draft layer against the target (ALGORITHM.md §4.2, §4.5).
 
 One call verifies one forest layer for every session of the batch at once; the only Python loop
 is over the (at most W_S) drafts of the layer, in draw order. Two exact rules:
 
 * with_replacement (drafts i.i.d. from Q): accept d_j w.p. min(1, c(d_j)/Q(d_j)); on accept
   reset the chain c to P, on reject c <- norm((c - Q~)_+). Every output slot is then an i.i.d.
-  draw from P, whether the layer passes or fails (spec §4.4 lemma).
+  draw from P, whether the layer passes or fails (ALGORITHM.md §4.4 lemma).
 * distinct (drafts sequentially without replacement): the same chain with the conditional
   proposal q^(j) = norm(Q without d_1..d_{j-1}) and base(P) = norm(P without the chosen
   candidates) as the reset, so the slots are an ordered without-replacement sample of P (§4.5).
@@ -13,7 +13,7 @@ is over the (at most W_S) drafts of the layer, in draw order. Two exact rules:
 Drafts whose parent was rejected are auto-rejected with a residual update against Q~, the
 proposal restricted to valid parents (not renormalised); that keeps both rules exact (§4.2).
 
-Opt-in lossy mode (`epsilon` > 0, SamplingConfig.epsilon; sd-theory spec §5.4, §9.3 item 6):
+Opt-in lossy mode (`epsilon` > 0, SamplingConfig.epsilon; THEORY.md §5.4, §9.3 item 6):
 a draft d is accepted w.p. min(1, (c(d) + ε·[P(d) > 0]) / q(d)) — over-acceptance only inside
 the support of the layer's target P, so filtered-out candidates are never emitted — and the
 chain still moves to the ordinary residual on rejection (Decoding-OPT, Pareto-optimal). Each
@@ -193,7 +193,7 @@ def fill_failed_layer(
     distinct: bool,
     source: Source,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Output slots of a layer that got fewer than K acceptances (spec §4.3, fail branch).
+    """Output slots of a layer that got fewer than K acceptances (ALGORITHM.md §4.3, fail branch).
 
     Slots 0..n-1 are the accepted drafts (draw order), slot n is one draw from the chain state
     (the lemma's fallback), later slots are fresh draws from P (distinct: without replacement,

@@ -1,8 +1,8 @@
-"""The target side of an iteration: one forward over the forest, then the layers in order (§4).
+"""Target side of an iteration (ALGORITHM.md §4): one forest forward, then the layers in order.
 
 For each layer l = 1, 2, ... the target distribution P_l over (valid parents x vocabulary) is
 formed from the target's log-probabilities at the layer's parents; the layer gets a width K
-(fixed: the remaining width R; dynamic: the threshold rule of spec §5) and is verified
+(fixed: the remaining width R; dynamic: the threshold rule of ALGORITHM.md §5) and is verified
 (`verify.verify_layer`). A layer with K acceptances passes and its accepted drafts become the
 next layer's parents; the first layer that fails ends the session's iteration and fills the
 output slots (`verify.fill_failed_layer`). A session whose drafted layers all passed draws a
@@ -48,12 +48,10 @@ from dsbd_core.algorithm.state import (
     roots_of,
     zero_counters,
 )
-from dsbd_core.algorithm.streams import ACCEPT, BONUS, FILL, REFILL, LayerStreams
+from dsbd_core.algorithm.streams import ACCEPT, BONUS, FILL, REFILL, WIDTH, LayerStreams
 from dsbd_core.algorithm.verify import LayerVerdict, draw_slots, fill_failed_layer, verify_layer
 from dsbd_core.algorithm.width import layer_width
 from dsbd_core.algorithm.width_distinct import distinct_layer_width
-
-NEG_INF = float("-inf")
 
 
 def verify_forest(
@@ -63,7 +61,6 @@ def verify_forest(
     vocab: int,
     eos: torch.Tensor,
     streams: LayerStreams,
-    width_generator: torch.Generator,
     verify: Callable[..., Outcome] | None = None,
 ) -> Generator[ScoreCall, ForestLogprobs, Outcome]:
     """Score the forest in one target call and verify it layer by layer (with `verify`, the
@@ -74,9 +71,15 @@ def verify_forest(
     assert scored.roots is not None
     node_logp = [scored.roots] + list(scored.layers)
     return (verify or verify_scored)(
-        state, forest, node_logp, config, vocab, eos, streams, width_generator,
+        state,
+        forest,
+        node_logp,
+        config,
+        vocab,
+        eos,
+        streams,
         deepest_layer(state),
-    )  # fmt: skip
+    )
 
 
 def verify_scored(
@@ -87,14 +90,13 @@ def verify_scored(
     vocab: int,
     eos: torch.Tensor,
     streams: LayerStreams,
-    width_generator: torch.Generator,
     deepest: int,
 ) -> Outcome:
     """Verify the scored forest layer by layer (`node_logp`: the target's log-probs at the
     roots, then at each layer's nodes; `deepest`: the planned deepest layer).
 
-    Everything after the target's forward, as one function of tensors: on a device, with the
-    fixed-width rule, it reads no value on the host, so it is one graph
+    Everything after the target's forward, as one function of tensors: on a device, without
+    log-probs, it reads no value on the host, so it is one graph
     (`tests/test_iteration_graph.py` compiles it with `fullgraph=True`).
     """
     batch = state.alive.shape[0]
@@ -105,7 +107,7 @@ def verify_scored(
     # The tables stay in the dtype the scorer returns: float64 for float64 models (exactness
     # tests), float32 otherwise (bfloat16/float32 models: every table op costs half). Scores
     # (log-likelihoods) are always accumulated in float64 (`_Walk.scores`).
-    walk = _Walk(state, forest, config, vocab, eos, streams, width_generator, counters)
+    walk = _Walk(state, forest, config, vocab, eos, streams, counters)
     if config.logprobs is not None:  # asked for: the values come from these same rows
         walk.table = ForestLogprobTable(node_logp, forest.layers, config.logprobs)
     for level in range(1, deepest + 2):
@@ -125,13 +127,16 @@ class _Walk:
         vocab: int,
         eos: torch.Tensor,
         streams: LayerStreams,
-        width_generator: torch.Generator,
         counters: dict[str, torch.Tensor],
     ) -> None:
         self.state, self.forest, self.config, self.vocab, self.eos = (
-            state, forest, config, vocab, eos
-        )  # fmt: skip
-        self.streams, self.width_generator, self.counters = streams, width_generator, counters
+            state,
+            forest,
+            config,
+            vocab,
+            eos,
+        )
+        self.streams, self.counters = streams, counters
         assert state.depth is not None
         self.depth = state.depth
         batch, self.width = state.alive.shape
@@ -194,25 +199,40 @@ class _Walk:
         self.counters["drafted"] += (parent_valid & verifying[:, None]).sum(dim=1)
         in_layer = torch.where(verifying, layer.exists.sum(dim=1), 0)
         small = self._on_support(level, target, valid_rows)
-        k = self._layer_width(*(small or (target, table, valid_rows)), in_layer)
+        k = self._layer_width(level, *(small or (target, table, valid_rows)), in_layer)
         self.widths.append(torch.where(verifying, k, -1))
         # alpha_1 = sum min(P_l, Q_l) = 1 - TV: first-draft acceptance (theory predictor)
         p_alpha, q_alpha = (small[0], small[1]) if small else (target, table)
         alpha = torch.minimum(p_alpha, q_alpha).sum(dim=1)
         self.alphas.append(torch.where(verifying, alpha, -1.0))
         verdict = verify_layer(
-            target, table, valid_rows, drafts, probs, layer.exists, parent_valid, k, verifying,
-            self.distinct, self.streams.at(level, ACCEPT), epsilon=self.config.epsilon,
-        )  # fmt: skip
+            target,
+            table,
+            valid_rows,
+            drafts,
+            probs,
+            layer.exists,
+            parent_valid,
+            k,
+            verifying,
+            self.distinct,
+            self.streams.at(level, ACCEPT),
+            epsilon=self.config.epsilon,
+        )
         self.counters["accepted"] += verdict.count * verifying
         self.counters["epsilon_bias"] += torch.where(verifying, verdict.bias, 0.0)
         passed = verifying & (verdict.count == k)
         failed = verifying & ~passed
         if not may_read(failed) or bool(failed.any()):
             index, exists = fill_failed_layer(
-                verdict, drafts, target, self.width, self.remaining, self.distinct,
+                verdict,
+                drafts,
+                target,
+                self.width,
+                self.remaining,
+                self.distinct,
                 self.streams.at(level, FILL),
-            )  # fmt: skip
+            )
             self.out.set(failed, level - 1, index, exists, scores.of(index))
             self.pending &= ~failed
         self._passed(level, layer, target, scores, drafts, verdict, passed)
@@ -246,22 +266,34 @@ class _Walk:
 
     def _layer_width(
         self,
+        level: int,
         target: torch.Tensor,
         table: torch.Tensor,
         valid_rows: torch.Tensor | None,
         in_layer: torch.Tensor,
     ) -> torch.Tensor:
-        """K per session: the remaining width, or the dynamic-width rule (spec §5)."""
+        """K per session: the remaining width, or the dynamic-width rule (ALGORITHM.md §5) over the
+        layer's draft slots (a bound on every session's drafts known without reading them)."""
         cfg = self.config
+        slots = self.forest.layers[level - 1].token.shape[1]
         if cfg.fixed_width:
             return self.remaining.clone()
         if self.distinct:  # the DP assumes i.i.d. drafts: simulate the distinct rule
             return distinct_layer_width(
-                target, table, valid_rows, in_layer, cfg.threshold, cfg.w_min, self.remaining,
-                self.width_generator,
-            )  # fmt: skip
+                target,
+                table,
+                valid_rows,
+                in_layer,
+                slots,
+                cfg.threshold,
+                cfg.w_min,
+                self.remaining,
+                self.streams.at(level, WIDTH),
+            )
         restricted = table * valid_rows if valid_rows is not None else table
-        return layer_width(target, restricted, in_layer, cfg.threshold, cfg.w_min, self.remaining)
+        return layer_width(
+            target, restricted, in_layer, slots, cfg.threshold, cfg.w_min, self.remaining
+        )
 
     def _passed(
         self,
@@ -307,11 +339,23 @@ class _Walk:
         slot with them."""
         state = self.state
         seq, seq_len = sequences(
-            state.tokens, state.length, self.forest.layers, torch.full_like(self.depth, level),
+            state.tokens,
+            state.length,
+            self.forest.layers,
+            torch.full_like(self.depth, level),
             torch.arange(layer.token.shape[1], device=layer.token.device).expand_as(layer.token),
-        )  # fmt: skip
-        pool_add(self.finished, seq, seq_len, state.prompt_len, node_score, finished_here,
-                 True, self.config.max_new_tokens, compact=compact)  # fmt: skip
+        )
+        pool_add(
+            self.finished,
+            seq,
+            seq_len,
+            state.prompt_len,
+            node_score,
+            finished_here,
+            True,
+            self.config.max_new_tokens,
+            compact=compact,
+        )
         if self.table is not None:
             self.finished_logprobs.append(node_logprobs(self.table, level, finished_here))
         self.remaining = self.remaining - finished_here.sum(dim=1)
@@ -322,11 +366,20 @@ class _Walk:
         produced = out.exists.any(dim=1)
         emitted = torch.where(produced, out.layer + 1, self.passed_layers) * self.live
         beams = next_beams(
-            state.tokens, state.length, state.prompt_len, self.forest.layers, out,
-            self.remaining, self.live, self.finished, vocab=self.vocab, eos=self.eos,
-            lean_memory=self.config.lean_memory, max_new_tokens=self.config.max_new_tokens,
+            state.tokens,
+            state.length,
+            state.prompt_len,
+            self.forest.layers,
+            out,
+            self.remaining,
+            self.live,
+            self.finished,
+            vocab=self.vocab,
+            eos=self.eos,
+            lean_memory=self.config.lean_memory,
+            max_new_tokens=self.config.max_new_tokens,
             rows_needed=self.table is not None,
-        )  # fmt: skip
+        )
         logprobs = None
         if self.table is not None:
             exists = out.exists & self.live[:, None]
@@ -335,6 +388,12 @@ class _Walk:
             pooled = self.finished_logprobs + ([done] if done is not None else [])
             logprobs = IterationLogprobs(next_part, pooled)
         return walk_outcome(
-            beams, emitted=emitted, finished=self.finished, passed_layers=self.passed_layers,
-            widths=self.widths, alphas=self.alphas, counters=self.counters, logprobs=logprobs,
-        )  # fmt: skip
+            beams,
+            emitted=emitted,
+            finished=self.finished,
+            passed_layers=self.passed_layers,
+            widths=self.widths,
+            alphas=self.alphas,
+            counters=self.counters,
+            logprobs=logprobs,
+        )

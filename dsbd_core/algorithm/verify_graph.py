@@ -1,15 +1,16 @@
 """The verify side after its forward as one compiled graph (opt-in: `IterationCall.graph`).
 
 Where the engine lives on a device, everything after the target's forward (`verify_scored`:
-verification, draws, the next beams, the pool) is a fixed-shape function of tensors with no
-read on the host, for the fixed-width rule. Run eagerly it is ~1,400 small kernels a DSBD
-iteration (W = 3, gamma = 3; `benchmarks/host_reads.py`), each a launch of several microseconds
-on a GPU; compiled with `torch.compile(fullgraph=True)` on the `cudagraphs` backend it is one
-graph replay. A compiled graph cannot take a `torch.Generator`, so its uniforms are drawn
-before each call from the same per-(layer, purpose) streams (`streams.py`) in the same shapes:
-the first call at a shape runs eagerly and records them (`streams.Recording`), later calls
-draw that layout and replay it (`streams.Recorded`). The tokens are those of the eager path
-(`tests/test_iteration_graph.py` decodes through it with the `eager` backend on the CPU).
+verification, width, draws, the next beams, the pool) is a fixed-shape function of tensors
+with no read on the host, for every width rule (`graph_applies`). Run eagerly it is ~1,400
+small kernels a fixed-width DSBD iteration and ~2,300 with dynamic width (W = 3, gamma = 3;
+`benchmarks/host_reads.py`), each a launch of several microseconds on a GPU; compiled with
+`torch.compile(fullgraph=True)` on the `cudagraphs` backend it is one graph replay. A compiled
+graph cannot take a `torch.Generator`, so its uniforms are drawn before each call from the same
+per-(layer, purpose) streams (`streams.py`) in the same shapes: the first call at a shape runs
+eagerly and records them (`streams.Recording`), later calls draw that layout and replay it
+(`streams.Recorded`). The tokens are those of the eager path (`tests/test_iteration_graph.py`
+decodes through it with the `eager` backend on the CPU).
 
 Graphs are per process and per backend (`graph_for`), as captured graphs are in every engine
 that keeps them; Dynamo compiles again where a shape or a config differs (a new gamma, batch
@@ -34,9 +35,10 @@ Layout = dict[tuple[int, int], list[tuple[tuple[int, ...], torch.dtype]]]
 
 
 def graph_applies(config: SamplingConfig) -> bool:
-    """The configs whose verify side reads nothing on a device: fixed width, no log-probs,
-    not the search engine (those read, docs/ARCHITECTURE.md "Where the engine runs")."""
-    return config.fixed_width and config.logprobs is None and not config.searching
+    """The configs whose verify side reads nothing on a device: every width rule, without
+    log-probs (their rows are found by reading), on the sampling engine (the search engine's
+    walk is not compiled: docs/ARCHITECTURE.md "Where the engine runs")."""
+    return config.logprobs is None and not config.searching
 
 
 class VerifyGraph:
@@ -58,7 +60,6 @@ class VerifyGraph:
         vocab: int,
         eos: torch.Tensor,
         streams: LayerStreams,
-        width_generator: torch.Generator,
         deepest: int,
     ) -> Outcome:
         assert isinstance(streams, Streams)
@@ -66,8 +67,7 @@ class VerifyGraph:
         layout = self.layouts.get(key)
         if layout is None:  # first call at this shape: eager, learning what it draws
             recording = Recording(streams.generator, streams.seed)
-            outcome = self.eager(state, forest, node_logp, config, vocab, eos, recording,
-                                 width_generator, deepest)  # fmt: skip
+            outcome = self.eager(state, forest, node_logp, config, vocab, eos, recording, deepest)
             self.layouts[key] = {
                 where: [(tuple(t.shape), t.dtype) for t in drawn]
                 for where, drawn in recording.tape.items()
@@ -80,8 +80,9 @@ class VerifyGraph:
             tape[(level, purpose)] = [uniform(source, s, d, device) for s, d in shapes]
         if self.backend == "cudagraphs":
             torch.compiler.cudagraph_mark_step_begin()
-        outcome = self.compiled(state, forest, node_logp, config, vocab, eos, Recorded(tape),
-                                width_generator, deepest)  # fmt: skip
+        outcome = self.compiled(
+            state, forest, node_logp, config, vocab, eos, Recorded(tape), deepest
+        )
         self.replays += 1
         # a captured graph's outputs are its buffers, rewritten by its next replay
         return _cloned(outcome) if self.backend == "cudagraphs" else outcome
@@ -113,8 +114,13 @@ def _key(
     shapes = tuple(tuple(x.shape) for x in node_logp) + tuple(
         tuple(layer.token.shape) for layer in forest.layers
     )
-    return (tuple(state.tokens.shape), shapes, node_logp[0].dtype, deepest,
-            config.model_dump_json(exclude={"seed"}))  # fmt: skip
+    return (
+        tuple(state.tokens.shape),
+        shapes,
+        node_logp[0].dtype,
+        deepest,
+        config.model_dump_json(exclude={"seed"}),
+    )
 
 
 def _cloned(tree: Any) -> Any:

@@ -1,7 +1,7 @@
-"""Dynamic width: the distribution of acceptances in a layer and the threshold rule (spec §5).
+"""Dynamic width (ALGORITHM.md §5): the acceptance-count distribution and the threshold rule.
 
 Both are pure functions batched over sessions. The recursion applies the residual step ONCE per
-draft (spec §5.3: the reference code's double step does not match simulation).
+draft (ALGORITHM.md §5.3: the reference code's double step does not match simulation).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ def acceptance_alphas(target: torch.Tensor, proposal: torch.Tensor, drafts: int)
 
 
 def acceptance_count_distribution(alphas: torch.Tensor) -> torch.Tensor:
-    """Pr[N_m = k] for every m <= M and k <= m, from alpha_1..alpha_M (spec §5.1).
+    """Pr[N_m = k] for every m <= M and k <= m, from alpha_1..alpha_M (ALGORITHM.md §5.1).
 
     After an acceptance the chain restarts from P, so with f_i = alpha_i prod_{j<i}(1-alpha_j):
     Pr[N_m = 0] = prod_{j<=m}(1-alpha_j), Pr[N_m = k] = sum_i f_i Pr[N_{m-i} = k-1].
@@ -53,7 +53,7 @@ def threshold_width(
     w_min: int | torch.Tensor,
     w_max: torch.Tensor,
 ) -> torch.Tensor:
-    """W_L = min(max(K, w_min), w_max) with K = max{k : Pr[N >= k] >= t} (spec §5.2).
+    """W_L = min(max(K, w_min), w_max) with K = max{k : Pr[N >= k] >= t} (ALGORITHM.md §5.2).
 
     count_distribution: [B, m+1] = Pr[N_m = k]; w_max: [B] the remaining width of each session.
     """
@@ -69,13 +69,16 @@ def layer_width(
     target: torch.Tensor,
     proposal: torch.Tensor,
     drafts: torch.Tensor,
+    slots: int,
     threshold: float,
     w_min: int,
     w_max: torch.Tensor,
 ) -> torch.Tensor:
     """Width of one verified layer per session, from P_l, the valid-row proposal and the number
-    of drafts each session has in the layer (`drafts`: [B] long)."""
-    m_max = int(drafts.max().item()) if drafts.numel() else 0
+    of drafts each session has in the layer (`drafts`: [B] long, at most `slots`, the layer's
+    draft slots: a bound known without reading the counts). The DP's rows for fewer drafts do
+    not depend on how many it runs, so the bound changes no width."""
+    m_max = slots
     if m_max == 0:
         return torch.minimum(torch.full_like(w_max, w_min), w_max)
     table = acceptance_count_distribution(acceptance_alphas(target, proposal, m_max))

@@ -1,15 +1,15 @@
 """Dynamic width for distinct drafts: Pr[N >= k] of the without-replacement rule, by simulation.
 
-The width DP of spec §5.1 (`dsbd_core.algorithm.width`) is exact for i.i.d. drafts. In `distinct`
-mode (the default) the drafts are drawn without replacement and verified with the conditional rule
-of spec §4.5, and there the DP is only an approximation (spec §4.5 says so; docs/ALGORITHM.md
-decision 9). It is a good one when the layer's mass is spread over many candidates, and a bad one
-when it is concentrated: the i.i.d. chain may accept the one likely token again and again, the
-distinct rule needs as many *different* accepted candidates as the width. On a layer with one input
-beam and a 0.9-probability next token (lean mode, code) the DP puts Pr[N >= 3] at 0.86 where the
-distinct rule achieves 0.60, so `threshold = 0.7` asked for width 3 and the layer failed 40% of the
-time instead of at most 30% (measured on the Qwen pair: lean layers passed 0.49 of the time at t =
-0.7; tests/test_width_distinct.py reproduces the gap).
+The width DP of ALGORITHM.md §5.1 (`dsbd_core.algorithm.width`) is exact for i.i.d. drafts. In
+`distinct` mode (the default) the drafts are drawn without replacement and verified with the
+conditional rule of ALGORITHM.md §4.5, and there the DP is only an approximation (§4.5 says so;
+decision 9 of the same page). It is a good one when the layer's mass is spread over many
+candidates, and a bad one when it is concentrated: the i.i.d. chain may accept the one likely token
+again and again, the distinct rule needs as many *different* accepted candidates as the width. On a
+layer with one input beam and a 0.9-probability next token (lean mode, code) the DP puts Pr[N >= 3]
+at 0.86 where the distinct rule achieves 0.60, so `threshold = 0.7` asked for width 3 and the layer
+failed 40% of the time instead of at most 30% (measured on the Qwen pair: lean layers passed 0.49
+of the time at t = 0.7; tests/test_width_distinct.py reproduces the gap).
 
 So for distinct drafts the count distribution is estimated by running the real rule: `samples`
 simulated layers per session, drafts drawn by `draw_distinct` and verified by `verify_layer`
@@ -22,8 +22,8 @@ within 0.015 on the layers of tests/test_width_distinct.py (peaky, flat, several
 rejected one). Cost: `samples` x (`keep` + 16 x `spread`) numbers per session and draft.
 
 Exactness is untouched: the width of a layer must not depend on its drafts or its uniforms
-(spec §4.4), and this estimate depends only on (P_l, Q_l, the valid parents) and a random
-stream of its own (`Engine` reseeds it per iteration, like the draft and verify streams).
+(ALGORITHM.md §4.4), and this estimate depends only on (P_l, Q_l, the valid parents) and a random
+stream of its own per layer and iteration (`streams.WIDTH`).
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ import functools
 
 import torch
 
-from dsbd_core.algorithm.distributions import draw_distinct
+from dsbd_core.algorithm.distributions import Source, draw_distinct
+from dsbd_core.algorithm.host_reads import may_read
 from dsbd_core.algorithm.verify import verify_layer
 from dsbd_core.algorithm.width import layer_width, threshold_width
 
@@ -129,58 +130,73 @@ def distinct_count_tails(
     table: torch.Tensor,
     valid_rows: torch.Tensor | None,
     drafts: torch.Tensor,
-    generator: torch.Generator,
+    slots: int,
+    source: Source,
     *,
     samples: int = SAMPLES,
     keep: int = KEEP,
     spread: int = SPREAD,
 ) -> torch.Tensor:
-    """Estimated Pr[N >= k], k = 0..max(drafts), per session ([B, m + 1]).
+    """Estimated Pr[N >= k], k = 0..slots, per session ([B, slots + 1]).
 
-    `drafts`: [B] drafts each session has in the layer (its draft width W_S; 0: not verified).
-    N counts acceptances without a cap, as the DP does. Sessions with the same layer (same P,
-    Q, valid parents and number of drafts, common in a batch of one prompt) share one estimate,
-    and the simulations run in chunks of at most `CHUNK` numbers.
+    `drafts`: [B] drafts each session has in the layer (its draft width W_S; 0: not verified),
+    at most `slots` (the layer's draft slots, known without reading the counts). N counts
+    acceptances without a cap, as the DP does. Every session is simulated with numbers of its
+    own, in chunks of at most `CHUNK` numbers fixed by the batch's size: what a session draws
+    does not depend on what the others need, so a device (which simulates every session rather
+    than wait to learn which need it) and the host estimate the same widths.
     """
     batch = target.shape[0]
-    m = int(drafts.max().item()) if drafts.numel() else 0
-    tails = torch.zeros(batch, m + 1, dtype=target.dtype, device=target.device)
-    tails[:, 0] = 1.0
+    m = slots
     if m == 0:
-        return tails
+        tails = torch.zeros(batch, 1, dtype=target.dtype, device=target.device)
+        return tails.fill_(1.0)
     p, q, valid = small_layer(target, table, valid_rows, keep, spread)
-    key = torch.cat([p, q, valid.to(p.dtype), drafts[:, None].to(p.dtype)], dim=1)
-    if batch == 1:  # nothing to share
-        unique, inverse = key, torch.zeros(1, dtype=torch.long, device=key.device)
-    else:
-        unique, inverse = torch.unique(key, dim=0, return_inverse=True)
-    size = p.shape[1]
-    p, q = unique[:, :size], unique[:, size : 2 * size]
-    valid, counts = unique[:, 2 * size : 3 * size] > 0, unique[:, -1].long()
-    rows = max(1, CHUNK // (samples * size))
-    estimate = torch.cat([
-        _simulated_tails(p[i : i + rows], q[i : i + rows], valid[i : i + rows],
-                         counts[i : i + rows], m, samples, generator)
-        for i in range(0, unique.shape[0], rows)
-    ])  # fmt: skip
-    return estimate[inverse]
+    rows = max(1, CHUNK // (samples * p.shape[1]))
+    return torch.cat(
+        [
+            _simulated_tails(
+                p[i : i + rows],
+                q[i : i + rows],
+                valid[i : i + rows],
+                drafts[i : i + rows],
+                m,
+                samples,
+                source,
+            )
+            for i in range(0, batch, rows)
+        ]
+    )
 
 
 def _simulated_tails(
-    p: torch.Tensor, q: torch.Tensor, valid: torch.Tensor, drafts: torch.Tensor, m: int,
-    samples: int, generator: torch.Generator,
-) -> torch.Tensor:  # fmt: skip
+    p: torch.Tensor,
+    q: torch.Tensor,
+    valid: torch.Tensor,
+    drafts: torch.Tensor,
+    m: int,
+    samples: int,
+    source: Source,
+) -> torch.Tensor:
     """Pr[N >= k] from `samples` layers per row, drafted and verified by the real rule."""
     batch = p.shape[0]
     p, q, valid = (x.repeat_interleave(samples, dim=0) for x in (p, q, valid))
-    index, prob, exists = draw_distinct(q, m, generator)
+    index, prob, exists = draw_distinct(q, m, source)
     device = p.device
     exists &= torch.arange(m, device=device) < drafts.repeat_interleave(samples)[:, None]
     verdict = verify_layer(
-        p, q, valid, index, prob, exists, exists & valid.gather(1, index),
+        p,
+        q,
+        valid,
+        index,
+        prob,
+        exists,
+        exists & valid.gather(1, index),
         torch.full((batch * samples,), m, device=device),
-        torch.ones(batch * samples, dtype=torch.bool, device=device), True, generator,
-    )  # fmt: skip
+        torch.ones(batch * samples, dtype=torch.bool, device=device),
+        True,
+        source,
+    )
     count = verdict.count.reshape(batch, samples)
     tails = torch.ones(batch, m + 1, dtype=p.dtype, device=device)
     for k in range(1, m + 1):
@@ -193,31 +209,34 @@ def distinct_layer_width(
     table: torch.Tensor,
     valid_rows: torch.Tensor | None,
     drafts: torch.Tensor,
+    slots: int,
     threshold: float,
     w_min: int,
     w_max: torch.Tensor,
-    generator: torch.Generator,
+    source: Source,
 ) -> torch.Tensor:
     """Width of one verified layer per session for distinct drafts (the threshold rule of
-    spec §5.2 on the estimated count distribution).
+    ALGORITHM.md §5.2 on the estimated count distribution).
 
     Where the estimate cannot change the width, the DP's exact answer is kept: a session with
     at most one draft (one draft: both rules accept it w.p. sum min(P, Q~)) or whose width is
-    forced (`w_max <= w_min`). The estimate is needed only where K >= 2 is possible.
+    forced (`w_max <= w_min`). The estimate is needed only where K >= 2 is possible. The host
+    computes only the rule some session needs (the estimate's numbers are the layer's own
+    stream, `streams.WIDTH`: skipping it moves no later draw); a device computes both and
+    selects.
     """
     needs = (drafts >= 2) & (w_max > w_min)
-    width = w_max.clone()
-    for rows, estimate in ((~needs).nonzero()[:, 0], False), (needs.nonzero()[:, 0], True):
-        if not rows.numel():
-            continue
-        whole = rows.numel() == target.shape[0]  # no copies for a batch of one session
-        p, q = (target, table) if whole else (target[rows], table[rows])
-        valid = valid_rows if valid_rows is None or whole else valid_rows[rows]
-        if not estimate:
-            restricted = q if valid is None else q * valid
-            width[rows] = layer_width(p, restricted, drafts[rows], threshold, w_min, w_max[rows])
-            continue
-        tails = distinct_count_tails(p, q, valid, drafts[rows], generator)
-        point = tails - torch.cat([tails[:, 1:], torch.zeros_like(tails[:, :1])], dim=1)
-        width[rows] = threshold_width(point, threshold, w_min, w_max[rows])
-    return width
+    host = may_read(needs)
+
+    def exact() -> torch.Tensor:
+        restricted = table if valid_rows is None else table * valid_rows
+        return layer_width(target, restricted, drafts, slots, threshold, w_min, w_max)
+
+    if host and not bool(needs.any()):
+        return exact()
+    tails = distinct_count_tails(target, table, valid_rows, drafts, slots, source)
+    point = tails - torch.cat([tails[:, 1:], torch.zeros_like(tails[:, :1])], dim=1)
+    estimated = threshold_width(point, threshold, w_min, w_max)
+    if host and bool(needs.all()):
+        return estimated
+    return torch.where(needs, estimated, exact())

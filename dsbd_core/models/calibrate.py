@@ -67,8 +67,12 @@ def forward_costs(
                 cache = copy.deepcopy(prefix)
                 _synchronize(device)
                 start = time.perf_counter()
-                model(input_ids=ids[:, CONTEXT : CONTEXT + n], past_key_values=cache,
-                      use_cache=True, logits_to_keep=n)  # fmt: skip
+                model(
+                    input_ids=ids[:, CONTEXT : CONTEXT + n],
+                    past_key_values=cache,
+                    use_cache=True,
+                    logits_to_keep=n,
+                )
                 _synchronize(device)
                 times.append(time.perf_counter() - start)
             seconds.append(sorted(times[1:])[len(times[1:]) // 2])
@@ -118,11 +122,17 @@ def engine_costs(
     (fixed width, W_S = W), the draft answering over `support` like the real one."""
 
     def per_iteration(depth: int) -> float:
-        config = SamplingConfig(width=width, gamma=max(depth, 1), threshold=None, seed=0,
-                                max_new_tokens=iterations * (depth + 1) + 1)  # fmt: skip
+        config = SamplingConfig(
+            width=width,
+            gamma=max(depth, 1),
+            threshold=None,
+            seed=0,
+            max_new_tokens=iterations * (depth + 1) + 1,
+        )
         drafting = depth > 0
-        decode = Decode(config, vocab_size, [[1, 2, 3]], uses_draft=drafting,
-                        controller=FixedKnobs(config))  # fmt: skip
+        decode = Decode(
+            config, vocab_size, [[1, 2, 3]], uses_draft=drafting, controller=FixedKnobs(config)
+        )
         draft = _InstantScorer(vocab_size, support) if drafting else None
         start = time.perf_counter()
         result = run_decode(decode, _InstantScorer(vocab_size), draft)
@@ -221,8 +231,14 @@ def assemble(
     """A calibration from the two models' measured costs (the router builds it from what its
     replicas report) and the engine's, measured here."""
     step, layer = pair_engine_costs(vocab_size, support_size, force=force)
-    return Calibration(target=target, draft=draft, engine_step_s=step, engine_layer_s=layer,
-                       engine_width=ENGINE_WIDTH, description=description)  # fmt: skip
+    return Calibration(
+        target=target,
+        draft=draft,
+        engine_step_s=step,
+        engine_layer_s=layer,
+        engine_width=ENGINE_WIDTH,
+        description=description,
+    )
 
 
 def calibrate(
@@ -246,18 +262,17 @@ def calibrate(
     say(f"cost model calibration (measured once per machine, then cached): {description}")
     skip = ("target", "draft", "description", "decode_path")
     common = {k: v for k, v in identity.items() if k not in skip}
-    target_costs = model_costs(target, {"model": identity.get("target"), **common}, force=force,
-                               path=path)  # fmt: skip
+    target_costs = model_costs(
+        target, {"model": identity.get("target"), **common}, force=force, path=path
+    )
     draft_costs = None
     if draft is not None:
         draft_id = {"model": identity.get("draft"), **common}
         draft_costs = model_costs(draft, draft_id, force=force, path=path)
     support = draft_support.numel() if draft_support is not None else None
-    calibration = assemble(target_costs, draft_costs, vocab_size, support, description,
-                           force=force)  # fmt: skip
+    calibration = assemble(target_costs, draft_costs, vocab_size, support, description, force=force)
     if draft is not None and prompts:
-        rates = pair_pass_rates(target, draft, identity, prompts, stop_ids, force=force,
-                                path=path)  # fmt: skip
+        rates = pair_pass_rates(target, draft, identity, prompts, stop_ids, force=force, path=path)
         calibration = calibration.model_copy(update={"pass_rates": rates})
         say(f"the pair's pass rates per drafted layer: {', '.join(f'{r:.2f}' for r in rates)}")
     say(f"calibration ready in {time.perf_counter() - start:.1f} s")
@@ -275,8 +290,9 @@ class _PassCounter:
         return self.fixed.knobs(state)
 
     def observe(self, state: DecodeState, outcome: Outcome, knobs: Knobs) -> None:
-        for total, (passed, tried) in zip(self.counts, layer_passes(state, outcome,
-                                          len(self.counts)) or [], strict=False):  # fmt: skip
+        for total, (passed, tried) in zip(
+            self.counts, layer_passes(state, outcome, len(self.counts)) or [], strict=False
+        ):
             total[0] += passed
             total[1] += tried
 
@@ -308,8 +324,9 @@ def pair_pass_rates(
     from dsbd_core.models.decode_path import make_scorer
 
     def measure() -> str:
-        rates = measure_pass_rates(make_scorer(target, path), make_scorer(draft, path), prompts,
-                                   stop_ids)  # fmt: skip
+        rates = measure_pass_rates(
+            make_scorer(target, path), make_scorer(draft, path), prompts, stop_ids
+        )
         return json.dumps(rates)
 
     parts = {**identity, "prompts": prompts, "tokens": PASS_RATE_TOKENS, "stop": stop_ids}

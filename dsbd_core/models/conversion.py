@@ -1,8 +1,9 @@
 """The conversion cache: build a model directory once under `cache_root()`, atomically.
 
 Converting a GGUF file de-quantises every tensor and takes ~20 s, so it is done once into a
-float32 safetensors directory; `_cached` writes every cache entry to a temporary name and renames
-it into place, so a crash or a concurrent run never leaves a half-written entry behind.
+float32 safetensors directory; `cached_conversion` writes every cache entry to a temporary name
+and renames it into place, so a crash or a concurrent run never leaves a half-written entry
+behind.
 """
 
 from __future__ import annotations
@@ -19,15 +20,15 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from dsbd_core.models.presets import cache_root
 
 
-def _converted_gguf(path: Path) -> Path:
+def converted_gguf(path: Path) -> Path:
     """Cache directory for an arbitrary GGUF file, keyed by its path, size and mtime."""
     stat = path.resolve().stat()
     key = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
     digest = hashlib.sha256(key.encode()).hexdigest()[:12]
-    return _cached(f"gguf-{path.stem}-{digest}", lambda out: _convert_gguf(path, out))
+    return cached_conversion(f"gguf-{path.stem}-{digest}", lambda out: convert_gguf(path, out))
 
 
-def _cached(name: str, build: Callable[[Path], None]) -> Path:
+def cached_conversion(name: str, build: Callable[[Path], None]) -> Path:
     """`cache_root()/name`, built by `build(tmp_dir)` then renamed into place if missing."""
     final = cache_root() / name
     if final.is_dir():
@@ -47,7 +48,7 @@ def _cached(name: str, build: Callable[[Path], None]) -> Path:
     return final
 
 
-def _convert_gguf(gguf: Path, out: Path) -> None:
+def convert_gguf(gguf: Path, out: Path) -> None:
     """De-quantise `gguf` into a float32 transformers directory `out` (weights and tokenizer)."""
     model = AutoModelForCausalLM.from_pretrained(
         gguf.parent, gguf_file=gguf.name, dtype=torch.float32

@@ -8,7 +8,8 @@ acceptance rate, which `dsbd eval-acceptance` measures. Two such changes pay on 
   per output channel, activations quantised per row, so a row's output depends on that row
   alone): the weights are read as int8, a quarter of float32's bytes; a draft step is
   memory-bound, so it costs about half of a bfloat16 step (Qwen2.5-Coder-0.5B, 1 thread: 58 ms
-  against 135 ms, docs ENVIRONMENT.md, before bfloat16 weights were prepacked: `auto` measures).
+  against 135 ms, docs/ARCHITECTURE.md "Measured facts about CPUs", before bfloat16 weights
+  were prepacked: `auto` measures).
 * **a head restricted to the K most frequent tokens** (FR-Spec, Zhao et al., ACL 2025): the
   output embedding of a small model is a large share of its weights (SmolLM2-135M: a fifth;
   Qwen2.5-0.5B: 136M of 494M parameters), and most of its rows are tokens a draft almost never
@@ -92,8 +93,12 @@ class _Fused(nn.Module):
         with torch.no_grad():
             self.linear.weight.copy_(weight)
             if has_bias:
-                biases = [part.bias.detach() if part.bias is not None
-                          else weight.new_zeros(part.out_features) for part in parts]  # fmt: skip
+                biases = [
+                    part.bias.detach()
+                    if part.bias is not None
+                    else weight.new_zeros(part.out_features)
+                    for part in parts
+                ]
                 self.linear.bias.copy_(torch.cat(biases))
         bounds = torch.tensor([0] + [part.out_features for part in parts]).cumsum(0).tolist()
         self.bounds = list(zip(bounds[:-1], bounds[1:], strict=True))

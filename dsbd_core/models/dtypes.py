@@ -3,7 +3,8 @@
 DSBD pays when one target forward over a whole forest (a dozen tokens or more) costs about what
 one token costs. That holds where matrix units make a forward memory-bound: bfloat16 on CUDA
 and on CPUs with AMX or AVX512-BF16 (measured here, 1 thread: a SmolLM2 forward over 12 new
-tokens costs 1.12x a one-token step in bfloat16 and 2.7x in float32, docs ENVIRONMENT.md). On
+tokens costs 1.1x a one-token step in bfloat16 and 2.7x in float32: docs/ARCHITECTURE.md,
+"Measured facts about CPUs"). On
 a CPU without bfloat16 matrix units bfloat16 is emulated and slower than float32, so `auto`
 keeps float32 there. float64 is for exactness tests on tiny models.
 """

@@ -105,8 +105,9 @@ def forest_attention(
     for group in spec.groups:
         new_keys, new_values = _new_keys_values(module, key, value, group)
         if group.dense:
-            out = _attend_dense(module, query, new_keys, new_values, group, scale,
-                                spec.dense_attention)  # fmt: skip
+            out = _attend_dense(
+                module, query, new_keys, new_values, group, scale, spec.dense_attention
+            )
         else:
             layer = module.layer_idx  # type: ignore[attr-defined]
             out = _attend_forest(query, new_keys, new_values, layer, group, scale)

@@ -1,4 +1,4 @@
-"""The model input of one session forward over a forest, and where its outputs go (spec §6.1).
+"""A session forward over a forest: its model input, where its outputs go (ALGORITHM.md §6.1).
 
 Per cache row (tree): the root's uncached tokens, then the tree's nodes layer by layer, right-
 padded; explicit position ids and a 4-D boolean mask that lets each node see its root's prefix,
@@ -15,11 +15,11 @@ import torch
 from transformers import DynamicCache
 
 from dsbd_core.algorithm.scorer import ForestLayer
-from dsbd_core.models.kv_cache import PAD_COLUMN, SessionCache, _LayerPlacement
+from dsbd_core.models.kv_cache import PAD_COLUMN, LayerPlacement, SessionCache
 
 
 @dataclass
-class _Plan:
+class ForestPlan:
     """The padded model input of one session forward and where to read its outputs."""
 
     input_ids: torch.Tensor  # [n, q]
@@ -27,14 +27,14 @@ class _Plan:
     allowed: torch.Tensor  # [n, q, C + q] bool
     keep: torch.Tensor  # [n, q] bool: positions whose logits are needed
     uncached: int  # root tokens fed in this forward (0 if the roots were already fed)
-    placements: list[_LayerPlacement]
+    placements: list[LayerPlacement]
     node_index: list[torch.Tensor]  # per layer: indices of the existing nodes
 
 
-def _scatter_outputs(
+def scatter_outputs(
     b: int,
     session: SessionCache,
-    plan: _Plan,
+    plan: ForestPlan,
     logprobs: torch.Tensor,
     rank: torch.Tensor,
     roots: torch.Tensor | None,
@@ -50,10 +50,11 @@ def _scatter_outputs(
             out[b, index] = logprobs[rank[row, query]]
 
 
-def _plan_forward(
+def plan_forward(
     b: int, session: SessionCache, layers: Sequence[ForestLayer], root_count: int
-) -> _Plan:
-    """Lay out one session's forward: root tail then each tree's nodes, per row (spec §6.1)."""
+) -> ForestPlan:
+    """Lay out one session's forward: root tail then each tree's nodes, per row
+    (ALGORITHM.md §6.1)."""
     device = session.tokens.device
     n = session.rows.numel()
     c_old = session.cached_cols
@@ -64,7 +65,7 @@ def _plan_forward(
     local_of_root[session.rows] = torch.arange(n, device=device)
     fill = torch.zeros(n, dtype=torch.long, device=device)  # nodes placed per row so far
     previous = session.layers[-1] if session.layers else None
-    placements: list[_LayerPlacement] = []
+    placements: list[LayerPlacement] = []
     node_index: list[torch.Tensor] = []
     for offset, layer in enumerate(layers):
         depth = len(session.layers) + offset + 1
@@ -99,18 +100,18 @@ def _plan_forward(
         allowed[row, query, : session.length] = True  # the whole root prefix
         allowed[row[:, None], query[:, None], placement.ancestors[index]] = True
         keep[row, query] = True
-    return _Plan(input_ids, position_ids, allowed, keep, uncached, placements, node_index)
+    return ForestPlan(input_ids, position_ids, allowed, keep, uncached, placements, node_index)
 
 
 def _place_layer(
     b: int,
     layer: ForestLayer,
     depth: int,
-    previous: _LayerPlacement | None,
+    previous: LayerPlacement | None,
     local_of_root: torch.Tensor,
     fill: torch.Tensor,
     first_node_column: int,
-) -> tuple[_LayerPlacement, torch.Tensor]:
+) -> tuple[LayerPlacement, torch.Tensor]:
     """Give every existing node of a layer its tree row and cache column; updates `fill`.
 
     Nodes of one tree are placed in node order after the nodes already placed in that row in
@@ -134,7 +135,7 @@ def _place_layer(
     rank = (one_hot.cumsum(0) - one_hot).gather(1, row[:, None]).squeeze(1)
     column = first_node_column + fill[row] + rank
     fill += one_hot.sum(0)
-    placement = _LayerPlacement(
+    placement = LayerPlacement(
         row=torch.full((m,), -1, dtype=torch.long, device=device),
         column=torch.full((m,), -1, dtype=torch.long, device=device),
         ancestors=torch.full((m, depth), -1, dtype=torch.long, device=device),
@@ -153,13 +154,13 @@ def _padding_allowed(n: int, q_len: int, c_old: int, device: torch.device) -> to
     return allowed
 
 
-def _additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """[n, q, kv] bool -> [n, 1, q, kv] additive mask (0 allowed, dtype-min disallowed)."""
     mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
     return mask.masked_fill_(~allowed, torch.finfo(dtype).min).unsqueeze(1)
 
 
-def _record(session: SessionCache, cache: DynamicCache, plan: _Plan) -> None:
+def record_plan(session: SessionCache, cache: DynamicCache, plan: ForestPlan) -> None:
     """Remember what the forward appended to the cache (token ids, placements, root prefix)."""
     fed = plan.input_ids.clone()
     real = plan.keep.clone()

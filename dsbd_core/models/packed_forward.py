@@ -1,11 +1,11 @@
 """A forest forward without padding: every row's new tokens packed into one query row.
 
 A forest is laid out per cache row (tree): row r holds the new tokens of tree r, right-padded to
-the longest tree, because each tree must attend to its own root's KV cache (spec §6.1). Trees
+the longest tree, since each tree attends to its own root's KV cache (ALGORITHM.md §6.1). Trees
 are uneven (all of a layer's drafts may hang under one root), so most of the padded input is
 padding: 3 trees x 19 slots for 21 real tokens. On a CPU the linear layers of a bfloat16 model
-cost about what their number of rows costs once past a dozen rows (Qwen2.5-Coder-1.5B, 1
-thread: 3 x 19 slots 641 ms, 1 x 21 tokens 393 ms), so padding is paid in full.
+cost about what their number of rows costs once past a dozen rows (on Qwen2.5-Coder-1.5B the 57
+padded slots take 1.6x the time of the 21 packed tokens), so padding is paid in full.
 
 Packed, the real tokens of every row form ONE query row, and the keys are the rows' caches laid
 end to end: a query of tree r sees row r's block of that key sequence (the columns its padded
@@ -26,15 +26,15 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from dsbd_core.models.forest_attention import NAME, ForestGroup, ForestSpec, PassThroughCache
-from dsbd_core.models.forest_plan import _additive_mask
+from dsbd_core.models.forest_plan import additive_mask
 from dsbd_core.models.row_chunks import RowGroup, RowLayout, rows_as_alone
 
 
 def worth_packing(real: torch.Tensor) -> bool:
-    """Pack every multi-row input of more than one slot per row: measured on Qwen2.5-Coder-1.5B
-    (3 trees over 300-token caches), the packed forward is faster even without padding (a
-    balanced 15-token forest: 380 ms packed, 423 ms padded), as its attention never copies the
-    caches. A beam step (one slot per row) has nothing to pack."""
+    """Pack every multi-row input of more than one slot per row: the packed forward is faster
+    even where nothing is padded (a tenth on a balanced forest over Qwen2.5-Coder-1.5B's
+    300-token caches), as its attention never copies the caches. A beam step (one slot per row)
+    has nothing to pack."""
     rows, width = real.shape
     return rows >= 2 and width >= 2
 
@@ -81,11 +81,17 @@ def packed_forward(
         slots = torch.zeros(rows, q, dtype=torch.long, device=device)
         slots[row, slot] = torch.arange(first, first + row.numel(), device=device)
         first += row.numel()
-        bias = _additive_mask(part.allowed, model.dtype if part.dense else compute)
-        old = ([(x.keys, x.values) for x in part.cache.layers] if cached and part.cache is not None
-               else [(None, None)] * layers)  # fmt: skip
-        groups.append(ForestGroup(slots, part.real, bias, [k for k, _ in old],
-                                  [v for _, v in old], dense=part.dense))  # fmt: skip
+        bias = additive_mask(part.allowed, model.dtype if part.dense else compute)
+        old = (
+            [(x.keys, x.values) for x in part.cache.layers]
+            if cached and part.cache is not None
+            else [(None, None)] * layers
+        )
+        groups.append(
+            ForestGroup(
+                slots, part.real, bias, [k for k, _ in old], [v for _, v in old], dense=part.dense
+            )
+        )
         input_ids.append(part.input_ids[row, slot])
         position_ids.append(part.position_ids[row, slot])
         keep.append(part.keep[row, slot])
@@ -105,8 +111,10 @@ def packed_forward(
             dsbd_forest=spec,
         )
     logits = output.logits.split(kept)  # [kept, V]: a 2-D keep flattens
-    return [(part_logits, _grown(group, layers))
-            for part_logits, group in zip(logits, groups, strict=True)]  # fmt: skip
+    return [
+        (part_logits, _grown(group, layers))
+        for part_logits, group in zip(logits, groups, strict=True)
+    ]
 
 
 def _grown(group: ForestGroup, layers: int) -> DynamicCache:
@@ -131,8 +139,10 @@ def _row_layout(parts: list[PackedPart], reals: list[int], kept: list[int]) -> R
     """Each part's rows in the packed forward (`reals` tokens, `kept` logit rows) and in its
     forward alone (a dense forward alone feeds its padding slots too; both feed only the kept
     rows to the output layer)."""
-    tokens = [RowGroup(real, part.input_ids.numel() if part.dense else real)
-              for part, real in zip(parts, reals, strict=True)]  # fmt: skip
+    tokens = [
+        RowGroup(real, part.input_ids.numel() if part.dense else real)
+        for part, real in zip(parts, reals, strict=True)
+    ]
     return RowLayout(tuple(tokens), tuple(RowGroup(k, k) for k in kept))
 
 

@@ -52,11 +52,12 @@ class DraftOptions(BaseModel):
         "(measured once per machine and cached); never for float64 models.",
     )
     head_tokens: int | None = Field(
-        None, ge=0,
+        None,
+        ge=0,
         description="Restrict the draft's output layer to this many most frequent tokens "
         f"(FR-Spec; the draft never proposes another token). 0: the full vocabulary. None "
         f"(auto): {AUTO_HEAD_TOKENS} when the vocabulary exceeds {LARGE_VOCABULARY}, else 0.",
-    )  # fmt: skip
+    )
 
     def head_for(self, vocab_size: int) -> int:
         if self.head_tokens is not None:
@@ -86,16 +87,16 @@ class LoadedPair:
 
     def describe(self) -> str:
         draft = f"; draft {self.draft.name}: {self.draft_variant}" if self.draft else ""
-        return (f"target {self.target.name}: {self.dtype_reason}{draft}; "
-                f"{self.decode_path} decode path")  # fmt: skip
+        return (
+            f"target {self.target.name}: {self.dtype_reason}{draft}; {self.decode_path} decode path"
+        )
 
     def encode(self, text: str, *, chat: bool | None = None) -> list[int]:
         return encode_prompt(self.target, text, chat=chat)
 
     def sampling_config(self, max_new_tokens: int, seed: int | None = 0) -> SamplingConfig:
         """A base config with this target's stop tokens."""
-        return SamplingConfig(max_new_tokens=max_new_tokens, seed=seed,
-                              eos_token_ids=self.stop_ids)  # fmt: skip
+        return SamplingConfig(max_new_tokens=max_new_tokens, seed=seed, eos_token_ids=self.stop_ids)
 
     def identity(self) -> dict[str, object]:
         """What the pair's costs depend on besides the machine (the calibration's cache key)."""
@@ -115,11 +116,21 @@ class LoadedPair:
         """The cost model's calibration for this pair here (measured once, then cached)."""
         draft = self.draft.model if self.draft is not None else None
         support = head_support(draft) if draft is not None else None
-        prompts = [encode_prompt(self.target, text, chat=kind == "chat")
-                   for kind, text in PASS_RATE_TEXTS]  # fmt: skip
-        return calibrate(self.target.model, draft, self.identity(), self.target.vocab_size,
-                         draft_support=support, force=force, say=say, path=self.decode_path,
-                         prompts=prompts, stop_ids=self.stop_ids)  # fmt: skip
+        prompts = [
+            encode_prompt(self.target, text, chat=kind == "chat") for kind, text in PASS_RATE_TEXTS
+        ]
+        return calibrate(
+            self.target.model,
+            draft,
+            self.identity(),
+            self.target.vocab_size,
+            draft_support=support,
+            force=force,
+            say=say,
+            path=self.decode_path,
+            prompts=prompts,
+            stop_ids=self.stop_ids,
+        )
 
     def scorers(self) -> tuple[TransformerScorer, TransformerScorer | None]:
         """New scorers of the target and the draft on the pair's decode path."""
@@ -190,8 +201,13 @@ def _faster_on_this_cpu(draft: LoadedModel) -> Literal["none", "int8"]:
     Measured once per machine and draft, and cached next to the calibrations: the draft's
     variant changes its q and so the seeded tokens, which must not depend on timing noise.
     """
-    key = {"draft": model_identity(draft), "dtype": dtype_name(draft.model.dtype),
-           "int8": "per-row activations", "as_loaded": "prepacked", **machine()}  # fmt: skip
+    key = {
+        "draft": model_identity(draft),
+        "dtype": dtype_name(draft.model.dtype),
+        "int8": "per-row activations",
+        "as_loaded": "prepacked",
+        **machine(),
+    }
     digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()
     folder = os.environ.get("DSBD_CALIBRATION_DIR") or str(cache_root() / "calibration")
     path = Path(folder) / f"int8-{digest[:20]}.json"

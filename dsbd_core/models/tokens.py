@@ -10,7 +10,7 @@ from transformers import AutoTokenizer, GenerationConfig
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from dsbd_core.models.errors import ModelSourceError
-from dsbd_core.models.loading import LoadedModel, _hub_offline, resolve_source
+from dsbd_core.models.loading import LoadedModel, hub_offline, resolve_source
 
 # End-of-turn markers of common chat templates: a chat reply ends with one of these even when the
 # tokenizer's `eos_token` is the end-of-document token (or the other way round).
@@ -20,7 +20,7 @@ _END_OF_TURN_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<end_of_tur
 def load_tokenizer(source: str) -> tuple[PreTrainedTokenizerBase, tuple[int, ...]]:
     """The tokenizer of `source` and its stop ids, without loading the weights (the router)."""
     resolved = resolve_source(source)
-    offline = _hub_offline()
+    offline = hub_offline()
     try:
         tokenizer = AutoTokenizer.from_pretrained(resolved, local_files_only=offline)
     except (OSError, ValueError) as error:

@@ -1,6 +1,6 @@
 """A `ForestScorer` over a `transformers` causal LM: one forward per session scores a forest.
 
-Layout (spec §6): every session keeps its own KV cache whose batch rows are the session's alive
+Layout (ALGORITHM.md §6): each session keeps its own KV cache whose batch rows are its alive
 root beams (one row per tree). A forward feeds, per row, the root's uncached tokens (first call
 after `set_roots` only) followed by the nodes of that tree from the given layers, right-padded
 to the longest row. A 4-D additive attention mask lets
@@ -19,7 +19,7 @@ added on top) for the `sdpa` and `eager` attention implementations, so the mask 
 the whole truth; both implementations are supported, others are refused because they ignore or
 re-shape arbitrary masks.
 
-Caches are compacted at `set_roots` (spec §6.4): new row `o` = old row `origin.root[o]`
+Caches are compacted at `set_roots` (ALGORITHM.md §6.4): new row `o` = old row `origin.root[o]`
 restricted to the prefix columns plus the columns of the path nodes this scorer fed, gathered
 along the sequence axis. The token id of every cache column is kept, so a compaction whose
 kept tokens do not equal the new beam's leading tokens falls back to a re-prefill instead of
@@ -42,13 +42,13 @@ from dsbd_core.algorithm.host_reads import one_copy
 from dsbd_core.algorithm.scorer import ForestLayer, ForestLogprobs, Origin, Roots
 from dsbd_core.models.draft_variants import compact_logits, head_support, output_size
 from dsbd_core.models.forest_plan import (
-    _additive_mask,
-    _Plan,
-    _plan_forward,
-    _record,
-    _scatter_outputs,
+    ForestPlan,
+    additive_mask,
+    plan_forward,
+    record_plan,
+    scatter_outputs,
 )
-from dsbd_core.models.kv_cache import PAD_COLUMN, SessionCache, _compact
+from dsbd_core.models.kv_cache import PAD_COLUMN, SessionCache, compact_cache
 from dsbd_core.models.packed_forward import PackedPart, packed_forward, worth_packing
 from dsbd_core.models.row_chunks import chunk_linear_rows
 
@@ -156,7 +156,6 @@ class TransformerScorer:
         support = head_support(self.model)  # a restricted draft head answers K-wide
         vocab = self.vocab_size if support is None else support.numel()
         dtype = self._out_dtype
-        device = self._device
         want_roots = self._roots_pending
         placed = self._result_device
         roots = (
@@ -168,18 +167,8 @@ class TransformerScorer:
             torch.zeros(batch, layer.token.shape[1], vocab, dtype=dtype, device=placed)
             for layer in layers
         ]
-        flat = one_copy([t for x in layers for t in (x.parent, x.token, x.exists)], device)
-        layers = [ForestLayer(*flat[i : i + 3]) for i in range(0, len(flat), 3)]
         with torch.inference_mode(), compact_logits(self.model):
-            work = []
-            for b, session in enumerate(self._sessions):
-                if session is None:
-                    continue
-                plan = _plan_forward(b, session, layers, self._root_count)
-                if plan.input_ids.shape[1] > 0:  # else: roots fed already and no existing node
-                    work.append((b, session, plan))
-            if work:
-                self._run_work(work, roots, outs)
+            self._plan_and_run(layers, roots, outs)
         self._roots_pending = False
         to_out = self._out_device
         return ForestLogprobs(
@@ -259,15 +248,31 @@ class TransformerScorer:
             return None  # no alive beam: costs nothing, the old cache is released
         rows, root_tokens = roots
         if origin is not None and old is not None:
-            compacted = _compact(old, root_tokens, origin.root[b, rows], origin.path[b, rows])
+            compacted = compact_cache(old, root_tokens, origin.root[b, rows], origin.path[b, rows])
             if compacted is not None:
                 cache, column_tokens = compacted
                 return SessionCache(rows, root_tokens, cache, column_tokens, column_tokens.shape[1])
         return uncached_session(rows, root_tokens, None)
 
+    def _plan_and_run(
+        self, layers: Sequence[ForestLayer], roots: torch.Tensor | None, outs: list[torch.Tensor]
+    ) -> None:
+        """Lay out every session's forward where the forest is planned, then run them."""
+        flat = one_copy([t for x in layers for t in (x.parent, x.token, x.exists)], self._device)
+        layers = [ForestLayer(*flat[i : i + 3]) for i in range(0, len(flat), 3)]
+        work = []
+        for b, session in enumerate(self._sessions):
+            if session is None:
+                continue
+            plan = plan_forward(b, session, layers, self._root_count)
+            if plan.input_ids.shape[1] > 0:  # else: roots fed already and no existing node
+                work.append((b, session, plan))
+        if work:
+            self._run_work(work, roots, outs)
+
     def _run_work(
         self,
-        work: list[tuple[int, SessionCache, _Plan]],
+        work: list[tuple[int, SessionCache, ForestPlan]],
         roots: torch.Tensor | None,
         outs: list[torch.Tensor],
     ) -> None:
@@ -281,21 +286,22 @@ class TransformerScorer:
         self,
         b: int,
         session: SessionCache,
-        plan: _Plan,
+        plan: ForestPlan,
         roots: torch.Tensor | None,
         outs: list[torch.Tensor],
     ) -> None:
         """One session alone: run its forward on its own cache (no copies)."""
         cache = session.cache if session.cache is not None else DynamicCache()
-        logprobs, cache = self._run(plan.input_ids, plan.position_ids, plan.allowed, plan.keep,
-                                    _real(plan), cache)  # fmt: skip
+        logprobs, cache = self._run(
+            plan.input_ids, plan.position_ids, plan.allowed, plan.keep, _real(plan), cache
+        )
         rank = plan.keep.flatten().cumsum(0).view_as(plan.keep) - 1  # row-major order of kept
-        _scatter_outputs(b, session, plan, logprobs, rank, roots, outs)
-        _record(session, cache, plan)
+        scatter_outputs(b, session, plan, logprobs, rank, roots, outs)
+        record_plan(session, cache, plan)
 
     def _forward_sessions(
         self,
-        work: list[tuple[int, SessionCache, _Plan]],
+        work: list[tuple[int, SessionCache, ForestPlan]],
         roots: torch.Tensor | None,
         outs: list[torch.Tensor],
     ) -> None:
@@ -313,15 +319,22 @@ class TransformerScorer:
         for (b, session, plan), (logits, cache) in zip(work, results, strict=True):
             logprobs = torch.log_softmax(logits, dim=-1, dtype=self._out_dtype)
             rank = plan.keep.flatten().cumsum(0).view_as(plan.keep) - 1
-            _scatter_outputs(b, session, plan, logprobs, rank, roots, outs)
-            _record(session, cache, plan)
+            scatter_outputs(b, session, plan, logprobs, rank, roots, outs)
+            record_plan(session, cache, plan)
 
-    def _part(self, session: SessionCache, plan: _Plan) -> PackedPart:
+    def _part(self, session: SessionCache, plan: ForestPlan) -> PackedPart:
         """A session's forward as a part of a packed one: forest attention where its forward
         alone is packed, the model's own attention over the padded layout where it is not."""
         real = _real(plan)
-        return PackedPart(plan.input_ids, plan.position_ids, plan.allowed, plan.keep, real,
-                          session.cache, dense=not (self.pack and worth_packing(real)))  # fmt: skip
+        return PackedPart(
+            plan.input_ids,
+            plan.position_ids,
+            plan.allowed,
+            plan.keep,
+            real,
+            session.cache,
+            dense=not (self.pack and worth_packing(real)),
+        )
 
     def _run(
         self,
@@ -339,12 +352,13 @@ class TransformerScorer:
         """
         self.forward_calls += 1
         if self.pack and worth_packing(real):
-            [(logits, cache)] = packed_forward(self.model, [PackedPart(input_ids, position_ids,
-                                               allowed, keep, real, cache)])  # fmt: skip
+            [(logits, cache)] = packed_forward(
+                self.model, [PackedPart(input_ids, position_ids, allowed, keep, real, cache)]
+            )
             return torch.log_softmax(logits, dim=-1, dtype=self._out_dtype), cache
         output = self.model(
             input_ids=input_ids,
-            attention_mask=_additive_mask(allowed, self._model_dtype),
+            attention_mask=additive_mask(allowed, self._model_dtype),
             position_ids=position_ids,
             past_key_values=cache,
             use_cache=True,
@@ -354,7 +368,7 @@ class TransformerScorer:
         return logprobs, output.past_key_values
 
 
-def _real(plan: _Plan) -> torch.Tensor:
+def _real(plan: ForestPlan) -> torch.Tensor:
     """[n, q] the slots that hold a token (root tokens and existing nodes), not padding."""
     real = plan.keep.clone()
     real[:, : plan.uncached] = True

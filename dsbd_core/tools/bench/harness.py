@@ -70,16 +70,30 @@ def run_bench(
     device = torch.device(config.device)
     say(f"loading target {config.target} and draft {config.draft} ...")
     draft_name = config.draft if config.draft and any(s.uses_draft for s in specs) else None
-    options = DraftOptions(quantize=config.draft_quantize,  # type: ignore[arg-type]
-                           head_tokens=config.draft_head_tokens)  # fmt: skip
-    loaded = load_pair(config.target, draft_name, dtype=config.dtype, device=str(device),
-                       draft_options=options, decode_path=config.decode_path)  # fmt: skip
+    options = DraftOptions(
+        quantize=config.draft_quantize,  # type: ignore[arg-type]
+        head_tokens=config.draft_head_tokens,
+    )
+    loaded = load_pair(
+        config.target,
+        draft_name,
+        dtype=config.dtype,
+        device=str(device),
+        draft_options=options,
+        decode_path=config.decode_path,
+    )
     say(loaded.describe())
     calibration = None
     if loaded.draft is not None and any(s.uses_draft and not s.fixed_knobs for s in specs):
         calibration = loaded.calibration(force=recalibrate, say=say)
-    pair = Pair(loaded.target, loaded.draft, device, loaded.stop_ids, calibration,
-                decode_path=loaded.decode_path)  # fmt: skip
+    pair = Pair(
+        loaded.target,
+        loaded.draft,
+        device,
+        loaded.stop_ids,
+        calibration,
+        decode_path=loaded.decode_path,
+    )
     prompt_ids = [encode_prompt(loaded.target, p.text, chat=p.chat) for p in prompts]
     _write_prompts(out_dir / "prompts.jsonl", prompts, prompt_ids)
     energy = EnergyMeter(device)

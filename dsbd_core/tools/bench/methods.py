@@ -9,7 +9,7 @@
     dsbd-w{W}-g{G}-t{T}          DSBD, dynamic width with threshold T (w_min 1)
     ...-ws{S}                    draft width W_S = S (default: W)
     ...-wmin{M}                  smallest width M (dynamic width only)
-    ...-lean                     memory-lean DSBD (one beam kept between iterations, spec §7)
+    ...-lean                     memory-lean DSBD (one beam between iterations, ALGORITHM.md §7)
     ...-fk                       fixed knobs: draft exactly G layers every iteration (default:
                                  the cost model chooses the depth per iteration, up to G)
     dsbd-w{W}-g{G}-fixed-tf      DSBD under transformers' law (selection='transformers')
@@ -37,9 +37,17 @@ from typing import Literal
 from dsbd_core.algorithm.config import SamplingConfig
 
 Family = Literal[
-    "sample", "sps", "beam", "dsbd", "hf-sample", "hf-beam", "hf-assisted", "search",
-    "spec-search", "hf-search",
-]  # fmt: skip
+    "sample",
+    "sps",
+    "beam",
+    "dsbd",
+    "hf-sample",
+    "hf-beam",
+    "hf-assisted",
+    "search",
+    "spec-search",
+    "hf-search",
+]
 ENGINE_FAMILIES = ("sample", "sps", "beam", "dsbd", "search", "spec-search")
 DRAFT_FAMILIES = ("sps", "dsbd", "hf-assisted", "spec-search")
 SEARCH_FAMILIES = ("search", "spec-search", "hf-search")
@@ -125,8 +133,9 @@ class MethodSpec:
         if self.gamma is not None:
             update["gamma"] = self.gamma
         if self.family == "dsbd":
-            update.update(threshold=self.threshold, lean_memory=self.lean,
-                          draft_width=self.draft_width)  # fmt: skip
+            update.update(
+                threshold=self.threshold, lean_memory=self.lean, draft_width=self.draft_width
+            )
         if self.family == "spec-search":
             update["draft_width"] = self.draft_width
         if self.transformers_law:
@@ -140,8 +149,18 @@ _OPTION = re.compile(r"^(w|g|t|ws|wmin)(\d+(?:\.\d+)?)$")
 def parse_method(text: str, *, gamma: int) -> MethodSpec:
     """Parse one method name; `gamma` fills in a left-out `g<G>`."""
     name = text.strip()
-    families = ("hf-sample", "hf-assisted", "hf-beam", "hf-search", "spec-search", "search",
-                "sample", "sps", "beam", "dsbd")  # fmt: skip
+    families = (
+        "hf-sample",
+        "hf-assisted",
+        "hf-beam",
+        "hf-search",
+        "spec-search",
+        "search",
+        "sample",
+        "sps",
+        "beam",
+        "dsbd",
+    )
     for family in families:
         if name == family or name.startswith(family + "-"):
             rest = name[len(family) + 1 :].split("-") if name != family else []
@@ -245,9 +264,21 @@ QUICK_METHODS = (
     "hf-assisted",
 )
 FULL_METHODS = (
-    "sample", "sps-g1", "sps", "beam-w2", "beam-w3", "beam-w4",
-    "dsbd-w3-fixed", "dsbd-w4-fixed",
-    "dsbd-w3-g1-t0.7", "dsbd-w3-t0.7", "dsbd-w3-t0.9-wmin2",
-    "dsbd-w4-t0.7", "dsbd-w4-t0.9-wmin2", "dsbd-w3-t0.7-lean",
-    "hf-sample", "hf-beam-w3", "hf-assisted",
-)  # fmt: skip
+    "sample",
+    "sps-g1",
+    "sps",
+    "beam-w2",
+    "beam-w3",
+    "beam-w4",
+    "dsbd-w3-fixed",
+    "dsbd-w4-fixed",
+    "dsbd-w3-g1-t0.7",
+    "dsbd-w3-t0.7",
+    "dsbd-w3-t0.9-wmin2",
+    "dsbd-w4-t0.7",
+    "dsbd-w4-t0.9-wmin2",
+    "dsbd-w3-t0.7-lean",
+    "hf-sample",
+    "hf-beam-w3",
+    "hf-assisted",
+)

@@ -37,9 +37,15 @@ class PairPreset:
 # core here (far more when the shared machine is busy), so its method list is the core
 # set at W = 3, and a run is resumable and may grow its prompt count (--prompts) later.
 _QWEN_METHODS = (
-    "sample", "sps", "beam-w3", "dsbd-w3-fixed", "dsbd-w3-t0.7", "dsbd-w3-t0.7-lean",
-    "hf-beam-w3", "hf-assisted",
-)  # fmt: skip
+    "sample",
+    "sps",
+    "beam-w3",
+    "dsbd-w3-fixed",
+    "dsbd-w3-t0.7",
+    "dsbd-w3-t0.7-lean",
+    "hf-beam-w3",
+    "hf-assisted",
+)
 
 PAIRS: dict[str, PairPreset] = {
     "smollm2": PairPreset(

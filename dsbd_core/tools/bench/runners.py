@@ -94,8 +94,9 @@ def run_engine(
     if spec.uses_draft and not spec.fixed_knobs and pair.calibration is not None:
         run_config = method_config(spec.engine_method(), config)
         controller = CostController(run_config, pair.calibration)
-    result = generate(spec.engine_method(), pair.scorer("target"), prompt_ids, config, draft,
-                      controller)  # fmt: skip
+    result = generate(
+        spec.engine_method(), pair.scorer("target"), prompt_ids, config, draft, controller
+    )
     best = result.best
     stats = result.stats.as_dict()
     if controller is not None:

@@ -1,4 +1,4 @@
-"""Speculative-decoding theory (Yin et al., NeurIPS 2024; spec sd-theory.md) for this product.
+"""Speculative-decoding theory (Yin et al., NeurIPS 2024; docs/THEORY.md) for this product.
 
 Pure numpy, float64, named `target` / `draft` throughout (the paper's p is the DRAFT and q the
 TARGET — never use p/q here). One purpose per module:

@@ -1,4 +1,4 @@
-"""Batch speculative decoding (Algorithm 4), Theorem 3 and Proposition 1 (spec §4).
+"""Batch speculative decoding (Algorithm 4), Theorem 3 and Proposition 1 (THEORY.md §4).
 
 Why: DSBD verifies several draft candidates per layer with the same recursive-residual rule as
 Yin et al.'s batch SD does at the root of a round. Theorem 3 gives the expected rejections of
@@ -6,7 +6,7 @@ batch SD with M i.i.d. drafts, Proposition 1 its limit as M grows (rejections do
 after a root acceptance the round continues along a single branch with plain SD). These numbers
 say how much extra draft width can buy at best, which is what a width controller trades off.
 
-Semantics implemented (spec §4.1): a round starts at a *root* position, draws M i.i.d. draft
+Semantics implemented (THEORY.md §4.1): a round starts at a *root* position, draws M i.i.d. draft
 continuations, verifies their first tokens one after another against the residual chain
 `c_1 = target, c_{m+1} = norm((c_m - draft)_+)`, falls back to `c_{M+1}` (a rejection) if all
 fail, and otherwise continues along the accepted branch with plain SD until the first
@@ -25,7 +25,7 @@ from dsbd_core.tools.theory.sampling import draw_rows, take
 def rejections_per_position_batch(chain: MarkovChain, drafts: int) -> np.ndarray:
     """`[T]` expected rejections per position of batch SD with `drafts` (= M) drafts.
 
-    The reference recursion of spec §4.2 on the chain's last-state marginals: `mu` is the
+    The reference recursion of THEORY.md §4.2 on the chain's last-state marginals: `mu` is the
     target law of the previous token; `F` the pseudo-measure "the previous token was emitted by
     a rejection", i.e. position n is the root of a round (position 1 always is). Position n
     rejects with probability `TV` if it is not a root and `Π_m r_m` if it is, hence

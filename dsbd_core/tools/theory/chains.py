@@ -1,4 +1,4 @@
-"""Markov-chain instances on which the theorems are stated and simulated (spec §1, §6.4).
+"""Markov-chain instances on which the theorems are stated and simulated (THEORY.md §1, §6.4).
 
 Why: the paper's results are about a draft and a target *sequence* model; a time-inhomogeneous
 Markov chain (next-token law depends on the previous token and the position) is the smallest
@@ -74,7 +74,7 @@ def homogeneous_chain(
 
 
 def golden_chain() -> MarkovChain:
-    """The two-token chain of spec §8.1 (x_0 = 0, T = 3) with hand-checkable golden values."""
+    """The two-token chain of THEORY.md §8.1 (x_0 = 0, T = 3) with hand-checkable golden values."""
     return homogeneous_chain(
         draft=[[0.8, 0.2], [0.4, 0.6]],
         target=[[0.6, 0.4], [0.3, 0.7]],

@@ -1,4 +1,4 @@
-"""Single-position primitives of speculative decoding theory (spec sd-theory.md §1, §2, §4.3).
+"""Single-position primitives of speculative decoding theory (THEORY.md §1, §2, §4.3).
 
 Why a separate module: every theorem in this package (SD, batch SD, the Pareto front, the
 ε rule) is built from the same three operations on one pair of next-token distributions —
@@ -6,7 +6,7 @@ total variation, the residual `norm((target - draft)_+)` and the residual chain 
 rejection. Keeping them here, tested once, means the sequence-level formulas and the product's
 verifier share one definition.
 
-Naming: the spec's paper calls the draft `p` and the target `q`; here arguments are always
+Naming: the paper calls the draft `p` and the target `q`; here arguments are always
 `target` and `draft`. Every function works on numpy arrays whose LAST axis is the vocabulary
 and broadcasts over leading axes (so a whole transition matrix `[S, S]` is one call).
 """
@@ -27,7 +27,7 @@ def residual(target: np.ndarray, draft: np.ndarray) -> tuple[np.ndarray, np.ndar
     The mass `Σ_x (target - draft)_+` equals `TV(target, draft)` when both are distributions
     (a sub-stochastic `target`, e.g. a later residual, is allowed). Where the mass is zero the
     residual is undefined and is never sampled (a rejection there has probability 0); we return
-    `target` itself so callers never see NaN (spec §7 edge cases).
+    `target` itself so callers never see NaN (THEORY.md §7 edge cases).
     """
     target = np.asarray(target, dtype=np.float64)
     rest = np.maximum(target - np.asarray(draft, dtype=np.float64), 0.0)
@@ -39,7 +39,7 @@ def residual(target: np.ndarray, draft: np.ndarray) -> tuple[np.ndarray, np.ndar
 def residual_chain(
     target: np.ndarray, draft: np.ndarray, drafts: int
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Recursive rejection with `drafts` i.i.d. candidates (spec §4.2).
+    """Recursive rejection with `drafts` i.i.d. candidates (THEORY.md §4.2).
 
     `c_1 = target`, `c_{m+1} = norm((c_m - draft)_+)`, `r_m = Σ_x (c_m - draft)_+` = the
     probability that candidate m is rejected given that candidates 1..m-1 were.
@@ -79,7 +79,7 @@ def batch_root_law(target: np.ndarray, draft: np.ndarray, drafts: int) -> np.nda
 
 
 def batch_improvement(target: np.ndarray, draft: np.ndarray, drafts: int) -> np.ndarray:
-    """`BI_M = TV - Π_{m≤M} r_m`: root rejection saved by M drafts instead of one (spec §4.3)."""
+    """`BI_M = TV - Π_{m≤M} r_m`: root rejection saved by M drafts vs one (THEORY.md §4.3)."""
     r, _ = residual_chain(target, draft, drafts)
     return tv(target, draft) - r.prod(-1)
 

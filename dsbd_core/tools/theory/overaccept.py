@@ -1,4 +1,4 @@
-"""The ε over-acceptance rule, Decoding-OPT and Decoding-UNO, in closed form (spec §5.4, §9.3).
+"""The ε over-acceptance rule, Decoding-OPT and Decoding-UNO, in closed form (THEORY.md §5.4, §9.3).
 
 Why: this is the product's lossy speed knob (`SamplingConfig.epsilon`). A draft token d is
 accepted with probability `min(1, (target(d) + ε) / draft(d))`; on rejection the next token is
@@ -17,7 +17,7 @@ natural but dominated choice). Closed forms, single position:
 here holds token by token for such a vector.
 
 For a DSBD layer (several candidates, residual chain, single selection) the module also gives
-the layer law and the [derived] bias bound of spec §9.3 item 6, `Σ_m (Π_{j<m} R_j) β_m`, with
+the layer law and the [derived] bias bound of THEORY.md §9.3 item 6, `Σ_m (Π_{j<m} R_j) β_m`, with
 `β_m = Σ_x min(ε, (draft - c_m)_+)` the stage's decision bias; the engine reports the realised
 sum of `β` over the stages it executed (`DecodeStats.epsilon_bias_bound`).
 """

@@ -1,5 +1,5 @@
 """Theorems 4 and 5: the least bias for a given acceptance rule, and the rejection/bias front
-(spec §5, single position, prefix suppressed).
+(THEORY.md §5, single position, prefix suppressed).
 
 Why: a verifier that accepts *more* than SD's `min(1, target/draft)` rejects less (faster) but
 is biased. Theorem 4 gives the smallest bias any resampling law can achieve for a fixed

@@ -1,4 +1,4 @@
-"""Online acceptance predictor and the rule that picks `gamma` and the draft width (spec §9.3).
+"""Online acceptance predictor and the rule that picks `gamma` and the draft width (THEORY.md §9.3).
 
 Why: whether speculation pays depends on how often the target accepts the draft, which depends
 on the model pair (and drifts with the prompt). Every verified layer already computes both
@@ -6,8 +6,8 @@ distributions, so its first-draft acceptance probability `α_1 = Σ_x min(P_l, Q
 is free (the engine records it in `DecodeStats.layer_alphas`). Theorem 1 says that for one
 draft per layer the probability the layer is rejected, given the prefix, is exactly `1 - α_1`,
 so `Σ (1 - α_1)` over the verified layers is an unbiased, low-variance predictor of the
-rejections of the request (a compensator; spec P5), and a running mean of `α_1` per model pair
-predicts the next requests.
+rejections of the request (a compensator; THEORY.md §8.2, P5), and a running mean of `α_1` per
+model pair predicts the next requests.
 
 The rule (`choose_plan`, a pure function the width-controller deployment calls per request):
 for each draft depth γ in 1..gamma_max and draft width W_S in a small grid, predict

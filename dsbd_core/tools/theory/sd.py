@@ -1,4 +1,4 @@
-"""Theorem 1: expected rejections of speculative decoding along a Markov chain (spec §2).
+"""Theorem 1: expected rejections of speculative decoding along a Markov chain (THEORY.md §2).
 
 Why: Theorem 1 says SD's number of rejections — the paper's cost model, one target call per
 rejection with unlimited lookahead — has expectation `Σ_n E_{prefix ~ target} TV(draft_n,
@@ -29,7 +29,7 @@ def expected_rejections_sd(chain: MarkovChain) -> float:
 
 
 def expected_calls_sd(chain: MarkovChain) -> float:
-    """Target calls with unlimited lookahead: `1 + Σ_{n<T} E[R_n]` (spec §1.2, derived
+    """Target calls with unlimited lookahead: `1 + Σ_{n<T} E[R_n]` (THEORY.md §1.2, derived
     off-by-one: a rejection at the last position needs no further call)."""
     return 1.0 + float(rejections_per_position_sd(chain)[:-1].sum())
 
@@ -61,6 +61,6 @@ def sample_sd(
 
 
 def mean_and_standard_error(values: np.ndarray) -> tuple[float, float]:
-    """Monte-Carlo mean and its standard error `sd / sqrt(N)` (spec §8.0 convention)."""
+    """Monte-Carlo mean and its standard error `sd / sqrt(N)` (THEORY.md §8.0 convention)."""
     values = np.asarray(values, dtype=np.float64)
     return float(values.mean()), float(values.std(ddof=1) / np.sqrt(len(values)))

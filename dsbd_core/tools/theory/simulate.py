@@ -1,4 +1,4 @@
-"""`dsbd theory simulate`: the paper's simulations on random Markov chains (spec §6.4).
+"""`dsbd theory simulate`: the paper's simulations on random Markov chains (THEORY.md §6.4).
 
 Why: the figures are the quickest way to see (and re-check after any change) that the formulas
 in this package match simulation — empirical vs theoretical rejections for SD (Figure 2a) and
