@@ -55,6 +55,10 @@ from dsbd_core.algorithm.result import DecodeResult
 from dsbd_core.algorithm.state import DecodeState, Outcome
 from dsbd_core.models.calibrate import assemble
 
+# How long one iteration is retried while Serve replaces a lost replica (a health check
+# failing, a fresh replica's imports and, for a tensor-parallel verifier, its ranks' start).
+RETRY_WINDOW_S = 120.0
+
 
 @dataclass
 class Handles:
@@ -136,7 +140,7 @@ class DecodeSession:
         *,
         uses_draft: bool,
         adaptive: bool = True,
-        retry_window_s: float = 120.0,
+        retry_window_s: float = RETRY_WINDOW_S,
     ) -> None:
         self.handles = handles
         self.vocab_size = vocab_size

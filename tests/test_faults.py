@@ -30,6 +30,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from deployments import faults
 from deployments.admission import WORKING_COPIES, kv_bytes_per_token
+from deployments.decode_session import RETRY_WINDOW_S
 
 from .serving_harness import (
     assert_loopback_only,
@@ -151,8 +152,11 @@ def test_a_replica_that_dies_inside_a_call_costs_a_retry_not_the_request(server,
         }
         for i in range(8)
     ]
+    # a decode may wait up to the router's retry window for the replacement replica, then
+    # decodes: the client waits that long and the decode's own time beside it
+    wait_s = RETRY_WINDOW_S + 120
     with ThreadPoolExecutor(len(bodies)) as pool:
-        results = list(pool.map(lambda body: native(server, body, prefix), bodies))
+        results = list(pool.map(lambda body: native(server, body, prefix, wait_s), bodies))
     for body, got in zip(bodies, results, strict=True):
         knobs = {k: v for k, v in body.items() if k not in ("prompt_ids", "adaptive")}
         assert_same(got, reference("dsbd", body["prompt_ids"], **knobs))
