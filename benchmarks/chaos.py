@@ -45,20 +45,27 @@ import os
 import random
 import signal
 import time
-from collections import Counter
-from dataclasses import asdict, dataclass, field
-from datetime import UTC, datetime
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import load  # benchmarks/ is on sys.path when this runs as a script
-import server_process
-from load import ABANDONED, MIX, LoadConfig, Record, body_for, percentiles, send
+from chaos_report import compare_seeded, plot, summarise
+from load import MIX, LoadConfig, Record, body_for, send
+
+from dsbd import server_process
 
 SIDES = ("router", "draft", "verifier")
-PROBE = {"prompt_ids": [5, 6, 7], "max_new_tokens": 2, "width": 2, "gamma": 1, "seed": 0,
-         "adaptive": False}  # fmt: skip  # DSBD: one call to the draft and one to the verifier
+# DSBD: one call to the draft and one to the verifier
+PROBE = {
+    "prompt_ids": [5, 6, 7],
+    "max_new_tokens": 2,
+    "width": 2,
+    "gamma": 1,
+    "seed": 0,
+    "adaptive": False,
+}
 
 
 @dataclass
@@ -110,8 +117,14 @@ class Run:
 def seeded_body(index: int, max_tokens: int) -> dict[str, Any]:
     """A seeded, fixed-knob DSBD request: token ids valid in any vocabulary of >= 256."""
     prompt = [16 + (index * 7 + k * 13) % 230 for k in range(3 + index % 5)]
-    return {"prompt_ids": prompt, "seed": 1000 + index, "max_new_tokens": max_tokens,
-            "width": 2 + index % 2, "gamma": 2, "adaptive": False}  # fmt: skip
+    return {
+        "prompt_ids": prompt,
+        "seed": 1000 + index,
+        "max_new_tokens": max_tokens,
+        "width": 2 + index % 2,
+        "gamma": 2,
+        "adaptive": False,
+    }
 
 
 async def native(http: aiohttp.ClientSession, run: Run, kind: str, body: dict[str, Any]) -> Record:
@@ -132,11 +145,19 @@ async def native(http: aiohttp.ClientSession, run: Run, kind: str, body: dict[st
             run.handovers.append(len(serving.get("handovers", [])))
             tokens = sum(len(b["token_ids"]) for b in reply["beams"])
             if kind == "seeded/generate":  # a lost cache: an iteration retried, a replica changed
-                lost = bool(retries) or any(len(set(serving[side + "_replica"])) > 1
-                                            for side in ("verify", "draft"))  # fmt: skip
-                run.seeded.append({"body": body, "cache_lost": lost, "beams": [
-                    {"token_ids": b["token_ids"], "log_likelihood": b["log_likelihood"]}
-                    for b in reply["beams"]]})  # fmt: skip
+                lost = bool(retries) or any(
+                    len(set(serving[side + "_replica"])) > 1 for side in ("verify", "draft")
+                )
+                run.seeded.append(
+                    {
+                        "body": body,
+                        "cache_lost": lost,
+                        "beams": [
+                            {"token_ids": b["token_ids"], "log_likelihood": b["log_likelihood"]}
+                            for b in reply["beams"]
+                        ],
+                    }
+                )
     except Exception as exc:  # no (complete) response: counted by its type
         error = f"{type(exc).__name__}: {exc}"[:300]
     return Record(kind, start - run.t0, time.monotonic() - start, status, error, tokens)
@@ -149,9 +170,14 @@ def retryable(status: int) -> bool:
 
 
 async def attempt(
-    http: aiohttp.ClientSession, run: Run, config: ChaosConfig, load_config: LoadConfig,
-    kind: str, route: str, body: dict[str, Any],
-) -> Record:  # fmt: skip
+    http: aiohttp.ClientSession,
+    run: Run,
+    config: ChaosConfig,
+    load_config: LoadConfig,
+    kind: str,
+    route: str,
+    body: dict[str, Any],
+) -> Record:
     """One request as a client sends it: retried like the openai client (up to
     `client_retries` more attempts, back-off 0.5 s doubling); every retried attempt is kept in
     `run.client_retried`, and the record returned spans all attempts. No kill should cost a
@@ -173,9 +199,12 @@ async def attempt(
 
 
 async def client(
-    http: aiohttp.ClientSession, run: Run, config: ChaosConfig, load_config: LoadConfig,
+    http: aiohttp.ClientSession,
+    run: Run,
+    config: ChaosConfig,
+    load_config: LoadConfig,
     index: int,
-) -> None:  # fmt: skip
+) -> None:
     rng = random.Random(config.seed * 1000 + index)
     round_ = 0
     while time.monotonic() < run.stop_at:
@@ -246,8 +275,11 @@ async def killer(http: aiohttp.ClientSession, run: Run, config: ChaosConfig) -> 
     low, high = config.kill_every_s
     next_at = config.first_kill_s if config.first_kill_s is not None else rng.uniform(low, high)
     last_allowed = config.duration_s - config.quiet_tail_s
-    while (len(run.kills) < config.max_kills if config.max_kills is not None
-           else next_at <= last_allowed):  # fmt: skip
+    while (
+        len(run.kills) < config.max_kills
+        if config.max_kills is not None
+        else next_at <= last_allowed
+    ):
         run.stop_at = max(run.stop_at, run.t0 + next_at + 1.0)  # load runs through the kill
         await asyncio.sleep(max(0.0, next_at - run.now()))
         kill = await kill_one(http, run, order[len(run.kills) % len(order)])
@@ -257,17 +289,25 @@ async def killer(http: aiohttp.ClientSession, run: Run, config: ChaosConfig) -> 
         run.kills.append(kill)
         print(f"[{kill.at_s:7.1f} s] SIGKILL {kill.side} pid {kill.pid}", flush=True)
         await recover(http, run, kill, config.recovery_timeout_s)
-        print(f"[{run.now():7.1f} s] {kill.side} recovered after {kill.recovered_s} s "
-              f"(new pid {kill.new_pid})", flush=True)  # fmt: skip
+        print(
+            f"[{run.now():7.1f} s] {kill.side} recovered after {kill.recovered_s} s "
+            f"(new pid {kill.new_pid})",
+            flush=True,
+        )
         run.stop_at = max(run.stop_at, time.monotonic() + config.quiet_tail_s)
         next_at = run.now() + rng.uniform(low, high)
 
 
 async def drive(run: Run, config: ChaosConfig) -> dict[str, Any]:
     """The clients and the killer; then the sessions left (load.drain)."""
-    load_config = LoadConfig(url=run.url, clients=config.clients, duration_s=config.duration_s,
-                             model=run.model, max_tokens=config.max_tokens,
-                             request_timeout_s=config.request_timeout_s)  # fmt: skip
+    load_config = LoadConfig(
+        url=run.url,
+        clients=config.clients,
+        duration_s=config.duration_s,
+        model=run.model,
+        max_tokens=config.max_tokens,
+        request_timeout_s=config.request_timeout_s,
+    )
     timeout = aiohttp.ClientTimeout(total=config.request_timeout_s)
     connector = aiohttp.TCPConnector(limit=config.clients + 8)
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as http:
@@ -276,153 +316,12 @@ async def drive(run: Run, config: ChaosConfig) -> dict[str, Any]:
         run.t0 = time.monotonic()
         run.stop_at = run.t0 + config.duration_s
         kills = asyncio.create_task(killer(http, run, config))
-        await asyncio.gather(*(client(http, run, config, load_config, i)
-                               for i in range(config.clients)))  # fmt: skip
+        await asyncio.gather(
+            *(client(http, run, config, load_config, i) for i in range(config.clients))
+        )
         wall = run.now()
         await kills
         return {"wall_s": round(wall, 2), "sessions_after": await load.drain(http, load_config)}
-
-
-def phase(record: Record, run: Run) -> str:
-    """before the first kill, during (first kill to last recovery), after."""
-    if not run.kills:
-        return "before"
-    first = run.kills[0].at_s
-    last = run.kills[-1].at_s + (run.kills[-1].recovered_s or 0.0)
-    return "before" if record.start_s < first else "during" if record.start_s < last else "after"
-
-
-def cause(record: Record, run: Run) -> str:
-    """What a failure overlapped: the kill during the request's lifetime, if any."""
-    end = record.start_s + record.latency_s
-    during = [k for k in run.kills if record.start_s <= k.at_s + (k.recovered_s or 0) and
-              k.at_s <= end]  # fmt: skip
-    where = f"{during[0].side} kill at {during[0].at_s} s" if during else "no kill in flight"
-    return f"{record.status} ({where}): {(record.error or '')[:120]}"
-
-
-def summarise(run: Run, config: ChaosConfig, extra: dict[str, Any]) -> dict[str, Any]:
-    records = run.records
-    ok = [r for r in records if r.status == 200]
-    failed = [r for r in records if r.status not in (200, ABANDONED)]
-    by_status: dict[str, int] = {}
-    for r in failed:
-        by_status[str(r.status)] = by_status.get(str(r.status), 0) + 1
-    recoveries = [k.recovered_s for k in run.kills]
-    latency = {name: percentiles([r.latency_s for r in ok if phase(r, run) == name])
-               for name in ("before", "during", "after")}  # fmt: skip
-    return {
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "config": asdict(config),
-        "model": run.model,
-        "duration_s": config.duration_s,
-        "clients": config.clients,
-        "kills": len(run.kills),
-        "sent": len(records),
-        "completed": len(ok),
-        "abandoned": sum(1 for r in records if r.status == ABANDONED),
-        "failed": len(failed),
-        "status_5xx": sum(1 for r in records if 500 <= r.status < 600),
-        # every 5xx the server answered, those a client then retried included
-        "status_5xx_answered": sum(
-            1 for r in [*records, *run.client_retried] if 500 <= r.status < 600
-        ),
-        "retries": sum(run.retries),  # iterations the server retried (a replica lost)
-        "native_responses": len(run.retries),
-        "native_responses_with_retries": sum(1 for n in run.retries if n),
-        # native decodes the ingress handed to another router after theirs was killed
-        "native_responses_with_handovers": sum(1 for n in run.handovers if n),
-        "client_retries": len(run.client_retried),  # requests a client sent again (`attempt`)
-        "client_retried_by_status": dict(Counter(str(r.status) for r in run.client_retried)),
-        "client_retry_causes": sorted({cause(r, run) for r in run.client_retried})[:20],
-        "max_recovery_s": max((r for r in recoveries if r is not None), default=None),
-        "all_recovered": all(r is not None for r in recoveries),
-        "failed_by_status": by_status,
-        "failed_causes": sorted({cause(r, run) for r in failed})[:20],
-        "retry_causes": sorted(set(run.retry_causes))[:20],
-        "kill_log": [asdict(k) for k in run.kills],
-        "latency_s": {"all": percentiles([r.latency_s for r in ok]), **latency},
-        **extra,
-        "requests": [asdict(r) for r in records],
-    }
-
-
-def compare_seeded(app: Any, seeded: list[dict[str, Any]]) -> dict[str, Any]:
-    """Decode every seeded request in-process with the server's models, loaded as its replicas
-    load them, and compare the beams (token ids; log-likelihoods within 1e-6). Equal where the
-    numerics do not depend on the batch (`batch_invariant_numerics`: bfloat16, the int8 draft,
-    float64), a lost cache (`cache_lost`) included: it is replayed, not re-prefilled."""
-    import torch
-
-    from dsbd_core import SamplingConfig
-    from dsbd_core.algorithm.decoders import generate
-    from dsbd_core.models import load_tokenizer
-    from dsbd_core.models.dtypes import resolve_dtype
-    from dsbd_core.models.pair import load_pair
-    from dsbd_core.models.transformer_scorer import TransformerScorer
-
-    target, draft = app.target, app.draft
-    if resolve_dtype(target.dtype, target.device)[0] != resolve_dtype(draft.dtype, draft.device)[0]:
-        return {"compared": 0, "why": "target.dtype and draft.dtype differ: load_pair loads one"}
-    torch.set_num_threads(target.threads)
-    pair = load_pair(target.source, draft.source, dtype=target.dtype, device=target.device,
-                     draft_options=draft.variant)  # fmt: skip
-    assert pair.draft is not None
-    _, stop_ids = load_tokenizer(target.source)
-    same, differ, worst = 0, [], 0.0
-    lost = {"compared": 0, "equal": 0}  # a cache lost (retried, or moved): replayed
-    for item in seeded:
-        body = item["body"]
-        knobs = {k: v for k, v in body.items() if k not in ("prompt_ids", "adaptive")}
-        want = generate("dsbd", TransformerScorer(pair.target.model), body["prompt_ids"],
-                        SamplingConfig(eos_token_ids=stop_ids, **knobs),
-                        draft=TransformerScorer(pair.draft.model))  # fmt: skip
-        got = item["beams"]
-        equal = [b.token_ids for b in want.beams] == [b["token_ids"] for b in got]
-        lost["compared"] += item["cache_lost"]
-        lost["equal"] += item["cache_lost"] and equal
-        if equal:
-            same += 1
-            for a, b in zip(want.beams, got, strict=True):
-                worst = max(worst, abs(a.log_likelihood - b["log_likelihood"]))
-        else:
-            differ.append(body)
-    # float32 matmuls round with the batch (docs/SERVING.md "Seeded decodes and numerics")
-    invariant = pair.dtype_name in ("bfloat16", "float64")
-    return {"compared": len(seeded), "equal": same, "different": len(differ), "cache_lost": lost,
-            "different_examples": differ[:5], "max_log_likelihood_difference": worst,
-            "models": pair.describe(), "batch_invariant_numerics": invariant}  # fmt: skip
-
-
-def plot(results: dict[str, Any], path: Path) -> None:
-    """Latency over time (each request at its start), failures in red, kills as lines."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(12, 5))
-    records = results["requests"]
-    for status, style, label in ((200, "o", "completed"), (None, "x", "failed")):
-        chosen = [r for r in records if (r["status"] == 200) == (status == 200) and
-                  r["status"] != ABANDONED]  # fmt: skip
-        ax.plot([r["start_s"] for r in chosen], [r["latency_s"] for r in chosen], style,
-                markersize=3, alpha=0.6, label=label, color=None if status else "red")  # fmt: skip
-    for kill in results["kill_log"]:
-        colour = {"router": "purple", "draft": "tab:orange", "verifier": "tab:green"}[kill["side"]]
-        ax.axvline(kill["at_s"], color=colour, linestyle="--")
-        if kill["recovered_s"] is not None:
-            ax.axvspan(kill["at_s"], kill["at_s"] + kill["recovered_s"], color=colour, alpha=0.1)
-        ax.annotate(f"kill {kill['side']}", (kill["at_s"], 1), xycoords=("data", "axes fraction"),
-                    rotation=90, va="top", ha="right", fontsize=8, color=colour)  # fmt: skip
-    ax.set(xlabel="request start (s into the run)", ylabel="latency (s)")
-    title = (f"chaos: {results['clients']} clients, {results['kills']} kills, "
-             f"{results['failed']} failed of {results['sent']} ({results['model']})")  # fmt: skip
-    ax.set_title(title)
-    ax.legend(loc="upper left")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -431,8 +330,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--app", help="the application to drive (default: the config's first)")
     parser.add_argument("--clients", type=int, default=32)
     parser.add_argument("--duration", type=float, default=600.0, help="seconds of load")
-    parser.add_argument("--kill-every", type=float, nargs=2, default=(30.0, 60.0), metavar=("MIN",
-                        "MAX"), help="seconds from a recovery to the next kill")  # fmt: skip
+    parser.add_argument(
+        "--kill-every",
+        type=float,
+        nargs=2,
+        default=(30.0, 60.0),
+        metavar=("MIN", "MAX"),
+        help="seconds from a recovery to the next kill",
+    )
     parser.add_argument("--first-kill", type=float, help="seconds to the first kill")
     parser.add_argument("--quiet-tail", type=float, default=60.0, help="load after the last kill")
     parser.add_argument("--kills", type=int, help="this many kills (the run lasts for them)")
@@ -442,8 +347,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seeded-share", type=float, default=0.25)
     parser.add_argument("--request-timeout", type=float, default=300.0)
     parser.add_argument("--recovery-timeout", type=float, default=180.0)
-    parser.add_argument("--client-retries", type=int, default=2,
-                        help="attempts added after 0/408/409/429/5xx, as openai")  # fmt: skip
+    parser.add_argument(
+        "--client-retries",
+        type=int,
+        default=2,
+        help="attempts added after 0/408/409/429/5xx, as openai",
+    )
     parser.add_argument("--num-cpus", type=float, help="CPUs Ray may schedule on")
     parser.add_argument("--strace", type=Path, help="run the server under strace -f, into DIR")
     parser.add_argument("--workdir", type=Path, help="server log and ready file (default: tmp)")
@@ -466,15 +375,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     config = ChaosConfig(
-        clients=args.clients, duration_s=args.duration, kill_every_s=tuple(args.kill_every),
-        first_kill_s=args.first_kill, quiet_tail_s=args.quiet_tail, max_kills=args.kills,
-        targets=args.targets, seed=args.seed, max_tokens=args.max_tokens,
-        seeded_share=args.seeded_share, request_timeout_s=args.request_timeout,
-        recovery_timeout_s=args.recovery_timeout, client_retries=args.client_retries,
-    )  # fmt: skip
+        clients=args.clients,
+        duration_s=args.duration,
+        kill_every_s=tuple(args.kill_every),
+        first_kill_s=args.first_kill,
+        quiet_tail_s=args.quiet_tail,
+        max_kills=args.kills,
+        targets=args.targets,
+        seed=args.seed,
+        max_tokens=args.max_tokens,
+        seeded_share=args.seeded_share,
+        request_timeout_s=args.request_timeout,
+        recovery_timeout_s=args.recovery_timeout,
+        client_retries=args.client_retries,
+    )
     workdir = args.workdir or Path(os.environ.get("TMPDIR", "/tmp")) / f"dsbd-chaos-{os.getpid()}"
-    server = server_process.start(workdir, args.config, app_name=args.app,
-                                  num_cpus=args.num_cpus, strace_dir=args.strace)  # fmt: skip
+    server = server_process.start(
+        workdir, args.config, app_name=args.app, num_cpus=args.num_cpus, strace_dir=args.strace
+    )
     print(f"dsbd serve at {server.url} (pid {server.pid}, log {server.log})", flush=True)
     run = Run(server.url, server.model, server.pid)
     try:
@@ -483,16 +401,24 @@ def main(argv: list[str] | None = None) -> int:
         extra_left = server_process.stop(server)
     extra["server_leftover_processes"] = extra_left
     extra["seeded"] = (
-        {"compared": 0, "why": "--no-compare"} if args.no_compare
+        {"compared": 0, "why": "--no-compare"}
+        if args.no_compare
         else compare_seeded(server.app, run.seeded)
-    )  # fmt: skip
+    )
     results = summarise(run, config, extra)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=1) + "\n")
     plot(results, args.out.with_suffix(".png"))
     print(server_process.summary(results))
-    print(json.dumps({k: results[k] for k in ("failed_by_status", "failed_causes", "kill_log",
-                                              "latency_s", "seeded")}, indent=1))  # fmt: skip
+    print(
+        json.dumps(
+            {
+                k: results[k]
+                for k in ("failed_by_status", "failed_causes", "kill_log", "latency_s", "seeded")
+            },
+            indent=1,
+        )
+    )
     return 0
 
 

@@ -52,6 +52,7 @@ RAY_MODULES = frozenset(
         "serve_run",
         "serving",
         "serving_api",
+        "serving_guarded",
         "tp_group",
     )
 )

@@ -34,7 +34,7 @@ from dsbd_core.algorithm.decoders import METHODS_WITH_DRAFT, generate
 from dsbd_core.models import encode_prompt, load_causal_lm, stop_token_ids
 from dsbd_core.models.transformer_scorer import TransformerScorer
 
-from .test_serving import leftovers
+from .serving_harness import leftovers
 from .tiny_models import build_pair
 
 REPO = Path(__file__).parent.parent

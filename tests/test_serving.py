@@ -8,7 +8,8 @@ contacted; this process's own sockets are watched by an audit hook. Two applicat
 * `/spread`  affinity off, two draft and two verifier replicas: sessions land on replicas
              without their cache and must re-prefill;
 * `/tp`      the verifier tensor-parallel over 2 ranks (gloo), health-checked every second;
-* `/guarded` an API key and tight limits (width, tokens, concurrency, a 1.5 s deadline).
+* `/guarded` an API key and tight limits (width, tokens, concurrency, a 1.5 s deadline):
+             its tests are in tests/test_serving_guarded.py.
 
 The models run in float64, so a batched forward equals a lone one to ~1e-16 and "the
 distributed path returns the same beams as the in-process engine" can be checked draw for draw
@@ -34,7 +35,6 @@ import requests
 from dsbd_core.models import load_tokenizer
 
 from .serving_harness import (
-    API_KEY,
     CASES,
     IN_FLIGHT,
     MODEL,
@@ -47,18 +47,12 @@ from .serving_harness import (
     assert_same,
     client,
     decode_while_killing,
-    free_port,
-    guarded,
     in_process_decoder,
     native,
     status,
     wait_drained,
 )
-from .serving_harness import leftovers as leftovers  # tests/test_batch.py imports it from here
-from .serving_harness import stop as stop  # tests/test_serve_cli.py imports it from here
 from .test_local_ray import is_loopback
-
-_free_port = free_port  # tests/test_serve_cli.py imports it from here
 
 
 @pytest.fixture(scope="module")
@@ -78,16 +72,23 @@ def test_completion_and_chat_with_the_openai_client(server) -> None:
     api = client(server)
     assert [m.id for m in api.models.list().data] == [MODEL]
     completion = api.completions.create(
-        model=MODEL, prompt="one two three", max_tokens=8, n=2, seed=3,
+        model=MODEL,
+        prompt="one two three",
+        max_tokens=8,
+        n=2,
+        seed=3,
         extra_body={"width": 3, "gamma": 2},
-    )  # fmt: skip
+    )
     assert len(completion.choices) == 2 and all(isinstance(c.text, str) for c in completion.choices)
     assert completion.usage.prompt_tokens > 0 and completion.usage.completion_tokens > 0
     assert {c.finish_reason for c in completion.choices} <= {"stop", "length"}
     chat = api.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "What is the capital of France?"}],
-        max_tokens=8, n=3, extra_body={"method": "beam", "width": 3},
-    )  # fmt: skip
+        model=MODEL,
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+        max_tokens=8,
+        n=3,
+        extra_body={"method": "beam", "width": 3},
+    )
     assert [c.index for c in chat.choices] == [0, 1, 2]
     assert all(c.message.role == "assistant" for c in chat.choices)
 
@@ -95,8 +96,12 @@ def test_completion_and_chat_with_the_openai_client(server) -> None:
 @pytest.mark.parametrize("chat", [False, True])
 def test_streaming_ends_with_the_text_of_the_same_request_unstreamed(server, chat: bool) -> None:
     api = client(server)
-    knobs = {"model": MODEL, "max_tokens": 12, "seed": 5,
-             "extra_body": {"adaptive": False, "width": 2, "gamma": 2}}  # fmt: skip
+    knobs = {
+        "model": MODEL,
+        "max_tokens": 12,
+        "seed": 5,
+        "extra_body": {"adaptive": False, "width": 2, "gamma": 2},
+    }
     if chat:
         messages = [{"role": "user", "content": "Say something."}]
         whole = api.chat.completions.create(messages=messages, **knobs).choices[0]
@@ -115,9 +120,14 @@ def test_streaming_ends_with_the_text_of_the_same_request_unstreamed(server, cha
 
 def test_streaming_one_beam_sends_tokens_as_they_are_accepted(server) -> None:
     stream = client(server).completions.create(
-        model=MODEL, prompt="one", max_tokens=16, stream=True, seed=1,
-        extra_body={"method": "sps", "gamma": 2}, stream_options={"include_usage": True},
-    )  # fmt: skip
+        model=MODEL,
+        prompt="one",
+        max_tokens=16,
+        stream=True,
+        seed=1,
+        extra_body={"method": "sps", "gamma": 2},
+        stream_options={"include_usage": True},
+    )
     events = list(stream)
     assert events[-1].usage is not None and events[-1].choices == []
     text_events = [e for e in events if e.choices and e.choices[0].text]
@@ -128,8 +138,14 @@ def test_streaming_one_beam_sends_tokens_as_they_are_accepted(server) -> None:
 @pytest.mark.parametrize(("method", "knobs"), CASES)
 def test_distributed_decode_equals_the_in_process_engine(server, reference, method, knobs):
     prompt_ids = [5, 17, 42, 99, 7]
-    body = {"prompt_ids": prompt_ids, "method": method, "seed": 11, "max_new_tokens": 14,
-            "adaptive": False, **knobs}  # fmt: skip
+    body = {
+        "prompt_ids": prompt_ids,
+        "method": method,
+        "seed": 11,
+        "max_new_tokens": 14,
+        "adaptive": False,
+        **knobs,
+    }
     got = native(server, body)
     want = reference(method, prompt_ids, seed=11, max_new_tokens=14, **knobs)
     assert_same(got, want)
@@ -141,10 +157,17 @@ def test_distributed_decode_equals_the_in_process_engine(server, reference, meth
 
 def test_concurrent_requests_share_the_verifier_forward_and_stay_exact(server, reference):
     bodies = [
-        {"prompt_ids": [3 + i, 8, 13 + i], "seed": i, "max_new_tokens": 24, "width": 2 + i % 2,
-         "gamma": 1 + i % 3, "adaptive": False, "threshold": None if i % 2 else 0.6}
+        {
+            "prompt_ids": [3 + i, 8, 13 + i],
+            "seed": i,
+            "max_new_tokens": 24,
+            "width": 2 + i % 2,
+            "gamma": 1 + i % 3,
+            "adaptive": False,
+            "threshold": None if i % 2 else 0.6,
+        }
         for i in range(6)
-    ]  # fmt: skip
+    ]
     with ThreadPoolExecutor(len(bodies)) as pool:
         results = list(pool.map(lambda body: native(server, body), bodies))
     shared = max(max(r["stats"]["serving"]["verify_batch_requests"]) for r in results)
@@ -159,8 +182,17 @@ def test_sessions_on_replicas_without_their_cache_rebuild_it_and_stay_exact(serv
     """No affinity, two replicas a side: calls land where the session's cache is not. These
     decodes are seeded, so the cache is rebuilt by replaying the session's iterations
     (dsbd_core/algorithm/replay.py), and each decode equals the in-process one draw for draw."""
-    bodies = [{"prompt_ids": [20 + i, 21, 22, 23], "seed": 100 + i, "max_new_tokens": 16,
-               "width": 3, "gamma": 2, "adaptive": False} for i in range(4)]  # fmt: skip
+    bodies = [
+        {
+            "prompt_ids": [20 + i, 21, 22, 23],
+            "seed": 100 + i,
+            "max_new_tokens": 16,
+            "width": 3,
+            "gamma": 2,
+            "adaptive": False,
+        }
+        for i in range(4)
+    ]
     with ThreadPoolExecutor(2) as pool:
         results = list(pool.map(lambda body: native(server, body, "/spread"), bodies))
     hits, replicas, replays = [], set(), []
@@ -176,8 +208,7 @@ def test_sessions_on_replicas_without_their_cache_rebuild_it_and_stay_exact(serv
 
 
 def test_the_width_controller_adapts_the_depth_within_the_limits(server) -> None:
-    got = native(server, {"prompt": "one two three", "max_new_tokens": 30, "gamma": 4,
-                          "seed": 2})  # fmt: skip
+    got = native(server, {"prompt": "one two three", "max_new_tokens": 30, "gamma": 4, "seed": 2})
     gammas = got["stats"]["serving"]["gamma"]
     assert all(0 <= g <= 4 for g in gammas)
     assert got["stats"]["accepted_per_position"]  # the per-position metric is reported
@@ -187,21 +218,29 @@ def test_the_width_controller_adapts_the_depth_within_the_limits(server) -> None
 @pytest.mark.parametrize(("method", "knobs"), CASES[:1] + CASES[3:4])
 def test_tensor_parallel_verifier_decodes_exactly(server, reference, method, knobs):
     prompt_ids = [5, 17, 42, 99, 7]
-    body = {"prompt_ids": prompt_ids, "method": method, "seed": 12, "max_new_tokens": 14,
-            "adaptive": False, **knobs}  # fmt: skip
-    assert_same(native(server, body, "/tp"), reference(method, prompt_ids, seed=12,
-                                                       max_new_tokens=14, **knobs))  # fmt: skip
+    body = {
+        "prompt_ids": prompt_ids,
+        "method": method,
+        "seed": 12,
+        "max_new_tokens": 14,
+        "adaptive": False,
+        **knobs,
+    }
+    assert_same(
+        native(server, body, "/tp"),
+        reference(method, prompt_ids, seed=12, max_new_tokens=14, **knobs),
+    )
     verifier = status(server, "/tp")["verifier"]
     assert verifier["tp_size"] == 2 and len(verifier["tp_ranks"]["pids"]) == 2
 
 
 def test_a_lost_rank_costs_a_retry_and_serve_replaces_the_replica(server, reference) -> None:
     old = status(server, "/tp")["verifier"]
-    results = decode_while_killing(server, reference, "/tp",
-                                   lambda now: now["verifier"]["tp_ranks"]["pids"][1])  # fmt: skip
+    results = decode_while_killing(
+        server, reference, "/tp", lambda now: now["verifier"]["tp_ranks"]["pids"][1]
+    )
     retries = [r for got in results for r in got["stats"]["serving"]["retries"]]
-    print(f"TP rank killed with {IN_FLIGHT} decodes in flight: {len(retries)} iteration(s) "
-          f"retried")  # fmt: skip
+    print(f"TP rank killed with {IN_FLIGHT} decodes in flight: {len(retries)} iteration(s) retried")
     assert retries and all("TensorParallelBroken" in r or "ActorDied" in r for r in retries)
     new = status(server, "/tp")["verifier"]
     assert new["replica"] != old["replica"]
@@ -216,11 +255,14 @@ def test_a_killed_replica_loses_no_request(server, reference, side: str) -> None
     (`retries` names the cause). The replica is frozen for a second before it is killed, so the
     calls it had accepted die with it (docs/RELIABILITY.md section 3)."""
     old = status(server, "/spread")[side]
-    results = decode_while_killing(server, reference, "/spread", lambda now: now[side]["pid"],
-                                   freeze_s=1.0)  # fmt: skip
+    results = decode_while_killing(
+        server, reference, "/spread", lambda now: now[side]["pid"], freeze_s=1.0
+    )
     retries = [r for got in results for r in got["stats"]["serving"]["retries"]]
-    print(f"{side} frozen 1 s then killed with {IN_FLIGHT} decodes in flight: {len(retries)} "
-          f"iteration(s) retried: {sorted({r.split(': ')[1] for r in retries})}")  # fmt: skip
+    print(
+        f"{side} frozen 1 s then killed with {IN_FLIGHT} decodes in flight: {len(retries)} "
+        f"iteration(s) retried: {sorted({r.split(': ')[1] for r in retries})}"
+    )
     # Serve reroutes the calls a frozen replica never accepted, and a verify call is routed only
     # once its forest is resolved, so a kill loses only the calls accepted before the freeze:
     # 0 or a few (draft: 0 in 2 of ~13 runs; verifier: 1, then 0 in 2 of 2 runs once the model
@@ -235,127 +277,27 @@ def test_a_killed_replica_loses_no_request(server, reference, side: str) -> None
         time.sleep(0.5)
 
 
-def test_the_api_key_is_required_before_anything_else(server) -> None:
-    """Missing or wrong key: 401 on every route but the probe and the API description, and
-    before the body is validated (a client without the key learns nothing about its fields)."""
-    for key in (None, "sk-wrong", API_KEY[:-1]):
-        response = guarded(server, {"max_tokens": 2}, key=key)
-        assert response.status_code == 401, response.text
-        assert response.json()["error"]["type"] == "authentication_error"
-        assert response.headers["www-authenticate"] == "Bearer"
-    for body in ({"width": 0}, {"unknown_knob": 1}, {"max_tokens": 10**6}):
-        response = guarded(server, body, key=None)
-        assert response.status_code == 401, (body, response.text)
-    base = f"{server['url']}/guarded"
-    routes = [("GET", "/v1/models"), ("GET", "/v1/dsbd/status"),
-              ("POST", "/v1/chat/completions"), ("POST", "/v1/dsbd/generate")]  # fmt: skip
-    for method, path in routes:
-        response = requests.request(method, base + path, json={}, timeout=30)
-        assert response.status_code == 401, (path, response.text)
-    assert requests.get(f"{base}/healthz", timeout=30).status_code == 200
-    assert "/v1/completions" in requests.get(f"{base}/openapi.json", timeout=30).json()["paths"]
-    assert guarded(server, {"max_tokens": 2}).status_code == 200
-    body = {"model": MODEL, "prompt": "one two", "max_tokens": 2}
-    response = requests.post(f"{base}/v1/completions", headers={"x-api-key": API_KEY}, json=body,
-                             timeout=60)  # fmt: skip
-    assert response.status_code == 200, response.text
-    api = openai.OpenAI(base_url=f"{base}/v1", api_key=API_KEY, max_retries=0)
-    assert api.completions.create(model=MODEL, prompt="one", max_tokens=2).choices
-    with pytest.raises(openai.AuthenticationError):
-        client(server, "/guarded").completions.create(model=MODEL, prompt="one", max_tokens=2)
-
-
-@pytest.mark.parametrize(
-    ("body", "fragment"),
-    [
-        ({"width": 5}, "width=5 exceeds this server's limit max_width=4"),
-        ({"gamma": 4}, "gamma=4 exceeds this server's limit max_gamma=3"),
-        ({"max_tokens": 241}, "max_tokens=241 exceeds this server's limit max_new_tokens=240"),
-        ({"prompt": "one two " * 20}, "exceeds this server's limit max_prompt_tokens=24"),
-        ({"n": 3, "width": 3}, "n=3 exceeds this server's limit max_n=2"),
-        ({"w_min": 3, "width": 2}, "w_min=3 is larger than width=2"),
-    ],
-)
-def test_limits_are_enforced_naming_field_value_and_limit(server, body, fragment) -> None:
-    response = guarded(server, body)
-    assert response.status_code == 400, response.text
-    assert fragment in response.json()["error"]["message"]
-
-
-def test_the_native_route_names_its_own_fields(server) -> None:
-    """/v1/dsbd/generate calls the budget `max_new_tokens` (OpenAI routes: `max_tokens`)."""
-    response = requests.post(f"{server['url']}/guarded/v1/dsbd/generate", timeout=60,
-                             headers={"Authorization": f"Bearer {API_KEY}"},
-                             json={"prompt_ids": [5, 6], "max_new_tokens": 241})  # fmt: skip
-    assert response.status_code == 400, response.text
-    error = response.json()["error"]
-    assert error["param"] == "max_new_tokens"
-    assert "max_new_tokens=241 exceeds this server's limit max_new_tokens=240" in error["message"]
-
-
-@pytest.mark.parametrize(
-    "knobs",
-    [{"method": "beam", "width": 4}, {"method": "dsbd", "width": 4, "gamma": 1, "adaptive": False}],
-)
-def test_past_the_deadline_504_and_the_sessions_are_freed(server, knobs: dict) -> None:
-    """A 240-token decode cannot finish within the 1.5 s deadline (each iteration is at least
-    one Serve call, DSBD's gamma 1 emits at most 2 tokens per iteration): 504, or a timeout
-    event for a stream, and every session freed: the controller's, the verifier's and (DSBD)
-    the draft's."""
-    start = time.monotonic()
-    response = guarded(server, {"max_tokens": 240, **knobs})
-    assert response.status_code == 504, response.text
-    assert "request_timeout_s=1.5" in response.json()["error"]["message"]
-    assert time.monotonic() - start < 10
-    stream = guarded(server, {"max_tokens": 240, "stream": True, **knobs})
-    assert stream.status_code == 200 and '"type": "timeout"' in stream.text
-    headers = {"Authorization": f"Bearer {API_KEY}"}
-    deadline = time.monotonic() + 30
-    while True:
-        now = requests.get(f"{server['url']}/guarded/v1/dsbd/status", headers=headers,
-                           timeout=30).json()  # fmt: skip
-        if now["open_sessions"] == 0 and now["verifier"]["cached_sessions"] == 0 \
-                and now["draft"]["cached_sessions"] == 0:  # fmt: skip
-            break
-        assert time.monotonic() < deadline, now
-        time.sleep(0.3)
-
-
-def test_more_concurrent_decodes_than_allowed_get_429(server) -> None:
-    """Two streams hold both decode slots (max_concurrent_sessions=2): every other decode is
-    refused with 429 meanwhile; once their clients go away the slots are free again (an
-    abandoned stream is counted out however it ends). Streams, because a stream holds its slot
-    from its headers on, whatever the machine's speed: plain decodes raced the 1.5 s deadline
-    (504) on a loaded machine."""
-    headers = {"Authorization": f"Bearer {API_KEY}"}
-    body = {"model": MODEL, "prompt": "one two", "max_tokens": 240, "method": "beam",
-            "width": 2, "stream": True}  # fmt: skip
-    streams = [requests.post(f"{server['url']}/guarded/v1/completions", json=body, stream=True,
-                             headers=headers, timeout=60) for _ in range(2)]  # fmt: skip
-    try:
-        assert [s.status_code for s in streams] == [200, 200]
-        with ThreadPoolExecutor(4) as pool:
-            refused = list(pool.map(lambda _: guarded(server, {"max_tokens": 2}), range(4)))
-        assert [r.status_code for r in refused] == [429] * 4, [r.text for r in refused]
-        assert "max_concurrent_sessions" in refused[0].json()["error"]["message"]
-    finally:
-        for stream in streams:
-            stream.close()
-    deadline = time.monotonic() + 30
-    while (code := guarded(server, {"max_tokens": 2}).status_code) == 429:
-        assert time.monotonic() < deadline, "the abandoned streams still hold their slots"
-        time.sleep(0.2)
-    assert code == 200
-
-
 def test_fuzzing_the_served_openapi_finds_no_server_error(server, tmp_path: Path) -> None:
     """schemathesis (bounded): schema examples and random requests, valid and invalid, against
     every route; any 5xx fails. Its own coverage phase is left out: it crashes inside
     schemathesis 4.32 on this schema (a hypothesis cache KeyError), not in the server."""
-    command = [str(Path(sys.executable).parent / "schemathesis"), "run",
-               f"{server['url']}/openapi.json", "--checks", "not_a_server_error",
-               "--phases", "examples,fuzzing", "--max-time", "60", "--workers", "1",
-               "--seed", "1", "--suppress-health-check", "all"]  # fmt: skip
+    command = [
+        str(Path(sys.executable).parent / "schemathesis"),
+        "run",
+        f"{server['url']}/openapi.json",
+        "--checks",
+        "not_a_server_error",
+        "--phases",
+        "examples,fuzzing",
+        "--max-time",
+        "60",
+        "--workers",
+        "1",
+        "--seed",
+        "1",
+        "--suppress-health-check",
+        "all",
+    ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     tail = done.stdout[-6000:]
     print("schemathesis:", "\n".join(done.stdout.strip().splitlines()[-12:]))
@@ -378,8 +320,9 @@ def test_fuzzing_the_served_openapi_finds_no_server_error(server, tmp_path: Path
     ],
 )
 def test_bad_requests_get_400_naming_the_field(server, body: dict, fragment: str) -> None:
-    response = requests.post(f"{server['url']}/v1/completions",
-                             json={"model": MODEL, "prompt": "x", **body}, timeout=60)  # fmt: skip
+    response = requests.post(
+        f"{server['url']}/v1/completions", json={"model": MODEL, "prompt": "x", **body}, timeout=60
+    )
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert fragment in error["message"] and error["type"] == "invalid_request_error"
@@ -389,16 +332,24 @@ def test_unknown_model_is_404_and_the_schema_is_served(server) -> None:
     with pytest.raises(openai.NotFoundError, match="available: 'tiny'"):
         client(server).completions.create(model="gpt-4", prompt="x")
     schema = requests.get(f"{server['url']}/openapi.json", timeout=30).json()
-    assert {"/v1/completions", "/v1/chat/completions", "/v1/dsbd/generate", "/v1/models",
-            "/healthz"} <= set(schema["paths"])  # fmt: skip
+    assert {
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/v1/dsbd/generate",
+        "/v1/models",
+        "/healthz",
+    } <= set(schema["paths"])
     assert requests.get(f"{server['url']}/healthz", timeout=30).json()["status"] == "ok"
 
 
 def test_finished_and_cancelled_requests_free_their_sessions(server) -> None:
     # a stream the client abandons after its first event
-    with requests.post(f"{server['url']}/v1/completions", stream=True, timeout=60,
-                       json={"model": MODEL, "prompt": "one", "max_tokens": 200, "stream": True,
-                             "method": "sps"}) as response:  # fmt: skip
+    with requests.post(
+        f"{server['url']}/v1/completions",
+        stream=True,
+        timeout=60,
+        json={"model": MODEL, "prompt": "one", "max_tokens": 200, "stream": True, "method": "sps"},
+    ) as response:
         assert response.status_code == 200
         next(response.iter_lines())
     deadline = time.monotonic() + 60
@@ -428,8 +379,9 @@ def test_a_client_that_goes_away_stops_its_decode_within_one_iteration(
     host, port = server["url"].removeprefix("http://").split(":")
     connection = http.client.HTTPConnection(host, int(port), timeout=60)
     body = {"model": MODEL, "prompt": "one two", "adaptive": False, "stream": stream, **knobs}
-    connection.request("POST", "/v1/completions", json.dumps(body),
-                       {"Content-Type": "application/json"})  # fmt: skip
+    connection.request(
+        "POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"}
+    )
     if stream:
         assert connection.getresponse().status == 200  # headers: the stream has begun
     deadline = time.monotonic() + 60
@@ -447,8 +399,10 @@ def test_a_client_that_goes_away_stops_its_decode_within_one_iteration(
     assert left >= 20, f"the decode was nearly done ({ran} of {full.stats.iterations})"
     ran_after = after["verifier"]["calls_run"] - at_close
     assert ran_after <= 2, f"{ran_after} iterations ran after the disconnect ({left} were left)"
-    print(f"disconnect ({'stream' if stream else 'plain'}): {ran_after} iteration(s) after the "
-          f"close, of {left} left; sessions freed {freed_s:.2f} s after it")  # fmt: skip
+    print(
+        f"disconnect ({'stream' if stream else 'plain'}): {ran_after} iteration(s) after the "
+        f"close, of {left} left; sessions freed {freed_s:.2f} s after it"
+    )
 
 
 def test_64_clients_load_no_errors_flat_memory_and_sessions_drain(server, tmp_path) -> None:
@@ -457,9 +411,24 @@ def test_64_clients_load_no_errors_flat_memory_and_sessions_drain(server, tmp_pa
     No error; the server's process-tree memory after warm-up within 10% of its first
     post-warm-up value; every session freed afterwards."""
     out = tmp_path / "load.json"
-    command = [sys.executable, str(REPO / "benchmarks/load.py"), "--url", server["url"],
-               "--model", MODEL, "--clients", "64", "--duration", "15", "--max-tokens", "8",
-               "--settle", "60", "--out", str(out)]  # fmt: skip
+    command = [
+        sys.executable,
+        str(REPO / "benchmarks/load.py"),
+        "--url",
+        server["url"],
+        "--model",
+        MODEL,
+        "--clients",
+        "64",
+        "--duration",
+        "15",
+        "--max-tokens",
+        "8",
+        "--settle",
+        "60",
+        "--out",
+        str(out),
+    ]
     if server["pid"] is not None:
         command += ["--pid", str(server["pid"])]
     subprocess.run(command, check=True, timeout=300, cwd=REPO)
@@ -471,24 +440,6 @@ def test_64_clients_load_no_errors_flat_memory_and_sessions_drain(server, tmp_pa
     if server["pid"] is not None:
         rss = results["memory"]["rss"]
         assert rss["max_growth"] <= 0.10 and rss["max_drop"] <= 0.10, results["memory"]
-
-
-# ------------------------------------------------------------------------------- secrets
-def test_the_api_key_appears_in_no_log(server) -> None:
-    """After every test above sent it (right, wrong and cut short): not in the server's output
-    nor in any of Ray's session logs (every replica's and the proxy's access logs)."""
-    if server["log"] is None:
-        pytest.skip("an external server: its logs are not ours to read")
-    logs = [server["log"], *Path("/tmp/ray/session_latest/logs").rglob("*")]
-    needle = API_KEY.encode()
-    read = 0
-    for path in logs:
-        if path.is_file():
-            data = path.read_bytes()
-            read += 1
-            assert needle not in data, f"the API key is in {path}"
-    assert read > 1, "no Ray log was found to check"
-    print(f"API key absent from {read} log files (server output and Ray's session logs)")
 
 
 # -------------------------------------------------------------------------------- network

@@ -1,0 +1,197 @@
+"""What a chaos run's records say (benchmarks/chaos.py): the summary it reports, the seeded
+requests decoded again in-process with the server's models, and the plot of latency over time
+with the kills marked."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import asdict
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from load import ABANDONED, Record, percentiles  # benchmarks/ is on sys.path, as for chaos.py
+
+if TYPE_CHECKING:
+    from chaos import ChaosConfig, Run
+
+
+def phase(record: Record, run: Run) -> str:
+    """before the first kill, during (first kill to last recovery), after."""
+    if not run.kills:
+        return "before"
+    first = run.kills[0].at_s
+    last = run.kills[-1].at_s + (run.kills[-1].recovered_s or 0.0)
+    return "before" if record.start_s < first else "during" if record.start_s < last else "after"
+
+
+def cause(record: Record, run: Run) -> str:
+    """What a failure overlapped: the kill during the request's lifetime, if any."""
+    end = record.start_s + record.latency_s
+    during = [
+        k for k in run.kills if record.start_s <= k.at_s + (k.recovered_s or 0) and k.at_s <= end
+    ]
+    where = f"{during[0].side} kill at {during[0].at_s} s" if during else "no kill in flight"
+    return f"{record.status} ({where}): {(record.error or '')[:120]}"
+
+
+def summarise(run: Run, config: ChaosConfig, extra: dict[str, Any]) -> dict[str, Any]:
+    records = run.records
+    ok = [r for r in records if r.status == 200]
+    failed = [r for r in records if r.status not in (200, ABANDONED)]
+    by_status: dict[str, int] = {}
+    for r in failed:
+        by_status[str(r.status)] = by_status.get(str(r.status), 0) + 1
+    recoveries = [k.recovered_s for k in run.kills]
+    latency = {
+        name: percentiles([r.latency_s for r in ok if phase(r, run) == name])
+        for name in ("before", "during", "after")
+    }
+    return {
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "config": asdict(config),
+        "model": run.model,
+        "duration_s": config.duration_s,
+        "clients": config.clients,
+        "kills": len(run.kills),
+        "sent": len(records),
+        "completed": len(ok),
+        "abandoned": sum(1 for r in records if r.status == ABANDONED),
+        "failed": len(failed),
+        "status_5xx": sum(1 for r in records if 500 <= r.status < 600),
+        # every 5xx the server answered, those a client then retried included
+        "status_5xx_answered": sum(
+            1 for r in [*records, *run.client_retried] if 500 <= r.status < 600
+        ),
+        "retries": sum(run.retries),  # iterations the server retried (a replica lost)
+        "native_responses": len(run.retries),
+        "native_responses_with_retries": sum(1 for n in run.retries if n),
+        # native decodes the ingress handed to another router after theirs was killed
+        "native_responses_with_handovers": sum(1 for n in run.handovers if n),
+        "client_retries": len(run.client_retried),  # requests a client sent again (`attempt`)
+        "client_retried_by_status": dict(Counter(str(r.status) for r in run.client_retried)),
+        "client_retry_causes": sorted({cause(r, run) for r in run.client_retried})[:20],
+        "max_recovery_s": max((r for r in recoveries if r is not None), default=None),
+        "all_recovered": all(r is not None for r in recoveries),
+        "failed_by_status": by_status,
+        "failed_causes": sorted({cause(r, run) for r in failed})[:20],
+        "retry_causes": sorted(set(run.retry_causes))[:20],
+        "kill_log": [asdict(k) for k in run.kills],
+        "latency_s": {"all": percentiles([r.latency_s for r in ok]), **latency},
+        **extra,
+        "requests": [asdict(r) for r in records],
+    }
+
+
+def compare_seeded(app: Any, seeded: list[dict[str, Any]]) -> dict[str, Any]:
+    """Decode every seeded request in-process with the server's models, loaded as its replicas
+    load them, and compare the beams (token ids; log-likelihoods within 1e-6). Equal where the
+    numerics do not depend on the batch (`batch_invariant_numerics`: bfloat16, the int8 draft,
+    float64), a lost cache (`cache_lost`) included: it is replayed, not re-prefilled."""
+    import torch
+
+    from dsbd_core import SamplingConfig
+    from dsbd_core.algorithm.decoders import generate
+    from dsbd_core.models import load_tokenizer
+    from dsbd_core.models.dtypes import resolve_dtype
+    from dsbd_core.models.pair import load_pair
+    from dsbd_core.models.transformer_scorer import TransformerScorer
+
+    target, draft = app.target, app.draft
+    if resolve_dtype(target.dtype, target.device)[0] != resolve_dtype(draft.dtype, draft.device)[0]:
+        return {"compared": 0, "why": "target.dtype and draft.dtype differ: load_pair loads one"}
+    torch.set_num_threads(target.threads)
+    pair = load_pair(
+        target.source,
+        draft.source,
+        dtype=target.dtype,
+        device=target.device,
+        draft_options=draft.variant,
+    )
+    assert pair.draft is not None
+    _, stop_ids = load_tokenizer(target.source)
+    same, differ, worst = 0, [], 0.0
+    lost = {"compared": 0, "equal": 0}  # a cache lost (retried, or moved): replayed
+    for item in seeded:
+        body = item["body"]
+        knobs = {k: v for k, v in body.items() if k not in ("prompt_ids", "adaptive")}
+        want = generate(
+            "dsbd",
+            TransformerScorer(pair.target.model),
+            body["prompt_ids"],
+            SamplingConfig(eos_token_ids=stop_ids, **knobs),
+            draft=TransformerScorer(pair.draft.model),
+        )
+        got = item["beams"]
+        equal = [b.token_ids for b in want.beams] == [b["token_ids"] for b in got]
+        lost["compared"] += item["cache_lost"]
+        lost["equal"] += item["cache_lost"] and equal
+        if equal:
+            same += 1
+            for a, b in zip(want.beams, got, strict=True):
+                worst = max(worst, abs(a.log_likelihood - b["log_likelihood"]))
+        else:
+            differ.append(body)
+    # float32 matmuls round with the batch (docs/SERVING.md "Seeded decodes and numerics")
+    invariant = pair.dtype_name in ("bfloat16", "float64")
+    return {
+        "compared": len(seeded),
+        "equal": same,
+        "different": len(differ),
+        "cache_lost": lost,
+        "different_examples": differ[:5],
+        "max_log_likelihood_difference": worst,
+        "models": pair.describe(),
+        "batch_invariant_numerics": invariant,
+    }
+
+
+def plot(results: dict[str, Any], path: Path) -> None:
+    """Latency over time (each request at its start), failures in red, kills as lines."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(12, 5))
+    records = results["requests"]
+    for status, style, label in ((200, "o", "completed"), (None, "x", "failed")):
+        chosen = [
+            r
+            for r in records
+            if (r["status"] == 200) == (status == 200) and r["status"] != ABANDONED
+        ]
+        ax.plot(
+            [r["start_s"] for r in chosen],
+            [r["latency_s"] for r in chosen],
+            style,
+            markersize=3,
+            alpha=0.6,
+            label=label,
+            color=None if status else "red",
+        )
+    for kill in results["kill_log"]:
+        colour = {"router": "purple", "draft": "tab:orange", "verifier": "tab:green"}[kill["side"]]
+        ax.axvline(kill["at_s"], color=colour, linestyle="--")
+        if kill["recovered_s"] is not None:
+            ax.axvspan(kill["at_s"], kill["at_s"] + kill["recovered_s"], color=colour, alpha=0.1)
+        ax.annotate(
+            f"kill {kill['side']}",
+            (kill["at_s"], 1),
+            xycoords=("data", "axes fraction"),
+            rotation=90,
+            va="top",
+            ha="right",
+            fontsize=8,
+            color=colour,
+        )
+    ax.set(xlabel="request start (s into the run)", ylabel="latency (s)")
+    title = (
+        f"chaos: {results['clients']} clients, {results['kills']} kills, "
+        f"{results['failed']} failed of {results['sent']} ({results['model']})"
+    )
+    ax.set_title(title)
+    ax.legend(loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
