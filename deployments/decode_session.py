@@ -11,8 +11,9 @@ draft for its cache compaction.
 
 Each iteration's draft depth is chosen by the cost model in this process
 (`dsbd_core.algorithm.cost_model.CostController`, from the pair's calibration, which the
-replicas measured, and this request's own history): no call per iteration, and knobs that do
-not depend on the load (`adaptive: false`: the request's knobs as given).
+replicas and the router replica measured once (`router_state.RouterState`), and this request's
+own history): no call per iteration, and knobs that do not depend on the load (`adaptive:
+false`: the request's knobs as given).
 
 A replica lost mid-iteration (its process died, or its tensor-parallel group broke) costs a
 retry of that iteration, not the request: the router's state only changes when a reply is
@@ -30,9 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import contextvars
-import os
-import socket
+import json
 import time
 import uuid
 from collections import Counter
@@ -45,28 +44,26 @@ from ray.serve.exceptions import DeploymentUnavailableError, ReplicaUnavailableE
 
 from deployments.messages import IterationCall, TensorParallelBroken, VerifyReply
 from deployments.observability import SessionObserver
-from deployments.width_controller import HEARTBEAT_S
+from deployments.router_state import RouterState
 from dsbd_core.algorithm.config import SamplingConfig
 from dsbd_core.algorithm.control import Controller, FixedKnobs, Knobs
-from dsbd_core.algorithm.cost_model import Calibration, CostController, CostPolicy, ForwardCosts
+from dsbd_core.algorithm.cost_model import Calibration, CostController, ForwardCosts
 from dsbd_core.algorithm.loop import Decode, Propose, Verify
 from dsbd_core.algorithm.replay import Lineage, ReplayNeeded
 from dsbd_core.algorithm.result import DecodeResult
 from dsbd_core.algorithm.state import DecodeState, Outcome
-from dsbd_core.models.calibrate import assemble
+from dsbd_core.models.calibrate import (
+    PASS_RATE_TOKENS,
+    PassCounter,
+    assemble,
+    pass_rate_config,
+    read_cached,
+    store_cached,
+)
 
 # How long one iteration is retried while Serve replaces a lost replica (a health check
 # failing, a fresh replica's imports and, for a tensor-parallel verifier, its ranks' start).
 RETRY_WINDOW_S = 120.0
-
-
-@dataclass
-class Handles:
-    """The deployments a router drives (Ray Serve `DeploymentHandle`s)."""
-
-    draft: Any
-    verifier: Any
-    controller: Any
 
 
 @dataclass
@@ -99,50 +96,22 @@ class ServingStats:
         return out
 
 
-_CALIBRATIONS: dict[int, Calibration | None] = {}  # per router process: the pair's, once
-
-
-async def pair_calibration(handles: Handles) -> Calibration | None:
-    """The cost model's calibration of the deployed pair, built once per router process from
-    the forward costs its replicas measured at start-up (cached per machine, so every router
-    on the same machine gets the same figures) and the engine's, measured here. None where a
-    replica reports none (a tensor-parallel target): the requests then run fixed knobs."""
-    key = id(handles.verifier)
-    if key not in _CALIBRATIONS:
-        verifier = await handles.verifier.info.remote()
-        draft = await handles.draft.info.remote()
-        if verifier.get("costs") is None or draft.get("costs") is None:
-            _CALIBRATIONS[key] = None
-        else:
-            description = (
-                f"target {verifier['dtype']}; draft {draft['dtype']}, "
-                f"{draft.get('variant') or 'as loaded'}"
-            )
-            _CALIBRATIONS[key] = await asyncio.to_thread(
-                assemble,
-                ForwardCosts.model_validate(verifier["costs"]),
-                ForwardCosts.model_validate(draft["costs"]),
-                int(verifier["vocab_size"]),
-                draft.get("support_size"),
-                description,
-            )
-    return _CALIBRATIONS[key]
-
-
 class DecodeSession:
     """Decode one prompt across the deployments; iterate to follow it, then take `result`."""
 
     def __init__(
         self,
-        handles: Handles,
+        router: RouterState,
         vocab_size: int,
         config: SamplingConfig,
         *,
         uses_draft: bool,
         adaptive: bool = True,
         retry_window_s: float = RETRY_WINDOW_S,
+        controller: Controller | None = None,
     ) -> None:
-        self.handles = handles
+        self.router = router
+        self.handles = router.handles
         self.vocab_size = vocab_size
         self.config = config
         self.uses_draft = uses_draft
@@ -151,7 +120,7 @@ class DecodeSession:
         self.session = uuid.uuid4().hex
         self.stats = ServingStats(self.session)
         self.state: DecodeState | None = None
-        self.controller: Controller | None = None
+        self.controller: Controller | None = controller  # None: `_controller` chooses
         self._result: DecodeResult | None = None
         # seeded: the finished iterations, to rebuild a lost cache bit for bit (replay.py)
         self.lineage = Lineage() if config.seed is not None else None
@@ -164,7 +133,8 @@ class DecodeSession:
             gamma=self.config.gamma if self.uses_draft else 0,
             draft_width=self.config.effective_draft_width,
         )
-        self.controller = await self._controller()
+        if self.controller is None:
+            self.controller = await self._controller()
         decode = Decode(
             self.config,
             self.vocab_size,
@@ -177,11 +147,10 @@ class DecodeSession:
         self.totals = observer.totals
         steps = decode.steps()
         try:  # the open call too: a request cancelled while it runs still closes its session
-            OPEN_HERE.add(self.session)
-            keep_reporting(self.handles.controller)
+            self.router.opened(self.session)
             await self.receive(
                 self.handles.controller.open.remote(
-                    self.session, limits, self.adaptive, ROUTER_PROCESS
+                    self.session, limits, self.adaptive, self.router.name
                 )
             )
             try:
@@ -218,16 +187,11 @@ class DecodeSession:
         """The cost model (`adaptive`, a drafting method, a calibrated pair), else the
         request's own knobs every iteration."""
         if self.adaptive and self.uses_draft:
-            calibration = await pair_calibration(self.handles)
+            calibration = await pair_calibration(self.router)
             if calibration is not None:
-                policy = await self._policy()
+                policy = await self.router.policy()
                 return CostController(self.config, calibration, policy)
         return FixedKnobs(self.config)
-
-    async def _policy(self) -> CostPolicy:
-        if "policy" not in _POLICY:
-            _POLICY["policy"] = await self.handles.controller.cost_policy.remote()
-        return _POLICY["policy"]
 
     def result(self) -> DecodeResult:
         assert self._result is not None, "run the decode to its end first"
@@ -324,9 +288,7 @@ class DecodeSession:
         request (a client that went away), and these calls must outlive it.
         """
         handles, session, uses_draft = self.handles, self.session, self.uses_draft
-        OPEN_HERE.discard(session)
-        if not OPEN_HERE:
-            stop_reporting()
+        self.router.closed(session)
 
         async def release() -> None:
             calls = [
@@ -339,49 +301,78 @@ class DecodeSession:
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(call, timeout=30)
 
-        with contextlib.suppress(RuntimeError):  # no running loop: nothing to release from
-            task = asyncio.get_running_loop().create_task(release(), context=contextvars.Context())
-            _RELEASING.add(task)
-            task.add_done_callback(_RELEASING.discard)
+        self.router.run_detached(release())
 
 
-_POLICY: dict[str, CostPolicy] = {}  # the application's cost policy, read once per router
-_RELEASING: set[asyncio.Task] = set()  # keeps release tasks referenced until they finish
+async def pair_calibration(router: RouterState) -> Calibration | None:
+    """The cost model's calibration of the deployed pair, built once per router replica (the
+    first adaptive request waits for it): the forward costs its replicas measured at start-up
+    and the engine's, measured here, with the pair's pass rates (`pair_pass_rates`). None where
+    a replica reports no costs (a tensor-parallel target): the requests then run fixed knobs."""
 
-# The sessions this router process runs, reported to the width controller every HEARTBEAT_S
-# while any is open: a router that dies stops reporting and the controller forgets its
-# sessions (deployments/width_controller.py).
-ROUTER_PROCESS = f"{socket.gethostname()}:{os.getpid()}"
-OPEN_HERE: set[str] = set()
-_HEARTBEAT: dict[str, asyncio.Task] = {}
+    async def build() -> Calibration | None:
+        verifier = await router.handles.verifier.info.remote()
+        draft = await router.handles.draft.info.remote()
+        if verifier.get("costs") is None or draft.get("costs") is None:
+            return None
+        description = (
+            f"target {verifier['dtype']}; draft {draft['dtype']}, "
+            f"{draft.get('variant') or 'as loaded'}"
+        )
+        calibration = await asyncio.to_thread(
+            assemble,
+            ForwardCosts.model_validate(verifier["costs"]),
+            ForwardCosts.model_validate(draft["costs"]),
+            int(verifier["vocab_size"]),
+            draft.get("support_size"),
+            description,
+        )
+        try:
+            rates = await pair_pass_rates(router, verifier, draft)
+        except Exception as error:  # the policy's priors then, as for a pair without rates
+            print(f"router: the pair's pass rates were not measured ({error!r})", flush=True)
+            rates = []
+        if rates:
+            calibration = calibration.model_copy(update={"pass_rates": rates})
+        return calibration
+
+    return await router.calibration(build)
 
 
-def keep_reporting(controller: Any) -> None:
-    """Start this process's heartbeat to the controller unless it runs in this event loop;
-    `stop_reporting` ends it once no session is open here (the next session starts it again)."""
-    running = _HEARTBEAT.get("task")
-    loop = asyncio.get_running_loop()
-    if running is not None and not running.done() and running.get_loop() is loop:
-        return
-
-    async def beat() -> None:
-        while OPEN_HERE:
-            with contextlib.suppress(Exception):  # a controller restarting: the next beat
-                await asyncio.wait_for(
-                    controller.heartbeat.remote(ROUTER_PROCESS, sorted(OPEN_HERE)), HEARTBEAT_S
-                )
-            await asyncio.sleep(HEARTBEAT_S)
-
-    _HEARTBEAT["task"] = loop.create_task(beat(), context=contextvars.Context())
-
-
-def stop_reporting() -> None:
-    """No session is open here: end the heartbeat now rather than after its sleep, so an idle
-    router holds no pending task (each session's close already told the controller)."""
-    running = _HEARTBEAT.get("task")
-    with contextlib.suppress(RuntimeError):  # no running loop, or the task's has closed
-        if running is not None and running.get_loop() is asyncio.get_running_loop():
-            running.cancel()
+async def pair_pass_rates(
+    router: RouterState, verifier: dict[str, Any], draft: dict[str, Any]
+) -> list[float]:
+    """The pair's pass rate per drafted layer, as `dsbd generate` measures it (DSBD at the
+    default settings on the pass-rate prompts, `calibrate.measure_pass_rates`) but decoded
+    through the deployments; measured once per machine and pair, then read from the calibration
+    cache, so that every router on the machine starts from the same priors and a seeded
+    request's knobs do not depend on which router runs it."""
+    inputs = verifier.get("pass_rate_inputs")
+    if inputs is None or verifier.get("identity") is None or draft.get("identity") is None:
+        return []
+    prompts, stop_ids = inputs["prompts"], tuple(inputs["stop_ids"])
+    parts = {
+        "target": verifier["identity"],
+        "draft": draft["identity"],
+        "prompts": prompts,
+        "tokens": PASS_RATE_TOKENS,
+        "stop": stop_ids,
+    }
+    text = await asyncio.to_thread(read_cached, "served-pass-rates", parts)
+    if text is None:
+        config = pass_rate_config(stop_ids)
+        counter = PassCounter(config)
+        vocab_size = int(verifier["vocab_size"])
+        sessions = [
+            DecodeSession(
+                router, vocab_size, config, uses_draft=True, adaptive=False, controller=counter
+            )
+            for _ in prompts
+        ]
+        await asyncio.gather(*(s.run(p) for s, p in zip(sessions, prompts, strict=True)))
+        text = json.dumps(counter.rates())
+        await asyncio.to_thread(store_cached, "served-pass-rates", parts, text)
+    return [float(x) for x in json.loads(text)]
 
 
 _LOST = (

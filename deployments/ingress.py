@@ -56,7 +56,7 @@ from deployments.api_models import (
     ModelList,
 )
 from deployments.auth import APIKeyGuard, guard_with, read_api_key
-from deployments.decode_session import Handles, accepted_per_position
+from deployments.decode_session import accepted_per_position
 from deployments.messages import DecodeCall, DecodeEnd
 from deployments.observability import RequestObserver, note_method
 from deployments.openai_responses import (
@@ -67,6 +67,7 @@ from deployments.openai_responses import (
     native_beam_logprobs,
 )
 from deployments.router_limits import Limits, RouterOptions, check_config
+from deployments.router_state import Handles
 from deployments.streaming import DecodeStream, sse_events
 from deployments.tracing import replica_id
 from dsbd_core.algorithm.config import SamplingConfig

@@ -37,7 +37,7 @@ from deployments.tracing import BatchSpans, replica_id
 from dsbd_core.algorithm.cost_model import ForwardCosts
 from dsbd_core.algorithm.session_batch import Job, SessionBatcher
 from dsbd_core.models import load_causal_lm, stop_token_ids
-from dsbd_core.models.calibrate import model_costs
+from dsbd_core.models.calibrate import model_costs, pass_rate_inputs
 from dsbd_core.models.decode_path import make_scorer, resolve_decode_path
 from dsbd_core.models.draft_variants import head_support
 from dsbd_core.models.dtypes import dtype_name, resolve_dtype
@@ -158,6 +158,10 @@ class ModelReplica:
         self.dtype_name = dtype_name(torch_dtype)
         self.tp_group: Any = None
         self.costs: ForwardCosts | None = None  # measured forward costs (the cost model's)
+        # what the costs were measured for, and the pair's pass-rate prompts in this model's
+        # tokens with its stop ids (the router measures the pair's pass rates with them)
+        self.identity: dict[str, Any] | None = None
+        self.pass_rate_inputs: dict[str, Any] | None = None
         self.variant, self.support_size = "", None
         self.decode_path = "dynamic"  # a tensor-parallel group runs the dynamic path
         if self.options.tp_size > 1:
@@ -210,6 +214,8 @@ class ModelReplica:
                 "variant": self.variant,
             }
             self.costs = model_costs(model, identity, path=self.decode_path)
+            self.identity = {**identity, "decode_path": self.decode_path}
+            self.pass_rate_inputs = pass_rate_inputs(loaded)
             kv = kv_bytes_per_token(model.config, torch_dtype)
             free = device_free_bytes(self.options.device)
         self.memory = replica_memory(
@@ -307,6 +313,8 @@ class ModelReplica:
             "variant": self.variant,
             "support_size": self.support_size,
             "costs": self.costs.model_dump() if self.costs is not None else None,
+            "identity": self.identity,
+            "pass_rate_inputs": self.pass_rate_inputs,
             "memory": self.memory,  # KV bytes per token and the session budget (admission)
             "allocator": active_allocator(),  # jemalloc unless asked otherwise (allocator.py)
             "allocator_stats": allocator_stats(),  # live vs held bytes (benchmarks/soak.py)

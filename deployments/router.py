@@ -25,9 +25,10 @@ from ray import serve
 
 from deployments import tracing
 from deployments.allocator import active_allocator, allocator_stats
-from deployments.decode_session import DecodeSession, Handles, committed_tokens
+from deployments.decode_session import DecodeSession, committed_tokens
 from deployments.faults import fault_point
 from deployments.messages import Committed, DecodeCall, DecodeEnd
+from deployments.router_state import Handles, RouterState
 from dsbd_core.algorithm.logprobs import beam_lists, prefix_logprobs
 from dsbd_core.algorithm.state import DecodeState
 
@@ -64,7 +65,8 @@ class Router:
     """Autoscaled; one decode loop per call, all calls concurrent."""
 
     def __init__(self, draft: Any, verifier: Any, controller: Any) -> None:
-        self.handles = Handles(draft=draft, verifier=verifier, controller=controller)
+        # the calibration, cost policy, open sessions and heartbeat this replica keeps
+        self.state = RouterState(Handles(draft=draft, verifier=verifier, controller=controller))
         self._running = 0  # decode loops in progress here
 
     async def info(self) -> dict[str, Any]:
@@ -78,7 +80,7 @@ class Router:
 
     def _session(self, call: DecodeCall) -> DecodeSession:
         return DecodeSession(
-            self.handles,
+            self.state,
             call.vocab_size,
             call.config,
             uses_draft=call.uses_draft,

@@ -11,12 +11,11 @@ application (its priors), so that every router chooses alike.
 
 A router replica that dies (SIGKILL, a lost node) never closes its sessions. So every router
 process that has decodes sends a heartbeat every `HEARTBEAT_S` with the sessions it runs
-(`deployments.decode_session.keep_reporting`): the heartbeat prunes the sessions of that router
-it no longer lists (a close that was lost), and a router not heard from for `ROUTER_SILENT_S`
-loses its sessions here. Found by benchmarks/chaos.py: 9 sessions of killed routers stayed
-open for the 600 s session TTL (and a decode running longer than that TTL would have been
-dropped from the count while it ran).
-"""
+(`deployments.router_state.RouterState.keep_reporting`): the heartbeat prunes the sessions of
+that router it no longer lists (a close that was lost), and a router not heard from for
+`ROUTER_SILENT_S` loses its sessions here. Found by benchmarks/chaos.py: 9 sessions of killed
+routers stayed open for the 600 s session TTL (and a decode running longer than that TTL would
+have been dropped from the count while it ran)."""
 
 from __future__ import annotations
 
@@ -37,7 +36,7 @@ ROUTER_SILENT_S = 6 * HEARTBEAT_S  # a router not heard from for this long is ta
 class _SessionKnobs:
     limits: Knobs  # the request's gamma (a maximum) and draft width
     adaptive: bool  # the cost model chooses the depth (False: the request's knobs as given)
-    router: str  # the router process that runs it (`decode_session.ROUTER_PROCESS`)
+    router: str  # the router process that runs it (`RouterState.name`)
     opened: float
 
 

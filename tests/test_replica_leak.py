@@ -21,40 +21,19 @@ from typing import Any
 import pytest
 import torch
 
-from deployments.decode_session import DecodeSession, Handles
+from deployments.decode_session import DecodeSession
 from deployments.draft import Draft
+from deployments.router_state import Handles, RouterState
 from deployments.verifier import Verifier
 from deployments.width_controller import WidthController
 from dsbd_core import SamplingConfig
 
+from .inprocess_handles import Handle
 from .tiny_models import build_pair
 
 ROUND = 48  # decodes per round
 CONCURRENT = 8  # of them at once (continuous batching shares the forwards)
 TTL_S = 2.0  # the replicas' session TTL: their released ids are forgotten after it
-
-
-class _Method:
-    """`handle.method.remote(*args)` as Serve's handles answer it: an awaitable response;
-    a response passed as an argument is resolved first (the draft's forest to the verifier)."""
-
-    def __init__(self, method: Any) -> None:
-        self.method = method
-
-    def remote(self, *args: Any) -> asyncio.Future:
-        return asyncio.ensure_future(self._call(*args))
-
-    async def _call(self, *args: Any) -> Any:
-        resolved = [await a if isinstance(a, asyncio.Future) else a for a in args]
-        return await self.method(*resolved)
-
-
-class _Handle:
-    def __init__(self, target: Any) -> None:
-        self.target = target
-
-    def __getattr__(self, name: str) -> _Method:
-        return _Method(getattr(self.target, name))
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +47,7 @@ def replicas(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any, Any]:
     )
 
 
-async def _round(handles: Handles, vocab: int, first_seed: int) -> None:
+async def _round(router: RouterState, vocab: int, first_seed: int) -> None:
     """ROUND decodes, CONCURRENT at a time, with different widths, depths and lengths."""
     limit = asyncio.Semaphore(CONCURRENT)
 
@@ -81,7 +60,7 @@ async def _round(handles: Handles, vocab: int, first_seed: int) -> None:
             eos_token_ids=(0,),
         )
         async with limit:
-            session = DecodeSession(handles, vocab, config, uses_draft=True, adaptive=False)
+            session = DecodeSession(router, vocab, config, uses_draft=True, adaptive=False)
             result = await session.run([5 + i % 40, 17, 42])
             assert result.beams
 
@@ -122,14 +101,13 @@ def _census() -> tuple[int, int]:
 @pytest.mark.slow
 def test_rounds_of_decodes_leave_nothing_behind(replicas) -> None:
     draft, verifier, controller = replicas
-    handles = Handles(
-        draft=_Handle(draft), verifier=_Handle(verifier), controller=_Handle(controller)
-    )
+    handles = Handles(draft=Handle(draft), verifier=Handle(verifier), controller=Handle(controller))
+    router = RouterState(handles)  # one router process across the rounds
 
     async def scenario() -> list[tuple[int, int]]:
         censuses = []
         for index in range(4):  # round 0 warms up (caches, lazily built objects)
-            await _round(handles, verifier.vocab_size, first_seed=index * ROUND)
+            await _round(router, verifier.vocab_size, first_seed=index * ROUND)
             assert draft.batcher.cached == [] and verifier.batcher.cached == []
             assert (await controller.load())["open_sessions"] == 0
             assert len(draft._recent) <= 4 * draft.options.max_batch_size
@@ -153,11 +131,10 @@ def test_the_router_times_each_iteration_around_its_replicas_compute(replicas) -
     replicas' compute from it): one per iteration, each holding its verify call's compute, and
     all together the draft's too."""
     draft, verifier, controller = replicas
-    handles = Handles(
-        draft=_Handle(draft), verifier=_Handle(verifier), controller=_Handle(controller)
-    )
+    handles = Handles(draft=Handle(draft), verifier=Handle(verifier), controller=Handle(controller))
     config = SamplingConfig(width=3, gamma=2, max_new_tokens=12, seed=5, eos_token_ids=(0,))
-    session = DecodeSession(handles, verifier.vocab_size, config, uses_draft=True, adaptive=False)
+    router = RouterState(handles)
+    session = DecodeSession(router, verifier.vocab_size, config, uses_draft=True, adaptive=False)
     result = asyncio.run(session.run([5, 17, 42]))
     s = session.stats
     assert len(s.iteration_seconds) == len(s.verify_seconds) == result.stats.iterations > 1

@@ -15,11 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from deployments import decode_session, width_controller
+from deployments import width_controller
 from deployments.continuous_batch import ContinuousBatcher
 from deployments.draft import Draft
 from deployments.messages import IterationCall
 from deployments.model_replica import SessionReleased
+from deployments.router_state import Handles, RouterState
 from deployments.width_controller import WidthController
 from dsbd_core import SamplingConfig
 from dsbd_core.algorithm.control import Knobs
@@ -153,36 +154,35 @@ def test_the_sessions_of_a_router_that_stops_reporting_are_forgotten(monkeypatch
 
 
 def test_a_router_reports_its_open_sessions_until_none_is_left(monkeypatch) -> None:
-    """decode_session.keep_reporting: one heartbeat task per process and event loop, sending
-    what is open here; it ends by itself once nothing is, and at once on stop_reporting (the
-    last session's release), so an idle router holds no pending task."""
-    monkeypatch.setattr(decode_session, "HEARTBEAT_S", 0.01)
+    """RouterState.keep_reporting: one heartbeat task per router process and event loop,
+    sending what is open there; it ends by itself once nothing is, and at once on the last
+    session's close, so an idle router holds no pending task."""
+    monkeypatch.setattr(width_controller, "HEARTBEAT_S", 0.01)
     beats: list[list[str]] = []
 
     class Remote:
         async def remote(self, router: str, sessions: list[str]) -> None:
-            assert router == decode_session.ROUTER_PROCESS
+            assert router == state.name
             beats.append(sessions)
 
     controller = type("Controller", (), {"heartbeat": Remote()})()
+    state = RouterState(Handles(draft=None, verifier=None, controller=controller))
 
     async def scenario() -> None:
-        decode_session.OPEN_HERE.update({"b", "a"})
-        decode_session.keep_reporting(controller)
-        first = decode_session._HEARTBEAT["task"]
-        decode_session.keep_reporting(controller)  # already running: no second task
-        assert decode_session._HEARTBEAT["task"] is first
+        state.opened("b")
+        state.opened("a")
+        first = state._heartbeat
+        state.keep_reporting()  # already running: no second task
+        assert state._heartbeat is first and first is not None
         await asyncio.sleep(0.05)
-        decode_session.OPEN_HERE.clear()
+        state.open.clear()
         await asyncio.wait_for(first, 1.0)  # ends by itself within a heartbeat
-        monkeypatch.setattr(decode_session, "HEARTBEAT_S", 60.0)
-        decode_session.OPEN_HERE.add("c")
-        decode_session.keep_reporting(controller)
-        second = decode_session._HEARTBEAT["task"]
-        assert second is not first
+        monkeypatch.setattr(width_controller, "HEARTBEAT_S", 60.0)
+        state.opened("c")
+        second = state._heartbeat
+        assert second is not first and second is not None
         await asyncio.sleep(0.01)  # its first beat, then a 60 s sleep
-        decode_session.OPEN_HERE.clear()
-        decode_session.stop_reporting()
+        state.closed("c")  # the last session here: the heartbeat ends at once
         with pytest.raises(asyncio.CancelledError):
             await asyncio.wait_for(second, 1.0)
 

@@ -23,6 +23,7 @@ import platform
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -33,7 +34,9 @@ from dsbd_core.algorithm.decoders import generate_batch
 from dsbd_core.algorithm.loop import Decode, run_decode
 from dsbd_core.algorithm.scorer import ForestLayer, ForestLogprobs, ForestScorer, Roots
 from dsbd_core.algorithm.state import DecodeState, Outcome
+from dsbd_core.models.loading import LoadedModel
 from dsbd_core.models.presets import cache_root
+from dsbd_core.models.tokens import encode_prompt, has_chat_template, stop_token_ids
 
 CONTEXT = 256
 ENGINE_WIDTH = 3
@@ -168,18 +171,34 @@ def machine() -> dict[str, object]:
     }
 
 
-def _cached(name: str, parts: dict[str, object], measure: Callable[[], str], force: bool) -> str:
-    """The text `measure()` produced for `parts` on this machine (measured once, then read)."""
+def _cache_path(name: str, parts: dict[str, object]) -> Path:
     key = calibration_key({"what": name, **parts, **machine()})
     folder = os.environ.get("DSBD_CALIBRATION_DIR") or str(cache_root() / "calibration")
-    path = Path(folder) / f"{name}-{key}.json"
-    if path.is_file() and not force:
-        return path.read_text()
-    text = measure()
+    return Path(folder) / f"{name}-{key}.json"
+
+
+def read_cached(name: str, parts: dict[str, object]) -> str | None:
+    """The text stored for `parts` on this machine, if any (`store_cached`)."""
+    path = _cache_path(name, parts)
+    return path.read_text() if path.is_file() else None
+
+
+def store_cached(name: str, parts: dict[str, object], text: str) -> None:
+    """Store `text` for `parts` on this machine: atomically, so that concurrent processes
+    read a whole file or none."""
+    path = _cache_path(name, parts)
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_suffix(f".{os.getpid()}.partial")
     partial.write_text(text)
-    partial.replace(path)  # atomic: concurrent processes read a whole file or none
+    partial.replace(path)
+
+
+def _cached(name: str, parts: dict[str, object], measure: Callable[[], str], force: bool) -> str:
+    """The text `measure()` produced for `parts` on this machine (measured once, then read)."""
+    text = None if force else read_cached(name, parts)
+    if text is None:
+        text = measure()
+        store_cached(name, parts, text)
     return text
 
 
@@ -279,8 +298,9 @@ def calibrate(
     return calibration
 
 
-class _PassCounter:
-    """The default knobs every iteration (a `Controller`), counting each depth's passes."""
+class PassCounter:
+    """The default knobs every iteration (a `Controller`), counting each depth's passes: what
+    `measure_pass_rates` and a serving router (deployments/router_state.py) measure with."""
 
     def __init__(self, config: SamplingConfig) -> None:
         self.fixed = FixedKnobs(config)
@@ -296,6 +316,27 @@ class _PassCounter:
             total[0] += passed
             total[1] += tried
 
+    def rates(self) -> list[float]:
+        """Each depth's pass rate; depths never tried are left out (the deepest measured
+        stands for them)."""
+        return [passed / tried for passed, tried in self.counts if tried > 0]
+
+
+def pass_rate_config(stop_ids: tuple[int, ...]) -> SamplingConfig:
+    """The settings the pass rates are measured at: DSBD's defaults (W = 3, gamma = 3, fixed
+    width), seed 0, PASS_RATE_TOKENS tokens."""
+    return SamplingConfig(seed=0, max_new_tokens=PASS_RATE_TOKENS, eos_token_ids=stop_ids)
+
+
+def pass_rate_inputs(loaded: LoadedModel) -> dict[str, Any]:
+    """PASS_RATE_TEXTS in `loaded`'s tokens (the chat ones through its chat template where it
+    has one) and its stop ids: what a pair's pass rates are measured on."""
+    prompts = [
+        encode_prompt(loaded, text, chat=kind == "chat" and has_chat_template(loaded))
+        for kind, text in PASS_RATE_TEXTS
+    ]
+    return {"prompts": prompts, "stop_ids": list(stop_token_ids(loaded))}
+
 
 def measure_pass_rates(
     target: ForestScorer, draft: ForestScorer, prompts: list[list[int]], stop_ids: tuple[int, ...]
@@ -303,10 +344,10 @@ def measure_pass_rates(
     """Each drafted layer depth's pass rate (given the one above passed) of DSBD at the default
     settings (W = 3, gamma = 3, fixed width, seed 0) over `prompts`, PASS_RATE_TOKENS tokens
     each; depths never tried are left out (the deepest measured stands for them)."""
-    config = SamplingConfig(seed=0, max_new_tokens=PASS_RATE_TOKENS, eos_token_ids=stop_ids)
-    counter = _PassCounter(config)
+    config = pass_rate_config(stop_ids)
+    counter = PassCounter(config)
     generate_batch("dsbd", target, prompts, config, draft, controller=counter)
-    return [passed / tried for passed, tried in counter.counts if tried > 0]
+    return counter.rates()
 
 
 def pair_pass_rates(

@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from dsbd_core.algorithm.config import SamplingConfig
 from dsbd_core.algorithm.cost_model import Calibration
-from dsbd_core.models.calibrate import PASS_RATE_TEXTS, calibrate, forward_costs, machine
+from dsbd_core.models.calibrate import calibrate, forward_costs, machine, pass_rate_inputs
 from dsbd_core.models.decode_path import make_scorer, resolve_decode_path
 from dsbd_core.models.draft_variants import head_support, quantize_int8, restrict_head
 from dsbd_core.models.dtypes import dtype_name, resolve_dtype
@@ -116,9 +116,7 @@ class LoadedPair:
         """The cost model's calibration for this pair here (measured once, then cached)."""
         draft = self.draft.model if self.draft is not None else None
         support = head_support(draft) if draft is not None else None
-        prompts = [
-            encode_prompt(self.target, text, chat=kind == "chat") for kind, text in PASS_RATE_TEXTS
-        ]
+        prompts = pass_rate_inputs(self.target)["prompts"]
         return calibrate(
             self.target.model,
             draft,
