@@ -29,9 +29,10 @@ from typing import Any
 
 import aiohttp
 import load  # benchmarks/ is on sys.path when this runs as a script
-import server_process
 from load import LoadConfig, Record, every
 from soak import growth, sample
+
+from dsbd import server_process
 
 # Ray's node metrics kept (summed over their label sets, per location): the object store's, and
 # the GCS task manager's (task events the GCS keeps for the dashboard, capped by Ray)

@@ -36,6 +36,7 @@ import torch
 import yaml
 from batching_smollm2 import PROMPTS  # benchmarks/ is on sys.path when run as a script
 
+from dsbd import server_process
 from dsbd_core import SamplingConfig
 from dsbd_core.algorithm.decoders import generate
 from dsbd_core.models import LoadedModel, encode_prompt, load_causal_lm, stop_token_ids
@@ -77,35 +78,12 @@ def start_server(
 
 
 def launch(workdir: Path, port: int, applications: list[dict]) -> tuple[subprocess.Popen, dict]:
-    """`dsbd serve --config` with these Serve applications, in its own process group (log in
-    workdir/server.log); waits for its ready file and returns the process and that file's info."""
-    (workdir / "serve.yaml").write_text(yaml.safe_dump({"applications": applications}))
-    ready = workdir / "ready"
-    log = (workdir / "server.log").open("w")
-    process = subprocess.Popen(
-        [
-            str(REPO / ".venv/bin/dsbd"),
-            "serve",
-            "--config",
-            str(workdir / "serve.yaml"),
-            "--port",
-            str(port),
-            "--num-cpus",
-            "4",
-            "--ready-file",
-            str(ready),
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        cwd=REPO,
-        start_new_session=True,
-    )
-    deadline = time.monotonic() + 600
-    while not ready.exists() or not ready.read_text().endswith("}"):
-        if process.poll() is not None or time.monotonic() > deadline:
-            raise SystemExit(f"dsbd serve failed; see {workdir / 'server.log'}")
-        time.sleep(1)
-    return process, json.loads(ready.read_text())
+    """`dsbd serve --config` with these Serve applications (dsbd/server_process.py; log in
+    workdir/server.log); returns the process and its ready file's info (url, pid)."""
+    config = workdir / "serve.yaml"
+    config.write_text(yaml.safe_dump({"applications": applications}))
+    server = server_process.start(workdir, config, num_cpus=4, port=port, timeout_s=600)
+    return server.process, {"url": server.base_url, "pid": server.pid}
 
 
 def http_decode(url: str, prompt_ids: list[int], knobs: dict, max_new: int, seed: int) -> dict:

@@ -54,8 +54,9 @@ from typing import Any
 import aiohttp
 import load  # benchmarks/ is on sys.path when this runs as a script
 import psutil
-import server_process
 from load import ABANDONED, LoadConfig, Record, every, percentiles
+
+from dsbd import server_process
 
 
 def sample(pid: int) -> dict[str, dict[str, Any]]:

@@ -1,10 +1,12 @@
-"""`dsbd serve` started and stopped by a benchmark script that needs a server of its own
-(benchmarks/chaos.py kills its processes, benchmarks/soak.py samples them for half an hour).
+"""`dsbd serve` as a child process: the one launcher the tests and the benchmarks share
+(tests/serving_harness.py; benchmarks/chaos.py kills its processes, benchmarks/soak.py samples
+them for half an hour, the serving benchmarks time requests through it).
 
 The server is started the way users start it (`dsbd serve [--config FILE]`), bound to
-127.0.0.1 (Ray on loopback only: deployments/local_ray.py), optionally under `strace -f` so a
-test can check afterwards that nothing but loopback was contacted. It is stopped with SIGINT
-to the `dsbd serve` process, and its session is killed if anything is left behind.
+127.0.0.1 (Ray on loopback only: deployments/local_ray.py), in a session of its own, optionally
+under `strace -f` so that a test can check afterwards that nothing but loopback was contacted.
+It is stopped with SIGINT to the `dsbd serve` process (or another signal), and whatever of its
+session is left behind is killed and reported.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,12 +33,17 @@ from deployments.app import AppArgs
 REPO = Path(__file__).resolve().parent.parent
 
 
+class ServerStartError(RuntimeError):
+    """`dsbd serve` exited or did not get ready in time (the message ends with its log)."""
+
+
 @dataclass
 class Server:
     """A running `dsbd serve`: where it answers and the processes it is made of."""
 
     process: subprocess.Popen
     url: str  # the application's root: server URL + the application's route prefix
+    base_url: str  # the server's URL (http://127.0.0.1:PORT)
     pid: int  # the `dsbd serve` process (Ray's processes are its descendants)
     log: Path
     app: AppArgs  # the arguments of the application under test
@@ -58,6 +66,7 @@ def application(config: Path | None, name: str | None) -> tuple[AppArgs, str]:
 
 
 def free_port() -> int:
+    """A loopback port nothing listens on now."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -72,16 +81,21 @@ def start(
     strace_dir: Path | None = None,
     env: dict[str, str] | None = None,
     timeout_s: float = 900.0,
+    port: int | None = None,
+    exit_on_sigterm: bool = True,
 ) -> Server:
-    """Start `dsbd serve` on a free loopback port and wait until every application runs.
+    """Start `dsbd serve` on `port` (default: a free loopback port) and wait until every
+    application runs; `strace_dir`: trace it there where strace is installed.
 
     The server runs in a session of its own (so its Ray processes can be killed as one), so a
-    SIGTERM to the benchmark (`kill`, `timeout`) would not reach it: the benchmark's SIGTERM
-    is turned into SystemExit, whose `finally: stop(server)` takes the server down with it."""
-    _exit_on_sigterm()
+    SIGTERM to the caller (`kill`, `timeout`) would not reach it: with `exit_on_sigterm` the
+    caller's SIGTERM is turned into SystemExit, whose `finally: stop(server)` takes the server
+    down with it. Raises ServerStartError if it exits or is not ready within `timeout_s`."""
+    if exit_on_sigterm:
+        _exit_on_sigterm()
     app, prefix = application(config, app_name)
     workdir.mkdir(parents=True, exist_ok=True)
-    port, ready = free_port(), workdir / "ready"
+    port, ready = port or free_port(), workdir / "ready"
     ready.unlink(missing_ok=True)
     command = [
         str(REPO / ".venv/bin/dsbd"),
@@ -99,18 +113,7 @@ def start(
         command += ["--num-cpus", str(num_cpus)]
     if strace_dir is not None and shutil.which("strace"):
         strace_dir.mkdir(parents=True, exist_ok=True)
-        trace = [
-            "strace",
-            "-f",
-            "-ff",
-            "-qq",
-            "--seccomp-bpf",
-            "-e",
-            "trace=connect,sendto,sendmsg",
-            "-o",
-            str(strace_dir / "t"),
-        ]
-        command = trace + command
+        command = strace_prefix(strace_dir) + command
     log = workdir / "server.log"
     process = subprocess.Popen(
         command,
@@ -125,12 +128,20 @@ def start(
         if process.poll() is not None or time.monotonic() > deadline:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(process.pid, signal.SIGKILL)
-            raise RuntimeError(f"dsbd serve did not start:\n{log.read_text()[-4000:]}")
+            raise ServerStartError(f"dsbd serve did not start:\n{log.read_text()[-4000:]}")
         with contextlib.suppress(OSError, json.JSONDecodeError):
             info = json.loads(ready.read_text())
             break
         time.sleep(1)
-    return Server(process, info["url"] + prefix, int(info["pid"]), log, app, app.model_name)
+    url = info["url"]
+    return Server(process, url + prefix, url, int(info["pid"]), log, app, app.model_name)
+
+
+def strace_prefix(trace_dir: Path) -> list[str]:
+    """The command prefix that records every connect()/sendto()/sendmsg() of a process tree,
+    one file per process in `trace_dir`."""
+    syscalls = ["-e", "trace=connect,sendto,sendmsg"]
+    return ["strace", "-f", "-ff", "-qq", "--seccomp-bpf", *syscalls, "-o", str(trace_dir / "t")]
 
 
 def _exit_on_sigterm() -> None:
@@ -144,22 +155,34 @@ def _exit_on_sigterm() -> None:
             signal.signal(signal.SIGTERM, leave)
 
 
-def stop(server: Server, wait_s: float = 90.0) -> list[int]:
-    """SIGINT to `dsbd serve` (strace, when it leads the session, would only detach), then
-    SIGKILL to whatever of its session is still alive; returns those leftover pids."""
+def stop(server: Server, signum: int = signal.SIGINT, wait_s: float = 90.0) -> list[int]:
+    """`signum` to `dsbd serve` itself (strace, when it leads the session, would only detach),
+    then as `end` does; returns the pids that were left behind (and killed)."""
+    return end(server.process, lambda: os.kill(server.pid, signum), wait_s)
+
+
+def end(
+    process: subprocess.Popen, interrupt: Callable[[], None], wait_s: float = 90.0
+) -> list[int]:
+    """Interrupt a process that leads its session, SIGKILL the session if the process outlives
+    `wait_s`, then kill and return whatever of the session is still alive."""
     with contextlib.suppress(ProcessLookupError):
-        os.kill(server.pid, signal.SIGINT)
+        interrupt()
     try:
-        server.process.wait(timeout=wait_s)
+        process.wait(timeout=wait_s)
     except subprocess.TimeoutExpired:
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(server.process.pid, signal.SIGKILL)
-        server.process.wait()
-    deadline = time.monotonic() + 30
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+    return leftovers(process.pid)
+
+
+def leftovers(session: int, wait_s: float = 30.0) -> list[int]:
+    """Processes still alive in a session after its leader exited (given `wait_s` to exit,
+    then killed)."""
+    deadline = time.monotonic() + wait_s
     while True:
-        found = subprocess.run(
-            ["pgrep", "-s", str(server.process.pid)], capture_output=True, text=True
-        )
+        found = subprocess.run(["pgrep", "-s", str(session)], capture_output=True, text=True)
         left = [int(x) for x in found.stdout.split()]
         if not left or time.monotonic() > deadline:
             break

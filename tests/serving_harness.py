@@ -15,7 +15,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -30,12 +29,13 @@ import requests
 import torch
 import yaml
 
+from dsbd import server_process
 from dsbd_core import SamplingConfig
 from dsbd_core.algorithm.decoders import METHODS_WITH_DRAFT, generate
 from dsbd_core.models import load_causal_lm, load_tokenizer
 from dsbd_core.models.transformer_scorer import TransformerScorer
 
-from .test_local_ray import is_loopback, peers, strace
+from .test_local_ray import is_loopback, peers
 from .tiny_models import build_pair
 
 REPO = Path(__file__).parent.parent
@@ -74,12 +74,6 @@ CASES = [
     ("beam", {"width": 3}),
     ("sps", {"gamma": 4}),
 ]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def write_config(root: Path, target: Path, draft: Path) -> Path:
@@ -180,65 +174,39 @@ def running_server(root: Path) -> Iterator[dict[str, Any]]:
 
 @contextlib.contextmanager
 def serving(root: Path, config: Path, start_s: float = 600) -> Iterator[dict[str, Any]]:
-    """`dsbd serve --config config` on a free loopback port, under strace where it is installed
-    (every connect/send its processes make, for `assert_loopback_only`), stopped with SIGINT
-    and checked to leave nothing running: url, pid, root, trace dir (or None) and log.
+    """`dsbd serve --config config` on a free loopback port (dsbd/server_process.py), under
+    strace where it is installed (every connect/send its processes make, for
+    `assert_loopback_only`), stopped with SIGINT and checked to leave nothing running: url, pid,
+    root, trace dir (or None) and log.
 
-    `start_s` (dsbd serve's own --timeout) catches a server that never starts: the 22 replicas
+    `start_s` (how long to wait for it) catches a server that never starts: the 22 replicas
     of `write_config` took 239 s to start on two quiet cores, 349 s under pytest and strace, and
     longer on a slower CI machine."""
-    port, ready = free_port(), root / "ready"
-    command = [
-        str(REPO / ".venv/bin/dsbd"),
-        "serve",
-        "--config",
-        str(config),
-        "--port",
-        str(port),
-        "--num-cpus",
-        "8",
-        "--ready-file",
-        str(ready),
-    ]
-    if not Path(command[0]).exists():
-        command[0:1] = [sys.executable, "-m", "dsbd"]
     trace = root / "trace"
     trace.mkdir()
     traced = shutil.which("strace") is not None
-    if traced:
-        command = [*strace(trace), *command]
-    log = root / "server.log"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    process = subprocess.Popen(
-        command,
-        stdout=log.open("w"),
-        stderr=subprocess.STDOUT,
-        cwd=REPO,
-        env=env,
-        start_new_session=True,
-    )
-    deadline = time.monotonic() + start_s
-    while True:  # the file may be seen before it is fully written
-        if process.poll() is not None or time.monotonic() > deadline:
-            process.kill()
-            pytest.fail(f"dsbd serve did not start:\n{log.read_text()[-4000:]}")
-        with contextlib.suppress(OSError, json.JSONDecodeError):
-            info = json.loads(ready.read_text())
-            break
-        time.sleep(1)
-    url = info["url"]
-    assert url == f"http://127.0.0.1:{port}"
+    try:
+        server = server_process.start(
+            root,
+            config,
+            num_cpus=8,
+            strace_dir=trace if traced else None,
+            timeout_s=start_s,
+            exit_on_sigterm=False,
+        )
+    except server_process.ServerStartError as error:
+        pytest.fail(str(error))
+    assert server.base_url.startswith("http://127.0.0.1:"), server.base_url
     try:
         yield {
-            "url": url,
-            "pid": info["pid"],
+            "url": server.base_url,
+            "pid": server.pid,
             "root": root,
-            "log": log,
+            "log": server.log,
             "trace": trace if traced else None,
         }
     finally:
-        # SIGINT to dsbd serve itself: strace, the session leader, would only detach
-        stop(process, lambda: os.kill(info["pid"], signal.SIGINT))
+        assert not server_process.stop(server), "the server left processes behind"
 
 
 def assert_loopback_only(server: dict[str, Any]) -> None:
@@ -253,28 +221,11 @@ def assert_loopback_only(server: dict[str, Any]) -> None:
 
 def stop(process: subprocess.Popen, interrupt: Any) -> None:
     """Interrupt a server, kill its session if it hangs, and check nothing was left running."""
-    interrupt()
-    try:
-        process.wait(timeout=90)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
-    assert not leftovers(process.pid), "the server left processes behind"
+    assert not server_process.end(process, interrupt), "the server left processes behind"
 
 
-def leftovers(session: int, wait_s: float = 30.0) -> list[int]:
-    """Processes still alive in a session after its leader exited (killed if any remain)."""
-    deadline = time.monotonic() + wait_s
-    while True:
-        found = subprocess.run(["pgrep", "-s", str(session)], capture_output=True, text=True)
-        pids = [int(x) for x in found.stdout.split()]
-        if not pids or time.monotonic() > deadline:
-            break
-        time.sleep(0.5)
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    return pids
+leftovers = server_process.leftovers
+free_port = server_process.free_port
 
 
 def in_process_decoder(server: dict[str, Any]) -> Any:

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from dsbd import server_process
+
 SCRIPT = textwrap.dedent(
     """
     import json, urllib.request
@@ -44,11 +46,7 @@ SCRIPT = textwrap.dedent(
 ADDRESS = re.compile(r'inet_(?:addr|pton)\((?:AF_INET6?, )?"([^"]+)"')
 
 
-def strace(trace_dir: Path) -> list[str]:
-    """The command prefix that records every connect()/sendto()/sendmsg() of a process tree,
-    one file per process in `trace_dir` (read back by `peers`)."""
-    syscalls = ["-e", "trace=connect,sendto,sendmsg"]
-    return ["strace", "-f", "-ff", "-qq", "--seccomp-bpf", *syscalls, "-o", str(trace_dir / "t")]
+strace = server_process.strace_prefix  # the prefix every traced test runs under
 
 
 def peers(trace_dir: Path) -> set[str]:

@@ -17,8 +17,8 @@ import pytest
 import requests
 import yaml
 
+from .serving_harness import free_port, stop
 from .test_local_ray import is_loopback, peers, strace
-from .test_serving import _free_port, stop
 from .tiny_models import build_pair
 
 REPO = Path(__file__).parent.parent
@@ -28,7 +28,7 @@ DSBD = [sys.executable, "-m", "dsbd"]
 @pytest.mark.skipif(shutil.which("strace") is None, reason="strace not installed")
 def test_serve_run_with_dsbd_ray_env_serves_on_loopback_only(tmp_path: Path) -> None:
     target, draft = build_pair(tmp_path / "models")
-    port = _free_port()
+    port = free_port()
     small = {"num_cpus": 0.1}
     config = {
         "http_options": {"host": "127.0.0.1", "port": port},
@@ -90,7 +90,7 @@ def test_the_readme_main_command_serves_the_embedded_models(tmp_path: Path) -> N
 
     import openai
 
-    port, ready = _free_port(), tmp_path / "ready"
+    port, ready = free_port(), tmp_path / "ready"
     process = subprocess.Popen(
         [*DSBD, "serve", "--port", str(port), "--ready-file", str(ready)],
         cwd=REPO,
