@@ -12,9 +12,10 @@ import random
 from dataclasses import dataclass
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from dsbd_core.algorithm.scorer import ForestLayer
+
+from . import tiny_models
 
 VOCAB = 16
 TOL = 1e-6
@@ -22,22 +23,10 @@ TOL = 1e-6
 
 def tiny_model(arch: str, attn: str) -> torch.nn.Module:
     """A 2-layer random float64 causal LM with grouped-query attention (4 heads, 2 KV heads)."""
-    torch.manual_seed(1234)
-    common = dict(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=VOCAB,
-        max_position_embeddings=256,
-        attn_implementation=attn,
+    model = tiny_models.tiny_model(
+        VOCAB, arch=arch, seed=1234, positions=256, attn_implementation=attn
     )
-    if arch == "llama":
-        model = LlamaForCausalLM(LlamaConfig(**common))
-    else:
-        model = Qwen2ForCausalLM(Qwen2Config(**common))
-    return model.to(torch.float64).eval()
+    return model.to(torch.float64)
 
 
 _MODELS: dict[tuple[str, str], torch.nn.Module] = {}

@@ -19,9 +19,9 @@ from typing import Any
 
 import numpy as np
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from tests.exact_reference import random_table
+from tests.tiny_models import tiny_model
 
 PATH = Path(__file__).parent / "data" / "golden_tokens.json"
 VOCAB = 24
@@ -55,21 +55,10 @@ def _table_pair() -> tuple[Any, Any]:
 
 
 def _llama_models() -> tuple[torch.nn.Module, torch.nn.Module]:
-    torch.manual_seed(5)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        attn_implementation="sdpa",
-    )
-    target = LlamaForCausalLM(config).to(torch.float64).eval()
+    target = tiny_model(VOCAB, seed=5, attn_implementation="sdpa").to(torch.float64)
     with torch.no_grad():
         target.lm_head.weight.mul_(6.0)
-    draft = LlamaForCausalLM(config).to(torch.float64).eval()
+    draft = tiny_model(VOCAB, attn_implementation="sdpa").to(torch.float64)
     draft.load_state_dict(target.state_dict())
     with torch.no_grad():
         for parameter in draft.parameters():

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+from transformers import GenerationConfig, LlamaForCausalLM
 
 from dsbd_core import SamplingConfig, generate
 from dsbd_core.algorithm.lockstep import Request, decode_lockstep
@@ -23,22 +23,12 @@ from dsbd_core.algorithm.session_batch import SessionBatcher
 from dsbd_core.models import load_causal_lm, load_tokenizer
 from dsbd_core.models.transformer_scorer import TransformerScorer
 
-from .tiny_models import build_pair
+from .tiny_models import build_pair, tiny_model
 
 
 def random_llama(seed: int, vocab: int = 24, eos_boost: float = 0.0) -> torch.nn.Module:
     """A random 2-layer float64 Llama; `eos_boost` makes token 0 (the EOS here) likelier."""
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-    )
-    model = LlamaForCausalLM(config).to(torch.float64).eval()
+    model = tiny_model(vocab, seed=seed).to(torch.float64)
     with torch.no_grad():
         model.lm_head.weight.mul_(4.0)
         model.lm_head.weight[0] += eos_boost * model.lm_head.weight[0].sign()

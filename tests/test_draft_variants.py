@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import numpy as np
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 from dsbd_core import (
     ForestLayer,
@@ -35,6 +35,7 @@ from dsbd_core.models.draft_variants import (
 from dsbd_core.models.transformer_scorer import TransformerScorer
 
 from .exact_reference import TableLM, assert_matches, beam_sampling_outcomes, random_table
+from .tiny_models import tiny_model
 
 V, EOS, PROMPT, MAX_NEW, RUNS = 6, 0, [1], 3, 100_000
 
@@ -90,17 +91,7 @@ def test_dsbd_with_a_restricted_draft_head_equals_target_beam_sampling(mode: str
 
 
 def _tiny(seed: int) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=40,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-    )
-    return LlamaForCausalLM(config).eval()
+    return tiny_model(40, seed=seed)
 
 
 def test_restricted_head_scores_only_its_tokens_and_switches_to_compact() -> None:

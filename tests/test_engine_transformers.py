@@ -8,31 +8,18 @@ from collections.abc import Sequence
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from dsbd_core import ForestLayer, ForestLogprobs, SamplingConfig, generate_batch
 from dsbd_core.algorithm.scorer import Roots
 from dsbd_core.models.transformer_scorer import TransformerScorer
 
+from .tiny_models import tiny_model
+
 VOCAB = 16
 
 
 def tiny(arch: str, seed: int) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    common = dict(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        attn_implementation="sdpa",
-    )
-    cls, cfg = (
-        (LlamaForCausalLM, LlamaConfig) if arch == "llama" else (Qwen2ForCausalLM, Qwen2Config)
-    )
-    model = cls(cfg(**common)).to(torch.float64).eval()
+    model = tiny_model(VOCAB, arch=arch, seed=seed, attn_implementation="sdpa").to(torch.float64)
     with torch.no_grad():  # sharper distributions than the default init, so beams differ
         model.lm_head.weight.mul_(8.0)
     return model

@@ -20,6 +20,8 @@ from dsbd_core.algorithm.lockstep import Request, decode_lockstep
 from dsbd_core.algorithm.session_batch import SessionBatcher
 from dsbd_core.models.transformer_scorer import TransformerScorer
 
+from .tiny_models import tiny_model
+
 VOCAB = 24
 EOS = (0,)
 TOP = 5
@@ -42,21 +44,10 @@ CASES: list[tuple[str, dict[str, Any]]] = [
 @pytest.fixture(scope="module")
 def models() -> tuple[torch.nn.Module, torch.nn.Module]:
     """A peaky float64 target (beams differ, EOS gets drawn) and a noisy copy as the draft."""
-    torch.manual_seed(5)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        attn_implementation="sdpa",
-    )
-    target = LlamaForCausalLM(config).to(torch.float64).eval()
+    target = tiny_model(VOCAB, seed=5, attn_implementation="sdpa").to(torch.float64)
     with torch.no_grad():
         target.lm_head.weight.mul_(6.0)
-    draft = LlamaForCausalLM(config).to(torch.float64).eval()
+    draft = tiny_model(VOCAB, attn_implementation="sdpa").to(torch.float64)
     draft.load_state_dict(target.state_dict())
     with torch.no_grad():
         for parameter in draft.parameters():

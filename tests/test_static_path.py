@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 from dsbd_core import SamplingConfig, generate, generate_batch
 from dsbd_core.algorithm.lockstep import Request, decode_lockstep
@@ -29,6 +29,7 @@ from dsbd_core.models.transformer_scorer import TransformerScorer
 from dsbd_core.tools.bench.measure import ForwardCounter
 from tests import golden_tokens as golden
 from tests.test_engine_transformers import tiny
+from tests.tiny_models import tiny_model
 
 
 @pytest.mark.slow
@@ -117,18 +118,7 @@ def test_float32_static_path_decodes_the_dynamic_paths_tokens(
 
 
 def _model(vocab: int = 40) -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        attn_implementation="sdpa",
-    )
-    return LlamaForCausalLM(config).eval()
+    return tiny_model(vocab, seed=0, positions=256, attn_implementation="sdpa")
 
 
 @pytest.mark.slow

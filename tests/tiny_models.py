@@ -14,7 +14,15 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from tokenizers import decoders as tok_decoders
-from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import (
+    GenerationConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
@@ -53,6 +61,37 @@ def build_tokenizer(out: Path) -> PreTrainedTokenizerFast:
     return fast
 
 
+# The tests' small model: attention (grouped KV heads) and an MLP like the real ones, and a
+# forward of microseconds, so exactness runs take 1e5 decodes.
+TINY_SHAPE = {
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+}
+ARCHS = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
+
+
+def tiny_model(
+    vocab_size: int,
+    *,
+    arch: str = "llama",
+    seed: int | None = None,
+    positions: int = 128,
+    **overrides: object,
+) -> PreTrainedModel:
+    """A randomly initialised model of TINY_SHAPE in eval mode (float32); `seed` seeds torch
+    first (None: the caller's generator state draws the weights)."""
+    if seed is not None:
+        torch.manual_seed(seed)
+    config_class, model_class = ARCHS[arch]
+    config = config_class(
+        vocab_size=vocab_size, max_position_embeddings=positions, **TINY_SHAPE, **overrides
+    )
+    return model_class(config).eval()
+
+
 def build_pair(root: Path, *, seed: int = 0) -> tuple[Path, Path]:
     """Write `root/target` and `root/draft` (same tokenizer); returns their paths."""
     target_dir, draft_dir = root / "target", root / "draft"
@@ -61,25 +100,17 @@ def build_pair(root: Path, *, seed: int = 0) -> tuple[Path, Path]:
     tokenizer = build_tokenizer(target_dir)
     tokenizer.save_pretrained(draft_dir)
     vocab = len(tokenizer)
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
-        bos_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
-    )
-    target = LlamaForCausalLM(config).eval()
+    special = {
+        "eos_token_id": tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        "bos_token_id": tokenizer.convert_tokens_to_ids("<|endoftext|>"),
+    }
+    target = tiny_model(vocab, seed=seed, positions=256, **special)
     with torch.no_grad():
         target.lm_head.weight.mul_(4.0)  # peakier than the default init: beams differ
-    generation = GenerationConfig(eos_token_id=config.eos_token_id)
+    generation = GenerationConfig(eos_token_id=special["eos_token_id"])
     target.generation_config = generation
     target.save_pretrained(target_dir)
-    draft = LlamaForCausalLM(config).eval()
+    draft = tiny_model(vocab, positions=256, **special)
     draft.load_state_dict(target.state_dict())
     with torch.no_grad():
         for parameter in draft.parameters():
