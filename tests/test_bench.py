@@ -20,6 +20,7 @@ from dsbd_core.tools.bench.humaneval import (
 )
 from dsbd_core.tools.bench.methods import MethodNameError, parse_method, parse_methods
 from dsbd_core.tools.bench.quality import paired_bootstrap, ratio_bootstrap
+from dsbd_core.tools.bench.report import compare
 from dsbd_core.tools.bench.schema import BenchConfig, BenchResult, MethodRecord
 from tests.tiny_models import build_pair
 
@@ -121,6 +122,15 @@ def test_harness_figures_are_consistent_and_written(pair, tmp_path):
     assert summary["dsbd-w2-g2-t0.7-lean"].target_kv_vs_sps < 1.5
     assert summary["beam-w2"].energy_joules_per_token is None  # CPU: no energy counter
     assert "no GPU" in result.energy_note
+    # any two methods compared directly (benchmarks/paired.py): the table's figures where the
+    # reference is the table's; a method against itself is 1 and 0
+    direct = compare(result.records, "dsbd-w2-g2-fixed", "beam-w2")
+    assert direct.time_vs_reference == summary["dsbd-w2-g2-fixed"].time_vs_reference
+    itself = compare(result.records, "sps-g2", "sps-g2")
+    assert itself.time_vs_reference.value == pytest.approx(1.0)
+    assert itself.loglik_vs_reference.value == 0.0
+    with pytest.raises(ValueError, match="no-such"):
+        compare(result.records, "no-such", "beam-w2")
     probe = result.transformers_assisted_with_beams
     assert probe["assistant_used"] is False and probe["assistant_forward_calls"] == 0
 

@@ -47,6 +47,16 @@ def _per_token(record: MethodRecord) -> float | None:
     return record.loglik / record.answer_tokens if record.answer_tokens else None
 
 
+def compare(records: list[MethodRecord], method: str, reference: str) -> MethodSummary:
+    """`method`'s figures with `reference` (any other method of the run) as the reference:
+    time ratio, log-likelihood and pass@1 differences, paired over the prompts both decoded."""
+    rows = [r for r in records if method_key(r) == method]
+    against = [r for r in records if method_key(r) == reference]
+    if not rows or not against:
+        raise ValueError(f"no records of {method if not rows else reference!r}")
+    return _summary(rows, against, None)
+
+
 def _summary(
     rows: list[MethodRecord],
     reference: list[MethodRecord] | None,
