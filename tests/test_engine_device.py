@@ -12,6 +12,7 @@ side is not under test here); the tokens must be those of the plain decode.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 import pytest
 import torch
@@ -131,7 +132,17 @@ def test_the_branches_a_device_takes_decode_the_hosts_tokens(method: str, fields
         for got, want in zip(forced, plain, strict=True):
             assert [b.token_ids for b in got.beams] == [b.token_ids for b in want.beams]
             assert [b.log_likelihood for b in got.beams] == [b.log_likelihood for b in want.beams]
-            assert got.stats == want.stats
+            # The forced branches run the draft on rows the host skips, and on some CPUs (an
+            # AMD EPYC here, not the Intel Xeon) a float64 forward's last bit depends on the
+            # rows beside it: the draft's tables, and so the diagnostic alphas (sum min(P, Q)),
+            # may move by an ulp. Everything else is exact; the n-gram test below, whose tables
+            # come from no forward, holds the alphas to the bit as well.
+            alphas = got.stats.layer_alphas, want.stats.layer_alphas
+            assert [len(a) for a in alphas[0]] == [len(a) for a in alphas[1]]
+            assert [x for a in alphas[0] for x in a] == pytest.approx(
+                [x for a in alphas[1] for x in a], rel=1e-12, abs=0
+            )
+            assert replace(got.stats, layer_alphas=[]) == replace(want.stats, layer_alphas=[])
 
 
 @pytest.mark.slow

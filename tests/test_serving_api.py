@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 import requests
 
-from benchmarks.server_process import descendants, process_name
 from deployments.allocator import jemalloc_library
 from deployments.openai_responses import BeamText
+from dsbd.server_process import descendants, process_name
 from dsbd_core.models import load_tokenizer
 
 from .serving_harness import MODEL, client, in_process_decoder, native
