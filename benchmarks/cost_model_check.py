@@ -1,0 +1,145 @@
+"""Does the cost model price an iteration as it costs on this machine?
+
+The cost model (dsbd_core/algorithm/cost_model.py) picks each iteration's draft depth gamma by
+expected tokens per predicted second, the seconds being `CostController.iteration_seconds`:
+the target's forward over W + gamma x W_S tokens, the draft's passes and the engine's work, from
+this machine's calibration. This script decodes the same prompts with DSBD at every depth
+0..G held fixed for the whole decode (fixed knobs), depths interleaved per prompt, and prints
+per depth the measured seconds per iteration, the predicted ones and their ratio, with the
+pass rates measured on the way and the tokens per second each depth really gave. A depth whose
+measured/predicted ratio exceeds depth 0's is under-priced: the cost model drafts it where it
+does not pay.
+
+    .venv/bin/python benchmarks/cost_model_check.py --pair qwen-coder --prompt-set held-out \\
+        --prompts 4 --max-new-tokens 32 --json benchmarks/results/cost_model_check_qwen.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+from dsbd_core import SamplingConfig, generate
+from dsbd_core.algorithm.control import FixedKnobs, Knobs
+from dsbd_core.algorithm.cost_model import CostController, layer_passes
+from dsbd_core.models.pair import load_pair
+from dsbd_core.tools.bench.pairs import PAIRS
+from dsbd_core.tools.bench.prompts import prompt_set
+
+
+class _Counting(FixedKnobs):
+    """The config's knobs every iteration (`depth`: this depth instead), counting each depth's
+    passes."""
+
+    def __init__(self, config: SamplingConfig, depth: int | None = None) -> None:
+        super().__init__(config)
+        if depth is not None:
+            self._knobs = Knobs(gamma=depth, draft_width=config.effective_draft_width)
+        self.counts = [[0.0, 0.0] for _ in range(config.gamma)]
+
+    def observe(self, state, outcome, knobs) -> None:  # noqa: ANN001 (the Controller protocol)
+        for total, (passed, tried) in zip(
+            self.counts, layer_passes(state, outcome, len(self.counts)) or [], strict=False
+        ):
+            total[0] += passed
+            total[1] += tried
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pair", default="smollm2", choices=sorted(PAIRS))
+    parser.add_argument("--prompt-set", default="held-out")
+    parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--width", type=int, default=3)
+    parser.add_argument("--max-gamma", type=int, default=3)
+    parser.add_argument("--selection", default="paper", choices=["paper", "transformers"])
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    preset = PAIRS[args.pair]
+    pair = load_pair(preset.target, preset.draft)
+    calibration = pair.calibration(say=print)
+    target, draft = pair.scorers()
+    prompts = prompt_set(args.prompt_set)[: args.prompts]
+    encoded = [pair.encode(p.text, chat=p.chat) for p in prompts]
+    # -1: DSBD with a depth of 0 every iteration (what the cost model's "0" runs), beside 0:
+    # plain beam sampling (what it is priced as)
+    depths = range(-1, args.max_gamma + 1)
+    seconds = {g: 0.0 for g in depths}
+    iterations = {g: 0 for g in depths}
+    tokens = {g: 0 for g in depths}
+    passes: dict[int, list[list[float]]] = {}
+    load = [os.getloadavg()]
+    # warm-up (not timed): the first decode of a process pays one-time costs (kernel choice,
+    # allocations) that would otherwise land on whichever depth runs first
+    for index, prompt_ids in [(-1, encoded[0])] + list(enumerate(encoded)):
+        for g in depths:  # interleaved per prompt
+            config = SamplingConfig(
+                width=args.width,
+                gamma=max(g, 1),  # depth 0 is plain beam sampling (its config's gamma unused)
+                max_new_tokens=args.max_new_tokens,
+                seed=max(index, 0),
+                eos_token_ids=pair.stop_ids,
+                selection=args.selection,
+            )
+            controller = _Counting(config, 0 if g < 0 else None) if g else None
+            start = time.perf_counter()
+            method, side = ("dsbd", draft) if g else ("beam", None)
+            result = generate(method, target, prompt_ids, config, draft=side, controller=controller)
+            if index < 0:
+                continue
+            seconds[g] += time.perf_counter() - start
+            iterations[g] += result.stats.iterations
+            tokens[g] += result.stats.tokens_emitted
+            if controller is not None and g > 0:
+                for k, (passed, tried) in enumerate(controller.counts):
+                    total = passes.setdefault(g, [[0.0, 0.0] for _ in range(g)])[k]
+                    total[0] += passed
+                    total[1] += tried
+    load.append(os.getloadavg())
+    config = SamplingConfig(width=args.width, gamma=args.max_gamma, eos_token_ids=pair.stop_ids)
+    model = CostController(config, calibration)
+    rows = []
+    for g in depths:
+        measured = seconds[g] / max(iterations[g], 1)
+        predicted = model.iteration_seconds(max(g, 0))
+        rates = [p / t for p, t in passes.get(g, []) if t > 0]
+        rows.append(
+            {
+                "gamma": "dsbd at 0" if g < 0 else g,
+                "measured_s": measured,
+                "predicted_s": predicted,
+                "ratio": measured / predicted,
+                "tokens_per_s": tokens[g] / seconds[g],
+                "pass_rates": rates,
+            }
+        )
+        name = "dsbd at 0" if g < 0 else f"gamma {g}"
+        print(
+            f"{name:9}: {measured * 1e3:7.1f} ms/iteration measured, {predicted * 1e3:7.1f} "
+            f"predicted (x{measured / predicted:.2f}); {tokens[g] / seconds[g]:.2f} tokens/s; "
+            f"pass rates {', '.join(f'{r:.2f}' for r in rates) or '-'}"
+        )
+    print(f"calibrated pass rates: {calibration.pass_rates}; load average {load}")
+    if args.json:
+        out = {
+            "args": {k: str(v) for k, v in vars(args).items()},
+            "cpu": platform.processor() or platform.machine(),
+            "models": pair.describe(),
+            "calibration_pass_rates": calibration.pass_rates,
+            "load_average": load,
+            "depths": rows,
+        }
+        args.json.write_text(json.dumps(out, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
