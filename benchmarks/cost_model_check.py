@@ -27,28 +27,19 @@ import torch
 
 from dsbd_core import SamplingConfig, generate
 from dsbd_core.algorithm.control import FixedKnobs, Knobs
-from dsbd_core.algorithm.cost_model import CostController, layer_passes
+from dsbd_core.algorithm.cost_model import CostController
+from dsbd_core.algorithm.state import DecodeState
+from dsbd_core.models.calibrate import PassCounter
 from dsbd_core.models.pair import load_pair
 from dsbd_core.tools.bench.pairs import PAIRS
 from dsbd_core.tools.bench.prompts import prompt_set
 
 
-class _Counting(FixedKnobs):
-    """The config's knobs every iteration (`depth`: this depth instead), counting each depth's
-    passes."""
+class _DepthZero(FixedKnobs):
+    """Depth 0 every iteration: DSBD that never drafts."""
 
-    def __init__(self, config: SamplingConfig, depth: int | None = None) -> None:
-        super().__init__(config)
-        if depth is not None:
-            self._knobs = Knobs(gamma=depth, draft_width=config.effective_draft_width)
-        self.counts = [[0.0, 0.0] for _ in range(config.gamma)]
-
-    def observe(self, state, outcome, knobs) -> None:  # noqa: ANN001 (the Controller protocol)
-        for total, (passed, tried) in zip(
-            self.counts, layer_passes(state, outcome, len(self.counts)) or [], strict=False
-        ):
-            total[0] += passed
-            total[1] += tried
+    def knobs(self, state: DecodeState) -> Knobs:
+        return Knobs(gamma=0, draft_width=self._knobs.draft_width)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -89,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
                 eos_token_ids=pair.stop_ids,
                 selection=args.selection,
             )
-            controller = _Counting(config, 0 if g < 0 else None) if g else None
+            controller = None if g == 0 else _DepthZero(config) if g < 0 else PassCounter(config)
             start = time.perf_counter()
             method, side = ("dsbd", draft) if g else ("beam", None)
             result = generate(method, target, prompt_ids, config, draft=side, controller=controller)
@@ -98,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
             seconds[g] += time.perf_counter() - start
             iterations[g] += result.stats.iterations
             tokens[g] += result.stats.tokens_emitted
-            if controller is not None and g > 0:
+            if isinstance(controller, PassCounter):
                 for k, (passed, tried) in enumerate(controller.counts):
                     total = passes.setdefault(g, [[0.0, 0.0] for _ in range(g)])[k]
                     total[0] += passed

@@ -45,7 +45,9 @@ def pair(tmp_path_factory) -> tuple[Path, Path]:
     return build_pair(tmp_path_factory.mktemp("bench-models"))
 
 
-def _config(pair: tuple[Path, Path], **update) -> BenchConfig:
+def bench_config(pair: tuple[Path, Path], **update) -> BenchConfig:
+    """A quick float64 run of this module's METHODS on the tiny pair, `update` overriding any
+    field (tests/test_bench_search.py runs its searches with it)."""
     values = dict(
         pair="custom",
         target=str(pair[0]),
@@ -74,7 +76,7 @@ def _config(pair: tuple[Path, Path], **update) -> BenchConfig:
 @pytest.mark.slow
 def test_harness_figures_are_consistent_and_written(pair, tmp_path):
     out = tmp_path / "run"
-    result = run_bench(_config(pair), out, progress=False, say=lambda _: None)
+    result = run_bench(bench_config(pair), out, progress=False, say=lambda _: None)
     assert len(result.records) == 2 * len(METHODS)
     for name in (
         "results.json",
@@ -135,10 +137,10 @@ def test_harness_figures_are_consistent_and_written(pair, tmp_path):
     assert probe["assistant_used"] is False and probe["assistant_forward_calls"] == 0
 
     # Resume: the same config measures nothing new; another config is refused.
-    again = run_bench(_config(pair), out, progress=False, say=lambda _: None)
+    again = run_bench(bench_config(pair), out, progress=False, say=lambda _: None)
     assert [r.seconds for r in again.records] == [r.seconds for r in result.records]
     with pytest.raises(ResumeMismatchError, match="max_new_tokens"):
-        run_bench(_config(pair, max_new_tokens=9), out, progress=False, say=lambda _: None)
+        run_bench(bench_config(pair, max_new_tokens=9), out, progress=False, say=lambda _: None)
 
     # Another harness's records fold into the report under their source's name.
     other = result.records[0].model_copy(update={"source": "reference", "method": "dsbd-ref"})
@@ -148,7 +150,7 @@ def test_harness_figures_are_consistent_and_written(pair, tmp_path):
 
 @pytest.mark.slow
 def test_harness_runs_humaneval_in_the_sandbox(pair, tmp_path):
-    config = _config(pair, prompt_set="humaneval", prompts=1, methods=["sample", "beam-w2"])
+    config = bench_config(pair, prompt_set="humaneval", prompts=1, methods=["sample", "beam-w2"])
     result = run_bench(config, tmp_path / "he", progress=False, say=lambda _: None)
     for record in result.records:
         assert record.prompt_id == "HumanEval/0"

@@ -11,7 +11,7 @@ import pytest
 from dsbd_core import SamplingConfig
 from dsbd_core.tools.bench.harness import run_bench
 from dsbd_core.tools.bench.methods import MethodNameError, parse_method, with_references
-from dsbd_core.tools.bench.schema import BenchConfig
+from tests.test_bench import bench_config
 from tests.tiny_models import build_pair
 
 METHODS = ["search-w2", "spec-search-w2-g2-fk", "hf-search-w2"]
@@ -48,27 +48,7 @@ def pair(tmp_path_factory) -> tuple[Path, Path]:
 
 @pytest.mark.slow
 def test_the_three_searches_return_the_same_answers(pair, tmp_path) -> None:
-    config = BenchConfig(
-        pair="custom",
-        target=str(pair[0]),
-        draft=str(pair[1]),
-        mode="quick",
-        prompt_set="held-out",
-        prompts=2,
-        methods=METHODS,
-        max_new_tokens=10,
-        gamma=2,
-        seed=0,
-        temperature=1.0,
-        top_k=0,
-        top_p=1.0,
-        device="cpu",
-        dtype="float64",
-        threads=1,
-        warmup_tokens=0,
-        humaneval_timeout_s=10.0,
-        sandbox=None,
-    )
+    config = bench_config(pair, methods=METHODS, max_new_tokens=10)
     result = run_bench(config, tmp_path / "run", progress=False, say=lambda _: None)
     answers: dict[str, dict[str, str]] = defaultdict(dict)
     for record in result.records:
