@@ -3,7 +3,8 @@
 The cost model (dsbd_core/algorithm/cost_model.py) picks each iteration's draft depth gamma by
 expected tokens per predicted second, the seconds being `CostController.iteration_seconds`:
 the target's forward over W + gamma x W_S tokens, the draft's passes and the engine's work, from
-this machine's calibration. This script decodes the same prompts with DSBD at every depth
+this machine's calibration, scaled at each depth to the whole iterations the calibration timed
+(on other prompts, 16 tokens each). This script decodes the same prompts with DSBD at every depth
 0..G held fixed for the whole decode (fixed knobs), depths interleaved per prompt, and prints
 per depth the measured seconds per iteration, the predicted ones and their ratio, with the
 pass rates measured on the way and the tokens per second each depth really gave. A depth whose
@@ -118,13 +119,18 @@ def main(argv: list[str] | None = None) -> int:
             f"predicted (x{measured / predicted:.2f}); {tokens[g] / seconds[g]:.2f} tokens/s; "
             f"pass rates {', '.join(f'{r:.2f}' for r in rates) or '-'}"
         )
-    print(f"calibrated pass rates: {calibration.pass_rates}; load average {load}")
+    print(
+        f"calibrated pass rates: {calibration.pass_rates}; catch-up per step behind: "
+        f"{calibration.catch_up_s}; load average {load}"
+    )
     if args.json:
         out = {
             "args": {k: str(v) for k, v in vars(args).items()},
             "cpu": platform.processor() or platform.machine(),
             "models": pair.describe(),
             "calibration_pass_rates": calibration.pass_rates,
+            "calibration_iteration_s": calibration.iteration_s,
+            "calibration_catch_up_s": calibration.catch_up_s,
             "load_average": load,
             "depths": rows,
         }

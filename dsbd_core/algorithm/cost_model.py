@@ -5,22 +5,31 @@ gamma x W_S forest nodes, gamma draft forwards (the roots' new tokens, then one 
 nodes each) and the engine's own work, and emits on average E(gamma) = 1 + rho + ... + rho^gamma
 tokens per beam, rho being the probability that a drafted layer passes verification (kept per
 layer depth, given that the layer above passed: a draft that agrees tends to keep agreeing, so
-deeper layers pass more often than the first). gamma = 0
-is a plain beam-sampling step: one target forward over the W roots, one token. The controller
-picks the gamma (up to the request's) with the most tokens per second, so speculation is off
-wherever it would not pay and DSBD is never much slower than beam sampling, whatever the draft.
+deeper layers pass more often than the first). gamma = 0 is a plain beam-sampling step: one
+target forward over the W roots, one token.
 
-The forward costs come from a `Calibration`, measured once per machine, models, dtype and device
-(`dsbd_core.models.calibrate`, cached on disk), so the choice is a deterministic function of the
+The prices come from a `Calibration`, measured once per machine, models, dtype and device
+(`dsbd_core.models.calibrate`, cached on disk): the forwards' costs by the tokens they feed,
+scaled at each depth to what whole iterations took when timed (`iteration_timer`: the work
+around the forwards grows with the drafted layers, and the sum of the parts misses it), and the
+draft's catch-up per beam step it sat out. The choice is a deterministic function of the
 calibration and the request's own history: the same seed, settings and machine decode the same
-tokens. The pass rates are the request's own: Beta priors updated with every verified layer,
+tokens.
+
+The controller picks the depth that saves the most time over the tokens the request may still
+emit, less the draft's catch-up (the prompt, before the draft's first run), so speculation is
+off wherever it would not pay and DSBD is never much slower than beam sampling, whatever the
+draft. The pass rates are the request's own: Beta priors updated with every verified layer,
 older evidence fading by `memory` per iteration. The priors are the pair's pass rates measured
-at calibration where the calibration has them (`Calibration.pass_rates`: a draft that rarely
-agrees is not drafted on hope at the start of every request), else the policy's. A request
-that turned speculation off still drafts one layer after `probe_every` iterations, so that it
-notices when its draft starts to agree again; while the probes find it still does not pay, the
-interval doubles (up to `probe_backoff` times). A pair whose measured rates say speculation does
-not pay starts at the longest interval.
+at calibration where the calibration has them (a draft that rarely agrees is not drafted on
+hope at the start of every request), else the policy's. A request that turned speculation off
+drafts one layer after `probe_every` iterations, so that it notices when its draft starts to
+agree again; while the probes find it still does not pay, the interval doubles (up to
+`probe_backoff` times); and a probe is made only while it costs at most `probe_budget` of the
+time since the draft last ran (a large draft's catch-up is dear: the Qwen pair's int8 0.5B draft
+adds ~10 ms per step it sat out to a 110 ms beam step on an AMD EPYC, so once it stops paying
+it is not probed again). A pair whose measured rates say speculation does not pay starts at the
+longest interval.
 """
 
 from __future__ import annotations
@@ -68,6 +77,16 @@ class Calibration(BaseModel):
     # once on a few chat and code prompts at the default settings (`calibrate.pass_rates`);
     # None: not measured (the policy's priors stand in).
     pass_rates: list[float] | None = None
+    # Seconds of one whole DSBD iteration at each fixed depth 0..G for one session at the
+    # default W and W_S (`iteration_width`, `iteration_draft_width`), medians over the pass-rate
+    # prompts (`iteration_timer`): the cost model scales its sum-of-parts prices at each depth
+    # to what these measured. None: not measured (the parts' sum stands).
+    iteration_s: list[float] | None = None
+    # Seconds a drafted iteration adds per beam step the draft sat out (it first feeds the
+    # beams' new tokens); None: not measured (catching up is then taken to be free).
+    catch_up_s: float | None = Field(None, ge=0)
+    iteration_width: int = Field(3, ge=1)
+    iteration_draft_width: int = Field(3, ge=1)
     description: str = ""
 
     def engine_seconds(self, width: int, gamma: int) -> float:
@@ -106,6 +125,14 @@ class CostPolicy(BaseModel):
         ge=1,
         description="While probes keep finding that speculation does not pay, the "
         "interval doubles, up to probe_every x this (1: never backs off).",
+    )
+    probe_budget: float = Field(
+        0.02,
+        ge=0,
+        le=1,
+        description="The most a probe may cost (the draft's catch-up and a drafted layer), "
+        "as a share of the time since the draft last ran: a draft whose catch-up is dear "
+        "is not probed at all once it stopped paying.",
     )
 
 
@@ -179,6 +206,8 @@ class CostController:
         self.draft_width = config.effective_draft_width
         self.rates = [_Rate(prior, self.policy.prior_weight) for prior in self.priors()]
         self.since_draft = 0  # iterations since the last one that drafted
+        self.drafted = False  # whether the draft has run (fed the prompt) yet
+        self._prompt_tokens: float | None = None
         # probes that found speculation still not paying double the interval to the next (a
         # probe costs a draft pass, the draft's catch-up and a forest verify: with a draft that
         # never agrees, probing every 6 iterations cost the embedded pair ~15 % of its time,
@@ -198,13 +227,16 @@ class CostController:
         return [p.prior_first if k == 0 else p.prior_next for k in range(self.gamma_max)]
 
     def knobs(self, state: DecodeState) -> Knobs:
-        gamma = self.best_gamma()
+        gamma = self.best_gamma(state)
         if gamma > 0:
             self.probe_interval = self.policy.probe_every
         elif self.gamma_max > 0 and self.since_draft + 1 >= self.probe_interval:
-            gamma = 1
+            if self.probe_seconds(state) <= self.policy.probe_budget * self.idle_seconds():
+                gamma = 1
             longest = self.policy.probe_every * self.policy.probe_backoff
             self.probe_interval = min(2 * self.probe_interval, longest)
+        if gamma > 0:
+            self.drafted = True
         self.chosen.append(gamma)
         return Knobs(gamma=gamma, draft_width=self.draft_width)
 
@@ -223,23 +255,78 @@ class CostController:
     def pass_rates(self) -> list[float]:
         return [rate.rate for rate in self.rates]
 
-    def best_gamma(self) -> int:
-        """The depth with the most expected tokens per second (ties: the shallower)."""
-        best, best_rate = 0, self.tokens_per_second(0)
+    def best_gamma(self, state: DecodeState | None = None) -> int:
+        """The depth that saves the most time over the rest of the decode: per token, a beam
+        step's seconds less depth gamma's seconds per expected token, times the tokens left,
+        less what the draft's catch-up costs first (ties: the shallower). With the draft caught
+        up that is the depth with the most tokens per second."""
+        lag = self.catch_up_seconds(state)
+        per_token = [
+            self.iteration_seconds(g) / expected_tokens(self.pass_rates, g)
+            for g in range(self.gamma_max + 1)
+        ]
+        left = self.tokens_left() if lag > 0 else 1.0
+        best, best_saving = 0, 0.0
         for gamma in range(1, self.gamma_max + 1):
-            rate = self.tokens_per_second(gamma)
-            if rate > best_rate * (1 + 1e-9):
-                best, best_rate = gamma, rate
+            saving = (per_token[0] - per_token[gamma]) * left - lag
+            if saving > best_saving + 1e-9 * per_token[0]:
+                best, best_saving = gamma, saving
         return best
 
+    def tokens_left(self) -> float:
+        """At most the tokens the decode may still emit: every iteration emitted at least one
+        (counted here, so that no device value is read)."""
+        return max(self.config.max_new_tokens - len(self.chosen), 1.0)
+
+    def catch_up_seconds(self, state: DecodeState | None) -> float:
+        """What the draft's catch-up adds to the next drafted iteration: per beam step it sat
+        out, or, before its first run, the prompt's tokens (fed once for all W beams)."""
+        per_step = self.calibration.catch_up_s
+        if not per_step:
+            return 0.0
+        per_step *= self.config.width / self.calibration.iteration_width  # W rows each step
+        if self.drafted:
+            return per_step * self.since_draft
+        if state is None:
+            return 0.0
+        if self._prompt_tokens is None:  # read once
+            self._prompt_tokens = float(state.prompt_len.max())
+        return per_step * self._prompt_tokens / self.config.width
+
+    def probe_seconds(self, state: DecodeState | None) -> float:
+        """A probe's cost over a beam step: the draft's catch-up and one drafted layer."""
+        return self.catch_up_seconds(state) + self.iteration_seconds(1) - self.iteration_seconds(0)
+
+    def idle_seconds(self) -> float:
+        """The beam steps run since the draft last ran, in seconds."""
+        return self.since_draft * self.iteration_seconds(0)
+
     def iteration_seconds(self, gamma: int) -> float:
-        """Predicted seconds of an iteration of depth gamma."""
-        cal, width = self.calibration, self.config.width
-        seconds = cal.target.at(width + gamma * self.draft_width)
+        """Predicted seconds of an iteration of depth gamma: the sum of its parts, scaled by
+        what whole iterations timed at calibration took at that depth (the measured seconds
+        themselves at the widths they were timed at)."""
+        return self.parts_seconds(gamma, self.config.width, self.draft_width) * self.scale(gamma)
+
+    def parts_seconds(self, gamma: int, width: int, draft_width: int) -> float:
+        """The sum of an iteration's parts: the target's forward over W + gamma x W_S tokens,
+        the engine's work and the draft's gamma forwards."""
+        cal = self.calibration
+        seconds = cal.target.at(width + gamma * draft_width)
         seconds += cal.engine_seconds(width, gamma)
         if gamma > 0 and cal.draft is not None:
-            seconds += cal.draft.at(width) + (gamma - 1) * cal.draft.at(self.draft_width)
+            seconds += cal.draft.at(width) + (gamma - 1) * cal.draft.at(draft_width)
         return seconds
+
+    def scale(self, gamma: int) -> float:
+        """Measured over summed seconds of depth gamma at the widths the whole iterations were
+        timed at (1 where they were not; the deepest timed depth stands for deeper ones)."""
+        cal = self.calibration
+        measured = cal.iteration_s
+        if not measured:
+            return 1.0
+        depth = min(gamma, len(measured) - 1)
+        parts = self.parts_seconds(depth, cal.iteration_width, cal.iteration_draft_width)
+        return measured[depth] / parts
 
     def tokens_per_second(self, gamma: int) -> float:
         return expected_tokens(self.pass_rates, gamma) / self.iteration_seconds(gamma)

@@ -5,12 +5,15 @@ a target forward's time by the tokens it feeds, a draft forward's, and the engin
 vocabulary-wide table. They depend on the models, their dtype, the device, the thread count and
 the CPU; they are measured once and kept in `<cache>/calibration/<key>.json`, so every process
 on the same machine decodes with the same calibration and a seeded request gives the same
-tokens every time. `dsbd calibrate --force` (or `force=True`) measures again.
+tokens every time. `--recalibrate` (`dsbd generate|bench|batch`) or `force=True` measures again.
 
 Forward times are medians over a few repeats of a forward that feeds n new tokens after a
 cached prefix of `CONTEXT` tokens, n in `TOKEN_POINTS`. The engine's work is timed on the real
 decode loop with a scorer that answers instantly (`_InstantScorer`), so the forwards cost nothing
-and what is left is sampling, filtering, verification and bookkeeping.
+and what is left is sampling, filtering, verification and bookkeeping. With a draft and the
+pass-rate prompts, two things are measured by decoding them: the pair's pass rate per drafted
+layer, and the seconds of a whole iteration at each fixed depth (`iteration_timer`: what the sum
+of the parts misses), each cached like the costs.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from dsbd_core.algorithm.config import SamplingConfig
 from dsbd_core.algorithm.control import FixedKnobs, Knobs
 from dsbd_core.algorithm.cost_model import Calibration, ForwardCosts, layer_passes
 from dsbd_core.algorithm.decoders import generate_batch
+from dsbd_core.algorithm.iteration_timer import IterationTimer, summarise, timing_plan
 from dsbd_core.algorithm.loop import Decode, run_decode
 from dsbd_core.algorithm.scorer import ForestLayer, ForestLogprobs, ForestScorer, Roots
 from dsbd_core.algorithm.state import DecodeState, Outcome
@@ -52,6 +56,8 @@ PASS_RATE_TEXTS = (
     ("code", "import json\n\n\ndef load_config(path):\n"),
 )
 PASS_RATE_TOKENS = 32
+# Whole iterations are timed at each fixed depth on the same prompts, this many tokens each.
+ITERATION_TOKENS = 16
 
 
 def forward_costs(
@@ -294,13 +300,18 @@ def calibrate(
         rates = pair_pass_rates(target, draft, identity, prompts, stop_ids, force=force, path=path)
         calibration = calibration.model_copy(update={"pass_rates": rates})
         say(f"the pair's pass rates per drafted layer: {', '.join(f'{r:.2f}' for r in rates)}")
+        timed = pair_iteration_seconds(
+            target, draft, identity, prompts, stop_ids, force=force, path=path
+        )
+        calibration = calibration.model_copy(update=iteration_fields(timed, stop_ids))
+        say(f"seconds per iteration by depth and the draft's catch-up per step behind: {timed}")
     say(f"calibration ready in {time.perf_counter() - start:.1f} s")
     return calibration
 
 
 class PassCounter:
     """The default knobs every iteration (a `Controller`), counting each depth's passes: what
-    `measure_pass_rates` and a serving router (deployments/router_state.py) measure with."""
+    `measure_pass_rates` and a serving router (deployments/decode/state.py) measure with."""
 
     def __init__(self, config: SamplingConfig) -> None:
         self.fixed = FixedKnobs(config)
@@ -372,6 +383,64 @@ def pair_pass_rates(
 
     parts = {**identity, "prompts": prompts, "tokens": PASS_RATE_TOKENS, "stop": stop_ids}
     return [float(x) for x in json.loads(_cached("pass-rates", parts, measure, force))]
+
+
+def iteration_config(stop_ids: tuple[int, ...]) -> SamplingConfig:
+    """The settings whole iterations are timed at: DSBD's defaults (W = 3, gamma = 3, fixed
+    width), seed 0, ITERATION_TOKENS tokens."""
+    return SamplingConfig(seed=0, max_new_tokens=ITERATION_TOKENS, eos_token_ids=stop_ids)
+
+
+def iteration_fields(timed: dict[str, Any], stop_ids: tuple[int, ...]) -> dict[str, Any]:
+    """The `Calibration` fields of whole iterations timed at `iteration_config`
+    (`measure_iteration_seconds`'s answer)."""
+    config = iteration_config(stop_ids)
+    return {
+        "iteration_s": timed.get("iteration_s") or None,
+        "catch_up_s": timed.get("catch_up_s"),
+        "iteration_width": config.width,
+        "iteration_draft_width": config.effective_draft_width,
+    }
+
+
+def measure_iteration_seconds(
+    target: ForestScorer, draft: ForestScorer, prompts: list[list[int]], stop_ids: tuple[int, ...]
+) -> dict[str, Any]:
+    """The median seconds of a whole DSBD iteration at each fixed depth 0..gamma and of the
+    draft's catch-up per iteration behind, one session at a time over `prompts`
+    (`iteration_timer`)."""
+    config = iteration_config(stop_ids)
+    timers = []
+    for prompt, schedule, timed in timing_plan(prompts, config.gamma):
+        timer = IterationTimer(config, schedule)
+        generate_batch("dsbd", target, [prompt], config, draft, controller=timer)
+        if timed:
+            timers.append(timer)
+    seconds, catch_up = summarise(timers, config.gamma)
+    return {"iteration_s": seconds, "catch_up_s": catch_up}
+
+
+def pair_iteration_seconds(
+    target: torch.nn.Module,
+    draft: torch.nn.Module,
+    identity: dict[str, object],
+    prompts: list[list[int]],
+    stop_ids: tuple[int, ...],
+    *,
+    force: bool = False,
+    path: str = "dynamic",
+) -> dict[str, Any]:
+    """`measure_iteration_seconds` for a pair, measured once per machine and cached."""
+    from dsbd_core.models.decode_path import make_scorer
+
+    def measure() -> str:
+        timed = measure_iteration_seconds(
+            make_scorer(target, path), make_scorer(draft, path), prompts, stop_ids
+        )
+        return json.dumps(timed)
+
+    parts = {**identity, "prompts": prompts, "tokens": ITERATION_TOKENS, "stop": stop_ids}
+    return dict(json.loads(_cached("iteration-seconds", parts, measure, force)))
 
 
 def _synchronize(device: torch.device) -> None:
