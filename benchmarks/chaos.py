@@ -19,7 +19,7 @@ application's `ModelOptions`, same dtype and draft variant), and compares the to
 A client behaves as the openai client does by default: a request answered with no response,
 408, 409, 429 or a 5xx is sent again up to `--client-retries` (2) more times; the report counts
 those (`client_retries`, `status_5xx_answered`). A killed Router replica costs its decodes a
-hand-over to another router (deployments/router_client.py); a killed Draft or Verifier replica
+hand-over to another router (deployments/decode/client.py); a killed Draft or Verifier replica
 costs a retried iteration (`retries`). Neither should cost a request or a client retry.
 
 Reports (`--out`, default benchmarks/results/chaos.json, plus a PNG of latency over time with

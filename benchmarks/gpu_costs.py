@@ -68,7 +68,7 @@ from dsbd_core.tools.bench.harness import git_info, machine_info, versions
 
 # The sibling modules are top-level modules when this file runs as a script (benchmarks/ is then
 # on sys.path) and modules of the `benchmarks` namespace package when it is imported from the
-# repository root (tests/test_gpu_costs.py loads it by path).
+# repository root (tests/tools/test_gpu_costs.py loads it by path).
 try:
     from gpu_costs_acceptance import (
         RESULTS,

@@ -22,6 +22,7 @@ except ModuleNotFoundError:  # imported from the repository root (tests load it 
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
+WIDTH_DISTINCT = Path("investigations/width_distinct/results/width_distinct_qwen-coder.json")
 
 
 # ----------------------------------------------------------------------------------- acceptance
@@ -126,7 +127,8 @@ def acceptance_sources(
     readers = [
         (results / "qwen_pair_acceptance.json", lambda p: sps_alpha_sources(p, gammas)),
         (results / "bench_qwen-coder_full" / "results.json", bench_sources),
-        (results / "width_distinct_qwen-coder.json", width_distinct_sources),
+        # the width rule's A/B, kept with its investigation beside results/
+        (results.parent / WIDTH_DISTINCT, width_distinct_sources),
     ]
     for path, read in readers:
         if not path.exists():

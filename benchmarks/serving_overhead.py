@@ -8,7 +8,8 @@ sampling makes one call per iteration, DSBD two (and moves the forest).
     .venv/bin/python benchmarks/serving_overhead.py [--reps 3]
 
 Set RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0 in the environment to compare that Serve
-mode (it measured worse here). Writes benchmarks/results/serving_overhead.json. Not a test.
+mode (it measured worse here: serving_overhead_same_thread.json, in git history at 45aeca3).
+Writes benchmarks/results/serving_overhead.json. Not a test.
 """
 
 from __future__ import annotations

@@ -25,13 +25,13 @@ correlate): a leak raises both figures; noise moves the end points far more than
     .venv/bin/python benchmarks/soak.py --url http://127.0.0.1:8000 --pid PID   # a running one
 
 RSS is also split into `anon` (the process's private heap: what a leak grows) and `shmem`
-(shared-memory pages it touched: Ray's object store is one, mapped into every process that
-writes or reads an object; the raylet's RSS grew by these, +1.8 -> 4.3 MiB in a run, while its
-private memory stayed flat). And with every sample the draft and verifier replicas that answer
-`GET /v1/dsbd/status` report their allocator's statistics (jemalloc's live `allocated` bytes
-against the `resident` pages it holds, Python's live blocks) and their cached sessions: live
-bytes that grow with flat Python objects and sessions are a native cache filling (it was two
-matmul primitive caches: deployments/allocator.py); resident growing alone is the allocator.
+(shared-memory pages it touched: Ray's object store is one, mapped into every process that writes or
+reads an object; the raylet's RSS grew by these, +1.8 -> 4.3 MiB in a run, while its private memory
+stayed flat). And with every sample the draft and verifier replicas that answer `GET
+/v1/dsbd/status` report their allocator's statistics (jemalloc's live `allocated` bytes against the
+`resident` pages it holds, Python's live blocks) and their cached sessions: live bytes that grow
+with flat Python objects and sessions are a native cache filling (it was two matmul primitive
+caches: deployments/replicas/allocator.py); resident growing alone is the allocator.
 
 Writes `--out` (default benchmarks/results/soak.json): duration_s, rss_growth_after_warmup and
 pss_growth_after_warmup (and anon_/shmem_) per process, the details, the replicas' statistics'
@@ -156,8 +156,8 @@ _COUNTS = ("python_blocks", "cached_sessions")  # counted, not bytes
 
 def replica_sample(status: dict[str, Any] | None) -> dict[str, dict[str, int]]:
     """What the replicas that answer say they hold: their allocator's statistics (live
-    malloc'd bytes vs pages held, Python's live blocks; deployments/allocator.py) and, for the
-    model replicas, their cached sessions, keyed "side pid"."""
+    malloc'd bytes vs pages held, Python's live blocks; deployments/replicas/allocator.py)
+    and, for the model replicas, their cached sessions, keyed "side pid"."""
     out: dict[str, dict[str, int]] = {}
     for side in ("draft", "verifier", "router", "ingress"):
         info = (status or {}).get(side)

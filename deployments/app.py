@@ -3,29 +3,31 @@ config.
 
 `build_app(args)` is the Ray Serve application builder that `serve_config.yaml` names
 (`import_path: deployments.app:build_app`); `dsbd serve` deploys the same config. Every
-deployment gets its own resources and autoscaling from `AppArgs`, and a `deployments:` section
-of a Serve config file can still override them by name (Ingress, Router, Draft, Verifier,
-WidthController), as with any Serve application.
+deployment gets its own resources and autoscaling from `AppArgs` (`Resources`: typed fields where
+dsbd gives them meaning: CPUs and GPUs, the tensor-parallel placement group, the allocator, the
+autoscaling policy), any other Serve deployment option through `serve_options`, checked by
+Serve's own schema, and a `deployments:` section of a Serve config file can still override them
+by name (Ingress, Router, Draft, Verifier, WidthController), as with any Serve application.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
-from deployments.affinity import ROUTER_CLASS
-from deployments.allocator import Allocator, replica_runtime_env
+from deployments.api.ingress import Ingress, Limits, RouterOptions
 from deployments.autoscaling import POLICY_PATH as AUTOSCALING_POLICY
-from deployments.draft import Draft
-from deployments.ingress import Ingress, Limits, RouterOptions
-from deployments.model_replica import ModelOptions
-from deployments.router import Router
-from deployments.tensor_parallel import worker_bundle
-from deployments.verifier import Verifier
-from deployments.width_controller import WidthController
+from deployments.decode.router import Router
+from deployments.decode.width_controller import WidthController
+from deployments.replicas.affinity import ROUTER_CLASS
+from deployments.replicas.allocator import Allocator, replica_runtime_env
+from deployments.replicas.draft import Draft
+from deployments.replicas.model_replica import ModelOptions
+from deployments.replicas.tp_group import worker_bundle
+from deployments.replicas.verifier import Verifier
 from dsbd_core.algorithm.cost_model import CostPolicy
 
 # Resources Ray schedules by name that `Resources` sets through its own fields.
@@ -54,6 +56,15 @@ class Resources(BaseModel):
         description="Custom Ray resources per replica, e.g. {dsbd_draft: 1} to keep a deployment "
         "on the nodes (KubeRay worker group) that advertise that resource.",
     )
+    serve_options: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Any other Ray Serve deployment option, passed to Serve as given and checked "
+        "by Serve's own schema (ray.serve.schema.DeploymentSchema), e.g. "
+        "{graceful_shutdown_timeout_s: 60, max_queued_requests: 200, autoscaling_config: "
+        "{upscale_delay_s: 5}}. A mapping merges into the one dsbd sets (autoscaling_config, "
+        "ray_actor_options); any other value replaces dsbd's (num_replicas and "
+        "autoscaling_config replace each other).",
+    )
 
     @field_validator("resources")
     @classmethod
@@ -65,6 +76,30 @@ class Resources(BaseModel):
                 raise ValueError(f"resources.{name}={amount}: must be > 0")
         return value
 
+    @field_validator("serve_options")
+    @classmethod
+    def _serve_schema(cls, value: dict[str, Any]) -> dict[str, Any]:
+        """Serve's own schema decides what a deployment option may be."""
+        from ray.serve.schema import DeploymentSchema
+
+        allowed = sorted(set(DeploymentSchema.model_fields) - {"name"})
+        for name in value:
+            if name not in allowed:
+                raise ValueError(
+                    f"serve_options.{name}: not a Ray Serve deployment option (the name is "
+                    f"dsbd's); allowed: {', '.join(allowed)}"
+                )
+        try:
+            DeploymentSchema.model_validate({"name": "check", **value})
+        except ValidationError as error:
+            first = error.errors()[0]
+            where = ".".join(str(part) for part in first["loc"])
+            raise ValueError(
+                f"serve_options.{where}={first.get('input')!r}: {first['msg']} (Ray Serve's "
+                "deployment schema)"
+            ) from None
+        return value
+
     def options(
         self,
         model: ModelOptions | None = None,
@@ -72,14 +107,14 @@ class Resources(BaseModel):
         allocator: Allocator | None = None,
     ) -> dict[str, Any]:
         """Serve deployment options; a model with `tp_size > 1` adds its placement group: the
-        replica's own bundle first, then one bundle per rank (deployments/tensor_parallel.py).
+        replica's own bundle first, then one bundle per rank (deployments/replicas/tp_group.py).
         A deployment without a model gets `allocator` (None: the environment's malloc)."""
         actor: dict[str, Any] = {"num_cpus": self.num_cpus}
         if model is not None:
             allocator, primitive_cache = model.allocator, model.primitive_cache
         else:
             primitive_cache = None  # no matmuls outside the model replicas
-        if allocator:  # the replicas' memory (deployments/allocator.py)
+        if allocator:  # the replicas' memory (deployments/replicas/allocator.py)
             actor["runtime_env"] = replica_runtime_env(allocator, primitive_cache, inherited_env)
         if self.num_gpus:
             actor["num_gpus"] = self.num_gpus
@@ -106,7 +141,7 @@ class Resources(BaseModel):
                     "policy": {"policy_function": AUTOSCALING_POLICY},  # no flapping
                 }
             }
-        return {
+        options = {
             "ray_actor_options": actor,
             "max_ongoing_requests": self.max_ongoing_requests,
             "health_check_period_s": self.health_check_period_s,
@@ -114,6 +149,24 @@ class Resources(BaseModel):
             **placement,
             **scaling,
         }
+        return with_serve_options(options, self.serve_options)
+
+
+def with_serve_options(options: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    """`options` with a deployment's pass-through Serve options over them: a mapping merges
+    into dsbd's, any other value replaces it; num_replicas and autoscaling_config exclude each
+    other, so the one given replaces the other."""
+    merged = dict(options)
+    for name, value in extra.items():
+        if isinstance(value, dict) and isinstance(merged.get(name), dict):
+            merged[name] = {**merged[name], **value}
+        else:
+            merged[name] = value
+    exclusive = ("num_replicas", "autoscaling_config")
+    for given, other in (exclusive, exclusive[::-1]):
+        if given in extra:
+            merged.pop(other, None)
+    return merged
 
 
 class AppArgs(BaseModel):
@@ -145,7 +198,7 @@ class AppArgs(BaseModel):
         description="The ingress and router replicas' malloc: jemalloc (Ray's, "
         "preloaded; their RSS flat under load) or system (glibc's: the ingress's climbed ~25 "
         "MiB over 8 minutes and dropped at once, again and again). The model replicas have "
-        "their own: target.allocator, draft.allocator. deployments/allocator.py.",
+        "their own: target.allocator, draft.allocator. deployments/replicas/allocator.py.",
     )
     draft_resources: Resources = Resources(num_cpus=0.5)
     verifier_resources: Resources = Resources(num_cpus=1.0)

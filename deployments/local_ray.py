@@ -7,7 +7,7 @@ machine's own non-loopback address (measured on this project's machines). The ch
 here: point HOME at a folder whose `ray_bootstrap_config.yaml` says `provider: {type: local}`,
 disable usage stats, and bind the node to 127.0.0.1.
 
-Binding alone is not enough in Ray 2.60 (seen in tests/test_local_ray.py's syscall
+Binding alone is not enough in Ray 2.60 (seen in tests/serving/test_local_ray.py's syscall
 trace): `ray.init` passes the requested node address through `resolve_ip_for_localhost`, which
 replaces any loopback address by the machine's routable one (found by a UDP "connect" to
 8.8.8.8), so the GCS, the raylet and every worker talked gRPC over 192.0.2.2.
@@ -33,17 +33,18 @@ keeps jemalloc's defaults: with the GCS's settings it serves markedly fewer requ
 every object a call puts).
 
 The GCS also keeps a record of every actor and worker that is gone and of every task's events,
-up to 100,000 of each by default (for the dashboard and `ray list`): ~18 KiB per actor that
-came and went (benchmarks/gcs_actor_churn.py), so a server whose replicas autoscale or get
-replaced for weeks would grow its GCS towards GiBs before the caps. `GCS_HISTORY_CAPS` keeps
-the last 1,000 actors and workers and 10,000 tasks' events: the GCS's memory then levels off.
+up to 100,000 of each by default (for the dashboard and `ray list`): ~18 KiB per actor that came
+and went (benchmarks/investigations/memory/gcs_actor_churn.py), so a server whose replicas
+autoscale or get replaced for weeks would grow its GCS towards GiBs before the caps.
+`GCS_HISTORY_CAPS` keeps the last 1,000 actors and workers and 10,000 tasks' events: the GCS's
+memory then levels off.
 
 Ray's Python processes that run on glibc's malloc (the node's metrics agent, the runtime-env
 agent, Serve's controller and proxy; the model, ingress and router replicas run Ray's
 jemalloc) start a thread arena per thread that allocates, up to 8 per core, each keeping its
 high-water mark, so their memory wanders up over hours. `MALLOC_ARENA_MAX`
 (`GLIBC_MALLOC_ARENAS`) caps them at two, on every node, which keeps them flat. Replicas left on
-glibc (`allocator: system`) get glibc's own count back (deployments.allocator).
+glibc (`allocator: system`) get glibc's own count back (deployments.replicas.allocator).
 """
 
 from __future__ import annotations

@@ -79,8 +79,8 @@ def serve(schema: Any, options: ServeOptions) -> int:
     from ray import serve as ray_serve
     from ray.serve._private import api as serve_api
 
-    from deployments.allocator import serve_controller_options
     from deployments.local_ray import metrics_url, start_local_ray, stop_local_ray
+    from deployments.replicas.allocator import serve_controller_options
 
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))

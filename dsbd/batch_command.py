@@ -4,7 +4,7 @@
 
 Every flag is checked here before Ray starts (exit 2, naming the flag and the value): the
 SamplingConfig flags become the row defaults, the Ray flags `JobOptions`, the input files are
-listed and the output checked; the resulting `BatchJob` goes to deployments.batch.run_job,
+listed and the output checked; the resulting `BatchJob` goes to deployments.batch.job.run_job,
 which plans the input (an input it cannot read is exit 2 too, still before Ray) and runs the
 pipeline (see there and docs/BATCH.md).
 """
@@ -17,7 +17,9 @@ import sys
 
 from pydantic import ValidationError
 
-from deployments.batch import (
+from deployments.batch.decoder import DecoderSettings, RowDefaults, check_n
+from deployments.batch.inputs import InputError, find_input
+from deployments.batch.job import (
     BatchJob,
     JobOptions,
     UsageError,
@@ -25,10 +27,8 @@ from deployments.batch import (
     check_output,
     run_job,
 )
-from deployments.batch_decoder import DecoderSettings, RowDefaults, check_n
-from deployments.batch_input import InputError, find_input
-from deployments.batch_output import EXTENSIONS, OutputDir, OutputFormat
-from deployments.batch_rows import INPUT_SUFFIXES
+from deployments.batch.output import EXTENSIONS, OutputDir, OutputFormat
+from deployments.batch.rows import INPUT_SUFFIXES
 from dsbd.common import DEFAULT_DRAFT, DEFAULT_TARGET, add_pair_flags, fail
 from dsbd.sampling_flags import add_config_flags, config_from_args
 from dsbd_core.algorithm.decoders import METHODS, method_config

@@ -2,15 +2,15 @@
 anything else runs (docs/ARCHITECTURE.md, "Measured facts about CPUs"), and timings stay
 comparable.
 
-Order (docs/ARCHITECTURE.md, "Tests"): the in-process tests first, then the tests that start Ray
-or a `dsbd serve` (marked `ray`), in file order, and last those of `served`, the four-application
-server (tests/serving_harness.py) that tests/test_lm_eval.py, tests/test_serving.py and
-tests/test_serving_api.py share: starting its 22 replicas takes minutes of CPU on two cores, so
-it starts once, its tests run back to back, and it stops right after the last of them (its
+Order (docs/ARCHITECTURE.md, "Tests"): the in-process tests first, then the tests that start Ray or
+a `dsbd serve` (marked `ray`), in file order, and last those of `served`, the four-application
+server (tests/serving_harness.py) that tests/serving/test_lm_eval.py, tests/serving/test_serving.py
+and tests/serving/test_serving_api.py share: starting its 22 replicas takes minutes of CPU on two
+cores, so it starts once, its tests run back to back, and it stops right after the last of them (its
 replicas hold gigabytes). The suite runs on two pytest-xdist workers (`-n 2 --dist loadgroup`,
-pyproject.toml): the in-process tests, one core each, on both; the `ray` tests as one unit on
-one worker once every in-process test has been handed out, so no two clusters run at once and
-no in-process test competes with a server's start for long."""
+pyproject.toml): the in-process tests, one core each, on both; the `ray` tests as one unit on one
+worker once every in-process test has been handed out, so no two clusters run at once and no
+in-process test competes with a server's start for long."""
 
 from __future__ import annotations
 
@@ -40,20 +40,20 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
 # start, and two clusters at once would hold two servers' memory. A module starts Ray in all of
 # its tests or in none (xdist's controller schedules by test id: it collects nothing).
 RAY_MODULES = frozenset(
-    f"tests/test_{name}.py"
+    f"tests/{name}.py"
     for name in (
-        "batch",
-        "batch_streaming",
-        "chaos",
-        "faults",
-        "lm_eval",
-        "local_ray",
-        "observability",
-        "serve_run",
-        "serving",
-        "serving_api",
-        "serving_guarded",
-        "tp_group",
+        "batch/test_batch",
+        "batch/test_batch_streaming",
+        "serving/test_chaos",
+        "serving/test_faults",
+        "serving/test_lm_eval",
+        "serving/test_local_ray",
+        "serving/test_observability",
+        "serving/test_serve_run",
+        "serving/test_serving",
+        "serving/test_serving_api",
+        "serving/test_serving_guarded",
+        "serving/test_tp_group",
     )
 )
 

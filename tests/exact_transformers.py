@@ -1,11 +1,11 @@
 """The exact output law of transformers' beam sampling (`generate(do_sample=True, num_beams=W)`),
-by enumeration on n-gram tables: the reference of `tests/test_transformers_law.py`.
+by enumeration on n-gram tables: the reference of `tests/algorithm/test_transformers_law.py`.
 
 Written from transformers 5.x's `GenerationMixin._beam_search` step by step (its candidate
 draw, `_get_running_beams_for_next_iteration`, `_update_finished_beams`,
 `_check_early_stop_heuristic`, `_beam_search_has_unfinished_sequences`) and its sampling
 processors, for one prompt, in plain Python + numpy: no import of `dsbd_core`, no code shared
-with the engine's search (`dsbd_core/algorithm/search.py`, `transformers_law.py`). Where
+with the engine's search (`dsbd_core/algorithm/search/step.py`, `transformers_law.py`). Where
 transformers computes in float32 with -1e9 stand-ins for "no beam here", this computes in
 float64 with the same stand-ins; its `torch.multinomial` without replacement is enumerated as
 successive sampling over every ordered K-tuple of candidates with mass.

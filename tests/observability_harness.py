@@ -1,6 +1,7 @@
-"""What tests/test_observability.py and tests/test_observability_inprocess.py share: the prompt
-they decode, and the loopback OTLP/HTTP receiver the served spans are exported to (Serve replicas
-are separate processes, so an in-memory exporter in the test process would see none of them).
+"""What tests/serving/test_observability.py and tests/serving/test_observability_inprocess.py share:
+the prompt they decode, and the loopback OTLP/HTTP receiver the served spans are exported to (Serve
+replicas are separate processes, so an in-memory exporter in the test process would see none of
+them).
 """
 
 from __future__ import annotations

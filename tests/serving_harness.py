@@ -1,10 +1,10 @@
-"""The server of tests/test_serving.py and the helpers its tests share (no tests here).
+"""The server of tests/serving/test_serving.py and the helpers its tests share (no tests here).
 
-`running_server` starts `dsbd serve --config FILE` with `write_config`'s four applications on
-tiny float64 models, under `strace -f` when strace exists, and stops it with SIGINT, checking
-nothing was left running; tests/conftest.py's `served` runs it once for tests/test_serving.py
-and tests/test_serving_api.py. `stop`, `leftovers` and `free_port` are also used by other
-server tests.
+`running_server` starts `dsbd serve --config FILE` with `write_config`'s four applications on tiny
+float64 models, under `strace -f` when strace exists, and stops it with SIGINT, checking nothing was
+left running; tests/conftest.py's `served` runs it once for tests/serving/test_serving.py and
+tests/serving/test_serving_api.py. `stop`, `leftovers` and `free_port` are also used by other server
+tests.
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ from dsbd_core import SamplingConfig
 from dsbd_core.algorithm.decoders import METHODS_WITH_DRAFT, generate
 from dsbd_core.models import load_causal_lm, load_tokenizer
 from dsbd_core.models.transformer_scorer import TransformerScorer
+from tests.serving.test_local_ray import is_loopback, peers
 
-from .test_local_ray import is_loopback, peers
 from .tiny_models import build_pair
 
 REPO = Path(__file__).parent.parent
@@ -52,7 +52,7 @@ GUARD = {
 }
 
 # This process's own connections (the server's are traced with strace): the last test of
-# tests/test_serving.py checks that all of them went to loopback.
+# tests/serving/test_serving.py checks that all of them went to loopback.
 _connections: list[Any] = []
 
 

@@ -1,5 +1,6 @@
-"""Checks of `deployments.tensor_parallel` on a real local Ray, run as a subprocess by
-tests/test_tp_group.py (Ray changes HOME and other environment of the process that starts it).
+"""Checks of `deployments.replicas.tp_group` on a real local Ray, run as a subprocess by
+tests/serving/test_tp_group.py (Ray changes HOME and other environment of the process that starts
+it).
 
     python -m tests.tp_ray_checks WORK_DIR   -> prints one JSON line "RESULT {...}"
 """
@@ -33,7 +34,7 @@ def main(work: Path) -> dict:
     script, want = record_decode(target, draft)
 
     from deployments.local_ray import start_local_ray, stop_local_ray
-    from deployments.tensor_parallel import TensorParallelBroken, TensorParallelScorer
+    from deployments.replicas.tp_group import TensorParallelBroken, TensorParallelScorer
     from dsbd_core.models.tensor_parallel import TensorParallelError
 
     start_local_ray(num_cpus=4)

@@ -2,5 +2,5 @@
 
 Config, distributions, layer verification, the width rules, the iteration's steps and state,
 the one decode loop, the scorer protocol and the exact n-gram table scorer. Pure torch: it
-imports neither transformers, Ray, `deployments` nor the CLI (tests/test_layers.py checks).
+imports neither transformers, Ray, `deployments` nor the CLI (tests/tools/test_layers.py checks).
 """

@@ -74,7 +74,7 @@ def draft_layer(
     probability, the drafts' scores and which of them may be parents next (not EOS).
 
     Between two draft-model calls, as one function of tensors that reads nothing on the host
-    (`tests/test_iteration_graph.py` compiles it with `fullgraph=True`).
+    (`tests/algorithm/test_iteration_graph.py` compiles it with `fullgraph=True`).
     """
     width = logq.shape[-1]  # V, or K for a restricted head
     width_s = config.effective_draft_width

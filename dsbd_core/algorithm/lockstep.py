@@ -8,7 +8,7 @@ side)), and only the model forwards are shared: each round the loops that ask fo
 run as one `SessionBatcher` batch on the draft model, then every loop's target side as one batch
 on the target. That is what the serving replicas do across processes; here it is one driver in
 one process, and a request decodes exactly what `generate` decodes for it alone
-(tests/test_batch.py checks it draw for draw in float64).
+(tests/batch/test_batch.py checks it draw for draw in float64).
 
 A request that cannot start (bad prompt, a draft method without a draft) or whose step fails
 gets its error back; the others go on.

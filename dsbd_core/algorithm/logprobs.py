@@ -5,7 +5,7 @@ log-probability of the token and, asked for N > 0, the N most likely tokens at t
 The distribution is the target's raw one (log-softmax of its logits, before temperature, top-k
 and top-p), the one `Beam.log_likelihood` sums: a beam's token log-probs add up to it.
 
-Where they come from: the target's one forward per iteration (`verify_forest`, `search_walk`)
+Where they come from: the target's one forward per iteration (`verify_forest`, `search.walk`)
 returns the log-probs at every root beam and forest node. A token's log-prob is an entry of its
 parent's row, its alternatives the row's top N (one `topk` per walked layer, only when N > 0).
 Nothing here runs unless `SamplingConfig.logprobs` is set: the default path adds nothing.

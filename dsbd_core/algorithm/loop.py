@@ -3,7 +3,7 @@
 Written once, as a generator of the iteration's two side calls, and driven by whoever holds the
 models: `run_decode` below answers both sides in-process (`generate`), `lockstep.py` batches the
 sides of many decodes into shared forwards (`dsbd batch`), and the serving router sends them to
-the draft and verifier deployments (`deployments/decode_session.py`). Each iteration:
+the draft and verifier deployments (`deployments/decode/session.py`). Each iteration:
 
 1. the controller chooses the speed knobs (gamma, W_S; `control.py`) and the engine plans the
    depth (`Engine.next_iteration`); the loop ends when nothing is left to decode;
@@ -31,7 +31,7 @@ from dsbd_core.algorithm.control import Controller, FixedKnobs, Knobs
 from dsbd_core.algorithm.engine import Engine
 from dsbd_core.algorithm.result import DecodeResult
 from dsbd_core.algorithm.scorer import ForestLayer, ForestLogprobs, ForestScorer, ScoreCall, drive
-from dsbd_core.algorithm.search_engine import engine_for
+from dsbd_core.algorithm.search.engine import engine_for
 from dsbd_core.algorithm.state import NO_FOREST, DecodeState, Forest, Outcome, deepest_layer
 
 
@@ -44,7 +44,7 @@ class IterationCall:
     uses_draft: bool  # the method drafts (dsbd, sps); False for beam / sample
     # Opaque to the algorithm: context a driver sends along with the call. The serving router
     # puts the W3C trace context of its iteration span here (`traceparent`, `tracestate`), so
-    # the replicas' spans continue the request's trace (deployments/tracing.py).
+    # the replicas' spans continue the request's trace (deployments/observability/tracing.py).
     trace: dict[str, str] = field(default_factory=dict)
     # A seeded decode's driver says which earlier iteration each side's cache continues and,
     # when a replica lost it, how to rebuild it bit for bit (dsbd_core/algorithm/replay.py).

@@ -14,14 +14,14 @@ verification scheme (Algorithm 1, Eq. 3, Theorem 3.1) and its dynamic width. The
 * residual: after a rejected draft the chain c moves to norm((c - q)_+), the mass of c the draft's
   proposal q did not cover (Eq. 3's rejection branch); so every output slot is a draw from P_l.
 
-The engine (`engine.py`) serves this iteration batched over sessions, with masks where they
-differ; docs/ALGORITHM.md §2-§5 gives its details and decisions. tests/test_reference_iteration.py
+The engine (`engine.py`) serves this iteration batched over sessions, with masks where they differ;
+docs/ALGORITHM.md §2-§5 gives its details and decisions. tests/algorithm/test_reference_iteration.py
 checks that this module decodes the engine's tokens draw for draw: it draws from the same streams
-(`streams.py`) in the same shapes (a layer's table has a row per slot, empty ones included: W in
-the first layer, W_S after) and calls the engine's pure helpers for the filter, the draws, the
-residual and the width rule. It covers both modes, fixed and dynamic width, the filters, lean
-memory and epsilon; not several sessions at once, a draft head restricted to K tokens, log-probs
-or beam search; it agrees for float64 models (the engine shifts float32 tables).
+(`streams.py`) in the same shapes (a layer's table has a row per slot, empty ones included: W in the
+first layer, W_S after) and calls the engine's pure helpers for the filter, the draws, the residual
+and the width rule. It covers both modes, fixed and dynamic width, the filters, lean memory and
+epsilon; not several sessions at once, a draft head restricted to K tokens, log-probs or beam
+search; it agrees for float64 models (the engine shifts float32 tables).
 """
 
 from __future__ import annotations

@@ -97,7 +97,7 @@ def verify_scored(
 
     Everything after the target's forward, as one function of tensors: on a device, without
     log-probs, it reads no value on the host, so it is one graph
-    (`tests/test_iteration_graph.py` compiles it with `fullgraph=True`).
+    (`tests/algorithm/test_iteration_graph.py` compiles it with `fullgraph=True`).
     """
     batch = state.alive.shape[0]
     counters = zero_counters(batch, state.alive.device)

@@ -1,16 +1,17 @@
 """The verify side after its forward as one compiled graph (opt-in: `IterationCall.graph`).
 
 Where the engine lives on a device, everything after the target's forward (`verify_scored`:
-verification, width, draws, the next beams, the pool) is a fixed-shape function of tensors
-with no read on the host, for every width rule (`graph_applies`). Run eagerly it is ~1,400
-small kernels a fixed-width DSBD iteration and ~2,300 with dynamic width (W = 3, gamma = 3;
-`benchmarks/host_reads.py`), each a launch of several microseconds on a GPU; compiled with
-`torch.compile(fullgraph=True)` on the `cudagraphs` backend it is one graph replay. A compiled
-graph cannot take a `torch.Generator`, so its uniforms are drawn before each call from the same
-per-(layer, purpose) streams (`streams.py`) in the same shapes: the first call at a shape runs
-eagerly and records them (`streams.Recording`), later calls draw that layout and replay it
-(`streams.Recorded`). The tokens are those of the eager path (`tests/test_iteration_graph.py`
-decodes through it with the `eager` backend on the CPU).
+verification, width, draws, the next beams, the pool) is a fixed-shape function of tensors with
+no read on the host, for every width rule (`graph_applies`). Run eagerly it is ~1,400 small
+kernels a fixed-width DSBD iteration and ~2,300 with dynamic width (W = 3, gamma = 3;
+`benchmarks/investigations/host_reads/host_reads.py`), each a launch of several microseconds on
+a GPU; compiled with `torch.compile(fullgraph=True)` on the `cudagraphs` backend it is one graph
+replay. A compiled graph cannot take a `torch.Generator`, so its uniforms are drawn before each
+call from the same per-(layer, purpose) streams (`streams.py`) in the same shapes: the first
+call at a shape runs eagerly and records them (`streams.Recording`), later calls draw that
+layout and replay it (`streams.Recorded`). The tokens are those of the eager path
+(`tests/algorithm/test_iteration_graph.py` decodes through it with the `eager` backend on the
+CPU).
 
 Graphs are per process and per backend (`graph_for`), as captured graphs are in every engine
 that keeps them; Dynamo compiles again where a shape or a config differs (a new gamma, batch

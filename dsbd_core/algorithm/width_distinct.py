@@ -9,17 +9,17 @@ again and again, the distinct rule needs as many *different* accepted candidates
 layer with one input beam and a 0.9-probability next token (lean mode, code) the DP puts Pr[N >= 3]
 at 0.86 where the distinct rule achieves 0.60, so `threshold = 0.7` asked for width 3 and the layer
 failed 40% of the time instead of at most 30% (measured on the Qwen pair: lean layers passed 0.49
-of the time at t = 0.7; tests/test_width_distinct.py reproduces the gap).
+of the time at t = 0.7; tests/algorithm/test_width_distinct.py reproduces the gap).
 
 So for distinct drafts the count distribution is estimated by running the real rule: `samples`
-simulated layers per session, drafts drawn by `draw_distinct` and verified by `verify_layer`
-(the very code a layer is verified with), on a small version of the layer: the `keep`
-candidates with the most target or draft mass, kept exactly, and the others pooled by the ratio
-log(P / Q~) in a few groups (plus target-only, draft-only and rejected-parent groups), each
-group's masses spread evenly over `spread` stand-in candidates. That preserves every total and
-the first draft's acceptance `Σ min(P, Q~)` exactly, and the tails Pr[N >= k] of the full layer
-within 0.015 on the layers of tests/test_width_distinct.py (peaky, flat, several parents with a
-rejected one). Cost: `samples` x (`keep` + 16 x `spread`) numbers per session and draft.
+simulated layers per session, drafts drawn by `draw_distinct` and verified by `verify_layer` (the
+very code a layer is verified with), on a small version of the layer: the `keep` candidates with the
+most target or draft mass, kept exactly, and the others pooled by the ratio log(P / Q~) in a few
+groups (plus target-only, draft-only and rejected-parent groups), each group's masses spread evenly
+over `spread` stand-in candidates. That preserves every total and the first draft's acceptance `Σ
+min(P, Q~)` exactly, and the tails Pr[N >= k] of the full layer within 0.015 on the layers of
+tests/algorithm/test_width_distinct.py (peaky, flat, several parents with a rejected one). Cost:
+`samples` x (`keep` + 16 x `spread`) numbers per session and draft.
 
 Exactness is untouched: the width of a layer must not depend on its drafts or its uniforms
 (ALGORITHM.md §4.4), and this estimate depends only on (P_l, Q_l, the valid parents) and a random

@@ -2,12 +2,12 @@
 `DynamicCache` per session, batch-invariant rows) or the static one (`StaticScorer`: fixed
 bucket shapes over a preallocated KV pool, captured as CUDA graphs).
 
-`auto` is static on CUDA, where a forward is bound by kernel launches and graphs remove them,
-and dynamic on CPU, where a forward is bound by arithmetic: the static path computes its
-padding slots and rows too, and compiling a CPU model costs minutes per bucket
-(`benchmarks/static_path_cpu.py` measures both paths on this machine). Every entry point
-(`dsbd generate`, `bench`, `batch`, the serving replicas) builds its scorers here, and the
-cost model's calibration is keyed by the path and measured on it.
+`auto` is static on CUDA, where a forward is bound by kernel launches and graphs remove them, and
+dynamic on CPU, where a forward is bound by arithmetic: the static path computes its padding slots
+and rows too, and compiling a CPU model costs minutes per bucket
+(`benchmarks/investigations/static_path/static_path_cpu.py` measures both paths on this machine).
+Every entry point (`dsbd generate`, `bench`, `batch`, the serving replicas) builds its scorers
+here, and the cost model's calibration is keyed by the path and measured on it.
 """
 
 from __future__ import annotations

@@ -15,7 +15,8 @@ from pathlib import Path
 from dsbd_core.models.errors import ModelSourceError
 
 SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-# Chosen from benchmarks/draft_depth.py (table in README.md): acceptance vs. cost of each depth.
+# Chosen from benchmarks/investigations/draft_depth/draft_depth.py (table in README.md): acceptance
+# vs. cost of each depth.
 DEFAULT_DRAFT_LAYERS = 2
 _SMOLLM2_LAYERS = 30  # decoder layers of SmolLM2-135M
 TARGET_PRESET = "smollm2"

@@ -2,12 +2,13 @@
 
 A seeded request must draw the same tokens whether its forward runs alone or batched with other
 requests' (a served decode equals the in-process one). The scorer attends each session alone
-(`packed_forward`), so what is left is the linear layers, which see every session's rows at once.
-On these CPUs (oneDNN, AMX-BF16) a bfloat16 matmul computes a row with one kernel when the call
-has 1 to 32 rows and with another, whose last bits differ, from 33 rows on (every q/k/v, MLP and
-output layer of SmolLM2 on real activations; `benchmarks/attention_gap.py`). A session whose
-forward alone has at most `ROW_CHUNK` rows must therefore get its rows computed in a call of at
-most `ROW_CHUNK` rows when batched too, and a larger one in a call of more.
+(`packed_forward`), so what is left is the linear layers, which see every session's rows at
+once. On these CPUs (oneDNN, AMX-BF16) a bfloat16 matmul computes a row with one kernel when the
+call has 1 to 32 rows and with another, whose last bits differ, from 33 rows on (every q/k/v,
+MLP and output layer of SmolLM2 on real activations;
+`benchmarks/investigations/batch_invariance/attention_gap.py`). A session whose forward alone
+has at most `ROW_CHUNK` rows must therefore get its rows computed in a call of at most
+`ROW_CHUNK` rows when batched too, and a larger one in a call of more.
 
 Inside `rows_as_alone(layout)` (set by `packed_forward` for a batched forward) a
 `RowChunkedLinear` does exactly that: the small sessions' rows share calls of 32 rows, a large
@@ -15,13 +16,15 @@ session gets a call of its own (padded to 33 rows where its real rows are fewer,
 padded dense forward counts its padding). Outside it (a forward alone) every call is one call.
 Either way a CPU bfloat16 call without autograd uses the weight reordered once into oneDNN's
 blocked layout (`torch.ops.mkldnn._linear_pointwise`: a decode alone about 16 % faster; the
-reordered copy takes as much memory as the weight, `benchmarks/prepacked_memory.py`).
+reordered copy takes as much memory as the weight,
+`benchmarks/investigations/batch_invariance/prepacked_memory.py`).
 float32/float64 inputs and non-CPU devices (other kernels, not measured here) run `F.linear`
 as `nn.Linear` does.
 
 Cost: a call of 32 rows costs most of what one of 128 costs (576 x 1536: 137 us vs 273 us), so a
 batched forward of many small sessions does more, smaller calls (eight concurrent seeded
-decodes: `benchmarks/batch_cost.py`); `TransformerScorer(batch_invariant=False)` skips it.
+decodes: `benchmarks/investigations/batch_invariance/batch_cost.py`);
+`TransformerScorer(batch_invariant=False)` skips it.
 """
 
 from __future__ import annotations

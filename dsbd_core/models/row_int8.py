@@ -3,13 +3,14 @@
 `torch.ao` dynamic quantisation quantises each call's input with one scale and zero point taken
 over the whole input, so a row's int8 values, and its output, depended on the other rows of the
 call: a seeded request's draft (and so its tokens) depended on the requests it was batched with
-(`benchmarks/batch_invariance.py`: 0/16 equal), and a row far smaller than its batch mates was
-crushed to a few levels. Here every row is divided by its own absolute maximum first, and one
-sentinel row [1, -1, 0, ...] is appended, so the range the dynamic quantiser sees is exactly
-[-1, 1] in every call: each row is quantised on its own scale, the int8 product sums exactly
-(int32), and the row's output is scaled back by its maximum. A row's output is then a function
-of that row alone, and the fast kernel stays oneDNN's (AMX-INT8). `torch._int_mm` would do the
-same without the trick, at 2 to 3 times the cost on these CPUs.
+(`benchmarks/investigations/batch_invariance/batch_invariance.py`: 0/16 equal), and a row far
+smaller than its batch mates was crushed to a few levels. Here every row is divided by its own
+absolute maximum first, and one sentinel row [1, -1, 0, ...] is appended, so the range the
+dynamic quantiser sees is exactly [-1, 1] in every call: each row is quantised on its own scale,
+the int8 product sums exactly (int32), and the row's output is scaled back by its maximum. A
+row's output is then a function of that row alone, and the fast kernel stays oneDNN's
+(AMX-INT8). `torch._int_mm` would do the same without the trick, at 2 to 3 times the cost on
+these CPUs.
 
 Weights are int8 per output channel, as before. The decode's exactness never depends on the
 draft (verification uses the draft's actual q); only its acceptance rate does.

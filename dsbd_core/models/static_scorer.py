@@ -13,7 +13,7 @@ What differs from the dynamic path (`TransformerScorer`), and what does not:
   in every row, a slot real in its tree's row only, so that no forward waits to learn which
   nodes exist; the shape of a draft step or a verify is fixed by W_S and gamma alone (a
   bucket per config). Same masks, positions and log-probs; a DSBD iteration then waits once,
-  for the engine's planning read (tests/test_slot_layout.py).
+  for the engine's planning read (tests/models/test_slot_layout.py).
 * A forward runs as a bucket `[rows, slots]` of the ladder (`static_step`): the rows of the pool
   from 0 up to the highest row of a session in the forward (rounded up to a power of two), and
   the most slots any of its trees needs (rounded up to 1, 2, 4, ..., 32). Padding slots and rows

@@ -8,12 +8,12 @@ per-row positions, so rows of sessions of different lengths share a step) and at
 pool row under the mask with the model's own attention function (`sdpa` or `eager`, as the
 dynamic path's dense forward does). The output is the log-softmax at every slot.
 
-Every shape in a step is a function of its bucket, and every tensor it touches is either an
-input of that shape or the pool itself (a static address): that is what lets
-`torch.cuda.CUDAGraph` capture one graph per bucket and replay it (or
-`torch.compile(mode="reduce-overhead", fullgraph=True)` compile one), and what
-`tests/test_static_path.py` checks on CPU (`torch.compile(fullgraph=True)`: no graph break, so
-no host synchronisation and no data-dependent shape inside a step).
+Every shape in a step is a function of its bucket, and every tensor it touches is either an input of
+that shape or the pool itself (a static address): that is what lets `torch.cuda.CUDAGraph` capture
+one graph per bucket and replay it (or `torch.compile(mode="reduce-overhead", fullgraph=True)`
+compile one), and what `tests/models/test_static_path.py` checks on CPU
+(`torch.compile(fullgraph=True)`: no graph break, so no host synchronisation and no data-dependent
+shape inside a step).
 
 The ladder: slots per row in `SLOT_BUCKETS` (a beam step is 1; a forest of depth gamma over W_S
 draft beams needs 1 + gamma * W_S at most), rows in powers of two up to the pool's. A forward

@@ -46,7 +46,7 @@ SPLIT_FIELDS = ("num_attention_heads", "num_key_value_heads", "intermediate_size
 # How long a rank waits in a collective of its group. Generous because of loading: ranks that
 # load a large model finish minutes apart and must still meet at the barrier after it
 # (transformers uses the same 2 h for the groups it creates). A call that hangs is bounded by
-# the caller instead (deployments/tensor_parallel.py breaks the group after its call timeout).
+# the caller instead (deployments/replicas/tp_group.py breaks the group after its call timeout).
 INIT_TIMEOUT_S = 7200.0
 
 
@@ -139,8 +139,8 @@ def init_group(
 
     `store` is `file:///path` when every rank runs on one node (the default placement), else
     `tcp://host:port` on rank 0's node. A file store is preferred because torch's TCP store
-    reverse-resolves peer addresses for its logs: a DNS query to the resolver even on loopback
-    (seen in tests/test_serving.py's syscall trace). Colocated ranks are told to keep gloo and
+    reverse-resolves peer addresses for its logs: a DNS query to the resolver even on loopback (seen
+    in tests/serving/test_serving.py's syscall trace). Colocated ranks are told to keep gloo and
     NCCL on the loopback interface: left alone they bind the address the hostname resolves to.
     """
     if not timeout_s > 0:

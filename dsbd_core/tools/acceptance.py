@@ -8,9 +8,10 @@ averaged over the positions of continuations that the TARGET sampled (the text a
 temperature actually meets), teacher-forced through both models.
 
 Pure functions on models and token ids, so the CLI (`dsbd eval-acceptance`), the distillation
-loop's held-out figure and `benchmarks/draft_depth.py` all measure the same thing. They run on
-whatever device the model is on (`model_device`); the sampling RNG always lives on the CPU, so
-a seed draws the same tokens on a GPU as on the CPU wherever the probabilities agree.
+loop's held-out figure and `benchmarks/investigations/draft_depth/draft_depth.py` all measure
+the same thing. They run on whatever device the model is on (`model_device`); the sampling RNG
+always lives on the CPU, so a seed draws the same tokens on a GPU as on the CPU wherever the
+probabilities agree.
 """
 
 from __future__ import annotations

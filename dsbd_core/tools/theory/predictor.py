@@ -45,7 +45,8 @@ class CostModel:
 
     Defaults were measured on the project's 2-core CPU with the SmolLM2 pair (a 2-layer draft of
     the 30-layer target: one draft forward ≈ 0.25 target forwards; each verified forest node adds
-    ≈ 0.1 of a target step — see benchmarks/results/methods_smollm2.json and draft_depth.json).
+    ≈ 0.1 of a target step — see benchmarks/results/methods_smollm2.json, in git history at
+    f92e4ee, and benchmarks/investigations/draft_depth/results/draft_depth.json).
     On a GPU tree nodes are nearly free (tree_node ≈ 0); measure and pass your own.
     """
 

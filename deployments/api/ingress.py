@@ -1,0 +1,467 @@
+"""The ingress: OpenAI-compatible and native HTTP API over the router, draft and verifier.
+
+Routes: `POST /v1/completions`, `POST /v1/chat/completions` (the `openai` client works as is;
+DSBD knobs go in `extra_body`; `n` returns the top-n beams; `stream: true` streams SSE),
+`GET /v1/models`, `POST /v1/dsbd/generate` (all beams and the full speculative-decoding
+statistics), `GET /healthz`; FastAPI serves the OpenAPI schema at `/openapi.json` and `/docs`.
+OpenAI's `logprobs` and vLLM's beam-search fields (`use_beam_search`, `length_penalty`, `n`)
+are accepted (deployments/api/models.py).
+
+Streaming sends the *committed* prefix of the best beam: the tokens every current candidate
+starts with, which no later iteration can change (`decode.session.committed_tokens`). Beams of a
+beam search can disagree for a while, so text arrives in steps; with one beam (`sample`, `sps`)
+it is every token as it is accepted. A client that disconnects cancels the decode and frees its
+caches (deployments/api/streaming.py).
+
+Bad input is answered with HTTP 400 and an OpenAI-style error naming the field, the value given
+and what is allowed (including this server's configured `Limits`); an unknown model with 404;
+a missing or wrong API key (when one is configured) with 401; more concurrent decodes than
+`max_concurrent_sessions` with 429; a decode past `request_timeout_s` with 504, its sessions
+freed (deployments/api/errors.py; `Limits`: deployments/decode/limits.py).
+
+This module holds the ingress app and the `Ingress` class: the routes and what they share per
+replica (handles, tokenizer, admission). It parses, checks and admits a request, and hands its
+decode to a `Router` replica (deployments/decode/router.py), again to another one should that
+replica die (deployments/decode/client.py): the process that answers HTTP holds no decode loop, so a
+router lost mid-request costs the client time, not an error. The replies are built in
+deployments/api/responses.py.
+"""
+
+import asyncio
+import os
+import uuid
+from collections.abc import Callable, Coroutine, Iterable
+from typing import Any, TypeVar
+
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from opentelemetry import trace
+from ray import serve
+
+from deployments.api.admission import MemoryLedger, router_view, session_charge
+from deployments.api.auth import APIKeyGuard, guard_with, read_api_key
+from deployments.api.errors import (
+    APIError,
+    api_error_handler,
+    requested_config,
+    timeout_body,
+    validation_error_handler,
+)
+from deployments.api.models import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerateRequest,
+    ModelCard,
+    ModelList,
+)
+from deployments.api.responses import (
+    BeamText,
+    batch_completion_response,
+    completion_response,
+    echo_completion_response,
+    native_beam_logprobs,
+)
+from deployments.api.streaming import DecodeStream, sse_events
+from deployments.decode import client as router_client
+from deployments.decode.limits import Limits, RouterOptions, check_config
+from deployments.decode.session import accepted_per_position
+from deployments.decode.state import Handles
+from deployments.messages import DecodeCall, DecodeEnd
+from deployments.observability import tracing
+from deployments.observability.observers import RequestObserver, note_method
+from deployments.observability.tracing import replica_id
+from deployments.replicas.allocator import active_allocator, allocator_stats
+from dsbd_core.algorithm.config import SamplingConfig
+from dsbd_core.algorithm.decoders import METHODS_WITH_DRAFT
+from dsbd_core.models import load_tokenizer
+
+app = FastAPI(
+    title="dsbd",
+    summary="Dynamic-Width Speculative Beam Decoding: beam sampling at speculative speed.",
+    version="0.1.0",
+)
+# Starlette runs the last added middleware first: the observer sees every response (401s
+# included), the key guard runs before FastAPI reads or validates the body.
+app.add_middleware(APIKeyGuard)  # the API key, when one is set (deployments/api/auth.py)
+app.add_middleware(
+    RequestObserver
+)  # request spans and metrics (deployments/observability/observers.py)
+# Every client error answers one OpenAI-style shape (deployments/api/errors.py).
+app.add_exception_handler(APIError, api_error_handler)
+app.add_exception_handler(RequestValidationError, validation_error_handler)
+
+
+# Module helpers stay above the class: Serve pickles the ingress class when it is decorated.
+def _replica_status(info: dict[str, Any]) -> dict[str, Any]:
+    out = {
+        "replica": info["replica"],
+        "pid": info["pid"],
+        "cached_sessions": len(info["cached_sessions"]),
+        "calls_run": info.get("calls_run", 0),  # iterations it answered (a monotonic count)
+        "tp_size": info.get("tp_size", 1),
+        "allocator": info.get("allocator", "system"),
+        "allocator_stats": info.get("allocator_stats", {}),
+        "primitive_cache": info.get("primitive_cache"),
+        "decode_path": info.get("decode_path", {"path": "dynamic"}),  # static: ladder, graphs
+    }
+    if "tp_ranks" in info:
+        out["tp_ranks"] = info["tp_ranks"]
+    return out
+
+
+def _report_end(end: DecodeEnd) -> None:
+    """What the request span reports of its decode (the router's spans are its children)."""
+    span = trace.get_current_span()
+    span.set_attribute("dsbd.session", end.session)
+    span.set_attributes({f"dsbd.{name}": value for name, value in end.totals.items()})
+
+
+T = TypeVar("T")
+
+
+async def _each(calls: Iterable[Coroutine[Any, Any, T]]) -> list[T]:
+    """Run the calls concurrently; their values in order. The first failure (a 400, 429, 504)
+    cancels the others and is raised as itself."""
+    try:
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(call) for call in calls]
+    except ExceptionGroup as failed:
+        raise failed.exceptions[0] from None
+    return [task.result() for task in tasks]
+
+
+@serve.deployment(name="Ingress", max_ongoing_requests=256)
+@serve.ingress(app)
+class Ingress:
+    """Autoscaled HTTP ingress; hands each request's decode to a router replica."""
+
+    def __init__(
+        self, router: Any, draft: Any, verifier: Any, controller: Any, options: dict[str, Any]
+    ) -> None:
+        self.options = RouterOptions.model_validate(options)
+        self.router = router
+        self.router_stream = router.options(stream=True)
+        self.handles = Handles(draft=draft, verifier=verifier, controller=controller)
+        self.tokenizer, self.stop_ids = load_tokenizer(self.options.tokenizer)
+        self.texts = BeamText(self.tokenizer)
+        self._info: dict[str, Any] | None = None
+        guard_with(read_api_key(self.options.api_key_file))  # this process's app demands it
+        self._running = 0  # decodes in progress here (max_concurrent_sessions)
+        self._memory = MemoryLedger()  # their session memory (deployments/api/admission.py)
+
+    # ----------------------------------------------------------------- routes
+    @app.get("/healthz")
+    async def healthz(self) -> dict[str, Any]:
+        """Liveness and readiness: the ingress is up and the verifier answers."""
+        info = await self._model_info()
+        return {"status": "ok", "model": self.options.model_name, "vocab_size": info["vocab_size"]}
+
+    @app.get("/v1/dsbd/status")
+    async def status(self) -> dict[str, Any]:
+        """Load as the width controller sees it, and one verifier, one draft and one router
+        replica: id, pid, cached sessions and, when tensor-parallel, its ranks (pids, device);
+        the ingress replica that answers (id, pid, decodes and session memory it admitted).
+        benchmarks/chaos.py kills replicas by these pids."""
+        load = await self.handles.controller.load.remote()
+        verifier = await self.handles.verifier.info.remote()
+        draft = await self.handles.draft.info.remote()
+        router = await self.router.info.remote()
+        ingress = {
+            "replica": replica_id(),
+            "pid": os.getpid(),
+            "running": self._running,
+            "admitted_memory_bytes": dict(self._memory.admitted),
+            "admitted_memory_peak_bytes": dict(self._memory.peak),
+            "allocator": active_allocator(),  # jemalloc unless asked otherwise (app.py)
+            "allocator_stats": allocator_stats(),
+        }
+        return {
+            "model": self.options.model_name,
+            **load,
+            "verifier": _replica_status(verifier),
+            "draft": _replica_status(draft),
+            "router": router,
+            "ingress": ingress,
+        }
+
+    @app.get("/v1/models")
+    async def models(self) -> ModelList:
+        return ModelList(data=[ModelCard(id=self.options.model_name)])
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(self, request: CompletionRequest) -> Any:
+        self._check_model(request.model)
+        prompts = await self._prompt_ids(request.prompts)
+        if request.echo:
+            return await self._echo(request, prompts)
+        if len(prompts) == 1:
+            return await self._openai(request, prompts[0], chat=False)
+        if request.stream:
+            raise APIError(
+                400,
+                f"stream=true with a list of {len(prompts)} prompts is not "
+                "supported; allowed: stream=false, or one prompt",
+                "stream",
+            )
+        # every prompt its own decode, through the same admission and batching
+        ends = await _each(
+            self._openai(request, ids, chat=False, beams_only=True) for ids in prompts
+        )
+        return batch_completion_response(
+            self.options.model_name, prompts, ends, request.n, self.texts
+        )
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat_completions(self, request: ChatCompletionRequest) -> Any:
+        self._check_model(request.model)
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise APIError(
+                400,
+                f"model {request.model!r} has no chat template; use /v1/completions",
+                "messages",
+            )
+        prompt_ids = self._chat_ids([m.model_dump() for m in request.messages])
+        return await self._openai(request, prompt_ids, chat=True)
+
+    @app.post("/v1/dsbd/generate")
+    async def generate(self, request: GenerateRequest) -> dict[str, Any]:
+        """One prompt; every beam with its log-likelihood, and the decode's statistics."""
+        if request.prompt_ids is not None:
+            prompt_ids = list(request.prompt_ids)
+        elif request.chat and getattr(self.tokenizer, "chat_template", None):
+            prompt_ids = self._chat_ids([{"role": "user", "content": request.prompt}])
+        else:
+            prompt_ids = self.tokenizer.encode(request.prompt)
+        config = requested_config(lambda: request.sampling_config(self.stop_ids))
+        config = await self._config(
+            config, request.method, prompt_ids, tokens_field="max_new_tokens"
+        )
+        handed: list[str] = []  # hand-overs to another router (deployments/decode/client.py)
+        call = self._call(config, request.method, request.adaptive, prompt_ids)
+        end = await self._run(call, handed)
+        result = end.result
+        stats = result.stats.as_dict()
+        stats["accepted_per_position"] = accepted_per_position(result)
+        stats["serving"] = {**end.serving, "handovers": handed}
+        return {
+            "model": self.options.model_name,
+            "method": request.method,
+            "prompt_tokens": len(prompt_ids),
+            "beams": [
+                {
+                    "text": self.texts.text(beam),
+                    "token_ids": beam.token_ids,
+                    "log_likelihood": beam.log_likelihood,
+                    "score": beam.score,
+                    "finished": beam.finished,
+                    **(
+                        native_beam_logprobs(beam, self.texts)
+                        if beam.token_logprobs is not None
+                        else {}
+                    ),
+                }
+                for beam in result.beams
+            ],
+            "stats": stats,
+        }
+
+    # ----------------------------------------------------------------- helpers
+    async def _echo(self, request: CompletionRequest, prompts: list[list[int]]) -> Any:
+        """`echo`: every prompt scored by the verifier when logprobs are asked (a target
+        forward of its own), then decoded as usual unless `max_tokens` is 0; concurrently,
+        the first failure being the reply."""
+
+        async def one(ids: list[int]) -> tuple[Any, list]:
+            if request.max_tokens == 0:  # nothing decoded: the limits are checked all the same
+                config = requested_config(lambda: request.sampling_config(self.stop_ids, 1))
+                await self._config(config, request.method, ids)
+            scored = None
+            if request.logprobs is not None:
+                scored = await self.handles.verifier.prompt_logprobs.remote(ids, request.logprobs)
+            beams = []
+            if request.max_tokens != 0:
+                beams = await self._openai(request, ids, chat=False, beams_only=True)
+            return scored, beams
+
+        done = await _each(one(ids) for ids in prompts)
+        return echo_completion_response(
+            self.options.model_name,
+            prompts,
+            [beams for _, beams in done],
+            [scored for scored, _ in done],
+            request.n,
+            self.texts,
+        )
+
+    async def _prompt_ids(self, prompts: list[str | list[int]]) -> list[list[int]]:
+        """Each prompt's token ids (texts tokenized); an id outside the vocabulary is a 400
+        naming where it stands."""
+        vocab = int((await self._model_info())["vocab_size"])
+        out = []
+        for i, prompt in enumerate(prompts):
+            if isinstance(prompt, str):
+                out.append(self.tokenizer.encode(prompt))
+                continue
+            for j, token in enumerate(prompt):
+                if token >= vocab:
+                    where = f"prompt[{i}][{j}]" if len(prompts) > 1 else f"prompt[{j}]"
+                    raise APIError(
+                        400,
+                        f"{where}={token}: token id out of range; allowed 0..{vocab - 1}",
+                        "prompt",
+                    )
+            out.append(list(prompt))
+        return out
+
+    async def _openai(
+        self, request: Any, prompt_ids: list[int], *, chat: bool, beams_only: bool = False
+    ) -> Any:
+        """One prompt's decode: the reply (streamed or not), or its beams (`beams_only`)."""
+        stop_ids = self._stop_token_ids(request.stop_strings)
+        stops = tuple(sorted(set(self.stop_ids) | set(stop_ids)))
+        config = requested_config(
+            lambda: request.sampling_config(stops, self.options.default_max_tokens)
+        )
+        config = await self._config(config, request.method, prompt_ids)
+        if request.n > self.options.limits.max_n:
+            raise APIError(
+                400,
+                f"n={request.n} exceeds this server's limit max_n={self.options.limits.max_n}",
+                "n",
+            )
+        call = self._call(config, request.method, request.adaptive, prompt_ids)
+        if request.stream:
+            leave = self._admit(call)
+            ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+            updates = router_client.stream(self.router_stream, call)
+            events = sse_events(
+                updates,
+                request,
+                prompt_ids,
+                chat=chat,
+                model_name=self.options.model_name,
+                limits=self.options.limits,
+                texts=self.texts,
+                ident=ident,
+                stops=config.eos_token_ids,
+                on_end=_report_end,
+            )
+            return DecodeStream(events, leave)
+        beams = (await self._run(call)).result.beams[: request.n]
+        if beams_only:
+            return beams
+        return completion_response(
+            self.options.model_name, prompt_ids, beams, self.texts, chat=chat
+        )
+
+    def _admit(self, call: DecodeCall) -> Callable[[], None]:
+        """Count a decode in, or refuse it (429) when this ingress runs too many already or
+        their session memory leaves no room for its KV caches (deployments/api/admission.py);
+        returns what counts it out, once however often it is called."""
+        limit = self.options.limits.max_concurrent_sessions
+        if self._running >= limit:
+            raise APIError(
+                429,
+                f"this server runs {limit} decodes at once "
+                "(max_concurrent_sessions); retry shortly",
+                None,
+            )
+        view = (self._info or {}).get("admission")
+        charge = session_charge(call.config, call.uses_draft, len(call.prompt_ids), view)
+        self._memory.take(charge, view)
+        self._running += 1
+        counted = True
+
+        def leave() -> None:
+            nonlocal counted
+            if counted:
+                counted = False
+                self._running -= 1
+                self._memory.give_back(charge)
+
+        return leave
+
+    async def _run(self, call: DecodeCall, handed: list[str] | None = None) -> DecodeEnd:
+        """Decode within the request deadline (504 past it; the sessions are freed either way),
+        on a router replica, on another should it die (deployments/decode/client.py)."""
+        leave = self._admit(call)
+        try:
+            async with asyncio.timeout(self.options.limits.request_timeout_s):
+                end = await router_client.decode(self.router, call, handed)
+        except TimeoutError:
+            body = timeout_body(self.options.limits.request_timeout_s)["error"]
+            raise APIError(504, body["message"], None) from None
+        finally:
+            leave()
+        _report_end(end)
+        return end
+
+    def _call(
+        self, config: SamplingConfig, method: str, adaptive: bool, prompt_ids: list[int]
+    ) -> DecodeCall:
+        """The decode a router replica runs for this request (in the request span's trace)."""
+        assert self._info is not None
+        return DecodeCall(
+            prompt_ids=list(prompt_ids),
+            config=config,
+            uses_draft=method in METHODS_WITH_DRAFT,
+            adaptive=adaptive,
+            vocab_size=int(self._info["vocab_size"]),
+            trace=tracing.inject(trace.get_current_span()),
+        )
+
+    async def _config(
+        self,
+        config: SamplingConfig,
+        method: str,
+        prompt_ids: list[int],
+        *,
+        tokens_field: str = "max_tokens",
+    ) -> SamplingConfig:
+        """The method's config, checked against this server's limits and what the model can
+        hold. Errors name the request's own fields: `tokens_field` is what the route calls the
+        token budget (OpenAI `max_tokens`, native `max_new_tokens`); the draft width is W_S
+        when the client set it, else the width it defaults to."""
+        note_method(method)  # for dsbd_requests{method=...}, also when the checks refuse it
+        info = await self._model_info()
+        return check_config(config, method, prompt_ids, info, self.options.limits, tokens_field)
+
+    async def _model_info(self) -> dict[str, Any]:
+        if self._info is None:
+            info = await self.handles.verifier.info.remote()
+            draft = await self.handles.draft.info.remote()  # its session memory (admission)
+            info["admission"] = router_view(info, draft, self.options.router_replicas)
+            self._info = info
+        return self._info
+
+    def _check_model(self, model: str) -> None:
+        if model != self.options.model_name:
+            raise APIError(
+                404,
+                f"model={model!r} does not exist; available: {self.options.model_name!r}",
+                "model",
+            )
+
+    def _stop_token_ids(self, stops: list[str]) -> list[int]:
+        ids = []
+        for stop in stops:
+            encoded = self.tokenizer.encode(stop, add_special_tokens=False)
+            if len(encoded) != 1:
+                raise APIError(
+                    400,
+                    f"stop={stop!r} is {len(encoded)} tokens; allowed: stop "
+                    "strings that are exactly one token",
+                    "stop",
+                )
+            ids.append(encoded[0])
+        return ids
+
+    def _chat_ids(self, messages: list[dict[str, Any]]) -> list[int]:
+        """Prompt ids of a chat: the template's text, encoded without extra special tokens."""
+        text = self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True
+        )
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+
+__all__ = ["Ingress", "Limits", "RouterOptions", "app"]

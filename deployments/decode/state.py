@@ -1,0 +1,117 @@
+"""What one router process keeps across the decodes it runs: the deployments it drives, the
+pair's calibration (forward costs and pass rates) and the application's cost policy (built or
+read once), the sessions open here and the heartbeat that reports them, and the release tasks
+still running.
+
+The Router deployment owns one `RouterState` (deployments/decode/router.py); each `DecodeSession` it
+starts is given it. The state lives as long as the replica: a replica that dies takes it along,
+and the width controller forgets its sessions once its heartbeat stops
+(deployments/decode/width_controller.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+import os
+import socket
+from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any
+
+from deployments.decode import width_controller
+from dsbd_core.algorithm.cost_model import Calibration, CostPolicy
+
+
+@dataclass
+class Handles:
+    """The deployments a router drives (Ray Serve `DeploymentHandle`s)."""
+
+    draft: Any
+    verifier: Any
+    controller: Any
+
+
+class RouterState:
+    """One router process's state (see the module docstring)."""
+
+    def __init__(self, handles: Handles) -> None:
+        self.handles = handles
+        # the name the width controller knows this process's sessions by
+        self.name = f"{socket.gethostname()}:{os.getpid()}"
+        self.open: set[str] = set()  # sessions decoding here, reported every heartbeat
+        self._calibration: Calibration | None = None
+        self._calibrated = False
+        self._calibrating = asyncio.Lock()  # concurrent first requests wait for one calibration
+        self._policy: CostPolicy | None = None
+        self._heartbeat: asyncio.Task | None = None
+        self._releasing: set[asyncio.Task] = set()  # referenced until they finish
+
+    async def calibration(
+        self, build: Callable[[], Awaitable[Calibration | None]]
+    ) -> Calibration | None:
+        """The pair's calibration, built once by `build` (the first adaptive request waits for
+        it; `decode.session.pair_calibration` builds it). None: the pair has none."""
+        async with self._calibrating:
+            if not self._calibrated:
+                self._calibration = await build()
+                self._calibrated = True
+        return self._calibration
+
+    async def policy(self) -> CostPolicy:
+        """The application's cost policy (the width controller holds it), read once."""
+        if self._policy is None:
+            self._policy = await self.handles.controller.cost_policy.remote()
+        return self._policy
+
+    def opened(self, session: str) -> None:
+        """A session starts decoding here: report it from now on."""
+        self.open.add(session)
+        self.keep_reporting()
+
+    def closed(self, session: str) -> None:
+        """A session ended here; the last one ends the heartbeat."""
+        self.open.discard(session)
+        if not self.open:
+            self.stop_reporting()
+
+    def keep_reporting(self) -> None:
+        """Start the heartbeat to the width controller unless it runs in this event loop; it
+        ends by itself once no session is open (the next session starts it again)."""
+        running, loop = self._heartbeat, asyncio.get_running_loop()
+        if running is not None and not running.done() and running.get_loop() is loop:
+            return
+        controller = self.handles.controller
+
+        async def beat() -> None:
+            while self.open:
+                with contextlib.suppress(Exception):  # a controller restarting: the next beat
+                    await asyncio.wait_for(
+                        controller.heartbeat.remote(self.name, sorted(self.open)),
+                        width_controller.HEARTBEAT_S,
+                    )
+                await asyncio.sleep(width_controller.HEARTBEAT_S)
+
+        self._heartbeat = loop.create_task(beat(), context=contextvars.Context())
+
+    def stop_reporting(self) -> None:
+        """No session is open here: end the heartbeat now rather than after its sleep, so an
+        idle router holds no pending task (each session's close already told the controller)."""
+        running = self._heartbeat
+        with contextlib.suppress(RuntimeError):  # no running loop, or the task's has closed
+            if running is not None and running.get_loop() is asyncio.get_running_loop():
+                running.cancel()
+
+    def run_detached(self, work: Coroutine[Any, Any, None]) -> None:
+        """Run `work` as a task of its own in an empty context, kept referenced until it ends:
+        Serve cancels the child calls of a cancelled request (a client that went away), and a
+        session's release must outlive it. Without a running loop there is nothing to run it."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            work.close()
+            return
+        task = loop.create_task(work, context=contextvars.Context())
+        self._releasing.add(task)
+        task.add_done_callback(self._releasing.discard)

@@ -1,0 +1,174 @@
+"""The cost model's priors: the pair's pass rates measured at calibration, where it has them.
+
+A controller that starts from fixed, hopeful priors drafts on hope at the start of every request
+(the embedded pair's draft is accepted a quarter of the time: DSBD was 0.77x beam sampling);
+one that starts from the pair's measured rates drafts only where the measurement says it pays.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from dsbd_core import SamplingConfig
+from dsbd_core.algorithm.cost_model import Calibration, CostController, ForwardCosts
+from dsbd_core.algorithm.decoders import generate
+from dsbd_core.algorithm.iteration_timer import IterationTimer
+from dsbd_core.models.calibrate import calibrate, measure_iteration_seconds, measure_pass_rates
+from dsbd_core.models.transformer_scorer import TransformerScorer
+from tests.models.test_engine_transformers import tiny
+
+# a draft call costs a fifth of a target call, the target's cost grows slowly with its tokens
+COSTS = {
+    "target": ForwardCosts(tokens=[1, 16], seconds=[0.010, 0.012]),
+    "draft": ForwardCosts(tokens=[1, 16], seconds=[0.002, 0.0024]),
+}
+
+
+def _calibration(pass_rates: list[float] | None) -> Calibration:
+    return Calibration(**COSTS, pass_rates=pass_rates)
+
+
+def test_a_pair_measured_to_rarely_agree_is_not_drafted_at_the_start() -> None:
+    config = SamplingConfig()  # W = 3, gamma = 3, fixed width
+    assert CostController(config, _calibration([0.1, 0.2])).knobs(None).gamma == 0  # type: ignore[arg-type]
+    agreeing = CostController(config, _calibration([0.9, 0.95]))
+    assert agreeing.knobs(None).gamma == 3  # type: ignore[arg-type]
+    assert agreeing.priors() == [0.9, 0.95, 0.95]  # the deepest measured stands for deeper
+    rare = CostController(config, _calibration([0.1, 0.2]))
+    assert rare.probe_interval == rare.policy.probe_every * rare.policy.probe_backoff
+    assert agreeing.probe_interval == agreeing.policy.probe_every
+    hopeful = CostController(config, _calibration(None))  # not measured: the policy's priors
+    assert hopeful.priors() == [0.6, 0.8, 0.8]
+    assert hopeful.knobs(None).gamma > 0  # type: ignore[arg-type]
+
+
+@pytest.mark.slow
+def test_pass_rates_are_high_for_a_draft_equal_to_the_target_and_lower_for_another() -> None:
+    target = tiny("llama", 1)
+    prompts = [[1, 2, 3], [4, 5]]
+    # no stop token: a layer whose accepted beams all ended has no children to pass with
+    same = measure_pass_rates(
+        TransformerScorer(target), TransformerScorer(tiny("llama", 1)), prompts, ()
+    )
+    other = measure_pass_rates(
+        TransformerScorer(target), TransformerScorer(tiny("llama", 7)), prompts, ()
+    )
+    assert same and all(rate == pytest.approx(1.0) for rate in same)
+    assert other[0] < 0.9
+
+
+@pytest.mark.slow
+def test_calibration_measures_the_pass_rates_once_and_caches_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("DSBD_CALIBRATION_DIR", str(tmp_path))
+    target, draft = tiny("llama", 1).float(), tiny("llama", 7).float()
+    identity = {"target": "t", "draft": "d", "description": "tiny pair"}
+    said: list[str] = []
+    first = calibrate(
+        target, draft, identity, 16, say=said.append, prompts=[[1, 2, 3]], stop_ids=(0,)
+    )
+    assert first.pass_rates and all(0.0 <= r <= 1.0 for r in first.pass_rates)
+    assert any("pass rates" in line for line in said)
+    cached = sorted(p.name.split("-")[0] + "-" + p.name.split("-")[1] for p in tmp_path.iterdir())
+    assert "pass-rates" in cached and "iteration-seconds" in cached
+    assert first.iteration_s and len(first.iteration_s) == 4 and first.catch_up_s is not None
+    again = calibrate(
+        target, draft, identity, 16, say=said.append, prompts=[[1, 2, 3]], stop_ids=(0,)
+    )
+    assert again.pass_rates == first.pass_rates
+    assert again.iteration_s == first.iteration_s and again.catch_up_s == first.catch_up_s
+    assert torch.equal(torch.tensor(again.pass_rates), torch.tensor(first.pass_rates))
+
+
+def _timed(catch_up_s: float | None) -> Calibration:
+    """A pair whose measured iterations cost 10 ms at depth 0 and 15 ms per drafted layer
+    more (twice what its forwards' sum says), its draft agreeing half the time."""
+    return Calibration(
+        **COSTS, pass_rates=[0.5], iteration_s=[0.010, 0.025, 0.040, 0.055], catch_up_s=catch_up_s
+    )
+
+
+def test_whole_iterations_timed_at_calibration_are_the_prices_at_their_widths() -> None:
+    config = SamplingConfig(max_new_tokens=64)
+    timed = CostController(config, _timed(None))
+    parts = CostController(config, _calibration([0.5]))
+    for gamma, seconds in enumerate([0.010, 0.025, 0.040, 0.055]):
+        assert timed.iteration_seconds(gamma) == pytest.approx(seconds)
+    # the parts' sum says drafting pays at these pass rates; the timed iterations say not
+    assert parts.best_gamma() > 0
+    assert timed.best_gamma() == 0
+    # another width: the parts' sum at that width, scaled as at the timed widths
+    wide = CostController(SamplingConfig(width=5, draft_width=2), _timed(None))
+    assert wide.iteration_seconds(1) == pytest.approx(
+        wide.parts_seconds(1, 5, 2) * 0.025 / wide.parts_seconds(1, 3, 3)
+    )
+
+
+def _controller(catch_up_s: float, since_draft: int) -> CostController:
+    """A request that drafted, found its draft not paying, and has sat it out since."""
+    cheap = Calibration(**COSTS, pass_rates=[0.9], catch_up_s=catch_up_s)
+    controller = CostController(SamplingConfig(max_new_tokens=512), cheap)
+    controller.drafted, controller.since_draft = True, since_draft
+    for rate in controller.rates:  # the request's own evidence: its draft never agrees
+        rate.add(0.0, 1000.0, 1.0)
+    controller.probe_interval = 1  # a probe is due
+    return controller
+
+
+def test_a_probe_is_made_only_while_the_drafts_catch_up_is_cheap() -> None:
+    """A probe first catches the draft up on every beam step it sat out: once that costs more
+    than `probe_budget` of the time since it last ran, a draft that stopped paying is left."""
+    steps = 24
+    assert _controller(0.0, steps).knobs(None).gamma == 1  # type: ignore[arg-type]
+    assert _controller(0.001, steps).knobs(None).gamma == 0  # type: ignore[arg-type]
+
+
+def test_the_catch_up_is_paid_only_where_enough_tokens_are_left_to_win_it_back() -> None:
+    """A draft that agrees but sat out 100 steps is worth catching up with 500 tokens to go,
+    not with 4."""
+    cal = Calibration(**COSTS, pass_rates=[0.9], catch_up_s=0.001)
+    controller = CostController(SamplingConfig(max_new_tokens=512), cal)
+    controller.drafted, controller.since_draft = True, 100
+    assert controller.best_gamma() > 0  # no state: the whole budget is left
+    nearly_done = CostController(SamplingConfig(max_new_tokens=4), cal)
+    nearly_done.drafted, nearly_done.since_draft = True, 100
+    assert nearly_done.best_gamma() == 0
+
+
+def test_whole_iterations_and_a_probe_are_timed_through_the_decode_loop() -> None:
+    target, draft = tiny("llama", 1), tiny("llama", 7)
+    timed = measure_iteration_seconds(
+        TransformerScorer(target), TransformerScorer(draft), [[1, 2, 3], [4, 5]], ()
+    )
+    seconds = timed["iteration_s"]
+    assert len(seconds) == 4 and all(s > 0 for s in seconds)  # depths 0..3 (gamma = 3)
+    assert timed["catch_up_s"] is not None and timed["catch_up_s"] >= 0
+
+
+def test_an_iteration_timer_runs_its_schedule_and_knows_how_far_the_draft_is_behind() -> None:
+    config = SamplingConfig(max_new_tokens=12, seed=0)
+    timer = IterationTimer(config, [1, 0, 0, 0, 2, 0])
+    generate(
+        "dsbd",
+        TransformerScorer(tiny("llama", 1)),
+        [1, 2, 3],
+        config,
+        draft=TransformerScorer(tiny("llama", 7)),
+        controller=timer,
+    )
+    records = timer.records()
+    assert [(g, behind) for g, _, behind in records[:6]] == [
+        (1, None),
+        (0, None),
+        (0, None),
+        (0, None),
+        (2, 3),
+        (0, None),
+    ]
+    assert all(g == 0 for g, _, _ in records[6:])  # the last depth repeats
+    with pytest.raises(ValueError, match="schedule"):
+        IterationTimer(config, [4])

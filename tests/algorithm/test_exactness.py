@@ -1,0 +1,165 @@
+"""End-to-end exactness: DSBD (fixed width) follows target beam sampling in distribution.
+
+ALGORITHM.md §12.1 items 4-7. Each test decodes 1e5 independent sessions in one batched engine
+call on exact n-gram tables (|V| = 4) and compares the distribution of the whole final beam multiset
+with the exact enumeration in `exact_reference` (independent code), at the threshold given by a
+null run of an exact sampler at the same sample size. The engine's own beam sampling is checked
+against the same enumeration (the "null run of the exact sampler").
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from dsbd_core import SamplingConfig, TableScorer, generate_batch
+from tests.exact_reference import (
+    TableLM,
+    assert_matches,
+    beam_sampling_outcomes,
+    best_answer_distribution,
+    multinomial_outcomes,
+    random_table,
+)
+
+RUNS = 100_000
+V = 4
+EOS = 0
+PROMPT = [1]
+MAX_NEW = 3
+
+
+def tables(seed: int, draft_zero_prob: float = 0.3) -> tuple[np.ndarray, np.ndarray]:
+    """A target bigram table and a different draft table (with exact zeros where the target
+    has mass)."""
+    rng = np.random.default_rng(seed)
+    target = random_table(rng, V, 2, concentration=1.0)
+    draft = random_table(rng, V, 2, concentration=1.0, zero_prob=draft_zero_prob)
+    return target, draft
+
+
+def outcomes_of(results: list) -> list[tuple[tuple[int, ...], ...]]:
+    return [tuple(sorted(tuple(beam.token_ids) for beam in r.beams)) for r in results]
+
+
+def decode(method: str, target: np.ndarray, draft: np.ndarray | None, **config) -> list:
+    cfg = SamplingConfig(
+        max_new_tokens=MAX_NEW, eos_token_ids=(EOS,), seed=config.pop("seed", 0), **config
+    )
+    draft_scorer = TableScorer(torch.from_numpy(draft)) if draft is not None else None
+    return generate_batch(
+        method, TableScorer(torch.from_numpy(target)), [PROMPT] * RUNS, cfg, draft_scorer
+    )
+
+
+def exact_beam(target: np.ndarray, width: int, mode: str, **filters) -> dict:
+    return beam_sampling_outcomes(TableLM(target), PROMPT, width, MAX_NEW, mode, {EOS}, **filters)
+
+
+GRID = [(w, g) for w in (1, 2, 3) for g in (1, 2, 3)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["with_replacement", "distinct"])
+@pytest.mark.parametrize(("width", "gamma"), GRID)
+def test_fixed_width_dsbd_equals_target_beam_sampling(mode: str, width: int, gamma: int) -> None:
+    target, draft = tables(seed=10 * width + gamma)
+    results = decode(
+        "dsbd",
+        target,
+        draft,
+        width=width,
+        gamma=gamma,
+        threshold=None,
+        mode=mode,
+        seed=width * 7 + gamma,
+    )
+    exact = exact_beam(target, width, mode)
+    assert_matches(outcomes_of(results), exact, f"dsbd {mode} W={width} gamma={gamma}")
+    # and it did speculate: some iterations accepted draft layers
+    assert any(sum(r.stats.accepted_layers) > 0 for r in results[:1000])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["with_replacement", "distinct"])
+@pytest.mark.parametrize("width", [1, 2, 3])
+def test_engine_beam_sampling_is_the_exact_sampler(mode: str, width: int) -> None:
+    """The null run: our beam-sampling baseline against the enumeration."""
+    target, _ = tables(seed=3)
+    results = decode("beam", target, None, width=width, mode=mode, seed=width)
+    assert_matches(outcomes_of(results), exact_beam(target, width, mode), f"beam {mode} W={width}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["with_replacement", "distinct"])
+def test_dsbd_with_temperature_top_k_top_p_follows_filtered_beam_sampling(mode: str) -> None:
+    target, draft = tables(seed=21)
+    filters = {"temperature": 0.8, "top_k": 6, "top_p": 0.9}
+    results = decode(
+        "dsbd", target, draft, width=2, gamma=2, threshold=None, mode=mode, seed=4, **filters
+    )
+    exact = exact_beam(target, 2, mode, **filters)
+    assert_matches(outcomes_of(results), exact, f"dsbd filtered {mode}")
+
+
+@pytest.mark.slow
+def test_returned_answer_follows_the_exact_answer_distribution() -> None:
+    target, draft = tables(seed=5)
+    results = decode("dsbd", target, draft, width=3, gamma=2, threshold=None, seed=9)
+    answers = best_answer_distribution(exact_beam(target, 3, "distinct"), TableLM(target), PROMPT)
+    assert_matches([tuple(r.best.token_ids) for r in results], answers, "best answer")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("gamma", [1, 2, 3])
+def test_width_one_dsbd_and_sps_are_multinomial_sampling(gamma: int) -> None:
+    target, draft = tables(seed=30 + gamma)
+    exact = multinomial_outcomes(TableLM(target), PROMPT, MAX_NEW, {EOS})
+    for method, extra in (
+        ("sps", {}),
+        ("dsbd", {"width": 1, "threshold": None}),
+        ("dsbd", {"width": 1, "lean_memory": True}),
+        ("sample", {}),
+    ):
+        results = decode(method, target, draft, gamma=gamma, seed=gamma, **extra)
+        samples = [tuple(r.best.token_ids) for r in results]
+        assert all(len(r.beams) == 1 for r in results[:1000])
+        assert_matches(samples, exact, f"{method} {extra} gamma={gamma}")
+
+
+@pytest.mark.slow
+def test_draft_equal_to_target_accepts_every_layer() -> None:
+    """ALGORITHM.md §12.1 item 6: with consistent definitions Q == P, so every draft is accepted and
+    each iteration emits gamma + 1 tokens per beam; output still exact."""
+    target, _ = tables(seed=40)
+    gamma, width = 2, 2
+    cfg = {"width": width, "gamma": gamma, "threshold": None, "mode": "with_replacement"}
+    results = decode("dsbd", target, target, **cfg, seed=1)
+    for r in results[:2000]:
+        st = r.stats
+        # every draft tried against the target is accepted: each layer gets its K at once
+        assert st.accepted_tokens == sum(sum(widths) for widths in st.widths)
+        assert st.accepted_layers[0] == gamma or any(b.finished for b in r.beams)
+    full = [r for r in results if not any(b.finished for b in r.beams)]
+    assert full and all(r.stats.iterations == 1 and r.stats.tokens_emitted == 3 for r in full)
+    assert_matches(outcomes_of(results), exact_beam(target, width, "with_replacement"), "q == p")
+
+
+@pytest.mark.slow
+def test_disjoint_supports_emit_one_token_per_iteration_and_stay_exact() -> None:
+    """ALGORITHM.md §12.1 item 7: the draft only proposes what the target never emits."""
+    logp = np.full((V, V), -np.inf)
+    logp[:, 0], logp[:, 1] = np.log(0.3), np.log(0.7)  # target: tokens {0, 1}
+    draft = np.full((V, V), -np.inf)
+    draft[:, 2], draft[:, 3] = np.log(0.5), np.log(0.5)  # draft: tokens {2, 3}
+    results = decode("dsbd", logp, draft, width=2, gamma=3, threshold=0.7, w_min=1, seed=2)
+    for r in results[:2000]:
+        assert r.stats.accepted_tokens == 0
+        assert r.stats.accepted_layers == [0] * r.stats.iterations
+        assert r.stats.tokens_emitted == r.stats.iterations  # one token per iteration
+        # W_L = w_min whenever a layer is verified (the last token's iteration drafts nothing)
+        assert all(widths in ([1], []) for widths in r.stats.widths)
+        assert r.stats.widths[0] == [1]
+    # with zero acceptance the residual is P, so even dynamic width is plain beam sampling
+    assert_matches(outcomes_of(results), exact_beam(logp, 2, "distinct"), "disjoint supports")

@@ -1,0 +1,295 @@
+"""Certain failure paths and memory admission, end to end on `dsbd serve` (issue 21).
+
+One server for the module (tiny float64 models, so a served decode equals the in-process one
+draw for draw), started as users start it, under `strace -f` when strace exists; the last test
+checks that nothing but loopback was contacted. Applications:
+
+* `/fdraft`, `/fverifier`, `/ftp`: a draft replica, a verifier replica and rank 1 of a
+  tensor-parallel verifier (2 ranks) that exit inside a chosen call (deployments/faults.py,
+  enabled per application through `runtime_env.env_vars`, once per run through a claim
+  folder). A SIGKILL from outside may land between calls and lose none; this cannot.
+* `/memory`: a pair with large KV caches per token (16 layers) and a small session-memory
+  budget, so long prompts exhaust it (deployments/api/admission.py).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+import requests
+import torch
+import yaml
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from deployments import faults
+from deployments.api.admission import WORKING_COPIES, kv_bytes_per_token
+from deployments.decode.session import RETRY_WINDOW_S
+from tests.serving_harness import (
+    assert_loopback_only,
+    assert_same,
+    in_process_decoder,
+    native,
+    serving,
+    status,
+)
+from tests.tiny_models import build_pair, build_tokenizer
+
+FAULTS = {
+    "fdraft": "draft:propose:15",
+    "fverifier": "verifier:verify:15",
+    "ftp": "tp-rank1:forward:6",
+    "frouter": "router:decode:5",
+}
+WIDE = {
+    "num_hidden_layers": 16,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+    "hidden_size": 128,
+    "intermediate_size": 128,
+}  # head_dim 64
+# A decode of PROMPT tokens (+ 8 new + gamma 2 x W_S 2 columns, width 2) is charged
+# 2 x 612 x 32 KiB x WORKING_COPIES = 153 MiB on each side: two fit in BUDGET, a third does
+# not; a prompt of NEVER tokens (503 MiB) never fits.
+BUDGET = 400 * 2**20  # session_memory_bytes of the /memory replicas
+PROMPT = 600  # tokens of the long prompts
+NEVER = 2000  # tokens of the prompt that can never fit
+
+
+def build_wide(root: Path) -> Path:
+    """A model whose KV cache is large per token (32 KiB in float64) and whose activations are
+    small (2 heads): memory is dominated by the sessions' caches, as with long prompts on a
+    real model."""
+    tokenizer = build_tokenizer(root)
+    torch.manual_seed(1)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        max_position_embeddings=4096,
+        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        **WIDE,
+    )
+    LlamaForCausalLM(config).eval().save_pretrained(root)
+    return root
+
+
+def write_config(root: Path, target: Path, draft: Path, wide: Path) -> Path:
+    models = {
+        "target": {"source": str(target), "dtype": "float64"},
+        "draft": {"source": str(draft), "dtype": "float64"},
+    }
+    small = {"num_cpus": 0.1}
+    resources = {
+        "router_resources": {**small, "max_replicas": 1},
+        "ingress_resources": {**small, "max_replicas": 1},
+        "draft_resources": small,
+        "verifier_resources": {**small, "health_check_period_s": 1, "health_check_timeout_s": 20},
+    }
+    apps = []
+    for name, spec in FAULTS.items():
+        (root / f"claims-{name}").mkdir()
+        target_options = {**models["target"], "tp_size": 2 if name == "ftp" else 1}
+        env = {faults.ENV: spec, faults.DIR_ENV: str(root / f"claims-{name}")}
+        apps.append(
+            {
+                "name": name,
+                "route_prefix": f"/{name}",
+                "import_path": "deployments.app:build_app",
+                "runtime_env": {"env_vars": env},
+                "args": {"model_name": "tiny", **models, "target": target_options, **resources},
+            }
+        )
+    budget = {"source": str(wide), "dtype": "float64", "session_memory_bytes": BUDGET}
+    apps.append(
+        {
+            "name": "memory",
+            "route_prefix": "/memory",
+            "import_path": "deployments.app:build_app",
+            "args": {"model_name": "wide", "target": budget, "draft": budget, **resources},
+        }
+    )
+    (root / "serve.yaml").write_text(yaml.safe_dump({"applications": apps}))
+    return root / "serve.yaml"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    root = tmp_path_factory.mktemp("faults")
+    target, draft = build_pair(root / "models")
+    config = write_config(root, target, draft, build_wide(root / "wide"))
+    with serving(root, config) as info:
+        yield {**info, "target": target, "draft": draft}
+
+
+@pytest.fixture(scope="module")
+def reference(server):
+    return in_process_decoder(server)
+
+
+@pytest.mark.parametrize("app", list(FAULTS))
+def test_a_replica_that_dies_inside_a_call_costs_a_retry_not_the_request(server, reference, app):
+    """8 decodes in flight; the draft, the verifier or TP rank 1 exits inside its N-th call, or
+    the router (which runs all 8 decode loops) at the start of its N-th decode: every decode
+    completes, equal draw for draw to the in-process decode (what the no-fault run returns),
+    and the lost iterations show in `serving.retries`, the decodes the ingress handed to a new
+    router in `serving.handovers`."""
+    prefix = f"/{app}"
+    before = status(server, prefix)
+    bodies = [
+        {
+            "prompt_ids": [40 + i, 31, 32],
+            "seed": 300 + i,
+            "max_new_tokens": 24,
+            "width": 2 + i % 2,
+            "gamma": 2,
+            "adaptive": False,
+        }
+        for i in range(8)
+    ]
+    # a decode may wait up to the router's retry window for the replacement replica, then
+    # decodes: the client waits that long and the decode's own time beside it
+    wait_s = RETRY_WINDOW_S + 120
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        results = list(pool.map(lambda body: native(server, body, prefix, wait_s), bodies))
+    for body, got in zip(bodies, results, strict=True):
+        knobs = {k: v for k, v in body.items() if k not in ("prompt_ids", "adaptive")}
+        assert_same(got, reference("dsbd", body["prompt_ids"], **knobs))
+    what = "handovers" if app == "frouter" else "retries"
+    retries = [r for got in results for r in got["stats"]["serving"][what]]
+    print(f"{FAULTS[app]}: {len(retries)} {what}: {sorted({r.split(': ')[1] for r in retries})}")
+    assert retries, f"no {what}: the injected fault did not cost a call"
+    lost = ("TensorParallelBroken", "ActorDied") if app == "ftp" else ("ActorDied",)
+    assert all(any(word in r for word in lost) for r in retries), retries
+    claims = os.listdir(server["root"] / f"claims-{app}")
+    assert claims == ["-".join(FAULTS[app].split(":"))], claims  # the fault fired, once
+    after = status(server, prefix)
+    side = {"fdraft": "draft", "frouter": "router"}.get(app, "verifier")
+    assert after[side]["replica"] != before[side]["replica"], "the replica was not replaced"
+    # seeded decodes: the caches lost with the replica were rebuilt by replaying the sessions'
+    # iterations (dsbd_core/algorithm/replay.py), never re-prefilled
+    replays = [r for got in results for r in got["stats"]["serving"]["replays"]]
+    print(f"{len(replays)} replays: {replays[:4]}")
+    if app == "frouter":  # the new router starts the decodes over: nothing to rebuild
+        assert not replays, replays
+    else:
+        replayed = "draft replayed" if app == "fdraft" else "verifier replayed"
+        assert any(replayed in r for r in replays), replays
+
+
+def _rss(pid: int) -> int:
+    return psutil.Process(pid).memory_info().rss
+
+
+def _peak(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmHWM")
+
+
+def _long(i: int, tokens: int = PROMPT, **knobs: Any) -> dict[str, Any]:
+    return {
+        "prompt_ids": [5 + (i * 31 + k * 7) % 300 for k in range(tokens)],
+        "seed": i,
+        "max_new_tokens": 8,
+        "width": 2,
+        "gamma": 2,
+        "adaptive": False,
+        **knobs,
+    }
+
+
+def _until_admitted(server, body: dict[str, Any], refused: list[int]) -> dict[str, Any]:
+    """Send until admitted: a 429 (memory taken) is retried shortly, as a client would."""
+    while True:
+        response = requests.post(f"{server['url']}/memory/v1/dsbd/generate", json=body, timeout=300)
+        if response.status_code != 429:
+            assert response.status_code == 200, response.text
+            return response.json()
+        assert "session_memory_bytes" in response.json()["error"]["message"]
+        refused.append(429)
+        time.sleep(0.2)
+
+
+def test_sessions_are_admitted_by_kv_bytes_and_peak_memory_stays_in_budget(server) -> None:
+    """Long prompts against a small budget: a decode that can never fit is 400 naming the field
+    and the limit; beyond the budget 429 (retried here until admitted), never a crash; the
+    replicas' peak memory above their idle level stays under the budget."""
+    wide = LlamaConfig(**WIDE)
+    charge = 2 * (PROMPT + 8 + 2 * 2) * kv_bytes_per_token(wide, torch.float64) * WORKING_COPIES
+    assert 2 * charge <= BUDGET < 3 * charge  # two decodes at a time, not three
+    never = requests.post(
+        f"{server['url']}/memory/v1/dsbd/generate", json=_long(0, NEVER), timeout=60
+    )
+    assert never.status_code == 400, never.text
+    error = never.json()["error"]
+    assert error["param"] == "max_new_tokens"
+    assert f"prompt of {NEVER} tokens" in error["message"]
+    assert f"target.session_memory_bytes={BUDGET}" in error["message"], error["message"]
+    _until_admitted(server, _long(99, 8), [])  # warm: first forwards, thread pools
+    now = status(server, "/memory")
+    pids = {side: now[side]["pid"] for side in ("verifier", "draft")}
+    base = {side: _rss(pid) for side, pid in pids.items()}
+    for pid in pids.values():
+        Path(f"/proc/{pid}/clear_refs").write_text("5")  # VmHWM := current RSS
+    refused: list[int] = []
+    with ThreadPoolExecutor(6) as pool:
+        results = list(pool.map(lambda i: _until_admitted(server, _long(i), refused), range(6)))
+    peaks = {side: _peak(pid) - base[side] for side, pid in pids.items()}
+    after = status(server, "/memory")
+    most = after["ingress"]["admitted_memory_peak_bytes"]["target"]  # high-water mark
+    print(
+        f"budget {BUDGET / 2**20:.0f} MiB, charge {charge / 2**20:.0f} MiB per decode: "
+        f"{len(refused)} x 429, most admitted {most / 2**20:.0f} MiB; peak above "
+        f"idle { ({k: round(v / 2**20) for k, v in peaks.items()}) } MiB"
+    )
+    assert len(results) == 6 and all(r["beams"] for r in results)
+    assert refused, "no decode was refused: the budget was never reached"
+    assert 2 * charge - 1 <= most <= BUDGET
+    assert {side: after[side]["pid"] for side in pids} == pids, "a replica crashed"
+    assert after["ingress"]["admitted_memory_bytes"] == {"target": 0, "draft": 0}
+    for side, peak in peaks.items():
+        assert peak <= BUDGET, f"{side} grew {peak / 2**20:.0f} MiB over its idle level"
+
+
+def test_nothing_but_loopback_was_contacted(server) -> None:
+    assert_loopback_only(server)
+
+
+def test_an_injected_fault_is_off_unless_asked(monkeypatch, tmp_path: Path) -> None:
+    """deployments/faults.py: nothing happens without DSBD_FAULT_INJECT; a bad value names the
+    entry; with a claim folder only the first process to reach the call dies."""
+    exits: list[int] = []
+    monkeypatch.setattr(faults.os, "_exit", exits.append)
+    monkeypatch.delenv(faults.ENV, raising=False)
+    for _ in range(5):
+        faults.fault_point("draft", calls=3)
+    assert exits == []
+    with pytest.raises(ValueError, match=r"entry 'draft:verify:3' is not ROLE:CALL:N"):
+        faults.parse("draft:verify:3")
+    with pytest.raises(ValueError, match=r"entry 'verifier:verify:0'"):
+        faults.parse("verifier:verify:0")
+    assert faults.parse("draft:propose:3, tp-rank1:forward:4") == [
+        ("draft", "propose", 3),
+        ("tp-rank1", "forward", 4),
+    ]
+    monkeypatch.setenv(faults.ENV, "draft:propose:3,tp-rank1:forward:2")
+    monkeypatch.setenv(faults.DIR_ENV, str(tmp_path))
+    monkeypatch.setattr(faults, "_counts", {})
+    faults.fault_point("draft", calls=2)  # calls 1, 2
+    faults.fault_point("verifier", calls=5)  # another role
+    assert exits == []
+    faults.fault_point("draft", calls=2)  # calls 3, 4: the batch holding call 3
+    assert exits == [faults.EXIT_CODE]
+    faults.fault_point("tp-rank1", "forward")
+    faults.fault_point("tp-rank1", "set_roots")
+    faults.fault_point("tp-rank1", "forward")
+    assert exits == [faults.EXIT_CODE] * 2
+    monkeypatch.setattr(faults, "_counts", {})  # a replacement process: the claim is taken
+    faults.fault_point("draft", calls=4)
+    assert exits == [faults.EXIT_CODE] * 2

@@ -1,0 +1,75 @@
+"""A router replica's calibration (deployments/decode/calibration.py, kept on its `RouterState`)
+with the serving path's real classes in this process, without Ray (tests/inprocess_handles.py):
+the pair's pass rates and whole-iteration timings it measures through the draft and verifier
+replicas, once per machine, and the priors it gives the cost model."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+import torch
+
+from deployments.decode.session import pair_calibration
+from deployments.decode.state import Handles, RouterState
+from deployments.decode.width_controller import WidthController
+from deployments.replicas.draft import Draft
+from deployments.replicas.verifier import Verifier
+from dsbd_core.algorithm.cost_model import CostController, CostPolicy
+from dsbd_core.algorithm.decoders import generate
+from dsbd_core.models import load_causal_lm
+from dsbd_core.models.calibrate import PassCounter, pass_rate_config
+from dsbd_core.models.transformer_scorer import TransformerScorer
+from tests.inprocess_handles import Handle
+from tests.tiny_models import build_pair
+
+
+def test_a_router_measures_the_pairs_pass_rates_once_per_machine(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first calibration decodes the pass-rate prompts through the replicas and gets the
+    rates the in-process measurement gets (float64: the same draws); a second router on the
+    machine reads them from the cache without a call; the cost model starts from them."""
+    monkeypatch.setenv("DSBD_CALIBRATION_DIR", str(tmp_path / "calibration"))
+    target, draft = build_pair(tmp_path / "models")
+    options = {"dtype": "float64", "batch_wait_s": 0.0}
+    draft_replica = Draft.func_or_class({"source": str(draft), **options})
+    verifier = Verifier.func_or_class({"source": str(target), **options})
+    controller = WidthController.func_or_class(None, 60.0)
+    handles = Handles(
+        draft=Handle(draft_replica), verifier=Handle(verifier), controller=Handle(controller)
+    )
+
+    first = asyncio.run(pair_calibration(RouterState(handles)))
+    assert first is not None and first.pass_rates, first
+    # whole served iterations timed at each depth 0..gamma, and the draft's catch-up
+    assert first.iteration_s and len(first.iteration_s) == 4, first
+    assert first.catch_up_s is not None and first.catch_up_s >= 0
+    assert asyncio.run(controller.load())["open_sessions"] == 0  # its decodes closed
+
+    inputs = asyncio.run(verifier.info())["pass_rate_inputs"]
+    config = pass_rate_config(tuple(inputs["stop_ids"]))
+    counter = PassCounter(config)
+    target_lm = load_causal_lm(str(target), dtype=torch.float64)
+    draft_lm = load_causal_lm(str(draft), dtype=torch.float64)
+    for prompt in inputs["prompts"]:
+        generate(
+            "dsbd",
+            TransformerScorer(target_lm.model),
+            prompt,
+            config,
+            draft=TransformerScorer(draft_lm.model),
+            controller=counter,
+        )
+    assert first.pass_rates == counter.rates()
+
+    calls = verifier.calls_run
+    second = asyncio.run(pair_calibration(RouterState(handles)))
+    assert second is not None and second.pass_rates == first.pass_rates
+    assert second.iteration_s == first.iteration_s and second.catch_up_s == first.catch_up_s
+    assert verifier.calls_run == calls, "the second router decoded instead of reading the cache"
+
+    measured = first.pass_rates
+    priors = CostController(config, second, CostPolicy()).priors()
+    assert priors == [measured[min(k, len(measured) - 1)] for k in range(config.gamma)]

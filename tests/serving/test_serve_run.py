@@ -1,0 +1,122 @@
+"""Serving as users start it: Ray's own `serve run`, given the settings `dsbd ray-env` prints,
+serves the app while contacting nothing but loopback (traced like test_serving), and the
+README's main command (`dsbd serve`, no options) serves the embedded models."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import requests
+import yaml
+
+from tests.serving.test_local_ray import is_loopback, peers, strace
+from tests.serving_harness import free_port, stop
+from tests.tiny_models import build_pair
+
+REPO = Path(__file__).parents[2]
+DSBD = [sys.executable, "-m", "dsbd"]
+
+
+@pytest.mark.skipif(shutil.which("strace") is None, reason="strace not installed")
+def test_serve_run_with_dsbd_ray_env_serves_on_loopback_only(tmp_path: Path) -> None:
+    target, draft = build_pair(tmp_path / "models")
+    port = free_port()
+    small = {"num_cpus": 0.1}
+    config = {
+        "http_options": {"host": "127.0.0.1", "port": port},
+        "applications": [
+            {
+                "name": "dsbd",
+                "route_prefix": "/",
+                "import_path": "deployments.app:build_app",
+                "args": {
+                    "model_name": "tiny",
+                    "target": {"source": str(target)},
+                    "draft": {"source": str(draft)},
+                    "router_resources": small,
+                    "draft_resources": small,
+                    "verifier_resources": small,
+                },
+            }
+        ],
+    }
+    (tmp_path / "serve.yaml").write_text(yaml.safe_dump(config))
+    printed = subprocess.run([*DSBD, "ray-env"], capture_output=True, text=True, timeout=60)
+    env = {**os.environ, **dict(x.split("=", 1) for x in shlex.split(printed.stdout))}
+    serve = Path(sys.executable).parent / "serve"
+    trace = tmp_path / "trace"
+    trace.mkdir()
+    process = subprocess.Popen(
+        [*strace(trace), str(serve), "run", str(tmp_path / "serve.yaml")],
+        env=env,
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=(tmp_path / "log").open("w"),
+        start_new_session=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 420
+        while True:
+            try:
+                if requests.get(f"{url}/healthz", timeout=10).status_code == 200:
+                    break
+            except requests.RequestException:  # not listening yet, or still deploying
+                pass
+            if process.poll() is not None or time.monotonic() > deadline:
+                pytest.fail((tmp_path / "log").read_text()[-3000:])
+            time.sleep(2)
+        body = {"model": "tiny", "prompt": "one two", "max_tokens": 6}
+        response = requests.post(f"{url}/v1/completions", json=body, timeout=120)
+        assert response.status_code == 200 and response.json()["choices"]
+    finally:
+        stop(process, lambda: os.killpg(process.pid, signal.SIGINT))
+    outside = sorted(a for a in peers(trace) if not is_loopback(a))
+    assert not outside, f"serve run tried to reach: {outside}"
+
+
+@pytest.mark.real_model
+def test_the_readme_main_command_serves_the_embedded_models(tmp_path: Path) -> None:
+    """`dsbd serve` with no options: SmolLM2 + its draft, answering the openai client."""
+    import json
+
+    import openai
+
+    port, ready = free_port(), tmp_path / "ready"
+    process = subprocess.Popen(
+        [*DSBD, "serve", "--port", str(port), "--ready-file", str(ready)],
+        cwd=REPO,
+        stdout=(tmp_path / "log").open("w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 600
+        while not ready.exists() or not ready.read_text().endswith("}"):
+            if process.poll() is not None or time.monotonic() > deadline:
+                pytest.fail((tmp_path / "log").read_text()[-3000:])
+            time.sleep(1)
+        info = json.loads(ready.read_text())
+        client = openai.OpenAI(base_url=f"{info['url']}/v1", api_key="unused", max_retries=0)
+        reply = client.chat.completions.create(
+            model="smollm2",
+            messages=[{"role": "user", "content": "What is 2 + 2?"}],
+            max_tokens=12,
+            n=2,
+            seed=0,
+            extra_body={"width": 3, "gamma": 2},
+        )
+        assert len(reply.choices) == 2 and reply.choices[0].message.content.strip()
+        assert reply.usage.completion_tokens > 0
+    finally:
+        # SIGTERM, what Kubernetes and systemd send (the serving tests stop with SIGINT): Ray's
+        # own handler once aborted the process mid-shutdown and left its agents running
+        stop(process, lambda: process.send_signal(signal.SIGTERM))

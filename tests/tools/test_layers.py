@@ -1,0 +1,213 @@
+"""The layering the project promises (docs/ARCHITECTURE.md), checked on the source itself.
+
+Layers, imports pointing down only:
+
+    dsbd_core.algorithm   pure torch: config, distributions, verify, width, engine, loop, scorers
+    dsbd_core.models      transformers models behind the scorer protocol
+    dsbd_core.tools       distill, acceptance, bench, theory        deployments (Ray Serve)
+    dsbd                  the CLI: every `dsbd` subcommand
+
+Every import in every module counts, also the ones inside functions (a lazy import is still a
+dependency), so a cycle cannot hide behind one. The size rules keep files and functions small
+enough to read: no source file over 500 lines, no function over 60 statements.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+PACKAGES = ("dsbd_core", "deployments", "dsbd")
+# (layer, rank): a module may import project modules of its own rank or lower, never higher,
+# and never a sibling layer of the same rank (tools and deployments know nothing of each other).
+LAYERS = [
+    ("dsbd_core.algorithm", 0),
+    ("dsbd_core.models", 1),
+    ("dsbd_core.tools", 2),
+    ("deployments", 2),
+    ("dsbd", 3),
+    ("dsbd_core", 0),  # the package itself: a facade over the algorithm
+]
+# Third-party packages a layer must not import (what makes it usable on its own).
+FORBIDDEN = {
+    "dsbd_core.algorithm": ("transformers", "ray", "accelerate", "gguf"),
+    "dsbd_core": ("transformers", "ray"),
+    "dsbd_core.models": ("ray",),
+    "dsbd_core.tools": ("ray",),
+}
+MAX_LINES = 500
+MAX_STATEMENTS = 60
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for package in PACKAGES:
+        for path in sorted((REPO / package).rglob("*.py")):
+            parts = list(path.relative_to(REPO).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            out[".".join(parts)] = path
+    return out
+
+
+def _layer(module: str) -> tuple[str, int]:
+    for name, rank in LAYERS:
+        if module == name or module.startswith(name + "."):
+            return name, rank
+    raise AssertionError(f"{module} belongs to no layer")
+
+
+def _imports(module: str, path: Path, known: set[str]) -> set[str]:
+    """Project modules and top-level third-party packages `module` imports anywhere."""
+    tree = ast.parse(path.read_text())
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            names = [f"{base}.{alias.name}" for alias in node.names] + [base]
+        for name in names:
+            while name and name not in known and "." in name:
+                name = name.rpartition(".")[0]
+            found.add(name if name in known else name.split(".")[0])
+    found.discard(module)
+    return found
+
+
+@pytest.fixture(scope="module")
+def graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {m: _imports(m, p, set(modules)) for m, p in modules.items()}
+
+
+def test_imports_point_down(graph: dict[str, set[str]]) -> None:
+    wrong = []
+    for module, imported in graph.items():
+        layer, rank = _layer(module)
+        for other in imported:
+            if other in graph:
+                other_layer, other_rank = _layer(other)
+                sideways = other_rank == rank and other_layer != layer and layer != "dsbd_core"
+                if other_rank > rank or sideways:
+                    wrong.append(f"{module} ({layer}) imports {other} ({other_layer})")
+            elif other in FORBIDDEN.get(layer, ()):
+                wrong.append(f"{module} ({layer}) imports {other}")
+    assert not wrong, "\n".join(sorted(wrong))
+
+
+def test_no_import_cycle(graph: dict[str, set[str]]) -> None:
+    """Tarjan's strongly connected components over project modules: every one a single module."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in graph:
+                continue
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    # Packages import their own modules (re-exports) and modules import their package's
+    # facade; a package with its own children is not a cycle of concerns.
+    real = [c for c in cycles if not _package_with_children(c)]
+    assert not real, f"import cycles: {real}"
+
+
+def _package_with_children(component: list[str]) -> bool:
+    shortest = min(component, key=len)
+    return all(m == shortest or m.startswith(shortest + ".") for m in component)
+
+
+def _tracked_python_files() -> list[Path]:
+    listed = subprocess.run(
+        ["git", "ls-files", "*.py"], cwd=REPO, capture_output=True, text=True, check=True
+    ).stdout.split()
+    return [REPO / name for name in listed if (REPO / name).is_file()]
+
+
+def _statements(function: ast.AST) -> int:
+    """Statements in a function's body, nested blocks included, nested definitions as one."""
+    count, stack = 0, list(getattr(function, "body", []))
+    while stack:
+        statement = stack.pop()
+        count += 1
+        if isinstance(statement, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            continue
+        for name in ("body", "orelse", "finalbody"):
+            stack.extend(s for s in getattr(statement, name, []) or [] if isinstance(s, ast.stmt))
+        for handler in getattr(statement, "handlers", []) or []:
+            stack.extend(handler.body)
+        for case in getattr(statement, "cases", []) or []:
+            stack.extend(case.body)
+    return count
+
+
+@pytest.mark.slow
+def test_files_and_functions_are_small() -> None:
+    long_files, long_functions = [], []
+    for path in _tracked_python_files():
+        text = path.read_text()
+        name = path.relative_to(REPO)
+        if text.count("\n") > MAX_LINES:
+            long_files.append(f"{name}: {text.count(chr(10))} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                if (n := _statements(node)) > MAX_STATEMENTS:
+                    long_functions.append(f"{name}:{node.lineno} {node.name}: {n} statements")
+    assert not long_files, "\n".join(long_files)
+    assert not long_functions, "\n".join(long_functions)
+
+
+@pytest.mark.slow
+def test_the_algorithm_imports_nothing_heavy() -> None:
+    """Importing the algorithm (and the dsbd_core facade) loads neither transformers nor Ray."""
+    code = (
+        "import sys, dsbd_core, dsbd_core.algorithm.loop, dsbd_core.algorithm.lockstep; "
+        "bad = [m for m in ('transformers', 'ray', 'deployments', 'dsbd') if m in sys.modules]; "
+        "print(','.join(bad))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == ""
+
+
+def test_every_layer_is_a_known_package(graph: dict[str, set[str]]) -> None:
+    by_layer: dict[str, int] = defaultdict(int)
+    for module in graph:
+        by_layer[_layer(module)[0]] += 1
+    assert set(by_layer) == {name for name, _ in LAYERS}
