@@ -23,7 +23,7 @@ from deployments.decode.state import RouterState
 from dsbd_core.algorithm.config import SamplingConfig
 from dsbd_core.algorithm.control import Controller
 from dsbd_core.algorithm.cost_model import Calibration, ForwardCosts
-from dsbd_core.algorithm.iteration_timer import IterationTimer, summarise, timing_plan
+from dsbd_core.algorithm.iteration_timer import summarise, timing_plan
 from dsbd_core.models.calibrate import (
     ITERATION_TOKENS,
     PASS_RATE_TOKENS,
@@ -98,15 +98,15 @@ async def pair_pass_rates(
     parts = _parts(verifier, draft, PASS_RATE_TOKENS)
     if parts is None:
         return []
-    text = await asyncio.to_thread(read_cached, "served-pass-rates", parts)
-    if text is None:
+
+    async def measure() -> list[float]:
         config = pass_rate_config(parts["stop"])
         counter = PassCounter(config)
         vocab_size = int(verifier["vocab_size"])
         await asyncio.gather(*(run(vocab_size, config, counter, p) for p in parts["prompts"]))
-        text = json.dumps(counter.rates())
-        await asyncio.to_thread(store_cached, "served-pass-rates", parts, text)
-    return [float(x) for x in json.loads(text)]
+        return counter.rates()
+
+    return [float(x) for x in await _cached("served-pass-rates", parts, measure)]
 
 
 async def pair_iteration_seconds(
@@ -119,17 +119,25 @@ async def pair_iteration_seconds(
     parts = _parts(verifier, draft, ITERATION_TOKENS)
     if parts is None:
         return {}
-    text = await asyncio.to_thread(read_cached, "served-iteration-seconds", parts)
-    if text is None:
+
+    async def measure() -> dict[str, Any]:
         config = iteration_config(parts["stop"])
         vocab_size = int(verifier["vocab_size"])
-        timers = []
-        for prompt, schedule, timed in timing_plan(parts["prompts"], config.gamma):
-            timer = IterationTimer(config, schedule)
+        plan = timing_plan(parts["prompts"], config)
+        for prompt, timer in plan:
             await run(vocab_size, config, timer, prompt)
-            if timed:
-                timers.append(timer)
-        seconds, catch_up = summarise(timers, config.gamma)
-        text = json.dumps({"iteration_s": seconds, "catch_up_s": catch_up})
-        await asyncio.to_thread(store_cached, "served-iteration-seconds", parts, text)
-    return iteration_fields(json.loads(text), parts["stop"])
+        seconds, catch_up = summarise([timer for _, timer in plan], config.gamma)
+        return {"iteration_s": seconds, "catch_up_s": catch_up}
+
+    timed = await _cached("served-iteration-seconds", parts, measure)
+    return iteration_fields(timed, parts["stop"])
+
+
+async def _cached(name: str, parts: dict[str, Any], measure: Callable[[], Awaitable[Any]]) -> Any:
+    """What `measure()` found for `parts` on this machine: decoded once, then read from the
+    calibration cache (`calibrate.read_cached` / `store_cached`)."""
+    text = await asyncio.to_thread(read_cached, name, parts)
+    if text is None:
+        text = json.dumps(await measure())
+        await asyncio.to_thread(store_cached, name, parts, text)
+    return json.loads(text)

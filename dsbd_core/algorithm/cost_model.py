@@ -204,6 +204,8 @@ class CostController:
         self.policy = policy or CostPolicy()
         self.gamma_max = config.gamma if uses_draft and calibration.draft is not None else 0
         self.draft_width = config.effective_draft_width
+        # an iteration's price at each depth 0..gamma: fixed by the calibration and the request
+        self.prices = [self._price(gamma) for gamma in range(config.gamma + 1)]
         self.rates = [_Rate(prior, self.policy.prior_weight) for prior in self.priors()]
         self.since_draft = 0  # iterations since the last one that drafted
         self.drafted = False  # whether the draft has run (fed the prompt) yet
@@ -302,9 +304,12 @@ class CostController:
         return self.since_draft * self.iteration_seconds(0)
 
     def iteration_seconds(self, gamma: int) -> float:
-        """Predicted seconds of an iteration of depth gamma: the sum of its parts, scaled by
-        what whole iterations timed at calibration took at that depth (the measured seconds
-        themselves at the widths they were timed at)."""
+        """Predicted seconds of an iteration of depth gamma (0..the request's gamma)."""
+        return self.prices[gamma]
+
+    def _price(self, gamma: int) -> float:
+        """The sum of an iteration's parts, scaled by what whole iterations timed at calibration
+        took at that depth (the measured seconds themselves at the widths they were timed at)."""
         return self.parts_seconds(gamma, self.config.width, self.draft_width) * self.scale(gamma)
 
     def parts_seconds(self, gamma: int, width: int, draft_width: int) -> float:

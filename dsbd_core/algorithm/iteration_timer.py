@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 from dsbd_core.algorithm.config import SamplingConfig
 from dsbd_core.algorithm.control import Knobs
@@ -35,10 +35,13 @@ class IterationTimer:
     """A `Controller` that runs the depths of `schedule`, one per iteration (the last one
     repeating), and times each whole iteration."""
 
-    def __init__(self, config: SamplingConfig, schedule: Sequence[int]) -> None:
+    def __init__(
+        self, config: SamplingConfig, schedule: Sequence[int], *, counted: bool = True
+    ) -> None:
         if not schedule or not all(0 <= g <= config.gamma for g in schedule):
             raise ValueError(f"schedule={list(schedule)}: depths must be in 0..{config.gamma}")
         self.schedule = list(schedule)
+        self.counted = counted  # False: a warm-up, left out of `summarise`
         self._draft_width = config.effective_draft_width
         self._marks: list[float] = []
 
@@ -69,26 +72,28 @@ CATCH_UP = 8
 
 
 def timing_plan(
-    prompts: Sequence[list[int]], max_gamma: int
-) -> Iterator[tuple[list[int], list[int], bool]]:
-    """(prompt, schedule, timed) in the order to decode them: one untimed warm-up decode (a
-    process's first decode pays one-time costs: kernel choice, allocations), then on each prompt
-    in turn every fixed depth 0..max_gamma and a probe, so that a drift of the machine's speed
-    falls on all of them alike."""
+    prompts: Sequence[list[int]], config: SamplingConfig
+) -> list[tuple[list[int], IterationTimer]]:
+    """(prompt, timer) in the order to decode them, each decode with its timer as controller:
+    one warm-up decode that is not counted (a process's first decode pays one-time costs: kernel
+    choice, allocations), then on each prompt in turn every fixed depth 0..gamma and a probe, so
+    that a drift of the machine's speed falls on all of them alike."""
     if not prompts:
-        return
-    yield list(prompts[0]), [max_gamma], False
+        return []
+    plan = [(list(prompts[0]), IterationTimer(config, [config.gamma], counted=False))]
     for prompt in prompts:
-        for gamma in range(max_gamma + 1):
-            yield list(prompt), [gamma], True
-        yield list(prompt), [1] + [0] * CATCH_UP + [1, 0], True
+        schedules = [[gamma] for gamma in range(config.gamma + 1)]
+        schedules.append([1] + [0] * CATCH_UP + [1, 0])
+        plan += [(list(prompt), IterationTimer(config, schedule)) for schedule in schedules]
+    return plan
 
 
 def summarise(timers: Sequence[IterationTimer], max_gamma: int) -> tuple[list[float], float | None]:
     """(the median seconds of an iteration at each depth 0..max_gamma with the draft caught
     up, the median seconds a drafted iteration adds per iteration the draft is behind);
-    ([], None) when some depth has no iteration (nothing to compare it with)."""
-    rows = [r for t in timers for r in t.records()]
+    ([], None) when some depth has no iteration (nothing to compare it with). Timers not
+    `counted` (warm-ups) are left out."""
+    rows = [r for t in timers if t.counted for r in t.records()]
     medians = []
     for gamma in range(max_gamma + 1):
         seconds = [s for g, s, behind in rows if g == gamma and behind in (None, 0)]

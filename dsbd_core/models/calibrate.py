@@ -34,7 +34,7 @@ from dsbd_core.algorithm.config import SamplingConfig
 from dsbd_core.algorithm.control import FixedKnobs, Knobs
 from dsbd_core.algorithm.cost_model import Calibration, ForwardCosts, layer_passes
 from dsbd_core.algorithm.decoders import generate_batch
-from dsbd_core.algorithm.iteration_timer import IterationTimer, summarise, timing_plan
+from dsbd_core.algorithm.iteration_timer import summarise, timing_plan
 from dsbd_core.algorithm.loop import Decode, run_decode
 from dsbd_core.algorithm.scorer import ForestLayer, ForestLogprobs, ForestScorer, Roots
 from dsbd_core.algorithm.state import DecodeState, Outcome
@@ -373,16 +373,44 @@ def pair_pass_rates(
 ) -> list[float]:
     """`measure_pass_rates` for a pair, measured once per machine and cached like its costs
     (the rates depend on the draft's variant and dtype, which the identity holds)."""
+    measured = _pair_measurement(
+        "pass-rates",
+        measure_pass_rates,
+        PASS_RATE_TOKENS,
+        target,
+        draft,
+        identity,
+        prompts,
+        stop_ids,
+        force=force,
+        path=path,
+    )
+    return [float(x) for x in measured]
+
+
+def _pair_measurement(
+    name: str,
+    measure: Callable[[ForestScorer, ForestScorer, list[list[int]], tuple[int, ...]], Any],
+    tokens: int,
+    target: torch.nn.Module,
+    draft: torch.nn.Module,
+    identity: dict[str, object],
+    prompts: list[list[int]],
+    stop_ids: tuple[int, ...],
+    *,
+    force: bool,
+    path: str,
+) -> Any:
+    """What `measure` finds decoding `prompts` (`tokens` each) with the pair's scorers on its
+    decode path: measured once per machine, then read from the cache (JSON)."""
     from dsbd_core.models.decode_path import make_scorer
 
-    def measure() -> str:
-        rates = measure_pass_rates(
-            make_scorer(target, path), make_scorer(draft, path), prompts, stop_ids
-        )
-        return json.dumps(rates)
+    def run() -> str:
+        scorers = make_scorer(target, path), make_scorer(draft, path)
+        return json.dumps(measure(*scorers, prompts, stop_ids))
 
-    parts = {**identity, "prompts": prompts, "tokens": PASS_RATE_TOKENS, "stop": stop_ids}
-    return [float(x) for x in json.loads(_cached("pass-rates", parts, measure, force))]
+    parts = {**identity, "prompts": prompts, "tokens": tokens, "stop": stop_ids}
+    return json.loads(_cached(name, parts, run, force))
 
 
 def iteration_config(stop_ids: tuple[int, ...]) -> SamplingConfig:
@@ -410,13 +438,10 @@ def measure_iteration_seconds(
     draft's catch-up per iteration behind, one session at a time over `prompts`
     (`iteration_timer`)."""
     config = iteration_config(stop_ids)
-    timers = []
-    for prompt, schedule, timed in timing_plan(prompts, config.gamma):
-        timer = IterationTimer(config, schedule)
+    plan = timing_plan(prompts, config)
+    for prompt, timer in plan:
         generate_batch("dsbd", target, [prompt], config, draft, controller=timer)
-        if timed:
-            timers.append(timer)
-    seconds, catch_up = summarise(timers, config.gamma)
+    seconds, catch_up = summarise([timer for _, timer in plan], config.gamma)
     return {"iteration_s": seconds, "catch_up_s": catch_up}
 
 
@@ -431,16 +456,19 @@ def pair_iteration_seconds(
     path: str = "dynamic",
 ) -> dict[str, Any]:
     """`measure_iteration_seconds` for a pair, measured once per machine and cached."""
-    from dsbd_core.models.decode_path import make_scorer
-
-    def measure() -> str:
-        timed = measure_iteration_seconds(
-            make_scorer(target, path), make_scorer(draft, path), prompts, stop_ids
-        )
-        return json.dumps(timed)
-
-    parts = {**identity, "prompts": prompts, "tokens": ITERATION_TOKENS, "stop": stop_ids}
-    return dict(json.loads(_cached("iteration-seconds", parts, measure, force)))
+    measured = _pair_measurement(
+        "iteration-seconds",
+        measure_iteration_seconds,
+        ITERATION_TOKENS,
+        target,
+        draft,
+        identity,
+        prompts,
+        stop_ids,
+        force=force,
+        path=path,
+    )
+    return dict(measured)
 
 
 def _synchronize(device: torch.device) -> None:
