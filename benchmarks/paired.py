@@ -6,7 +6,8 @@ table uses), e.g. DSBD under transformers' law against transformers' own beam sa
         dsbd-w3-g3-fixed-tf hf-beam-w3
 
 Prints the speed ratio (the reference's time per token over the method's) with its 95 %
-bootstrap interval, and the per-token log-likelihood and pass@1 differences with theirs.
+bootstrap interval, the per-token log-likelihood and pass@1 differences with theirs, and each
+request's speed ratio with the requests below `--floor` (0.97: issue 35's per-request bound).
 """
 
 from __future__ import annotations
@@ -23,8 +24,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("run", type=Path, help="a dsbd bench output directory")
     parser.add_argument("method")
     parser.add_argument("reference")
+    parser.add_argument("--floor", type=float, default=0.97, help="per-request speed bound")
     args = parser.parse_args(argv)
-    summary = compare(read_records(args.run / "records.jsonl"), args.method, args.reference)
+    records = read_records(args.run / "records.jsonl")
+    summary = compare(records, args.method, args.reference)
     time = summary.time_vs_reference
     print(f"{args.method} against {args.reference} ({summary.prompts} prompts)")
     if time is not None:
@@ -36,7 +39,25 @@ def main(argv: list[str] | None = None) -> int:
     for name, value in differences:
         if value is not None:
             print(f"  Δ {name}: {value.value:+.3f} [{value.low:+.3f}, {value.high:+.3f}]")
+    ratios = per_request(records, args.method, args.reference)
+    below = [(prompt, ratio) for prompt, ratio in ratios if ratio < args.floor]
+    print(f"  per request: {len(below)} of {len(ratios)} below {args.floor}x", end="")
+    print(": " + ", ".join(f"{p} {r:.3f}x" for p, r in below) if below else "")
+    if ratios:
+        print(f"  slowest request: {min(r for _, r in ratios):.3f}x")
     return 0
+
+
+def per_request(records: list, method: str, reference: str) -> list[tuple[str, float]]:
+    """(prompt, the reference's seconds per token over the method's) for every prompt both
+    decoded (the median of the timing rounds where the run had several)."""
+    ours = {r.prompt_id: r for r in records if r.method == method}
+    theirs = {r.prompt_id: r for r in records if r.method == reference}
+    return [
+        (prompt, (theirs[prompt].seconds / theirs[prompt].tokens) / (r.seconds / r.tokens))
+        for prompt, r in ours.items()
+        if prompt in theirs
+    ]
 
 
 if __name__ == "__main__":

@@ -88,6 +88,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=4,
         help="unrecorded warm-up decode per method (0 = none)",
     )
+    parser.add_argument(
+        "--timing-rounds",
+        type=int,
+        default=1,
+        help="decode every prompt this many times per method, interleaved; seconds are the "
+        "median (default: 1)",
+    )
     parser.add_argument("--humaneval-timeout", type=float, default=10.0, help="seconds")
     parser.add_argument(
         "--sandbox",
@@ -157,6 +164,7 @@ def build_config(args: argparse.Namespace) -> BenchConfig:
         draft_head_tokens=args.draft_head_tokens,
         threads=args.threads,
         warmup_tokens=args.warmup_tokens,
+        timing_rounds=args.timing_rounds,
         humaneval_timeout_s=args.humaneval_timeout,
         sandbox=args.sandbox,
     )

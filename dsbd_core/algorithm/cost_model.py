@@ -30,6 +30,14 @@ time since the draft last ran (a large draft's catch-up is dear: the Qwen pair's
 adds ~10 ms per step it sat out to a 110 ms beam step on an AMD EPYC, so once it stops paying
 it is not probed again). A pair whose measured rates say speculation does not pay starts at the
 longest interval.
+
+Per request, the drafted iterations may cost at most `loss_budget` (2 %) of what beam sampling
+would take for max_new_tokens beyond the beam steps they stand in for, counted in the same
+prices: a depth (or a probe) is drafted only while its worst case, a first layer that fails,
+stays within what is left of it, and what drafting saved adds to it. So a request whose draft
+does not agree loses at most that share, whatever the priors promised; a draft whose prompt
+alone costs more to feed than the budget (a large draft on a CPU whose long forwards are dear)
+is not run at all.
 """
 
 from __future__ import annotations
@@ -134,6 +142,14 @@ class CostPolicy(BaseModel):
         "as a share of the time since the draft last ran: a draft whose catch-up is dear "
         "is not probed at all once it stopped paying.",
     )
+    loss_budget: float = Field(
+        0.02,
+        ge=0,
+        le=1,
+        description="The most the request's drafted iterations may cost beyond the beam steps "
+        "they stand in for, as a share of a beam-sampling decode of max_new_tokens: a depth "
+        "is drafted only while its worst case (one token emitted) keeps the request within it.",
+    )
 
 
 def expected_tokens(pass_rates: list[float], gamma: int) -> float:
@@ -209,6 +225,10 @@ class CostController:
         self.rates = [_Rate(prior, self.policy.prior_weight) for prior in self.priors()]
         self.since_draft = 0  # iterations since the last one that drafted
         self.drafted = False  # whether the draft has run (fed the prompt) yet
+        # predicted seconds the drafted iterations cost beyond the beam steps that would have
+        # emitted their tokens (negative: saved); the catch-up of the pending iteration
+        self.loss = 0.0
+        self._pending_lag = 0.0
         self._prompt_tokens: float | None = None
         # probes that found speculation still not paying double the interval to the next (a
         # probe costs a draft pass, the draft's catch-up and a forest verify: with a draft that
@@ -233,14 +253,29 @@ class CostController:
         if gamma > 0:
             self.probe_interval = self.policy.probe_every
         elif self.gamma_max > 0 and self.since_draft + 1 >= self.probe_interval:
-            if self.probe_seconds(state) <= self.policy.probe_budget * self.idle_seconds():
+            cheap = self.probe_seconds(state) <= self.policy.probe_budget * self.idle_seconds()
+            if cheap and self.affordable(1, state):
                 gamma = 1
             longest = self.policy.probe_every * self.policy.probe_backoff
             self.probe_interval = min(2 * self.probe_interval, longest)
         if gamma > 0:
+            self._pending_lag = self.catch_up_seconds(state)
             self.drafted = True
         self.chosen.append(gamma)
         return Knobs(gamma=gamma, draft_width=self.draft_width)
+
+    def affordable(self, gamma: int, state: DecodeState | None) -> bool:
+        """Whether an iteration of depth gamma keeps the request within `loss_budget` even if
+        its first layer fails: it then emits the one token a beam step would, at its own price
+        and the draft's catch-up. Savings of earlier drafted iterations count towards it, so a
+        draft that pays may keep drafting; one that lost its share is not drafted again."""
+        worst = self.iteration_seconds(gamma) + self.catch_up_seconds(state)
+        worst -= self.iteration_seconds(0)
+        return self.loss + worst <= self.loss_budget_seconds()
+
+    def loss_budget_seconds(self) -> float:
+        """`loss_budget` of what beam sampling takes for the request's max_new_tokens."""
+        return self.policy.loss_budget * self.iteration_seconds(0) * self.config.max_new_tokens
 
     def observe(self, state: DecodeState, outcome: Outcome, knobs: Knobs) -> None:
         if state.live is None or not bool(state.live.any()):
@@ -250,6 +285,10 @@ class CostController:
             self.since_draft += 1
             return
         self.since_draft = 0
+        # tokens per beam: one, and one more for every layer that passed (mean over sessions)
+        emitted = 1.0 + sum(passed for passed, _ in counts) / max(counts[0][1], 1.0)
+        self.loss += self.iteration_seconds(knobs.gamma) + self._pending_lag
+        self.loss -= emitted * self.iteration_seconds(0)
         for rate, (passed, tried) in zip(self.rates, counts, strict=True):
             rate.add(passed, tried, self.policy.memory)
 
@@ -260,8 +299,9 @@ class CostController:
     def best_gamma(self, state: DecodeState | None = None) -> int:
         """The depth that saves the most time over the rest of the decode: per token, a beam
         step's seconds less depth gamma's seconds per expected token, times the tokens left,
-        less what the draft's catch-up costs first (ties: the shallower). With the draft caught
-        up that is the depth with the most tokens per second."""
+        less what the draft's catch-up costs first (ties: the shallower), among the depths the
+        request's loss budget affords. With the draft caught up and the budget untouched that
+        is the depth with the most tokens per second."""
         lag = self.catch_up_seconds(state)
         per_token = [
             self.iteration_seconds(g) / expected_tokens(self.pass_rates, g)
@@ -271,7 +311,7 @@ class CostController:
         best, best_saving = 0, 0.0
         for gamma in range(1, self.gamma_max + 1):
             saving = (per_token[0] - per_token[gamma]) * left - lag
-            if saving > best_saving + 1e-9 * per_token[0]:
+            if saving > best_saving + 1e-9 * per_token[0] and self.affordable(gamma, state):
                 best, best_saving = gamma, saving
         return best
 

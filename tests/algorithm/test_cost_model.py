@@ -8,12 +8,13 @@ one that starts from the pair's measured rates drafts only where the measurement
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from dsbd_core import SamplingConfig
-from dsbd_core.algorithm.cost_model import Calibration, CostController, ForwardCosts
+from dsbd_core.algorithm.cost_model import Calibration, CostController, CostPolicy, ForwardCosts
 from dsbd_core.algorithm.decoders import generate
 from dsbd_core.algorithm.iteration_timer import IterationTimer
 from dsbd_core.models.calibrate import calibrate, measure_iteration_seconds, measure_pass_rates
@@ -172,3 +173,43 @@ def test_an_iteration_timer_runs_its_schedule_and_knows_how_far_the_draft_is_beh
     assert all(g == 0 for g, _, _ in records[6:])  # the last depth repeats
     with pytest.raises(ValueError, match="schedule"):
         IterationTimer(config, [4])
+
+
+def _decode_with_budget(loss_budget: float, seed: int) -> CostController:
+    """A 48-token request on a tiny pair whose draft rarely agrees, under a calibration that
+    promises it agrees 95 % of the time and that a drafted layer costs half a beam step."""
+    cal = Calibration(
+        **COSTS, pass_rates=[0.95], iteration_s=[0.010, 0.015, 0.020, 0.025], catch_up_s=0.0005
+    )
+    config = SamplingConfig(max_new_tokens=48, seed=seed)
+    controller = CostController(config, cal, CostPolicy(loss_budget=loss_budget, memory=1.0))
+    generate(
+        "dsbd",
+        TransformerScorer(tiny("llama", 1)),
+        [1, 2, 3],
+        config,
+        draft=TransformerScorer(tiny("llama", 7)),
+        controller=controller,
+    )
+    return controller
+
+
+def test_a_request_loses_at_most_its_budget_to_a_draft_that_does_not_agree() -> None:
+    """Hopeful priors keep drafting while the request's own evidence piles up; the loss budget
+    stops it once the worst case of another drafted iteration would pass 2 % of a beam decode."""
+    for seed in range(3):
+        bounded = _decode_with_budget(0.02, seed)
+        assert any(gamma > 0 for gamma in bounded.chosen)
+        assert bounded.loss <= bounded.loss_budget_seconds() + 1e-12
+        unbounded = _decode_with_budget(1.0, seed)  # the same request without the bound
+        assert unbounded.loss > bounded.loss_budget_seconds()
+
+
+def test_a_draft_whose_prompt_costs_more_than_the_budget_is_not_run() -> None:
+    cal = Calibration(**COSTS, pass_rates=[0.9], catch_up_s=0.01)
+    controller = CostController(SamplingConfig(max_new_tokens=64), cal)
+    state = SimpleNamespace(prompt_len=torch.tensor([300]))  # 100 beam steps' worth to feed
+    assert not controller.affordable(1, state)  # type: ignore[arg-type]
+    assert controller.knobs(state).gamma == 0  # type: ignore[arg-type]
+    short = CostController(SamplingConfig(max_new_tokens=64), cal)
+    assert short.knobs(SimpleNamespace(prompt_len=torch.tensor([3]))).gamma > 0  # type: ignore[arg-type]

@@ -13,6 +13,7 @@ import datetime
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 from collections.abc import Callable
@@ -124,17 +125,42 @@ def run_bench(
     bar = _progress(total, len(done), progress)
     for index, (prompt, ids) in enumerate(zip(prompts, prompt_ids, strict=True)):
         shift = index % len(specs)
-        for order, spec in enumerate(specs[shift:] + specs[:shift]):
-            if (prompt.id, spec.name) in done:
-                continue
+        ordered = [
+            (order, spec)
+            for order, spec in enumerate(specs[shift:] + specs[:shift])
+            if (prompt.id, spec.name) not in done
+        ]
+        measured_here = []
+        for order, spec in ordered:
             bar.set_description(f"{prompt.id} {spec.name}")
-            record = _measure_one(
-                spec, pair, prompt, ids, base_config(index), config, index, order, energy, sandbox
+            measured_here.append(
+                _measure_one(
+                    spec,
+                    pair,
+                    prompt,
+                    ids,
+                    base_config(index),
+                    config,
+                    index,
+                    order,
+                    energy,
+                    sandbox,
+                )
             )
+            bar.update(1)
+        rounds = [[r.seconds] for r in measured_here]
+        for _ in range(config.timing_rounds - 1):  # the same decodes again, interleaved alike
+            for (_, spec), seconds in zip(ordered, rounds, strict=True):
+                seconds.append(
+                    _time_again(spec, pair, ids, base_config(index), config, index, energy)
+                )
+        for record, seconds in zip(measured_here, rounds, strict=True):
+            if config.timing_rounds > 1:
+                record.round_seconds = seconds
+                record.seconds = statistics.median(seconds)
             records.append(record)
             with (out_dir / "records.jsonl").open("a") as stream:
                 stream.write(record.model_dump_json() + "\n")
-            bar.update(1)
     bar.close()
     all_records = records + list(extra_records or [])
     result = BenchResult(
@@ -208,6 +234,22 @@ def _decode(spec: MethodSpec, pair: Pair, ids: list[int], base: SamplingConfig, 
     if spec.engine:
         return run_engine(spec, pair, ids, base)
     return run_hf(spec, pair, ids, base, seed)
+
+
+def _time_again(
+    spec: MethodSpec,
+    pair: Pair,
+    ids: list[int],
+    base: SamplingConfig,
+    config: BenchConfig,
+    index: int,
+    energy: EnergyMeter,
+) -> float:
+    """Wall seconds of one more decode of a measured prompt (the same seed: the same tokens),
+    timed as the first was."""
+    with measured(pair.device, energy) as cost:
+        _decode(spec, pair, ids, base, config.seed + index)
+    return cost.seconds
 
 
 def _measure_one(

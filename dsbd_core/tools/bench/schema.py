@@ -46,6 +46,13 @@ class BenchConfig(BaseModel):
     draft_head_tokens: int | None = Field(0, description="restricted draft head (0: full)")
     threads: int = Field(ge=1)
     warmup_tokens: int = Field(ge=0, description="tokens of the unrecorded warm-up decodes")
+    timing_rounds: int = Field(
+        1,
+        ge=1,
+        description="times every method decodes each prompt, the methods interleaved in each "
+        "round; a record's seconds are the median of its rounds (per-request ratios on a "
+        "shared machine need more than one)",
+    )
     humaneval_timeout_s: float = Field(gt=0)
     sandbox: str | None = Field(description="HumanEval sandbox mode; None = best available")
 
@@ -65,6 +72,9 @@ class MethodRecord(BaseModel):
     seed: int
     seconds: float = Field(description="wall time of the decode")
     cpu_seconds: float = Field(description="this process's CPU time during the decode")
+    round_seconds: list[float] | None = Field(
+        None, description="wall time of each timing round (seconds is their median)"
+    )
     tokens: int = Field(description="decoding steps (longest generated sequence)")
     answer_tokens: int = Field(description="tokens of the returned answer (best beam / sample)")
     target_forward_passes: int = Field(description="target model forward calls (hook count)")
