@@ -15,6 +15,7 @@ import torch
 
 from dsbd_core.algorithm.config import SamplingConfig
 from dsbd_core.algorithm.loop import Decode, Propose, Verify
+from dsbd_core.algorithm.methods import method_config
 from dsbd_core.algorithm.scorer import drive
 
 try:  # `python benchmarks/gpu_costs.py`: benchmarks/ is on sys.path
@@ -54,13 +55,9 @@ def timed_iterations(
     """Drive the decode loop as `run_decode` does and time `repeats` iterations (from sending
     the previous outcome, which advances the state, to this iteration's outcome)."""
     timers = [t for t in (target, draft) if t is not None]
+    method = "dsbd" if draft is not None else "beam"  # the config as given
     decode = Decode(
-        config,
-        target.vocab_size,
-        [prompt],
-        uses_draft=draft is not None,
-        device=device,
-        graph=graph,
+        method_config(method, config), target.vocab_size, [prompt], device=device, graph=graph
     )
     steps, vocab = decode.steps(), target.vocab_size
     answer = None

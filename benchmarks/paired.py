@@ -45,6 +45,18 @@ def main(argv: list[str] | None = None) -> int:
     print(": " + ", ".join(f"{p} {r:.3f}x" for p, r in below) if below else "")
     if ratios:
         print(f"  slowest request: {min(r for _, r in ratios):.3f}x")
+    # a request whose decode never ran the draft did a beam decode's work: its ratio is the
+    # machine's run-to-run noise, the spread every other ratio carries too
+    drafted = {r.prompt_id for r in records if r.method == args.method and r.draft_forward_passes}
+    for label, group in (
+        ("drafted", [x for x in ratios if x[0] in drafted]),
+        ("never drafted (noise)", [x for x in ratios if x[0] not in drafted]),
+    ):
+        if group:
+            values = sorted(r for _, r in group)
+            low = sum(r < args.floor for r in values)
+            print(f"  {label}: {len(values)} requests, {values[0]:.3f}x-{values[-1]:.3f}x,", end="")
+            print(f" {low} below {args.floor}x")
     return 0
 
 

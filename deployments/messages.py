@@ -22,8 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from dsbd_core.algorithm.config import SamplingConfig
 from dsbd_core.algorithm.loop import IterationCall
+from dsbd_core.algorithm.methods import MethodConfig
 from dsbd_core.algorithm.result import DecodeResult
 from dsbd_core.algorithm.scorer import ForestLayer
 from dsbd_core.algorithm.session_batch import BatchReport
@@ -74,8 +74,7 @@ class DecodeCall:
     the ingress can hand the same call to another replica when the first one dies."""
 
     prompt_ids: list[int]
-    config: SamplingConfig
-    uses_draft: bool
+    config: MethodConfig  # the request's method decides whether a draft runs
     adaptive: bool
     vocab_size: int
     trace: dict[str, str] = field(default_factory=dict)  # the request span (W3C carrier)

@@ -31,7 +31,7 @@ from deployments.batch.output import EXTENSIONS, OutputDir, OutputFormat
 from deployments.batch.rows import INPUT_SUFFIXES
 from dsbd.common import DEFAULT_DRAFT, DEFAULT_TARGET, add_pair_flags, fail
 from dsbd.sampling_flags import add_config_flags, config_from_args
-from dsbd_core.algorithm.decoders import METHODS, method_config
+from dsbd_core.algorithm.methods import METHODS, method_config
 from dsbd_core.models.pair import DraftOptions
 
 

@@ -1,14 +1,20 @@
-"""`dsbd bench`: the flags and entry of the benchmark (the harness is dsbd_core.tools.bench).
+"""`dsbd bench`: the benchmarks' entry points, and the flags and entry of the decode benchmark
+(its harness is dsbd_core.tools.bench).
 
-    dsbd bench                                  # smollm2 pair, quick mode
+    dsbd bench                                  # = dsbd bench decode: smollm2 pair, quick mode
     dsbd bench --pair qwen-coder --full         # HumanEval subset, long run (resumable)
     dsbd bench --methods beam-w3,dsbd-w3-g2-t0.9 --prompts 2 --max-new-tokens 16
     dsbd bench --report-only --out DIR [--extra-records other.jsonl]
+    dsbd bench serve|batch|load|chaos|soak ...  # the served path, batching, load, faults, memory
 
-Flags are validated (pydantic, the method grammar) before any model loads; invalid values exit
-with status 2 and name the flag, the value and what is allowed. The CLI builds the BenchConfig
-and hands it to the harness, which never reads a command line (benchmarks/bench.py reuses
-`add_arguments` and `main` as a script).
+`dsbd bench [flags]` and `dsbd bench decode [flags]` are the same run: the decode flags stay on
+`dsbd bench` itself, so commands written before the subcommands existed keep working. The other
+subcommands' flags and code live in dsbd/bench/, one module each (`add_arguments`, `run`).
+
+Decode flags are validated (pydantic, the method grammar) before any model loads; invalid values
+exit with status 2 and name the flag, the value and what is allowed. The CLI builds the
+BenchConfig and hands it to the harness, which never reads a command line (benchmarks/bench.py
+reuses `add_arguments` and `main` as a script).
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
 
+from dsbd.bench import batch, chaos, load, serve, soak
 from dsbd.common import add_pair_flags
 from dsbd_core.algorithm.config import config_error_message
 from dsbd_core.tools.bench.methods import GRAMMAR, MethodNameError, parse_methods, with_references
@@ -30,18 +37,51 @@ if TYPE_CHECKING:
     from dsbd_core.tools.bench.schema import BenchConfig
 
 DEFAULT_OUT = "benchmarks/results/bench_{pair}_{mode}"
+DECODE_DESCRIPTION = (
+    "Decode a fixed prompt set with sampling, SpS, beam sampling, DSBD and transformers' own "
+    "generate, methods interleaved per prompt in one process; writes results.json, table.md and "
+    "plots (benchmarks/README.md explains every figure)."
+)
+# `dsbd bench <name>` -> its module (add_arguments, run) and help, in the order --help lists them
+BENCHMARKS = {
+    "serve": (serve, "the served path: against in-process, DSBD against beam, its overhead"),
+    "batch": (batch, "batched decodes against one at a time: the `dsbd batch` job, the engine"),
+    "load": (load, "N clients against a running server: latency, errors, memory, sessions"),
+    "chaos": (chaos, "replicas SIGKILLed under load: failures, recoveries, seeded tokens"),
+    "soak": (soak, "steady load for 30 min: each server process's memory growth"),
+}
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
-    """Register `dsbd bench` and its flags."""
+    """Register `dsbd bench`: the decode flags on it (no subcommand: decode) and the
+    subcommands, each with its own flags."""
     bench = commands.add_parser(
         "bench",
-        help="benchmark every decoder side by side (speed, model calls, memory, quality)",
-        description="Decode a fixed prompt set with sampling, SpS, beam sampling, DSBD and "
-        "transformers' own generate, methods interleaved per prompt in one process; writes "
-        "results.json, table.md and plots (benchmarks/README.md explains every figure).",
+        help="benchmarks: every decoder side by side (decode, the default), the served path, "
+        "batching, load, chaos, soak",
+        description=DECODE_DESCRIPTION + " Without a subcommand: decode. The subcommands "
+        "measure the rest (`dsbd bench <subcommand> --help`); each writes one current result "
+        "under benchmarks/results/.",
     )
     add_arguments(bench)
+    benchmarks = bench.add_subparsers(dest="benchmark", title="subcommands", metavar="SUBCOMMAND")
+    decode = benchmarks.add_parser(
+        "decode",
+        help="every decoder side by side in one process (the default)",
+        description=DECODE_DESCRIPTION,
+    )
+    add_arguments(decode)
+    for name, (module, summary) in BENCHMARKS.items():
+        first_paragraph = " ".join((module.__doc__ or summary).split("\n\n")[0].split())
+        module.add_arguments(benchmarks.add_parser(name, help=summary, description=first_paragraph))
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run `dsbd bench [SUBCOMMAND]` (no subcommand: decode); returns the exit status."""
+    name = getattr(args, "benchmark", None)
+    if name in (None, "decode"):
+        return main(args)
+    return BENCHMARKS[name][0].run(args)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -171,7 +211,7 @@ def build_config(args: argparse.Namespace) -> BenchConfig:
 
 
 def main(args: argparse.Namespace) -> int:
-    """Run `dsbd bench`; exit status 2 for invalid flags."""
+    """Run `dsbd bench decode`; exit status 2 for invalid flags."""
     from dsbd_core.tools.bench import harness
 
     out = Path(args.out or DEFAULT_OUT.format(pair=args.pair, mode=args.mode))

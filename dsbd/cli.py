@@ -7,6 +7,7 @@
     dsbd distill --target smollm2 --out drafts/mine
     dsbd theory simulate --out theory-out
     dsbd bench --pair smollm2 --quick
+    dsbd bench serve --pair qwen-coder
     dsbd batch --input prompts.jsonl --output results.parquet
 
 Every `SamplingConfig` field is a flag (`--top-p`, `--w-min`, ...); the flags are only parsed
@@ -17,8 +18,9 @@ the same message. Usage and config errors exit with status 2, before any model i
 This module is the parser and the dispatch only; each subcommand's flags and handler live in
 its own module of this package (generate_command, models_command, theory_command,
 acceptance_command, distill_command, serve_command, bench_command, batch_command; the shared
-SamplingConfig flags in sampling_flags). The CLI builds the validated settings and passes them
-down to dsbd_core and deployments, which never import `dsbd`.
+SamplingConfig flags in sampling_flags; the `dsbd bench` subcommands in bench/). The CLI builds
+the validated settings and passes them down to dsbd_core and deployments, which never import
+`dsbd`.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ _HANDLERS: dict[str, Callable[[argparse.Namespace], int]] = {
     "eval-acceptance": acceptance_command.run,
     "distill": distill_command.run,
     "serve": serve_command.run,
-    "bench": bench_command.main,
+    "bench": bench_command.run,
     "ray-env": lambda _args: serve_command.print_ray_env(),
     "batch": batch_command.run,
 }

@@ -26,7 +26,8 @@ from dsbd.common import (
 )
 from dsbd.sampling_flags import add_config_flags, config_from_args
 from dsbd_core.algorithm.config import SamplingConfig, config_error_message
-from dsbd_core.algorithm.decoders import METHODS, METHODS_WITH_DRAFT, generate
+from dsbd_core.algorithm.decoders import generate
+from dsbd_core.algorithm.methods import METHODS, drafts
 
 if TYPE_CHECKING:
     from dsbd_core.algorithm.result import DecodeResult
@@ -84,7 +85,7 @@ def _generate(args: argparse.Namespace, config: SamplingConfig, options: DraftOp
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     start = time.perf_counter()
-    uses_draft = args.method in METHODS_WITH_DRAFT
+    uses_draft = drafts(args.method)
     try:
         device = resolve_device(args.device)
         pair = load_pair(

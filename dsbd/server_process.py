@@ -1,6 +1,6 @@
 """`dsbd serve` as a child process: the one launcher the tests and the benchmarks share
-(tests/serving_harness.py; benchmarks/chaos.py kills its processes, benchmarks/soak.py samples
-them for half an hour, the serving benchmarks time requests through it).
+(tests/serving_harness.py; `dsbd bench chaos` kills its processes, `dsbd bench soak` samples
+them for half an hour, `dsbd bench serve` times requests through it: dsbd/bench/).
 
 The server is started the way users start it (`dsbd serve [--config FILE]`), bound to
 127.0.0.1 (Ray on loopback only: deployments/local_ray.py), in a session of its own, optionally

@@ -31,7 +31,8 @@ import yaml
 
 from dsbd import server_process
 from dsbd_core import SamplingConfig
-from dsbd_core.algorithm.decoders import METHODS_WITH_DRAFT, generate
+from dsbd_core.algorithm.decoders import generate
+from dsbd_core.algorithm.methods import METHODS_WITH_DRAFT
 from dsbd_core.models import load_causal_lm, load_tokenizer
 from dsbd_core.models.transformer_scorer import TransformerScorer
 from tests.serving.test_local_ray import is_loopback, peers

@@ -36,7 +36,7 @@ import psutil
 import torch
 
 from deployments.api.errors import APIError
-from dsbd_core.algorithm.config import SamplingConfig
+from dsbd_core.algorithm.methods import MethodConfig
 
 WORKING_COPIES = 4  # a session's KV caches as held during a batched forward (module docstring)
 SIDES = ("target", "draft")
@@ -92,15 +92,15 @@ def router_view(target: dict[str, Any], draft: dict[str, Any], routers: int) -> 
 
 
 def session_charge(
-    config: SamplingConfig, uses_draft: bool, prompt_len: int, view: dict[str, Any] | None
+    config: MethodConfig, prompt_len: int, view: dict[str, Any] | None
 ) -> dict[str, int]:
     """Bytes one decode is charged on each side (module docstring); {} without figures."""
     if not view:
         return {}
-    gamma = config.gamma if uses_draft else 0
+    gamma = config.draft_depth
     columns = prompt_len + config.max_new_tokens + gamma * config.effective_draft_width
     charge = {}
-    for side in SIDES if uses_draft else ("target",):
+    for side in SIDES if config.uses_draft else ("target",):
         if side in view:
             figures = view[side]
             per_column = figures["kv_bytes_per_token"] * figures["working_copies"]
@@ -109,18 +109,17 @@ def session_charge(
 
 
 def check_fits(
-    config: SamplingConfig,
-    uses_draft: bool,
+    config: MethodConfig,
     prompt_len: int,
     view: dict[str, Any] | None,
     tokens_field: str,
 ) -> None:
     """HTTP 400 for a decode that could never be admitted: its charge exceeds this ingress's
     share of a side's budget even with nothing else running."""
-    for side, charge in session_charge(config, uses_draft, prompt_len, view).items():
+    for side, charge in session_charge(config, prompt_len, view).items():
         figures = view[side]  # type: ignore[index]
         if charge > figures["share_bytes"]:
-            gamma = config.gamma if uses_draft else 0
+            gamma = config.draft_depth
             raise APIError(
                 400,
                 f"width={config.width} x (prompt of {prompt_len} tokens + {tokens_field}="

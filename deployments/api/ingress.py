@@ -72,7 +72,7 @@ from deployments.observability.observers import RequestObserver, note_method
 from deployments.observability.tracing import replica_id
 from deployments.replicas.allocator import active_allocator, allocator_stats
 from dsbd_core.algorithm.config import SamplingConfig
-from dsbd_core.algorithm.decoders import METHODS_WITH_DRAFT
+from dsbd_core.algorithm.methods import MethodConfig
 from dsbd_core.models import load_tokenizer
 
 app = FastAPI(
@@ -161,7 +161,7 @@ class Ingress:
         """Load as the width controller sees it, and one verifier, one draft and one router
         replica: id, pid, cached sessions and, when tensor-parallel, its ranks (pids, device);
         the ingress replica that answers (id, pid, decodes and session memory it admitted).
-        benchmarks/chaos.py kills replicas by these pids."""
+        `dsbd bench chaos` kills replicas by these pids."""
         load = await self.handles.controller.load.remote()
         verifier = await self.handles.verifier.info.remote()
         draft = await self.handles.draft.info.remote()
@@ -237,7 +237,7 @@ class Ingress:
             config, request.method, prompt_ids, tokens_field="max_new_tokens"
         )
         handed: list[str] = []  # hand-overs to another router (deployments/decode/client.py)
-        call = self._call(config, request.method, request.adaptive, prompt_ids)
+        call = self._call(config, request.adaptive, prompt_ids)
         end = await self._run(call, handed)
         result = end.result
         stats = result.stats.as_dict()
@@ -329,7 +329,7 @@ class Ingress:
                 f"n={request.n} exceeds this server's limit max_n={self.options.limits.max_n}",
                 "n",
             )
-        call = self._call(config, request.method, request.adaptive, prompt_ids)
+        call = self._call(config, request.adaptive, prompt_ids)
         if request.stream:
             leave = self._admit(call)
             ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
@@ -367,7 +367,7 @@ class Ingress:
                 None,
             )
         view = (self._info or {}).get("admission")
-        charge = session_charge(call.config, call.uses_draft, len(call.prompt_ids), view)
+        charge = session_charge(call.config, len(call.prompt_ids), view)
         self._memory.take(charge, view)
         self._running += 1
         counted = True
@@ -396,15 +396,12 @@ class Ingress:
         _report_end(end)
         return end
 
-    def _call(
-        self, config: SamplingConfig, method: str, adaptive: bool, prompt_ids: list[int]
-    ) -> DecodeCall:
+    def _call(self, config: MethodConfig, adaptive: bool, prompt_ids: list[int]) -> DecodeCall:
         """The decode a router replica runs for this request (in the request span's trace)."""
         assert self._info is not None
         return DecodeCall(
             prompt_ids=list(prompt_ids),
             config=config,
-            uses_draft=method in METHODS_WITH_DRAFT,
             adaptive=adaptive,
             vocab_size=int(self._info["vocab_size"]),
             trace=tracing.inject(trace.get_current_span()),
@@ -417,7 +414,7 @@ class Ingress:
         prompt_ids: list[int],
         *,
         tokens_field: str = "max_tokens",
-    ) -> SamplingConfig:
+    ) -> MethodConfig:
         """The method's config, checked against this server's limits and what the model can
         hold. Errors name the request's own fields: `tokens_field` is what the route calls the
         token budget (OpenAI `max_tokens`, native `max_new_tokens`); the draft width is W_S

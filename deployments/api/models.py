@@ -23,7 +23,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 
 from dsbd_core.algorithm.config import SamplingConfig
-from dsbd_core.algorithm.decoders import METHODS
+from dsbd_core.algorithm.methods import METHODS
 
 # SamplingConfig fields that OpenAI requests carry under their own names, that the server fills,
 # or that other fields decide (`search`: `method` or `use_beam_search`; `logprobs`: the routes'

@@ -23,7 +23,7 @@ from deployments.api.models import BEAM_METHODS
 from deployments.batch.output import OUTPUT_SCHEMA, error_record
 from deployments.batch.rows import BatchRow, parse_row
 from dsbd_core.algorithm.config import SamplingConfig
-from dsbd_core.algorithm.decoders import method_config
+from dsbd_core.algorithm.methods import MethodConfig, method_config
 from dsbd_core.models.pair import DraftOptions
 
 
@@ -161,11 +161,11 @@ class BatchDecoder:
                     records[k] = self._record(rows[k], request, n, outcome, len(requests))
         return pa.Table.from_pylist(records, schema=OUTPUT_SCHEMA)
 
-    def _controller(self, request: Any, config: SamplingConfig, uses_draft: bool) -> Any:
+    def _controller(self, request: Any, config: MethodConfig) -> Any:
         """A row's knob controller: the cost model (None: the row's own gamma every time)."""
         from dsbd_core.algorithm.cost_model import CostController
 
-        if self.calibration is None or not uses_draft:
+        if self.calibration is None or not config.uses_draft:
             return None
         return CostController(config, self.calibration)
 

@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from deployments.api.admission import check_fits
 from deployments.api.errors import APIError
 from dsbd_core.algorithm.config import SamplingConfig
-from dsbd_core.algorithm.decoders import METHODS_WITH_DRAFT, MethodConfigError, method_config
+from dsbd_core.algorithm.methods import MethodConfig, MethodConfigError, method_config
 
 
 class Limits(BaseModel):
@@ -62,7 +62,7 @@ def check_config(
     info: dict,
     limits: Limits,
     tokens_field: str,
-) -> SamplingConfig:
+) -> MethodConfig:
     """The method's config, checked against `limits` and what the model (`info`, the verifier's
     vocab_size and max_positions, and `admission`: the replicas' session memory as this router
     shares it) can hold; see `Ingress._config` for the fields it names."""
@@ -84,7 +84,7 @@ def check_config(
         (draft_field, config.effective_draft_width, limits.max_draft_width, "max_draft_width"),
         (
             "gamma",
-            config.gamma if method in METHODS_WITH_DRAFT else 0,
+            config.draft_depth,
             limits.max_gamma,
             "max_gamma",
         ),
@@ -92,7 +92,7 @@ def check_config(
         if value > limit:
             shown = f"prompt of {value} tokens" if field == "prompt" else f"{field}={value}"
             raise APIError(400, f"{shown} exceeds this server's limit {name}={limit}", field)
-    gamma = config.gamma if method in METHODS_WITH_DRAFT else 0
+    gamma = config.draft_depth
     needed = len(prompt_ids) + config.max_new_tokens + gamma + 1
     limit = int(info["max_positions"])
     if needed > limit:
@@ -103,7 +103,5 @@ def check_config(
             f"shorter prompt or a smaller {tokens_field}",
             tokens_field,
         )
-    check_fits(
-        config, method in METHODS_WITH_DRAFT, len(prompt_ids), info.get("admission"), tokens_field
-    )
+    check_fits(config, len(prompt_ids), info.get("admission"), tokens_field)
     return config

@@ -83,7 +83,6 @@ class Router:
             self.state,
             call.vocab_size,
             call.config,
-            uses_draft=call.uses_draft,
             adaptive=call.adaptive,
         )
 

@@ -49,6 +49,7 @@ from dsbd_core.algorithm.config import SamplingConfig
 from dsbd_core.algorithm.control import Controller, FixedKnobs, Knobs
 from dsbd_core.algorithm.cost_model import Calibration, CostController
 from dsbd_core.algorithm.loop import Decode, Propose, Verify
+from dsbd_core.algorithm.methods import MethodConfig, method_config
 from dsbd_core.algorithm.replay import Lineage, ReplayNeeded
 from dsbd_core.algorithm.result import DecodeResult
 from dsbd_core.algorithm.state import DecodeState, Outcome
@@ -95,9 +96,8 @@ class DecodeSession:
         self,
         router: RouterState,
         vocab_size: int,
-        config: SamplingConfig,
+        config: MethodConfig,
         *,
-        uses_draft: bool,
         adaptive: bool = True,
         retry_window_s: float = RETRY_WINDOW_S,
         controller: Controller | None = None,
@@ -106,7 +106,6 @@ class DecodeSession:
         self.handles = router.handles
         self.vocab_size = vocab_size
         self.config = config
-        self.uses_draft = uses_draft
         self.adaptive = adaptive
         self.retry_window_s = retry_window_s
         self.session = uuid.uuid4().hex
@@ -121,17 +120,13 @@ class DecodeSession:
     async def iterations(self, prompt_ids: list[int]) -> AsyncIterator[DecodeState]:
         """Run the decode; yields the state after every iteration (for streaming)."""
         start = time.perf_counter()
-        limits = Knobs(
-            gamma=self.config.gamma if self.uses_draft else 0,
-            draft_width=self.config.effective_draft_width,
-        )
+        limits = Knobs(gamma=self.config.draft_depth, draft_width=self.config.effective_draft_width)
         if self.controller is None:
             self.controller = await self._controller()
         decode = Decode(
             self.config,
             self.vocab_size,
             [prompt_ids],
-            uses_draft=self.uses_draft,
             controller=self.controller,
         )
         state = self.state = decode.state
@@ -178,7 +173,7 @@ class DecodeSession:
     async def _controller(self) -> Controller:
         """The cost model (`adaptive`, a drafting method, a calibrated pair), else the
         request's own knobs every iteration."""
-        if self.adaptive and self.uses_draft:
+        if self.adaptive and self.config.uses_draft:
             calibration = await pair_calibration(self.router)
             if calibration is not None:
                 policy = await self.router.policy()
@@ -196,10 +191,7 @@ class DecodeSession:
         config = call.config
         assert state.depth is not None
         retries = len(self.stats.retries)
-        knobs = Knobs(
-            gamma=config.gamma if self.uses_draft else 0,
-            draft_width=config.effective_draft_width,
-        )
+        knobs = Knobs(gamma=config.draft_depth, draft_width=config.effective_draft_width)
         with observer.iteration(
             state.iteration, knobs.gamma, knobs.draft_width, int(state.depth.max())
         ) as observed:
@@ -279,7 +271,7 @@ class DecodeSession:
         Runs as its own task in an empty context: Serve cancels the child calls of a cancelled
         request (a client that went away), and these calls must outlive it.
         """
-        handles, session, uses_draft = self.handles, self.session, self.uses_draft
+        handles, session, uses_draft = self.handles, self.session, self.config.uses_draft
         self.router.closed(session)
 
         async def release() -> None:
@@ -304,7 +296,7 @@ async def pair_calibration(router: RouterState) -> Calibration | None:
         vocab_size: int, config: SamplingConfig, controller: Controller, prompt: list[int]
     ) -> None:
         session = DecodeSession(
-            router, vocab_size, config, uses_draft=True, adaptive=False, controller=controller
+            router, vocab_size, method_config("dsbd", config), adaptive=False, controller=controller
         )
         await session.run(prompt)
 

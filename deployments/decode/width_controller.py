@@ -13,7 +13,7 @@ A router replica that dies (SIGKILL, a lost node) never closes its sessions. So 
 process that has decodes sends a heartbeat every `HEARTBEAT_S` with the sessions it runs
 (`deployments.decode.state.RouterState.keep_reporting`): the heartbeat prunes the sessions of
 that router it no longer lists (a close that was lost), and a router not heard from for
-`ROUTER_SILENT_S` loses its sessions here. Found by benchmarks/chaos.py: 9 sessions of killed
+`ROUTER_SILENT_S` loses its sessions here. Found by `dsbd bench chaos`: 9 sessions of killed
 routers stayed open for the 600 s session TTL (and a decode running longer than that TTL would
 have been dropped from the count while it ran)."""
 

@@ -318,7 +318,7 @@ class ModelReplica:
             "pass_rate_inputs": self.pass_rate_inputs,
             "memory": self.memory,  # KV bytes per token and the session budget (admission)
             "allocator": active_allocator(),  # jemalloc unless asked otherwise (allocator.py)
-            "allocator_stats": allocator_stats(),  # live vs held bytes (benchmarks/soak.py)
+            "allocator_stats": allocator_stats(),  # live vs held bytes (`dsbd bench soak`)
             "primitive_cache": primitive_cache_capacity(),  # both caches', from the environment
             "decode_path": self.scorer.status()
             if isinstance(self.scorer, StaticScorer)

@@ -34,10 +34,11 @@ longest interval.
 Per request, the drafted iterations may cost at most `loss_budget` (2 %) of what beam sampling
 would take for max_new_tokens beyond the beam steps they stand in for, counted in the same
 prices: a depth (or a probe) is drafted only while its worst case, a first layer that fails,
-stays within what is left of it, and what drafting saved adds to it. So a request whose draft
-does not agree loses at most that share, whatever the priors promised; a draft whose prompt
-alone costs more to feed than the budget (a large draft on a CPU whose long forwards are dear)
-is not run at all.
+stays within what is left of it (what drafting saved adds to it), or while what the depth is
+expected to save over the tokens left is at least `bet_ratio` (1) times what it risks. So a
+request whose draft does not agree loses at most that share, or what it expected to win; a
+draft whose prompt costs more to feed than drafting is expected to save (a large draft on a CPU
+whose long forwards are dear, before a long prompt) is not run at all.
 """
 
 from __future__ import annotations
@@ -148,7 +149,16 @@ class CostPolicy(BaseModel):
         le=1,
         description="The most the request's drafted iterations may cost beyond the beam steps "
         "they stand in for, as a share of a beam-sampling decode of max_new_tokens: a depth "
-        "is drafted only while its worst case (one token emitted) keeps the request within it.",
+        "is drafted only while its worst case (one token emitted) keeps the request within it, "
+        "or while bet_ratio says the bet is worth its risk.",
+    )
+    bet_ratio: float = Field(
+        1.0,
+        gt=0,
+        description="A depth beyond the loss budget is still drafted when what it is expected "
+        "to save over the tokens left is at least this many times what it risks (its worst "
+        "case plus what the request lost so far): a request risks no more than it expects "
+        "to win.",
     )
 
 
@@ -212,13 +222,12 @@ class CostController:
         config: SamplingConfig,
         calibration: Calibration,
         policy: CostPolicy | None = None,
-        *,
-        uses_draft: bool = True,
     ) -> None:
         self.config = config
         self.calibration = calibration
         self.policy = policy or CostPolicy()
-        self.gamma_max = config.gamma if uses_draft and calibration.draft is not None else 0
+        # a drafting decode's controller (its callers build none for a method without a draft)
+        self.gamma_max = config.gamma if calibration.draft is not None else 0
         self.draft_width = config.effective_draft_width
         # an iteration's price at each depth 0..gamma: fixed by the calibration and the request
         self.prices = [self._price(gamma) for gamma in range(config.gamma + 1)]
@@ -264,14 +273,16 @@ class CostController:
         self.chosen.append(gamma)
         return Knobs(gamma=gamma, draft_width=self.draft_width)
 
-    def affordable(self, gamma: int, state: DecodeState | None) -> bool:
+    def affordable(self, gamma: int, state: DecodeState | None, saving: float = 0.0) -> bool:
         """Whether an iteration of depth gamma keeps the request within `loss_budget` even if
-        its first layer fails: it then emits the one token a beam step would, at its own price
-        and the draft's catch-up. Savings of earlier drafted iterations count towards it, so a
-        draft that pays may keep drafting; one that lost its share is not drafted again."""
+        its first layer fails (it then emits the one token a beam step would, at its own price
+        and the draft's catch-up), or is a bet worth its risk: `saving`, what drafting at this
+        depth is expected to save over the tokens left, at least `bet_ratio` times the loss it
+        risks. Savings of earlier drafted iterations count towards both, so a draft that pays
+        may keep drafting; one that lost its share is not drafted again."""
         worst = self.iteration_seconds(gamma) + self.catch_up_seconds(state)
-        worst -= self.iteration_seconds(0)
-        return self.loss + worst <= self.loss_budget_seconds()
+        risk = self.loss + worst - self.iteration_seconds(0)
+        return risk <= self.loss_budget_seconds() or saving >= self.policy.bet_ratio * risk
 
     def loss_budget_seconds(self) -> float:
         """`loss_budget` of what beam sampling takes for the request's max_new_tokens."""
@@ -311,7 +322,8 @@ class CostController:
         best, best_saving = 0, 0.0
         for gamma in range(1, self.gamma_max + 1):
             saving = (per_token[0] - per_token[gamma]) * left - lag
-            if saving > best_saving + 1e-9 * per_token[0] and self.affordable(gamma, state):
+            better = saving > best_saving + 1e-9 * per_token[0]
+            if better and self.affordable(gamma, state, saving):
                 best, best_saving = gamma, saving
         return best
 

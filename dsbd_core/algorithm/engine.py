@@ -27,10 +27,10 @@ from collections.abc import Generator
 import torch
 
 from dsbd_core.algorithm.beams import finds_rows, pool_add
-from dsbd_core.algorithm.config import SamplingConfig
 from dsbd_core.algorithm.draft_forest import draft_forest
 from dsbd_core.algorithm.host_reads import may_read, one_copy
 from dsbd_core.algorithm.logprobs import TokenLogprobs, splice
+from dsbd_core.algorithm.methods import MethodConfig
 from dsbd_core.algorithm.result import DecodeResult, collect_results
 from dsbd_core.algorithm.scorer import ForestLogprobs, Origin, Roots, ScoreCall
 from dsbd_core.algorithm.state import NO_FOREST, DecodeState, Forest, Outcome, Pool, zero_counters
@@ -46,19 +46,18 @@ DRAFT_STREAM, VERIFY_STREAM = 1, 2
 class Engine:
     """The steps of decoding a batch of prompts with one configuration.
 
-    `uses_draft=False` runs target beam sampling (gamma = 0); with a draft, DSBD. The config is
-    used as given; `dsbd_core.algorithm.decoders` maps method names (sample, beam, sps, dsbd) to
-    configs. The steps: `start`, then while `next_iteration`: `propose_steps` (draft side) ->
+    A method without a draft (`config.uses_draft` False) runs target beam sampling (gamma =
+    0); one with a draft, DSBD. The config is used as given: `methods.method_config` maps a
+    method name and the user's `SamplingConfig` to the `MethodConfig` it runs with. The steps:
+    `start`, then while `next_iteration`: `propose_steps` (draft side) ->
     `verify_steps` (target side) -> `advance`; `finish` builds the results. `loop.Decode` runs
     them; the engine itself never touches a model.
     """
 
-    def __init__(
-        self, config: SamplingConfig, vocab_size: int, *, uses_draft: bool, graph: bool = False
-    ) -> None:
+    def __init__(self, config: MethodConfig, vocab_size: int, *, graph: bool = False) -> None:
         self.config = config
         self.vocab = vocab_size
-        self.uses_draft = uses_draft
+        self.uses_draft = config.uses_draft
         # run the verify side after its forward as one compiled graph where it can be
         # (`verify_graph.py`: a device, no log-probs, the sampling engine)
         self.graph = graph
@@ -78,7 +77,7 @@ class Engine:
         device = torch.device(device)
         cfg = self.config
         batch, width = len(prompts), cfg.width
-        gamma = cfg.gamma if self.uses_draft else 0
+        gamma = cfg.draft_depth
         longest = max(len(p) for p in prompts)
         capacity = longest + cfg.max_new_tokens + gamma + 2
         prompt_len = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=device)

@@ -24,8 +24,8 @@ from typing import Any
 
 from dsbd_core.algorithm.config import SamplingConfig
 from dsbd_core.algorithm.control import Controller
-from dsbd_core.algorithm.decoders import METHODS_WITH_DRAFT, method_config
 from dsbd_core.algorithm.loop import Decode, Propose, SideCall, Verify
+from dsbd_core.algorithm.methods import MethodConfig, method_config
 from dsbd_core.algorithm.result import DecodeResult
 from dsbd_core.algorithm.session_batch import Job, SessionBatcher
 
@@ -40,7 +40,7 @@ class Request:
 
 
 # (request, the config its method runs with, whether it drafts) -> its controller, or None
-ControllerFactory = Callable[["Request", SamplingConfig, bool], Controller | None]
+ControllerFactory = Callable[["Request", MethodConfig], Controller | None]
 
 
 @dataclass
@@ -80,20 +80,13 @@ class _Loops:
         self.start, self.clock = start, clock
         for i, request in enumerate(requests):
             try:
-                uses_draft = request.method in METHODS_WITH_DRAFT
-                if uses_draft and not has_draft:
+                config = method_config(request.method, request.config)
+                if config.uses_draft and not has_draft:
                     raise ValueError(
                         f"method={request.method!r} needs a draft model; none was given"
                     )
-                config = method_config(request.method, request.config)
-                chosen = controller(request, config, uses_draft) if controller else None
-                decode = Decode(
-                    config,
-                    vocab,
-                    [list(request.prompt_ids)],
-                    uses_draft=uses_draft,
-                    controller=chosen,
-                )
+                chosen = controller(request, config) if controller else None
+                decode = Decode(config, vocab, [list(request.prompt_ids)], controller=chosen)
                 self.out[i].seed = decode.state.seed
                 self.loops[i] = decode.steps()
                 self.send(i, None)
@@ -142,7 +135,7 @@ def decode_lockstep(
 ) -> tuple[list[RequestResult], LockstepReport]:
     """Decode every request to its end, sharing each iteration's forwards; one result each.
 
-    `controller(request, its method's config, uses_draft)` gives each request its knob
+    `controller(request, its method's config)` gives each request its knob
     controller (None, or no factory: the request's own gamma and W_S every iteration)."""
     key_prefix = uuid.uuid4().hex  # batchers may hold other calls' sessions: keys must not clash
     vocab = target.scorer.vocab_size

@@ -26,9 +26,9 @@ from typing import Any
 
 import torch
 
-from dsbd_core.algorithm.config import SamplingConfig
 from dsbd_core.algorithm.control import Controller, FixedKnobs, Knobs
 from dsbd_core.algorithm.engine import Engine
+from dsbd_core.algorithm.methods import MethodConfig
 from dsbd_core.algorithm.result import DecodeResult
 from dsbd_core.algorithm.scorer import ForestLayer, ForestLogprobs, ForestScorer, ScoreCall, drive
 from dsbd_core.algorithm.search.engine import engine_for
@@ -40,8 +40,7 @@ class IterationCall:
     """One iteration of one decode as its two sides see it (crosses processes when serving)."""
 
     state: DecodeState  # DecodeState.for_models(): tokens, scores, flags, depth, origin
-    config: SamplingConfig  # the decode's config with this iteration's knobs applied
-    uses_draft: bool  # the method drafts (dsbd, sps); False for beam / sample
+    config: MethodConfig  # the decode's config with this iteration's knobs applied
     # Opaque to the algorithm: context a driver sends along with the call. The serving router
     # puts the W3C trace context of its iteration span here (`traceparent`, `tracestate`), so
     # the replicas' spans continue the request's trace (deployments/observability/tracing.py).
@@ -53,7 +52,7 @@ class IterationCall:
     graph: bool = False
 
     def engine(self, vocab_size: int) -> Engine:
-        return engine_for(self.config, vocab_size, uses_draft=self.uses_draft, graph=self.graph)
+        return engine_for(self.config, vocab_size, graph=self.graph)
 
     def propose_steps(self, vocab_size: int) -> Generator[ScoreCall, ForestLogprobs, Forest]:
         """The draft side as a generator of draft-model calls."""
@@ -107,19 +106,17 @@ class Decode:
 
     def __init__(
         self,
-        config: SamplingConfig,
+        config: MethodConfig,
         vocab_size: int,
         prompts: list[list[int]],
         *,
-        uses_draft: bool,
         controller: Controller | None = None,
         device: torch.device | str = "cpu",
         graph: bool = False,
     ) -> None:
         self.config = config
-        self.uses_draft = uses_draft
         self.graph = graph  # the verify side as one compiled graph, where it applies
-        self.engine = engine_for(config, vocab_size, uses_draft=uses_draft)
+        self.engine = engine_for(config, vocab_size)
         self.controller = controller or FixedKnobs(config)
         # raises on a bad prompt, before any step; `device`: where the state lives
         # (`engine_device`: beside an in-process model)
@@ -133,17 +130,15 @@ class Decode:
             if not self.engine.next_iteration(state, gamma=knobs.gamma):
                 break
             assert state.depth is not None
-            call = IterationCall(
-                state.for_models(), self._config(knobs), self.uses_draft, graph=self.graph
-            )
-            drafting = self.uses_draft and deepest_layer(state) > 0
+            call = IterationCall(state.for_models(), self._config(knobs), graph=self.graph)
+            drafting = self.config.uses_draft and deepest_layer(state) > 0
             forest = (yield Propose(call)) if drafting else NO_FOREST
             outcome = yield Verify(call, forest)
             self.controller.observe(state, outcome, knobs)
             self.engine.advance(state, outcome)
         return self.engine.finish(state)
 
-    def _config(self, knobs: Knobs) -> SamplingConfig:
+    def _config(self, knobs: Knobs) -> MethodConfig:
         """The config with this iteration's knobs (the config itself when they are its own)."""
         config = self.config
         if knobs.gamma == config.gamma and knobs.draft_width == config.effective_draft_width:

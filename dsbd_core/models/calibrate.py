@@ -36,6 +36,7 @@ from dsbd_core.algorithm.cost_model import Calibration, ForwardCosts, layer_pass
 from dsbd_core.algorithm.decoders import generate_batch
 from dsbd_core.algorithm.iteration_timer import summarise, timing_plan
 from dsbd_core.algorithm.loop import Decode, run_decode
+from dsbd_core.algorithm.methods import method_config
 from dsbd_core.algorithm.scorer import ForestLayer, ForestLogprobs, ForestScorer, Roots
 from dsbd_core.algorithm.state import DecodeState, Outcome
 from dsbd_core.models.loading import LoadedModel
@@ -139,9 +140,8 @@ def engine_costs(
             max_new_tokens=iterations * (depth + 1) + 1,
         )
         drafting = depth > 0
-        decode = Decode(
-            config, vocab_size, [[1, 2, 3]], uses_draft=drafting, controller=FixedKnobs(config)
-        )
+        config = method_config("dsbd" if drafting else "beam", config)
+        decode = Decode(config, vocab_size, [[1, 2, 3]], controller=FixedKnobs(config))
         draft = _InstantScorer(vocab_size, support) if drafting else None
         start = time.perf_counter()
         result = run_decode(decode, _InstantScorer(vocab_size), draft)

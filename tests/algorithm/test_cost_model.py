@@ -177,12 +177,14 @@ def test_an_iteration_timer_runs_its_schedule_and_knows_how_far_the_draft_is_beh
 
 def _decode_with_budget(loss_budget: float, seed: int) -> CostController:
     """A 48-token request on a tiny pair whose draft rarely agrees, under a calibration that
-    promises it agrees 95 % of the time and that a drafted layer costs half a beam step."""
+    promises it agrees 95 % of the time and that a drafted layer costs half a beam step (no
+    bets beyond the budget: `bet_ratio` out of reach)."""
     cal = Calibration(
         **COSTS, pass_rates=[0.95], iteration_s=[0.010, 0.015, 0.020, 0.025], catch_up_s=0.0005
     )
     config = SamplingConfig(max_new_tokens=48, seed=seed)
-    controller = CostController(config, cal, CostPolicy(loss_budget=loss_budget, memory=1.0))
+    policy = CostPolicy(loss_budget=loss_budget, memory=1.0, bet_ratio=1e9)
+    controller = CostController(config, cal, policy)
     generate(
         "dsbd",
         TransformerScorer(tiny("llama", 1)),
@@ -213,3 +215,16 @@ def test_a_draft_whose_prompt_costs_more_than_the_budget_is_not_run() -> None:
     assert controller.knobs(state).gamma == 0  # type: ignore[arg-type]
     short = CostController(SamplingConfig(max_new_tokens=64), cal)
     assert short.knobs(SimpleNamespace(prompt_len=torch.tensor([3]))).gamma > 0  # type: ignore[arg-type]
+
+
+def test_beyond_the_budget_a_draft_is_run_only_on_a_bet_worth_its_risk() -> None:
+    """A prompt whose catch-up alone passes the loss budget: drafted when what drafting is
+    expected to save over the request is at least bet_ratio times what it risks."""
+    cal = Calibration(**COSTS, pass_rates=[0.9], catch_up_s=0.01)
+    state = SimpleNamespace(prompt_len=torch.tensor([30]))  # 10 beam steps' worth to feed
+    config = SamplingConfig(max_new_tokens=256)
+    betting = CostController(config, cal)
+    assert not betting.affordable(1, state)  # type: ignore[arg-type]
+    assert betting.knobs(state).gamma > 0  # type: ignore[arg-type]
+    wary = CostController(config, cal, CostPolicy(bet_ratio=100.0))
+    assert wary.knobs(state).gamma == 0  # type: ignore[arg-type]

@@ -16,6 +16,7 @@ import torch
 
 from dsbd_core import SamplingConfig, TableScorer, generate_batch
 from dsbd_core.algorithm.engine import Engine
+from dsbd_core.algorithm.methods import method_config
 from dsbd_core.algorithm.scorer import drive
 from dsbd_core.algorithm.state import Forest, Outcome
 from tests.exact_reference import random_table
@@ -40,9 +41,10 @@ def test_split_steps_with_serialised_messages_equal_run(extra: dict) -> None:
 
     target, draft = scorers(0)
     vocab = target.vocab_size
-    caller = Engine(config, vocab, uses_draft=True)  # holds the state (the router)
-    draft_side = Engine(config, vocab, uses_draft=True)  # only ever calls propose
-    target_side = Engine(config, vocab, uses_draft=True)  # only ever calls verify
+    run = method_config("dsbd", config)
+    caller = Engine(run, vocab)  # holds the state (the router)
+    draft_side = Engine(run, vocab)  # only ever calls propose
+    target_side = Engine(run, vocab)  # only ever calls verify
     state = caller.start(prompts)
     while caller.next_iteration(state):
         proposed = drive(draft, draft_side.propose_steps(pickle.loads(pickle.dumps(state))))

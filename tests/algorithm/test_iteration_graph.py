@@ -29,6 +29,7 @@ from dsbd_core.algorithm.draft_forest import draft_layer
 from dsbd_core.algorithm.engine import Engine
 from dsbd_core.algorithm.host_reads import computing_everywhere
 from dsbd_core.algorithm.loop import Decode, run_decode
+from dsbd_core.algorithm.methods import method_config
 from dsbd_core.algorithm.scorer import Roots, drive
 from dsbd_core.algorithm.state import NO_FOREST, Outcome, deepest_layer
 from dsbd_core.algorithm.streams import Recorded, Recording
@@ -93,7 +94,7 @@ def test_the_verify_side_compiles_as_one_graph_and_decodes_as_eager(
     config = SamplingConfig(
         **{"threshold": None, "max_new_tokens": 10, "seed": 4, "eos_token_ids": (EOS,)} | fields
     )
-    engine = Engine(config, VOCAB, uses_draft=drafts)
+    engine = Engine(method_config("dsbd" if drafts else "beam", config), VOCAB)
     counter = CompileCounter()
     compiled = torch.compile(verify_scored, fullgraph=True, backend=counter, dynamic=False)
     state = engine.start(PROMPTS)
@@ -130,7 +131,7 @@ def test_a_draft_layer_compiles_as_one_graph_and_draws_as_eager(mode: str) -> No
     config = SamplingConfig(
         width=3, draft_width=4, gamma=3, top_p=0.9, mode=mode, seed=1, eos_token_ids=(EOS,)
     )
-    engine = Engine(config, VOCAB, uses_draft=True)
+    engine = Engine(method_config("dsbd", config), VOCAB)
     state = engine.start(PROMPTS)
     counter = CompileCounter()
     compiled = torch.compile(draft_layer, fullgraph=True, backend=counter, dynamic=False)
@@ -167,7 +168,9 @@ def test_a_decode_through_the_verify_graph_gives_the_eager_tokens(
     before = graph.replays
 
     def decode(graphed: bool) -> list:
-        run = Decode(config, VOCAB, PROMPTS, uses_draft=drafts, graph=graphed)
+        run = Decode(
+            method_config("dsbd" if drafts else "beam", config), VOCAB, PROMPTS, graph=graphed
+        )
         return run_decode(run, target, draft if drafts else None)
 
     with computing_everywhere():
@@ -194,7 +197,9 @@ def test_a_model_decode_through_the_verify_graph_gives_the_eager_tokens(path: st
 
     def decode(graphed: bool) -> list:
         target, draft = (kind(model) for model in models)
-        run = Decode(config, target.vocab_size, [[1, 2, 3], [4, 5]], uses_draft=True, graph=graphed)
+        run = Decode(
+            method_config("dsbd", config), target.vocab_size, [[1, 2, 3], [4, 5]], graph=graphed
+        )
         return run_decode(run, target, draft)
 
     with computing_everywhere():

@@ -22,6 +22,7 @@ import torch
 from dsbd_core import SamplingConfig
 from dsbd_core.algorithm.decoders import generate
 from dsbd_core.algorithm.loop import Decode, Propose, Verify
+from dsbd_core.algorithm.methods import method_config
 from dsbd_core.algorithm.replay import Lineage, ReplayNeeded, draft_job, verify_job
 from dsbd_core.algorithm.session_batch import Job, SessionBatcher
 from dsbd_core.algorithm.state import NO_FOREST
@@ -82,7 +83,7 @@ def decode(models: tuple, requests: list[tuple[list[int], SamplingConfig]], faul
     draft = SessionBatcher(TransformerScorer(draft_model))
     vocab = target.scorer.vocab_size
     keys = [f"r{i}" for i in range(len(requests))]
-    loops = [Decode(config, vocab, [p], uses_draft=True).steps() for p, config in requests]
+    loops = [Decode(method_config("dsbd", config), vocab, [p]).steps() for p, config in requests]
     lineages = faults.lineages = [Lineage() for _ in requests]
     waiting = {i: next(loop) for i, loop in enumerate(loops)}
     beams, bits, iteration = {}, [], 0

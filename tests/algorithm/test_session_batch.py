@@ -14,6 +14,7 @@ import torch
 
 from dsbd_core import SamplingConfig, generate
 from dsbd_core.algorithm.engine import Engine
+from dsbd_core.algorithm.methods import method_config
 from dsbd_core.algorithm.session_batch import Job, SessionBatcher
 from dsbd_core.algorithm.state import NO_FOREST
 from dsbd_core.models.transformer_scorer import TransformerScorer
@@ -45,7 +46,7 @@ def decode_together(
     draft: SessionBatcher, target: SessionBatcher, evict_every: int = 0
 ) -> tuple[list, list]:
     """A router's loop for all REQUESTS at once; returns results and the batch reports."""
-    engines = [Engine(cfg, VOCAB, uses_draft=True) for cfg in configs()]
+    engines = [Engine(method_config("dsbd", cfg), VOCAB) for cfg in configs()]
     states = [e.start([prompt]) for e, (prompt, _) in zip(engines, REQUESTS, strict=True)]
     reports = []
     iteration = 0
@@ -133,7 +134,7 @@ def test_sessions_are_freed_by_release_ttl_and_capacity() -> None:
     cfg = SamplingConfig(width=2, max_new_tokens=4, seed=0)
 
     def one_iteration(key: str) -> None:
-        engine = Engine(cfg, VOCAB, uses_draft=False)
+        engine = Engine(method_config("beam", cfg), VOCAB)
         state = engine.start([[1, 2, 3]])
         assert engine.next_iteration(state)
         (outcome,), _ = batcher.run([Job(key, engine.verify_steps(state, NO_FOREST))])
@@ -159,7 +160,7 @@ def test_a_failing_request_fails_alone() -> None:
         raise ValueError("bad request")
         yield  # pragma: no cover
 
-    engine = Engine(cfg, VOCAB, uses_draft=False)
+    engine = Engine(method_config("beam", cfg), VOCAB)
     state = engine.start([[1, 2, 3]])
     engine.next_iteration(state)
     good = Job("good", engine.verify_steps(state, NO_FOREST))

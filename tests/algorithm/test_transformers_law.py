@@ -16,7 +16,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from dsbd_core import SamplingConfig, TableScorer, generate_batch
-from dsbd_core.algorithm.decoders import MethodConfigError, method_config
+from dsbd_core.algorithm.methods import MethodConfigError, method_config
 from tests.exact_reference import TableLM, assert_matches, random_table
 from tests.exact_transformers import transformers_beam_outcomes
 

@@ -30,7 +30,8 @@ import torch
 
 from dsbd.cli import main
 from dsbd_core import SamplingConfig
-from dsbd_core.algorithm.decoders import METHODS_WITH_DRAFT, generate
+from dsbd_core.algorithm.decoders import generate
+from dsbd_core.algorithm.methods import METHODS_WITH_DRAFT
 from dsbd_core.models import encode_prompt, load_causal_lm, stop_token_ids
 from dsbd_core.models.transformer_scorer import TransformerScorer
 from tests.serving_harness import leftovers

@@ -24,6 +24,7 @@ from deployments.api.admission import (
 from deployments.api.errors import APIError
 from deployments.replicas.model_replica import ModelOptions
 from dsbd_core import SamplingConfig
+from dsbd_core.algorithm.methods import method_config
 
 MIB = 2**20
 # 4 layers x 2 (K, V) x 2 KV heads x head dim 16 x 4 bytes (float32) = 1 KiB per token
@@ -68,23 +69,24 @@ def test_the_budget_is_configured_or_a_fraction_of_the_free_memory() -> None:
 
 def test_a_decode_is_charged_width_x_columns_x_working_copies_per_side() -> None:
     config = SamplingConfig(width=3, gamma=2, draft_width=4, max_new_tokens=10)
+    dsbd, beam = method_config("dsbd", config), method_config("beam", config)
     view = _view(100 * MIB, routers=4)
     assert view["target"]["share_bytes"] == 25 * MIB and view["routers"] == 4
     per_side = 3 * (50 + 10 + 2 * 4) * 1024 * WORKING_COPIES
-    assert session_charge(config, True, 50, view) == {"target": per_side, "draft": per_side}
+    assert session_charge(dsbd, 50, view) == {"target": per_side, "draft": per_side}
     plain = 3 * (50 + 10) * 1024 * WORKING_COPIES  # no draft: no forest columns, no draft side
-    assert session_charge(config, False, 50, view) == {"target": plain}
-    assert session_charge(config, True, 50, None) == {}  # replicas without figures: no charge
+    assert session_charge(beam, 50, view) == {"target": plain}
+    assert session_charge(dsbd, 50, None) == {}  # replicas without figures: no charge
     assert router_view({}, {}, 1) == {"routers": 1}
 
 
 def test_a_decode_that_can_never_fit_is_400_naming_the_field_and_the_limit() -> None:
     view = _view(1 * MIB, routers=2)  # a share of 512 KiB per router
-    config = SamplingConfig(width=2, gamma=2, max_new_tokens=20)
-    check_fits(config, True, 10, view, "max_tokens")  # 2 x 34 x 3 KiB = 204 KiB: fits
-    check_fits(config, True, 10, None, "max_tokens")  # no figures: nothing to check
+    config = method_config("dsbd", SamplingConfig(width=2, gamma=2, max_new_tokens=20))
+    check_fits(config, 10, view, "max_tokens")  # 2 x 34 x 3 KiB = 204 KiB: fits
+    check_fits(config, 10, None, "max_tokens")  # no figures: nothing to check
     with pytest.raises(APIError) as caught:
-        check_fits(config, True, 100, view, "max_tokens")  # 2 x 124 x 3 KiB = 744 KiB
+        check_fits(config, 100, view, "max_tokens")  # 2 x 124 x 3 KiB = 744 KiB
     error = caught.value
     assert error.status == 400 and error.param == "max_tokens"
     assert "prompt of 100 tokens + max_tokens=20" in error.message

@@ -1,15 +1,15 @@
-"""The short chaos run (issue 21): benchmarks/chaos.py, 8 clients, 3 replicas SIGKILLed.
+"""The short chaos run (issue 21): `dsbd bench chaos`, 8 clients, 3 replicas SIGKILLed.
 
-The script starts its own `dsbd serve` (tiny float64 models, so the served seeded decodes equal
+The benchmark starts its own `dsbd serve` (tiny float64 models, so the served seeded decodes equal
 the in-process ones draw for draw), under `strace -f` when strace exists, runs the clients
-(the request mix of benchmarks/load.py, clients that go away on purpose, seeded requests),
+(the request mix of `dsbd bench load`, clients that go away on purpose, seeded requests),
 kills a router, a draft and a verifier replica while they run (each 10-14 s after the
 previous recovery; load for at least 60 s and until 12 s past the last recovery), and
 compares the seeded requests with the in-process engine afterwards. The long run (32 clients
-x 10 min) is `benchmarks/chaos.py` with its defaults; docs/RELIABILITY.md has its command and
+x 10 min) is `dsbd bench chaos` with its defaults; docs/RELIABILITY.md has its command and
 figures.
 
-benchmarks/soak.py's arithmetic (growth per process over the last window) is checked here on
+`dsbd bench soak`'s arithmetic (growth per process over the last window) is checked here on
 made-up samples: its real run takes 30 minutes.
 """
 
@@ -20,10 +20,12 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
+import pytest
 import yaml
 
+from dsbd.bench import soak, soak_trends
+from dsbd.cli import main as dsbd_main
 from tests.serving.test_local_ray import is_loopback, peers
 from tests.serving_harness import REPO
 from tests.tiny_models import build_pair
@@ -51,7 +53,10 @@ def test_replicas_killed_under_load_lose_no_request(tmp_path: Path) -> None:
     out, trace = tmp_path / "chaos.json", tmp_path / "trace"
     command = [
         sys.executable,
-        str(REPO / "benchmarks/chaos.py"),
+        "-m",
+        "dsbd",
+        "bench",
+        "chaos",
         "--config",
         str(config),
         "--clients",
@@ -105,18 +110,7 @@ def test_replicas_killed_under_load_lose_no_request(tmp_path: Path) -> None:
         assert not outside, f"the server tried to reach: {outside}"
 
 
-def _soak_module() -> Any:
-    """benchmarks/soak.py, imported as the script imports its neighbours."""
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    try:
-        import soak
-    finally:
-        sys.path.remove(str(REPO / "benchmarks"))
-    return soak
-
-
 def test_soak_growth_is_measured_per_process_over_the_last_window() -> None:
-    soak = _soak_module()
     mib = 2**20
     samples = []
     for i in range(13):  # every 10 s for 2 minutes; the window: the last 60 s
@@ -144,8 +138,7 @@ def test_soak_trend_tells_noise_at_the_window_ends_from_growth() -> None:
     """20 minutes of a flat process swinging +-3 % from sample to sample, caught low by the
     window's first three samples and high by its last three: +6.2 % by the end points, +1 % by
     the fitted trend, within its standard error of zero; a leak of the same size rises as much
-    by both (soak.py's module docstring)."""
-    soak = _soak_module()
+    by both (dsbd/bench/soak.py's module docstring)."""
     times = [10.0 * i for i in range(120)]
     noisy = [100 + 3 * (-1) ** i for i in range(120)]
     noisy[:3], noisy[-3:] = [97] * 3, [103] * 3
@@ -156,15 +149,9 @@ def test_soak_trend_tells_noise_at_the_window_ends_from_growth() -> None:
     assert abs(leaking["trend"] - leaking["growth"]) < 0.002 and leaking["trend_se"] < 1e-6
 
 
-def test_soak_trends_reads_saved_soaks(tmp_path: Path) -> None:
-    """benchmarks/soak_trends.py puts a saved soak's end-point growth and fitted trend side by
-    side per process (the names without their pids), from the file soak.py writes."""
-    soak = _soak_module()
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    try:
-        import soak_trends
-    finally:
-        sys.path.remove(str(REPO / "benchmarks"))
+def test_soak_trends_reads_saved_soaks(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`dsbd bench soak --trends` puts a saved soak's end-point growth and fitted trend side by
+    side per process (the names without their pids), from the file a soak writes."""
     mib, samples = 2**20, []
     for i in range(13):
         leaking = (100 + i) * mib
@@ -178,10 +165,11 @@ def test_soak_trends_reads_saved_soaks(tmp_path: Path) -> None:
     row = soak_trends.trends(path)["dsbd:Verifier"]
     assert abs(row["rss_end"] - (111 / 107 - 1)) < 1e-4 and abs(row["pss_trend"] - 6 / 107) < 1e-3
     assert row["rss_trend_se"] == 0.0
+    assert dsbd_main(["bench", "soak", "--trends", str(path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == {str(path): {"dsbd:Verifier": row}}
 
 
 def test_soak_reports_private_shared_and_replica_statistics_apart() -> None:
-    soak = _soak_module()
     mib = 2**20
     samples, replicas = [], []
     for i in range(13):

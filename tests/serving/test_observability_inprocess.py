@@ -26,6 +26,7 @@ from deployments.observability import tracing
 from deployments.observability.metrics import IterationSample
 from dsbd_core import SamplingConfig
 from dsbd_core.algorithm.engine import Engine
+from dsbd_core.algorithm.methods import method_config
 from dsbd_core.algorithm.scorer import drive
 from dsbd_core.algorithm.session_batch import BatchReport
 from dsbd_core.models import load_causal_lm, load_tokenizer
@@ -50,7 +51,7 @@ def _steps(tiny, **knobs: Any):
     target, draft, stop_ids = tiny
     config = SamplingConfig(eos_token_ids=stop_ids, seed=0, **knobs)
     scorer, draft_scorer = TransformerScorer(target.model), TransformerScorer(draft.model)
-    engine = Engine(config, scorer.vocab_size, uses_draft=True)
+    engine = Engine(method_config("dsbd", config), scorer.vocab_size)
     state = engine.start([target.tokenizer.encode(PROMPT)])
     steps = []
     while engine.next_iteration(state):
@@ -115,12 +116,12 @@ def test_batched_calls_continue_their_traces_and_link_each_other(tiny, memory_sp
     tracer = tracing.tracer(tracing.ROUTER)
     iterations = [tracer.start_span("dsbd.iteration") for _ in range(3)]
     models, _, outcome = steps[0]
-    config = SamplingConfig(width=2, gamma=2, threshold=None)
+    config = method_config("dsbd", SamplingConfig(width=2, gamma=2, threshold=None))
     calls = [
-        (f"s{i}", IterationCall(models, config, True, tracing.inject(span)))
+        (f"s{i}", IterationCall(models, config, tracing.inject(span)))
         for i, span in enumerate(iterations)
     ]
-    calls.append(("untraced", IterationCall(models, config, True)))  # the router did not trace
+    calls.append(("untraced", IterationCall(models, config)))  # the router did not trace
     assert all(call.trace["traceparent"].startswith("00-") for _, call in calls[:3])
 
     report = SideReport(BatchReport(requests=3, sessions=4, forwards=1, reused=2), "r", 0.25)

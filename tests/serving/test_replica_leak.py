@@ -1,6 +1,6 @@
 """No per-request leak in the serving path: what a soak run would show after hours, in seconds.
 
-benchmarks/soak.py watches the server's processes for 30 minutes; a slow leak there (a session
+`dsbd bench soak` watches the server's processes for 30 minutes; a slow leak there (a session
 never freed, a tensor kept per request, a dict that only grows) takes long to tell from an
 allocator's high-water mark. Here the real classes of the serving path run in this process,
 without Ray: `DecodeSession` (the router's decode loop) drives a real `Draft` and `Verifier`
@@ -27,6 +27,7 @@ from deployments.decode.width_controller import WidthController
 from deployments.replicas.draft import Draft
 from deployments.replicas.verifier import Verifier
 from dsbd_core import SamplingConfig
+from dsbd_core.algorithm.methods import method_config
 from tests.inprocess_handles import Handle
 from tests.tiny_models import build_pair
 
@@ -59,7 +60,7 @@ async def _round(router: RouterState, vocab: int, first_seed: int) -> None:
             eos_token_ids=(0,),
         )
         async with limit:
-            session = DecodeSession(router, vocab, config, uses_draft=True, adaptive=False)
+            session = DecodeSession(router, vocab, method_config("dsbd", config), adaptive=False)
             result = await session.run([5 + i % 40, 17, 42])
             assert result.beams
 
@@ -133,7 +134,9 @@ def test_the_router_times_each_iteration_around_its_replicas_compute(replicas) -
     handles = Handles(draft=Handle(draft), verifier=Handle(verifier), controller=Handle(controller))
     config = SamplingConfig(width=3, gamma=2, max_new_tokens=12, seed=5, eos_token_ids=(0,))
     router = RouterState(handles)
-    session = DecodeSession(router, verifier.vocab_size, config, uses_draft=True, adaptive=False)
+    session = DecodeSession(
+        router, verifier.vocab_size, method_config("dsbd", config), adaptive=False
+    )
     result = asyncio.run(session.run([5, 17, 42]))
     s = session.stats
     assert len(s.iteration_seconds) == len(s.verify_seconds) == result.stats.iterations > 1

@@ -1,6 +1,6 @@
 """Sessions end for good: the races that leaked caches and controller sessions under load.
 
-Found by `benchmarks/load.py` (clients that go away mid-decode,
+Found by `dsbd bench load` (clients that go away mid-decode,
 docs/history/RELIABILITY-chronicle.md): after a
 run, sessions stayed open on the width controller and cached on the draft until their TTL.
 Each test below replays one race deterministically on the real classes (a real tiny model in
@@ -25,6 +25,7 @@ from deployments.replicas.model_replica import SessionReleased
 from dsbd_core import SamplingConfig
 from dsbd_core.algorithm.control import Knobs
 from dsbd_core.algorithm.engine import Engine
+from dsbd_core.algorithm.methods import method_config
 from tests.tiny_models import build_pair
 
 
@@ -62,11 +63,13 @@ def draft_source(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _call(vocab: int, prompt: list[int]) -> IterationCall:
     """The router's first iteration of a DSBD request (what `DecodeSession` sends the draft)."""
-    config = SamplingConfig(width=2, gamma=2, max_new_tokens=8, seed=0, eos_token_ids=(0,))
-    engine = Engine(config, vocab, uses_draft=True)
+    config = method_config(
+        "dsbd", SamplingConfig(width=2, gamma=2, max_new_tokens=8, seed=0, eos_token_ids=(0,))
+    )
+    engine = Engine(config, vocab)
     state = engine.start([prompt])
     assert engine.next_iteration(state)
-    return IterationCall(state.for_models(), config, True)
+    return IterationCall(state.for_models(), config)
 
 
 def test_a_release_that_overtakes_a_queued_call_leaves_no_cache(draft_source: Path) -> None:
@@ -118,7 +121,7 @@ def test_an_open_that_arrives_after_its_close_registers_nothing() -> None:
 
 
 def test_the_sessions_of_a_router_that_stops_reporting_are_forgotten(monkeypatch) -> None:
-    """A SIGKILLed router never closes its sessions (benchmarks/chaos.py found 9 left open for
+    """A SIGKILLed router never closes its sessions (`dsbd bench chaos` found 9 left open for
     the 600 s TTL). Routers report theirs every HEARTBEAT_S; a silent one loses them after
     ROUTER_SILENT_S, a reporting one keeps them past any TTL, and a session missing from its
     router's report (a lost close) goes unless it was opened within the last heartbeat."""

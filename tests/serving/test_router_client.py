@@ -19,13 +19,13 @@ from ray.exceptions import ActorDiedError
 from deployments.decode import client as router_client
 from deployments.messages import Committed, DecodeCall, DecodeEnd
 from dsbd_core import SamplingConfig
+from dsbd_core.algorithm.methods import method_config
 
 
 def _call(seed: int | None = None) -> DecodeCall:
     return DecodeCall(
         prompt_ids=[1, 2],
-        config=SamplingConfig(width=2, seed=seed),
-        uses_draft=True,
+        config=method_config("dsbd", SamplingConfig(width=2, seed=seed)),
         adaptive=False,
         vocab_size=10,
     )

@@ -420,7 +420,10 @@ def test_64_clients_load_no_errors_flat_memory_and_sessions_drain(server, tmp_pa
     out = tmp_path / "load.json"
     command = [
         sys.executable,
-        str(REPO / "benchmarks/load.py"),
+        "-m",
+        "dsbd",
+        "bench",
+        "load",
         "--url",
         server["url"],
         "--model",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -76,6 +77,59 @@ def test_help_works(capsys: pytest.CaptureFixture[str]) -> None:
         main(["generate", "--help"])
     assert exit_info.value.code == 0
     assert "--draft-width" in capsys.readouterr().out
+
+
+def _bench_parser() -> argparse.ArgumentParser:
+    return build_parser()._subparsers._group_actions[0].choices["bench"]
+
+
+def test_bench_without_a_subcommand_is_bench_decode() -> None:
+    """`dsbd bench [flags]` (the commands in the docs) parses as `dsbd bench decode [flags]`."""
+    flags = ["--pair", "qwen-coder", "--methods", "beam-w3", "--prompts", "2", "--full"]
+    plain = vars(build_parser().parse_args(["bench", *flags]))
+    decode = vars(build_parser().parse_args(["bench", "decode", *flags]))
+    assert plain.pop("benchmark") is None and decode.pop("benchmark") == "decode"
+    assert plain == decode and plain["pair"] == "qwen-coder" and plain["mode"] == "full"
+
+
+def test_bench_subcommand_flags_are_not_taken_for_decode_flags() -> None:
+    """`dsbd bench` reads its own (decode) flags before it hands the rest to a subcommand, and
+    argparse stops at an option that abbreviates two of them (`--top` would: --top-k, --top-p).
+    So no subcommand flag may be such an abbreviation, or `dsbd bench SUB FLAG` fails."""
+    bench = _bench_parser()
+    own = set(bench._option_string_actions)
+    subcommands = bench._subparsers._group_actions[0].choices
+    assert set(subcommands) == {"decode", "serve", "batch", "load", "chaos", "soak"}
+    for name, sub in subcommands.items():
+        for option in sub._option_string_actions:
+            longer = [o for o in own if o.startswith(option) and o != option]
+            assert option in own or len(longer) <= 1, (name, option, longer)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["serve", "--concurrency", "9"], "--concurrency=9: allowed 1..8"),
+        (["serve", "--pair", "qwen-coder", "--rounds", "0"], "--rounds=0"),
+        (["batch", "--rounds", "0"], "--rounds=0: allowed >= 1"),
+        (["load", "--url", "http://127.0.0.1:1", "--clients", "0", "--out", "x"], "--clients=0"),
+        (["chaos", "--targets", "router,proxy"], "--targets=router,proxy"),
+        (["soak", "--url", "http://127.0.0.1:1"], "--url and --pid go together"),
+    ],
+)
+def test_bench_subcommands_reject_bad_values_before_they_start(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, _, err = run(["bench", *argv], capsys)
+    assert code == 2 and message in err
+
+
+@pytest.mark.parametrize("subcommand", ["decode", "serve", "batch", "load", "chaos", "soak"])
+def test_bench_subcommand_help(subcommand: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", subcommand, "--help"])
+    assert exit_info.value.code == 0
+    assert f"usage: dsbd bench {subcommand}" in capsys.readouterr().out
 
 
 @pytest.mark.slow

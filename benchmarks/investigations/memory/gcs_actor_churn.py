@@ -39,11 +39,9 @@ from typing import Any
 
 import psutil
 
-# benchmarks/ (for soak.py) and the repository (for deployments/)
-sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).resolve().parents[3])]
-from soak import rss_parts  # noqa: E402
-
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the repository, run as a script
 from deployments.local_ray import GCS_HISTORY_CAPS, start_local_ray, stop_local_ray  # noqa: E402
+from dsbd.bench.soak import rss_parts  # noqa: E402
 
 
 def gcs_pid() -> int:

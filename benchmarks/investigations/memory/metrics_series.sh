@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Does the node's metrics agent (Ray's DashboardAgent) get new Prometheus series per request?
-# Starts `dsbd serve`, runs the soak's load (benchmarks/soak.py, 32 clients) for SECONDS, and
+# Starts `dsbd serve`, runs the soak's load (`dsbd bench soak`, 32 clients) for SECONDS, and
 # saves the metrics page and the agent's RSS at minute 1 and near the end; prints the series
 # counted per metric name, most grown first, and the agent's RSS (docs/history/RELIABILITY-chronicle.md section
 # 10, the ninth soak). A series set that grows with requests is a cardinality leak; one set per
@@ -23,7 +23,7 @@ until [ -s "$w/ready" ]; do
   sleep 1
 done
 read -r url murl < <(python3 -c "import json,sys; d = json.load(open(sys.argv[1])); print(d['url'], d['metrics_url'])" "$w/ready")
-.venv/bin/python benchmarks/soak.py --url "$url" --pid "$server" --duration "$seconds" \
+.venv/bin/python -m dsbd bench soak --url "$url" --pid "$server" --duration "$seconds" \
   --window "$(( seconds / 2 ))" --out "$w/soak.json" > "$w/soak.log" 2>&1 &
 load=$!
 agent() { ps -o rss= -p "$(pgrep -f DashboardAgent | head -1)"; }

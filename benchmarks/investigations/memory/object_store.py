@@ -5,7 +5,7 @@ process flat but two
 of Ray's own over the 2 % target: the raylet (+3.1 MiB, 2.6 of them pages of the shared object
 store it touched) and the GCS server (+2.4 MiB). Pages touched for the first time are bounded by
 the store's size; objects that are never freed are a leak that fills the store over weeks. This
-tells them apart: the soak's load (`benchmarks/load.py`, `--clients` clients back to back)
+tells them apart: the soak's load (`dsbd bench load`'s clients, `--clients` back to back)
 against the embedded `dsbd serve`, and every `--sample-s` the node's own Prometheus metrics
 (the metrics agent on loopback: objects in the store and their bytes, by location) beside the
 raylet's and the GCS server's RSS, private and shared. Objects and bytes that stay flat while
@@ -22,7 +22,6 @@ import asyncio
 import json
 import os
 import re
-import sys
 import time
 import urllib.request
 from datetime import UTC, datetime
@@ -32,11 +31,9 @@ from typing import Any
 import aiohttp
 
 from dsbd import server_process
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # benchmarks/: load.py, soak.py
-import load  # noqa: E402
-from load import LoadConfig, Record, every  # noqa: E402
-from soak import growth, sample  # noqa: E402
+from dsbd.bench import load
+from dsbd.bench.load import LoadConfig, Record, every
+from dsbd.bench.soak import growth, sample
 
 # Ray's node metrics kept (summed over their label sets, per location): the object store's, and
 # the GCS task manager's (task events the GCS keeps for the dashboard, capped by Ray)

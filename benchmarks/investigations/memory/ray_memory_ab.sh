@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Memory settings side by side: the throughput and the memory of every process (Ray's GCS and
-# raylet, the ingress, ...) of `dsbd serve` under the soak's load (benchmarks/soak.py, 32
+# raylet, the ingress, ...) of `dsbd serve` under the soak's load (`dsbd bench soak`, 32
 # clients) for each variant in turn, each on a fresh server (docs/history/RELIABILITY-chronicle.md section 10,
 # the seventh and eighth soaks).
 #
@@ -19,7 +19,7 @@
 #   proxy-glibc  shipped, but Serve's controller and proxy on glibc's malloc (an empty LD_PRELOAD
 #             in controller_options, configs/serve_smollm2_proxy_glibc.yaml beside this script;
 #             default jemalloc: deployments/allocator.serve_controller_options)
-# Writes results/ray_memory/ab_VARIANT_ROUND.json beside this script (soak.py's output) and
+# Writes results/ray_memory/ab_VARIANT_ROUND.json beside this script (the soak's output) and
 # appends "variant round requests completed p50 p99 load-before load-after" to ab_runs.txt there.
 # Run it on a quiet machine: the variants are compared by the requests each served.
 set -euo pipefail
@@ -58,7 +58,7 @@ for round in $(seq 1 "$rounds"); do
       sleep 1
     done
     url=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['url'])" "$workdir/ready")
-    .venv/bin/python benchmarks/soak.py --url "$url" --pid "$server" --duration "$seconds" \
+    .venv/bin/python -m dsbd bench soak --url "$url" --pid "$server" --duration "$seconds" \
       --window "$(( seconds / 2 ))" --out "$out/ab_${variant}_${round}.json" > "$workdir/soak.log"
     kill -TERM "$server"; wait "$server" || true
     after=$(cut -d' ' -f1 /proc/loadavg)

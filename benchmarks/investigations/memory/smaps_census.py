@@ -24,7 +24,7 @@ mapping says whose pages grew:
 
 Ray's agents rename themselves (`ray::DashboardAgent`) once started, hence the two --match;
 a process matched once is followed by pid. The report is the growth of each kind over the last
-`--window` seconds, computed as benchmarks/soak.py computes a process's (the mean of the
+`--window` seconds, computed as `dsbd bench soak` computes a process's (the mean of the
 window's last three samples against that of its first three).
 """
 
@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -41,8 +40,7 @@ from typing import Any
 
 import psutil
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # benchmarks/, for soak.py
-import soak  # noqa: E402
+from dsbd.bench import soak
 
 FIELDS = ("Rss", "Pss", "Anonymous", "Private_Dirty")
 ARENA_ALIGN = 64 << 20  # glibc's HEAP_MAX_SIZE on 64-bit: a thread arena starts at a multiple
@@ -119,7 +117,7 @@ def watch(args: argparse.Namespace) -> None:
 
 def report(path: Path, window_s: float) -> dict[str, Any]:
     """Growth per kind and field over the last window_s of the samples in `path`, as
-    benchmarks/soak.py reports a process's (`soak.growth`: first/last/max in kB or mappings as
+    `dsbd bench soak` reports a process's (`soak.growth`: first/last/max in kB or mappings as
     counted, the growth as a fraction, a slope per hour)."""
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     window = [row for _, row in soak.last_window([(row["t"], row) for row in rows], window_s)]

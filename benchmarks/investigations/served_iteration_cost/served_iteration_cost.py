@@ -40,10 +40,8 @@ import requests
 import torch
 
 REPO = Path(__file__).resolve().parents[3]
-# the repository (for tests/) and benchmarks/ (for serving_smollm2.py)
-sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]
-from serving_smollm2 import launch  # noqa: E402
-
+sys.path.insert(0, str(REPO))  # the repository, for tests/
+from dsbd.bench.served import launch  # noqa: E402
 from tests.tiny_models import build_tokenizer  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "results" / "served_iteration_cost"

@@ -4,7 +4,7 @@
 decoder and the serving router run it unchanged); only its two sides differ: the draft runs
 `walk.draft_search`, the target `walk.verify_search`, and the session's W best
 finished hypotheses (`DecodeState.finished_scores`) travel with the state. Without a draft
-(`uses_draft=False`, method `beam_search`) every iteration is one plain search step; with one
+(method `beam_search`) every iteration is one plain search step; with one
 (`spec_beam_search`) an iteration may take several, the output being the same tokens.
 
 `engine_for` is what `loop.Decode` and `loop.IterationCall.engine` build: `Engine` for
@@ -18,8 +18,8 @@ from collections.abc import Generator
 
 import torch
 
-from dsbd_core.algorithm.config import SamplingConfig
 from dsbd_core.algorithm.engine import DRAFT_STREAM, VERIFY_STREAM, Engine
+from dsbd_core.algorithm.methods import MethodConfig
 from dsbd_core.algorithm.result import DecodeResult, collect_results
 from dsbd_core.algorithm.scorer import ForestLogprobs, ScoreCall
 from dsbd_core.algorithm.search.sampled import draft_sampled_search
@@ -28,13 +28,11 @@ from dsbd_core.algorithm.state import NO_FOREST, DecodeState, Forest, Outcome
 from dsbd_core.algorithm.streams import Streams
 
 
-def engine_for(
-    config: SamplingConfig, vocab_size: int, *, uses_draft: bool, graph: bool = False
-) -> Engine:
+def engine_for(config: MethodConfig, vocab_size: int, *, graph: bool = False) -> Engine:
     """The engine that runs `config`: beam search when `config.search`, else sampling
     (`graph`: the verify side as one compiled graph where it applies, `verify_graph.py`)."""
     kind = SearchEngine if config.searching else Engine
-    return kind(config, vocab_size, uses_draft=uses_draft, graph=graph)
+    return kind(config, vocab_size, graph=graph)
 
 
 class SearchEngine(Engine):

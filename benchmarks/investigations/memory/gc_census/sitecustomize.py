@@ -1,7 +1,7 @@
 """What Python's cycle collector frees in Serve's HTTP-side processes, sampled under load.
 
 A diagnostic, never loaded by the server itself: put this directory first on `PYTHONPATH` of a
-`dsbd serve` (or of benchmarks/soak.py, which passes its environment on), and every Python
+`dsbd serve` (or of `dsbd bench soak`, which passes its environment on), and every Python
 process Ray starts imports it at start-up (`site` imports `sitecustomize`). In the processes
 whose command line names one of `GC_CENSUS_WATCH` (default: the ingress, the routers and
 Serve's HTTP proxy) a thread, every `GC_CENSUS_PERIOD` seconds (default 90), collects with
@@ -19,7 +19,7 @@ few hundred objects per 90 s, and a 33 MiB drop with no collection behind it.)
     mkdir -p /tmp/gc_census
     PYTHONPATH=benchmarks/investigations/memory/gc_census \\
         GC_CENSUS_OUT=/tmp/gc_census \\
-        .venv/bin/python benchmarks/soak.py --duration 540 --window 300 \\
+        .venv/bin/dsbd bench soak --duration 540 --window 300 \\
         --out /tmp/gc_census/soak.json
 
 `GC_CENSUS_MODE=heap` asks instead where Python's own heap grows: the watched processes trace
@@ -33,7 +33,7 @@ Python process.
 
     GC_CENSUS_MODE=heap GC_CENSUS_WATCH=dashboard/agent.py \\
         PYTHONPATH=benchmarks/investigations/memory/gc_census \\
-        GC_CENSUS_OUT=/tmp/heap_census .venv/bin/python benchmarks/soak.py --duration 1200 \\
+        GC_CENSUS_OUT=/tmp/heap_census .venv/bin/dsbd bench soak --duration 1200 \\
         --window 600 --out /tmp/heap_census/soak.json
 
 `GC_CENSUS_MODE=allocators` asks which allocator holds the pages, without tracing (so the

@@ -9,8 +9,8 @@ of `/v1/dsbd/status`. Afterwards it waits for the sessions to drain and writes o
 latency percentiles (p50/p90/p99, overall and per kind), errors by status, throughput, memory
 over time with its growth after warm-up, and the session counts left.
 
-    .venv/bin/python benchmarks/load.py --url http://127.0.0.1:8000 --pid PID \
-        --clients 64 --duration 60 --model smollm2 --max-tokens 8 --out benchmarks/results/x.json
+    dsbd bench load --url http://127.0.0.1:8000 --pid PID --clients 64 --duration 60 \
+        --model smollm2 --max-tokens 8 --out benchmarks/results/load_smollm2.json
 
 Why a process-tree sum: Ray runs the proxy, router and each replica as separate processes; a leak
 in any of them shows in the sum. RSS counts the pages each process maps, shared ones (Ray's
@@ -32,10 +32,14 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import aiohttp
 import psutil
+
+from dsbd.common import fail
+
+if TYPE_CHECKING:
+    import aiohttp
 
 # (kind, route, body extras): the request mix, cycled by every client from its own offset.
 # `abandon` kinds are clients that go away mid-decode (a client-side time-out of a plain
@@ -360,6 +364,8 @@ async def drain(http: aiohttp.ClientSession, config: LoadConfig) -> dict[str, An
 
 async def run_load(config: LoadConfig) -> dict[str, Any]:
     """Drive the load; returns the results (see the module docstring)."""
+    import aiohttp
+
     headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
     timeout = aiohttp.ClientTimeout(total=config.request_timeout_s)
     connector = aiohttp.TCPConnector(limit=config.clients + 4)
@@ -409,8 +415,8 @@ async def run_load(config: LoadConfig) -> dict[str, Any]:
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of `dsbd bench load`."""
     parser.add_argument("--url", required=True, help="server root, e.g. http://127.0.0.1:8000")
     parser.add_argument("--clients", type=int, default=64)
     parser.add_argument("--duration", type=float, default=60.0, help="seconds of load")
@@ -432,9 +438,12 @@ def main(argv: list[str] | None = None) -> int:
         help="seconds before a plain request's client gives up",
     )
     parser.add_argument("--out", type=Path, required=True, help="JSON results file")
-    args = parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run `dsbd bench load`: the load, then one JSON of results at --out."""
     if args.clients < 1 or args.duration <= 0:
-        parser.error(f"--clients={args.clients} --duration={args.duration}: both must be > 0")
+        return fail(f"--clients={args.clients} --duration={args.duration}: both must be > 0")
     config = LoadConfig(
         url=args.url.rstrip("/"),
         clients=args.clients,
@@ -461,7 +470,3 @@ def main(argv: list[str] | None = None) -> int:
         f"sessions after: {results['sessions_after']}"
     )
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

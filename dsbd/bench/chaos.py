@@ -2,7 +2,7 @@
 
 Starts `dsbd serve` itself (loopback only; the embedded SmolLM2 pair, or `--config FILE` and
 `--app NAME`), then runs `--clients` clients back to back for `--duration` seconds: the request
-mix of benchmarks/load.py (OpenAI and native routes, streams, clients that go away mid-decode
+mix of `dsbd bench load` (OpenAI and native routes, streams, clients that go away mid-decode
 on purpose) plus seeded requests (`adaptive: false`, a seed: a `--seeded-share` of all
 requests). 30 to 60 s (`--kill-every`) after the previous replica recovered it SIGKILLs a
 Router, Draft or Verifier replica process (`--targets`, each in turn, in an order shuffled once
@@ -31,8 +31,8 @@ a client sent again), recovery per kill and its maximum, latency p50/p99 before,
 after the kills, and the seeded comparison (`cache_lost`: those rebuilt by replay). Targets
 (issue 21): 0 failed, 0 5xx, seeded equal to in-process tokens, every replica back in 60 s.
 
-    .venv/bin/python benchmarks/chaos.py                                   # 32 x 10 min
-    .venv/bin/python benchmarks/chaos.py --config serve.yaml --clients 8 --duration 90 --kills 2
+    dsbd bench chaos                                                  # 32 x 10 min
+    dsbd bench chaos --config serve.yaml --clients 8 --duration 90 --kills 2
 """
 
 from __future__ import annotations
@@ -45,18 +45,17 @@ import os
 import random
 import signal
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import aiohttp
-import load  # benchmarks/ is on sys.path when this runs as a script
-from chaos_report import compare_seeded, plot, summarise
-from load import MIX, LoadConfig, Record, body_for, send
+from dsbd.bench import load
+from dsbd.bench.chaos_report import SIDES, ChaosConfig, Kill, Run, compare_seeded, plot, summarise
+from dsbd.bench.load import MIX, LoadConfig, Record, body_for, send
+from dsbd.common import fail
 
-from dsbd import server_process
+if TYPE_CHECKING:
+    import aiohttp
 
-SIDES = ("router", "draft", "verifier")
 # DSBD: one call to the draft and one to the verifier
 PROBE = {
     "prompt_ids": [5, 6, 7],
@@ -66,52 +65,6 @@ PROBE = {
     "seed": 0,
     "adaptive": False,
 }
-
-
-@dataclass
-class ChaosConfig:
-    clients: int = 32
-    duration_s: float = 600.0
-    kill_every_s: tuple[float, float] = (30.0, 60.0)
-    first_kill_s: float | None = None  # default: a draw from kill_every_s
-    quiet_tail_s: float = 60.0
-    max_kills: int | None = None
-    targets: tuple[str, ...] = SIDES
-    seed: int = 0
-    max_tokens: int = 8
-    seeded_share: float = 0.25
-    request_timeout_s: float = 300.0
-    recovery_timeout_s: float = 180.0
-    client_retries: int = 2  # what the openai client retries by default (see `attempt`)
-
-
-@dataclass
-class Kill:
-    side: str
-    pid: int
-    at_s: float
-    recovered_s: float | None = None  # seconds from the kill to recovery (None: not in time)
-    new_pid: int | None = None
-    probe_status: int | None = None
-
-
-@dataclass
-class Run:
-    url: str
-    model: str
-    server_pid: int
-    t0: float = field(default_factory=time.monotonic)
-    records: list[Record] = field(default_factory=list)
-    retries: list[int] = field(default_factory=list)  # per native response: retried iterations
-    retry_causes: list[str] = field(default_factory=list)
-    handovers: list[int] = field(default_factory=list)  # per native response: to a new router
-    seeded: list[dict[str, Any]] = field(default_factory=list)  # body + beams returned
-    kills: list[Kill] = field(default_factory=list)
-    client_retried: list[Record] = field(default_factory=list)  # attempts a client retried
-    stop_at: float = 0.0  # monotonic: when the clients stop (the killer may push it later)
-
-    def now(self) -> float:
-        return time.monotonic() - self.t0
 
 
 def seeded_body(index: int, max_tokens: int) -> dict[str, Any]:
@@ -234,6 +187,8 @@ def pid_of(state: dict[str, Any], side: str) -> int:
 
 async def kill_one(http: aiohttp.ClientSession, run: Run, side: str) -> Kill | None:
     """SIGKILL the `side` replica the status names (a descendant of our server only)."""
+    from dsbd import server_process
+
     state = await status(http, run.url)
     if state is None:
         return None
@@ -247,6 +202,8 @@ async def kill_one(http: aiohttp.ClientSession, run: Run, side: str) -> Kill | N
 async def recover(http: aiohttp.ClientSession, run: Run, kill: Kill, timeout_s: float) -> None:
     """Wait until a live replica of the killed deployment (not the killed pid) answers in the
     status and a probe request through draft and verifier succeeds."""
+    from dsbd import server_process
+
     deadline = time.monotonic() + timeout_s
     replaced = False
     while time.monotonic() < deadline:
@@ -300,6 +257,8 @@ async def killer(http: aiohttp.ClientSession, run: Run, config: ChaosConfig) -> 
 
 async def drive(run: Run, config: ChaosConfig) -> dict[str, Any]:
     """The clients and the killer; then the sessions left (load.drain)."""
+    import aiohttp
+
     load_config = LoadConfig(
         url=run.url,
         clients=config.clients,
@@ -324,8 +283,8 @@ async def drive(run: Run, config: ChaosConfig) -> dict[str, Any]:
         return {"wall_s": round(wall, 2), "sessions_after": await load.drain(http, load_config)}
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of `dsbd bench chaos`."""
     parser.add_argument("--config", type=Path, help="Serve config (default: embedded SmolLM2)")
     parser.add_argument("--app", help="the application to drive (default: the config's first)")
     parser.add_argument("--clients", type=int, default=32)
@@ -358,30 +317,27 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--workdir", type=Path, help="server log and ready file (default: tmp)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/chaos.json"))
     parser.add_argument("--no-compare", action="store_true", help="skip the in-process check")
-    args = parser.parse_args(argv)
+
+
+def chaos_config(args: argparse.Namespace) -> ChaosConfig:
+    """The run's settings from the flags (ValueError naming the flag for a value out of range)."""
     targets = tuple(args.targets.split(","))
     if not set(targets) <= set(SIDES) or not targets:
-        parser.error(f"--targets={args.targets}: allowed a comma list of {', '.join(SIDES)}")
+        raise ValueError(f"--targets={args.targets}: allowed a comma list of {', '.join(SIDES)}")
     if args.clients < 1 or args.duration <= 0 or not 0 < args.kill_every[0] <= args.kill_every[1]:
-        parser.error("--clients >= 1, --duration > 0 and 0 < --kill-every MIN <= MAX")
+        raise ValueError("--clients >= 1, --duration > 0 and 0 < --kill-every MIN <= MAX")
     if args.client_retries < 0:
-        parser.error(f"--client-retries={args.client_retries}: allowed >= 0")
+        raise ValueError(f"--client-retries={args.client_retries}: allowed >= 0")
     if not 0 <= args.seeded_share <= 1:
-        parser.error(f"--seeded-share={args.seeded_share}: allowed 0..1")
-    args.targets = targets
-    return args
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    config = ChaosConfig(
+        raise ValueError(f"--seeded-share={args.seeded_share}: allowed 0..1")
+    return ChaosConfig(
         clients=args.clients,
         duration_s=args.duration,
         kill_every_s=tuple(args.kill_every),
         first_kill_s=args.first_kill,
         quiet_tail_s=args.quiet_tail,
         max_kills=args.kills,
-        targets=args.targets,
+        targets=targets,
         seed=args.seed,
         max_tokens=args.max_tokens,
         seeded_share=args.seeded_share,
@@ -389,23 +345,33 @@ def main(argv: list[str] | None = None) -> int:
         recovery_timeout_s=args.recovery_timeout,
         client_retries=args.client_retries,
     )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run `dsbd bench chaos`: start the server, load it, kill replicas, compare, report."""
+    from dsbd import server_process
+
+    try:
+        config = chaos_config(args)
+    except ValueError as error:
+        return fail(str(error))
     workdir = args.workdir or Path(os.environ.get("TMPDIR", "/tmp")) / f"dsbd-chaos-{os.getpid()}"
     server = server_process.start(
         workdir, args.config, app_name=args.app, num_cpus=args.num_cpus, strace_dir=args.strace
     )
     print(f"dsbd serve at {server.url} (pid {server.pid}, log {server.log})", flush=True)
-    run = Run(server.url, server.model, server.pid)
+    chaos = Run(server.url, server.model, server.pid)
     try:
-        extra = asyncio.run(drive(run, config))
+        extra = asyncio.run(drive(chaos, config))
     finally:
         extra_left = server_process.stop(server)
     extra["server_leftover_processes"] = extra_left
     extra["seeded"] = (
         {"compared": 0, "why": "--no-compare"}
         if args.no_compare
-        else compare_seeded(server.app, run.seeded)
+        else compare_seeded(server.app, chaos.seeded)
     )
-    results = summarise(run, config, extra)
+    results = summarise(chaos, config, extra)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=1) + "\n")
     plot(results, args.out.with_suffix(".png"))
@@ -420,7 +386,3 @@ def main(argv: list[str] | None = None) -> int:
         )
     )
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -4,7 +4,7 @@ sampled every 10 s, and its growth after warm-up per process.
 A 60 s load run saw the verifier grow +251 MiB (+4.2%) and could not tell a leak from an
 allocator's high-water mark (docs/RELIABILITY.md, section 4). A leak keeps growing; a
 high-water mark stops once the largest batches have been seen. So: `--clients` clients send
-the request mix of benchmarks/load.py back to back for `--duration` seconds (default 30 min),
+the request mix of `dsbd bench load` back to back for `--duration` seconds (default 30 min),
 and every `--sample-s` (10 s) the RSS and PSS of every process of the server (the `dsbd serve`
 process and its descendants: Ray's processes, each replica its own) are recorded. Per process
 the growth over the last `--window` seconds (default 20 min, after a warm-up of the rest) is
@@ -21,8 +21,9 @@ beside it as `trend` (the fitted line's rise across the window, as a fraction of
 start) with `trend_se`, its standard error were the samples independent (a floor: neighbours
 correlate): a leak raises both figures; noise moves the end points far more than the fit.
 
-    .venv/bin/python benchmarks/soak.py                                  # SmolLM2, 30 min
-    .venv/bin/python benchmarks/soak.py --url http://127.0.0.1:8000 --pid PID   # a running one
+    dsbd bench soak                                                   # SmolLM2, 30 min
+    dsbd bench soak --url http://127.0.0.1:8000 --pid PID             # a running server
+    dsbd bench soak --trends benchmarks/results/soak*.json            # saved soaks side by side
 
 RSS is also split into `anon` (the process's private heap: what a leak grows) and `shmem`
 (shared-memory pages it touched: Ray's object store is one, mapped into every process that writes or
@@ -35,7 +36,9 @@ caches: deployments/replicas/allocator.py); resident growing alone is the alloca
 
 Writes `--out` (default benchmarks/results/soak.json): duration_s, rss_growth_after_warmup and
 pss_growth_after_warmup (and anon_/shmem_) per process, the details, the replicas' statistics'
-growth (replica_growth_after_warmup), the requests' outcome and the samples.
+growth (replica_growth_after_warmup), the requests' outcome and the samples. `--trends FILE...`
+reads saved soaks instead and prints both figures per process side by side
+(dsbd/bench/soak_trends.py), so that earlier soaks can be put beside new ones.
 """
 
 from __future__ import annotations
@@ -51,17 +54,19 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-import aiohttp
-import load  # benchmarks/ is on sys.path when this runs as a script
 import psutil
-from load import ABANDONED, LoadConfig, Record, every, percentiles
 
-from dsbd import server_process
+from dsbd.bench import load
+from dsbd.bench.load import ABANDONED, LoadConfig, Record, every, percentiles
+from dsbd.bench.soak_trends import growth, show_trends
+from dsbd.common import fail
 
 
 def sample(pid: int) -> dict[str, dict[str, Any]]:
     """RSS and PSS of `pid` and each descendant, keyed "name pid" (Ray names replica processes
     by deployment: `dsbd:Verifier`)."""
+    from dsbd import server_process
+
     out = {}
     titles = {pid: "dsbd-serve", **server_process.descendants(pid)}
     for child, title in titles.items():
@@ -87,35 +92,6 @@ def rss_parts(pid: int) -> dict[str, int]:
             if key in ("RssAnon", "RssShmem"):
                 parts[key[3:].lower()] = int(value.split()[0]) * 1024
     return parts
-
-
-def growth(times: list[float], values: list[int], unit: float = 2**20) -> dict[str, float]:
-    """A series' growth over its span (see the module docstring); first/last/max in MiB
-    (`unit` 1: as counted)."""
-    first = sum(values[:3]) / len(values[:3])
-    last = sum(values[-3:]) / len(values[-3:])
-    base = first or last or 1.0  # a series that starts at 0 (sessions, shared memory)
-    mean_t, mean_v = sum(times) / len(times), sum(values) / len(values)
-    spread = sum((t - mean_t) ** 2 for t in times)
-    slope = sum((t - mean_t) * (v - mean_v) for t, v in zip(times, values, strict=True))
-    slope = slope / spread if spread else 0.0  # bytes per second
-    residual = sum(
-        (v - mean_v - slope * (t - mean_t)) ** 2 for t, v in zip(times, values, strict=True)
-    )
-    # the slope's standard error with independent samples (neighbours correlate: a floor)
-    slope_se = (residual / (len(values) - 2) / spread) ** 0.5 if len(values) > 2 and spread else 0
-    span = times[-1] - times[0]
-    tag = "_mib" if unit == 2**20 else ""
-    return {
-        f"first{tag}": round(first / unit, 1),
-        f"last{tag}": round(last / unit, 1),
-        f"max{tag}": round(max(values) / unit, 1),
-        "growth": round((last - first) / base, 4),
-        "max_growth": round((max(values) - first) / base, 4),
-        "slope_per_hour": round(slope * 3600 / base, 4),
-        "trend": round(slope * span / base, 4),
-        "trend_se": round(slope_se * span / base, 4),
-    }
 
 
 def last_window(samples: list[tuple[float, Any]], window_s: float) -> list[tuple[float, Any]]:
@@ -191,6 +167,8 @@ def replica_report(samples: list[tuple[float, dict[str, Any]]], window_s: float)
 
 async def soak(url: str, pid: int, model: str, args: argparse.Namespace) -> dict[str, Any]:
     """The load and the sampler; then the sessions left (load.drain) and the report."""
+    import aiohttp
+
     config = LoadConfig(
         url=url,
         clients=args.clients,
@@ -244,8 +222,8 @@ async def soak(url: str, pid: int, model: str, args: argparse.Namespace) -> dict
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of `dsbd bench soak`."""
     parser.add_argument("--config", type=Path, help="Serve config (default: embedded SmolLM2)")
     parser.add_argument("--app", help="the application to drive (default: the config's first)")
     parser.add_argument("--url", help="a running server instead (with --pid)")
@@ -260,11 +238,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-cpus", type=float, help="CPUs Ray may schedule on")
     parser.add_argument("--workdir", type=Path, help="server log and ready file (default: tmp)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/soak.json"))
-    args = parser.parse_args(argv)
+    trends = parser.add_argument_group("saved soaks side by side (no run)")
+    trends.add_argument(
+        "--trends",
+        nargs="+",
+        type=Path,
+        metavar="SOAK.json",
+        help="print each process's growth by end points and by fitted trend, per saved soak",
+    )
+    trends.add_argument(
+        "--trends-top", type=int, default=3, metavar="N", help="processes shown per soak"
+    )
+    trends.add_argument("--json", action="store_true", help="--trends: every process, as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run `dsbd bench soak` (start a server or drive a running one), or print saved soaks'
+    trends with --trends."""
+    if args.trends:
+        return show_trends(args.trends, top=args.trends_top, as_json=args.json)
     if (args.url is None) != (args.pid is None):
-        parser.error("--url and --pid go together")
+        return fail("--url and --pid go together")
     if args.clients < 1 or args.duration <= 0 or not 0 < args.window <= args.duration:
-        parser.error("--clients >= 1, --duration > 0 and 0 < --window <= --duration")
+        return fail("--clients >= 1, --duration > 0 and 0 < --window <= --duration")
+    from dsbd import server_process
+
     server = None
     if args.url is None:
         tmp = Path(os.environ.get("TMPDIR", "/tmp"))
@@ -291,7 +289,3 @@ def main(argv: list[str] | None = None) -> int:
         )
     )
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

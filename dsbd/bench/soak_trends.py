@@ -1,5 +1,6 @@
-"""Soaks side by side: each process's growth over the last window by its end points and by
-the least-squares trend over all of the window's samples (benchmarks/soak.py's `growth`).
+"""A soak's growth figures (`growth`, which `dsbd bench soak` reports per process) and saved soaks
+side by side (`dsbd bench soak --trends`): each process's growth over the last window by its end
+points and by the least-squares trend over all of the window's samples.
 
 Why: the end-point figure (mean of the window's last three samples over its first three)
 moves by +-2 % for a process whose live memory follows the work in flight (the verifier),
@@ -7,21 +8,50 @@ with no trend; the fit over 120 samples moves far less. This reads the `*_detail
 soak.json files (the slope per hour was in every one) and, from the RSS samples they keep,
 the trend's standard error, so figures of earlier soaks can be put beside new ones.
 
-    .venv/bin/python benchmarks/soak_trends.py benchmarks/results/soak*.json
-    .venv/bin/python benchmarks/soak_trends.py --top 4 --json FILE...
+    dsbd bench soak --trends benchmarks/results/soak*.json
+    dsbd bench soak --trends FILE... --trends-top 4
+    dsbd bench soak --trends FILE... --json
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 from pathlib import Path
 from typing import Any
 
-from soak import growth  # benchmarks/ is on sys.path when this runs as a script
-
 FIGURES = ("rss_end", "rss_trend", "pss_end", "pss_trend")
+
+
+def growth(times: list[float], values: list[int], unit: float = 2**20) -> dict[str, float]:
+    """A series' growth over its span: by end points (`growth`: the mean of the last three
+    values over the mean of the first three, minus one) and by the least-squares line through
+    all of them (`slope_per_hour`, `trend`: its rise across the span, `trend_se`), each as a
+    fraction of the same start; first/last/max in MiB (`unit` 1: as counted)."""
+    first = sum(values[:3]) / len(values[:3])
+    last = sum(values[-3:]) / len(values[-3:])
+    base = first or last or 1.0  # a series that starts at 0 (sessions, shared memory)
+    mean_t, mean_v = sum(times) / len(times), sum(values) / len(values)
+    spread = sum((t - mean_t) ** 2 for t in times)
+    slope = sum((t - mean_t) * (v - mean_v) for t, v in zip(times, values, strict=True))
+    slope = slope / spread if spread else 0.0  # bytes per second
+    residual = sum(
+        (v - mean_v - slope * (t - mean_t)) ** 2 for t, v in zip(times, values, strict=True)
+    )
+    # the slope's standard error with independent samples (neighbours correlate: a floor)
+    slope_se = (residual / (len(values) - 2) / spread) ** 0.5 if len(values) > 2 and spread else 0
+    span = times[-1] - times[0]
+    tag = "_mib" if unit == 2**20 else ""
+    return {
+        f"first{tag}": round(first / unit, 1),
+        f"last{tag}": round(last / unit, 1),
+        f"max{tag}": round(max(values) / unit, 1),
+        "growth": round((last - first) / base, 4),
+        "max_growth": round((max(values) - first) / base, 4),
+        "slope_per_hour": round(slope * 3600 / base, 4),
+        "trend": round(slope * span / base, 4),
+        "trend_se": round(slope_se * span / base, 4),
+    }
 
 
 def process_kind(name: str) -> str:
@@ -52,14 +82,11 @@ def trends(path: Path) -> dict[str, dict[str, float]]:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("soaks", nargs="+", type=Path, help="soak.json files")
-    parser.add_argument("--top", type=int, default=3, help="processes shown per soak")
-    parser.add_argument("--json", action="store_true", help="every process, as JSON")
-    args = parser.parse_args(argv)
-    table: dict[str, Any] = {str(p): trends(p) for p in args.soaks}
-    if args.json:
+def show_trends(soaks: list[Path], top: int = 3, as_json: bool = False) -> int:
+    """Print each saved soak's largest growth and its `top` processes (`as_json`: every
+    process, as JSON); exit status 0."""
+    table: dict[str, Any] = {str(p): trends(p) for p in soaks}
+    if as_json:
         print(json.dumps(table, indent=1))
         return 0
     for path, rows in table.items():
@@ -72,14 +99,10 @@ def main(argv: list[str] | None = None) -> int:
             f"largest trend {largest['trend']:+.2%}"
         )
         worst = sorted(rows.items(), key=lambda r: -max(r[1][k] for k in FIGURES))
-        for name, r in worst[: args.top]:
+        for name, r in worst[:top]:
             se = f" (se {r['rss_trend_se']:.2%})" if "rss_trend_se" in r else ""
             print(
                 f"  {name:28s} RSS end {r['rss_end']:+.2%} trend {r['rss_trend']:+.2%}{se}"
                 f"  PSS end {r['pss_end']:+.2%} trend {r['pss_trend']:+.2%}"
             )
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,19 +1,72 @@
-"""What a chaos run's records say (benchmarks/chaos.py): the summary it reports, the seeded
-requests decoded again in-process with the server's models, and the plot of latency over time
-with the kills marked."""
+"""What a chaos run's records say (`dsbd bench chaos`): the run's settings and records (kept
+here, so that the report reads them without importing the driver), the summary it reports, the
+seeded requests decoded again in-process with the server's models, and the plot of latency over
+time with the kills marked."""
 
 from __future__ import annotations
 
+import time
 from collections import Counter
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from load import ABANDONED, Record, percentiles  # benchmarks/ is on sys.path, as for chaos.py
+from dsbd.bench.load import ABANDONED, Record, percentiles
 
-if TYPE_CHECKING:
-    from chaos import ChaosConfig, Run
+SIDES = ("router", "draft", "verifier")  # the deployments whose replicas may be killed
+
+
+@dataclass
+class ChaosConfig:
+    """One chaos run's settings (the flags of `dsbd bench chaos`)."""
+
+    clients: int = 32
+    duration_s: float = 600.0
+    kill_every_s: tuple[float, float] = (30.0, 60.0)
+    first_kill_s: float | None = None  # default: a draw from kill_every_s
+    quiet_tail_s: float = 60.0
+    max_kills: int | None = None
+    targets: tuple[str, ...] = SIDES
+    seed: int = 0
+    max_tokens: int = 8
+    seeded_share: float = 0.25
+    request_timeout_s: float = 300.0
+    recovery_timeout_s: float = 180.0
+    client_retries: int = 2  # what the openai client retries by default (chaos.attempt)
+
+
+@dataclass
+class Kill:
+    """One SIGKILLed replica and its recovery."""
+
+    side: str
+    pid: int
+    at_s: float
+    recovered_s: float | None = None  # seconds from the kill to recovery (None: not in time)
+    new_pid: int | None = None
+    probe_status: int | None = None
+
+
+@dataclass
+class Run:
+    """What a chaos run records while it runs: every request, retry, hand-over and kill."""
+
+    url: str
+    model: str
+    server_pid: int
+    t0: float = field(default_factory=time.monotonic)
+    records: list[Record] = field(default_factory=list)
+    retries: list[int] = field(default_factory=list)  # per native response: retried iterations
+    retry_causes: list[str] = field(default_factory=list)
+    handovers: list[int] = field(default_factory=list)  # per native response: to a new router
+    seeded: list[dict[str, Any]] = field(default_factory=list)  # body + beams returned
+    kills: list[Kill] = field(default_factory=list)
+    client_retried: list[Record] = field(default_factory=list)  # attempts a client retried
+    stop_at: float = 0.0  # monotonic: when the clients stop (the killer may push it later)
+
+    def now(self) -> float:
+        return time.monotonic() - self.t0
 
 
 def phase(record: Record, run: Run) -> str:
