@@ -21,7 +21,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +48,7 @@ class Server:
     log: Path
     app: AppArgs  # the arguments of the application under test
     model: str
+    ready: dict[str, Any] = field(default_factory=dict)  # what `--ready-file` said (metrics_url)
 
 
 def application(config: Path | None, name: str | None) -> tuple[AppArgs, str]:
@@ -134,7 +135,7 @@ def start(
             break
         time.sleep(1)
     url = info["url"]
-    return Server(process, url + prefix, url, int(info["pid"]), log, app, app.model_name)
+    return Server(process, url + prefix, url, int(info["pid"]), log, app, app.model_name, info)
 
 
 def strace_prefix(trace_dir: Path) -> list[str]:

@@ -16,12 +16,8 @@ exporter, in tests/serving/test_observability_inprocess.py.
 
 from __future__ import annotations
 
-import json
 import os
 import secrets
-import signal
-import subprocess
-import sys
 import threading
 import time
 from collections import defaultdict
@@ -35,8 +31,8 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from deployments.observability.metrics import METRIC_NAMES, prometheus_name
+from dsbd import server_process
 from tests.observability_harness import PROMPT, Receiver
-from tests.serving_harness import REPO, free_port, stop
 from tests.tiny_models import build_pair
 
 KNOBS = {
@@ -79,7 +75,6 @@ def observed(tmp_path_factory: pytest.TempPathFactory):
     (root / "serve.yaml").write_text(yaml.safe_dump(config))
     receiver = Receiver()
     threading.Thread(target=receiver.serve_forever, daemon=True).start()
-    port, ready = free_port(), root / "ready"
     env = {
         **os.environ,
         "PYTHONUNBUFFERED": "1",
@@ -87,36 +82,14 @@ def observed(tmp_path_factory: pytest.TempPathFactory):
         "OTEL_BSP_SCHEDULE_DELAY": "200",  # export within 0.2 s (default 5 s)
         "RAY_metrics_report_interval_ms": "1000",
     }
-    command = [
-        str(REPO / ".venv/bin/dsbd"),
-        "serve",
-        "--config",
-        str(root / "serve.yaml"),
-        "--port",
-        str(port),
-        "--num-cpus",
-        "4",
-        "--ready-file",
-        str(ready),
-    ]
-    if not Path(command[0]).exists():
-        command[0:1] = [sys.executable, "-m", "dsbd"]
-    log = (root / "server.log").open("w")
-    process = subprocess.Popen(
-        command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env, start_new_session=True
-    )
-    deadline = time.monotonic() + 300
-    info: dict[str, Any] = {}
-    while not info:
-        if process.poll() is not None or time.monotonic() > deadline:
-            process.kill()
-            pytest.fail(f"dsbd serve did not start:\n{(root / 'server.log').read_text()[-4000:]}")
-        try:
-            info = json.loads(ready.read_text())
-        except (FileNotFoundError, json.JSONDecodeError):
-            time.sleep(0.5)
     try:
-        url = info["url"]
+        server = server_process.start(
+            root, root / "serve.yaml", num_cpus=4, env=env, timeout_s=300, exit_on_sigterm=False
+        )
+    except server_process.ServerStartError as error:
+        pytest.fail(str(error))
+    try:
+        url = server.url
         trace_id, client_span = secrets.token_hex(16), secrets.token_hex(8)
         headers = {"traceparent": f"00-{trace_id}-{client_span}-01"}
         alone = _generate(url, {**KNOBS, "seed": 1}, headers)
@@ -135,16 +108,16 @@ def observed(tmp_path_factory: pytest.TempPathFactory):
             assert refused.status_code == 400, refused.text
         yield {
             "url": url,
-            "metrics_url": info["metrics_url"],
+            "metrics_url": server.ready["metrics_url"],
             "receiver": receiver,
             "trace_id": trace_id,
             "client_span": client_span,
             "alone": alone,
             "together": together,
-            "log": root / "server.log",
+            "log": server.log,
         }
     finally:
-        stop(process, lambda: os.kill(info["pid"], signal.SIGINT))
+        assert not server_process.stop(server), "the server left processes behind"
         receiver.shutdown()
 
 

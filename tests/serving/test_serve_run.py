@@ -17,6 +17,7 @@ import pytest
 import requests
 import yaml
 
+from dsbd import server_process
 from tests.serving.test_local_ray import is_loopback, peers, strace
 from tests.serving_harness import free_port, stop
 from tests.tiny_models import build_pair
@@ -86,26 +87,14 @@ def test_serve_run_with_dsbd_ray_env_serves_on_loopback_only(tmp_path: Path) -> 
 @pytest.mark.real_model
 def test_the_readme_main_command_serves_the_embedded_models(tmp_path: Path) -> None:
     """`dsbd serve` with no options: SmolLM2 + its draft, answering the openai client."""
-    import json
-
     import openai
 
-    port, ready = free_port(), tmp_path / "ready"
-    process = subprocess.Popen(
-        [*DSBD, "serve", "--port", str(port), "--ready-file", str(ready)],
-        cwd=REPO,
-        stdout=(tmp_path / "log").open("w"),
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
     try:
-        deadline = time.monotonic() + 600
-        while not ready.exists() or not ready.read_text().endswith("}"):
-            if process.poll() is not None or time.monotonic() > deadline:
-                pytest.fail((tmp_path / "log").read_text()[-3000:])
-            time.sleep(1)
-        info = json.loads(ready.read_text())
-        client = openai.OpenAI(base_url=f"{info['url']}/v1", api_key="unused", max_retries=0)
+        server = server_process.start(tmp_path, timeout_s=600, exit_on_sigterm=False)
+    except server_process.ServerStartError as error:
+        pytest.fail(str(error))
+    try:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
         reply = client.chat.completions.create(
             model="smollm2",
             messages=[{"role": "user", "content": "What is 2 + 2?"}],
@@ -119,4 +108,5 @@ def test_the_readme_main_command_serves_the_embedded_models(tmp_path: Path) -> N
     finally:
         # SIGTERM, what Kubernetes and systemd send (the serving tests stop with SIGINT): Ray's
         # own handler once aborted the process mid-shutdown and left its agents running
-        stop(process, lambda: process.send_signal(signal.SIGTERM))
+        left = server_process.stop(server, signal.SIGTERM)
+        assert not left, "the server left processes behind"
