@@ -103,6 +103,12 @@ class RouterState:
             if running is not None and running.get_loop() is asyncio.get_running_loop():
                 running.cancel()
 
+    async def drained(self) -> None:
+        """Wait until every release task started here has ended: what a census of the
+        router's objects (tests) waits for, instead of guessing how long releases take."""
+        while self._releasing:
+            await asyncio.gather(*list(self._releasing), return_exceptions=True)
+
     def run_detached(self, work: Coroutine[Any, Any, None]) -> None:
         """Run `work` as a task of its own in an empty context, kept referenced until it ends:
         Serve cancels the child calls of a cancelled request (a client that went away), and a

@@ -22,7 +22,8 @@ off wherever it would not pay and DSBD is never much slower than beam sampling, 
 draft. The pass rates are the request's own: Beta priors updated with every verified layer,
 older evidence fading by `memory` per iteration. The priors are the pair's pass rates measured
 at calibration where the calibration has them (a draft that rarely agrees is not drafted on
-hope at the start of every request), else the policy's. A request that turned speculation off
+hope at the start of every request; a request that drafts one beam, SpS, starts from the rates
+measured with one), else the policy's. A request that turned speculation off
 drafts one layer after `probe_every` iterations, so that it notices when its draft starts to
 agree again; while the probes find it still does not pay, the interval doubles (up to
 `probe_backoff` times); and a probe is made only while it costs at most `probe_budget` of the
@@ -35,8 +36,8 @@ Per request, the drafted iterations may cost at most `loss_budget` (2 %) of what
 would take for max_new_tokens beyond the beam steps they stand in for, counted in the same
 prices: a depth (or a probe) is drafted only while its worst case, a first layer that fails,
 stays within what is left of it (what drafting saved adds to it), or while what the depth is
-expected to save over the tokens left is at least `bet_ratio` (1) times what it risks. So a
-request whose draft does not agree loses at most that share, or what it expected to win; a
+expected to save over the tokens left is at least `bet_ratio` (2) times what it risks. So a
+request whose draft does not agree loses at most that share, or half what it expected to win; a
 draft whose prompt costs more to feed than drafting is expected to save (a large draft on a CPU
 whose long forwards are dear, before a long prompt) is not run at all.
 """
@@ -86,6 +87,10 @@ class Calibration(BaseModel):
     # once on a few chat and code prompts at the default settings (`calibrate.pass_rates`);
     # None: not measured (the policy's priors stand in).
     pass_rates: list[float] | None = None
+    # The same for speculative sampling (W = W_S = 1): one drafted token per layer passes more
+    # often than a layer of W_S = 3 drafted beams does (their tokens compete for W places);
+    # the prior of a request that drafts one beam. None: not measured (`pass_rates` stand in).
+    single_pass_rates: list[float] | None = None
     # Seconds of one whole DSBD iteration at each fixed depth 0..G for one session at the
     # default W and W_S (`iteration_width`, `iteration_draft_width`), medians over the pass-rate
     # prompts (`iteration_timer`): the cost model scales its sum-of-parts prices at each depth
@@ -153,12 +158,13 @@ class CostPolicy(BaseModel):
         "or while bet_ratio says the bet is worth its risk.",
     )
     bet_ratio: float = Field(
-        1.0,
+        2.0,
         gt=0,
         description="A depth beyond the loss budget is still drafted when what it is expected "
         "to save over the tokens left is at least this many times what it risks (its worst "
-        "case plus what the request lost so far): a request risks no more than it expects "
-        "to win.",
+        "case plus what the request lost so far). Twice: the expected saving comes from the "
+        "pair's pass rates, an average over chat and code prompts that one request's own "
+        "rate may fall far short of.",
     )
 
 
@@ -253,6 +259,9 @@ class CostController:
         """The pass rate of each layer depth before the request's own evidence: the pair's
         measured rates (the deepest measured one stands for deeper layers), else the policy's."""
         measured, p = self.calibration.pass_rates, self.policy
+        one_beam = self.config.width == 1 and self.draft_width == 1
+        if one_beam and self.calibration.single_pass_rates:
+            measured = self.calibration.single_pass_rates
         if measured:
             return [measured[min(k, len(measured) - 1)] for k in range(self.gamma_max)]
         return [p.prior_first if k == 0 else p.prior_next for k in range(self.gamma_max)]

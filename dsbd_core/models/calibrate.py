@@ -19,6 +19,7 @@ of the parts misses), each cached like the costs.
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
 import json
 import os
@@ -297,9 +298,16 @@ def calibrate(
     support = draft_support.numel() if draft_support is not None else None
     calibration = assemble(target_costs, draft_costs, vocab_size, support, description, force=force)
     if draft is not None and prompts:
-        rates = pair_pass_rates(target, draft, identity, prompts, stop_ids, force=force, path=path)
-        calibration = calibration.model_copy(update={"pass_rates": rates})
+        rates, single = (
+            pair_pass_rates(
+                target, draft, identity, prompts, stop_ids, force=force, path=path, method=m
+            )
+            for m in ("dsbd", "sps")
+        )
+        update = {"pass_rates": rates, "single_pass_rates": single}
+        calibration = calibration.model_copy(update=update)
         say(f"the pair's pass rates per drafted layer: {', '.join(f'{r:.2f}' for r in rates)}")
+        say(f"... and with one drafted beam (SpS): {', '.join(f'{r:.2f}' for r in single)}")
         timed = pair_iteration_seconds(
             target, draft, identity, prompts, stop_ids, force=force, path=path
         )
@@ -350,14 +358,19 @@ def pass_rate_inputs(loaded: LoadedModel) -> dict[str, Any]:
 
 
 def measure_pass_rates(
-    target: ForestScorer, draft: ForestScorer, prompts: list[list[int]], stop_ids: tuple[int, ...]
+    target: ForestScorer,
+    draft: ForestScorer,
+    prompts: list[list[int]],
+    stop_ids: tuple[int, ...],
+    method: str = "dsbd",
 ) -> list[float]:
-    """Each drafted layer depth's pass rate (given the one above passed) of DSBD at the default
-    settings (W = 3, gamma = 3, fixed width, seed 0) over `prompts`, PASS_RATE_TOKENS tokens
-    each; depths never tried are left out (the deepest measured stands for them)."""
-    config = pass_rate_config(stop_ids)
+    """Each drafted layer depth's pass rate (given the one above passed) of `method` at the
+    default settings (dsbd: W = 3, gamma = 3, fixed width; sps: W = W_S = 1; seed 0) over
+    `prompts`, PASS_RATE_TOKENS tokens each; depths never tried are left out (the deepest
+    measured stands for them)."""
+    config = method_config(method, pass_rate_config(stop_ids))
     counter = PassCounter(config)
-    generate_batch("dsbd", target, prompts, config, draft, controller=counter)
+    generate_batch(method, target, prompts, config, draft, controller=counter)
     return counter.rates()
 
 
@@ -370,12 +383,13 @@ def pair_pass_rates(
     *,
     force: bool = False,
     path: str = "dynamic",
+    method: str = "dsbd",
 ) -> list[float]:
     """`measure_pass_rates` for a pair, measured once per machine and cached like its costs
     (the rates depend on the draft's variant and dtype, which the identity holds)."""
     measured = _pair_measurement(
-        "pass-rates",
-        measure_pass_rates,
+        "pass-rates" if method == "dsbd" else f"{method}-pass-rates",
+        functools.partial(measure_pass_rates, method=method),
         PASS_RATE_TOKENS,
         target,
         draft,

@@ -17,6 +17,7 @@ from dsbd_core import SamplingConfig
 from dsbd_core.algorithm.cost_model import Calibration, CostController, CostPolicy, ForwardCosts
 from dsbd_core.algorithm.decoders import generate
 from dsbd_core.algorithm.iteration_timer import IterationTimer
+from dsbd_core.algorithm.methods import method_config
 from dsbd_core.models.calibrate import calibrate, measure_iteration_seconds, measure_pass_rates
 from dsbd_core.models.transformer_scorer import TransformerScorer
 from tests.models.test_engine_transformers import tiny
@@ -44,6 +45,12 @@ def test_a_pair_measured_to_rarely_agree_is_not_drafted_at_the_start() -> None:
     hopeful = CostController(config, _calibration(None))  # not measured: the policy's priors
     assert hopeful.priors() == [0.6, 0.8, 0.8]
     assert hopeful.knobs(None).gamma > 0  # type: ignore[arg-type]
+    # one drafted beam (SpS) starts from the rates measured with one, where measured
+    both = Calibration(**COSTS, pass_rates=[0.5, 0.6], single_pass_rates=[0.9, 0.8])
+    sps = method_config("sps", config)
+    assert CostController(sps, both).priors() == [0.9, 0.8, 0.8]
+    assert CostController(config, both).priors() == [0.5, 0.6, 0.6]
+    assert CostController(sps, _calibration([0.5])).priors() == [0.5, 0.5, 0.5]
 
 
 @pytest.mark.slow
@@ -77,6 +84,7 @@ def test_calibration_measures_the_pass_rates_once_and_caches_them(
     cached = sorted(p.name.split("-")[0] + "-" + p.name.split("-")[1] for p in tmp_path.iterdir())
     assert "pass-rates" in cached and "iteration-seconds" in cached
     assert first.iteration_s and len(first.iteration_s) == 4 and first.catch_up_s is not None
+    assert first.single_pass_rates and all(0.0 <= r <= 1.0 for r in first.single_pass_rates)
     again = calibrate(
         target, draft, identity, 16, say=said.append, prompts=[[1, 2, 3]], stop_ids=(0,)
     )
