@@ -267,30 +267,30 @@ class CostController:
         return [p.prior_first if k == 0 else p.prior_next for k in range(self.gamma_max)]
 
     def knobs(self, state: DecodeState) -> Knobs:
-        gamma = self.best_gamma(state)
+        lag = self.catch_up_seconds(state)
+        gamma = self.best_gamma(state, lag)
         if gamma > 0:
             self.probe_interval = self.policy.probe_every
         elif self.gamma_max > 0 and self.since_draft + 1 >= self.probe_interval:
-            cheap = self.probe_seconds(state) <= self.policy.probe_budget * self.idle_seconds()
-            if cheap and self.affordable(1, state):
+            cheap = self.probe_seconds(lag) <= self.policy.probe_budget * self.idle_seconds()
+            if cheap and self.affordable(1, lag):
                 gamma = 1
             longest = self.policy.probe_every * self.policy.probe_backoff
             self.probe_interval = min(2 * self.probe_interval, longest)
         if gamma > 0:
-            self._pending_lag = self.catch_up_seconds(state)
+            self._pending_lag = lag
             self.drafted = True
         self.chosen.append(gamma)
         return Knobs(gamma=gamma, draft_width=self.draft_width)
 
-    def affordable(self, gamma: int, state: DecodeState | None, saving: float = 0.0) -> bool:
+    def affordable(self, gamma: int, lag: float, saving: float = 0.0) -> bool:
         """Whether an iteration of depth gamma keeps the request within `loss_budget` even if
         its first layer fails (it then emits the one token a beam step would, at its own price
-        and the draft's catch-up), or is a bet worth its risk: `saving`, what drafting at this
+        and the draft's catch-up `lag`), or is a bet worth its risk: `saving`, what drafting at this
         depth is expected to save over the tokens left, at least `bet_ratio` times the loss it
         risks. Savings of earlier drafted iterations count towards both, so a draft that pays
         may keep drafting; one that lost its share is not drafted again."""
-        worst = self.iteration_seconds(gamma) + self.catch_up_seconds(state)
-        risk = self.loss + worst - self.iteration_seconds(0)
+        risk = self.loss + self.iteration_seconds(gamma) + lag - self.iteration_seconds(0)
         return risk <= self.loss_budget_seconds() or saving >= self.policy.bet_ratio * risk
 
     def loss_budget_seconds(self) -> float:
@@ -316,23 +316,24 @@ class CostController:
     def pass_rates(self) -> list[float]:
         return [rate.rate for rate in self.rates]
 
-    def best_gamma(self, state: DecodeState | None = None) -> int:
+    def best_gamma(self, state: DecodeState | None = None, lag: float | None = None) -> int:
         """The depth that saves the most time over the rest of the decode: per token, a beam
         step's seconds less depth gamma's seconds per expected token, times the tokens left,
         less what the draft's catch-up costs first (ties: the shallower), among the depths the
         request's loss budget affords. With the draft caught up and the budget untouched that
-        is the depth with the most tokens per second."""
-        lag = self.catch_up_seconds(state)
+        is the depth with the most tokens per second. `lag`: the catch-up, where the caller
+        already has it."""
+        lag = self.catch_up_seconds(state) if lag is None else lag
+        rates = self.pass_rates
         per_token = [
-            self.iteration_seconds(g) / expected_tokens(self.pass_rates, g)
-            for g in range(self.gamma_max + 1)
+            self.iteration_seconds(g) / expected_tokens(rates, g) for g in range(self.gamma_max + 1)
         ]
         left = self.tokens_left() if lag > 0 else 1.0
         best, best_saving = 0, 0.0
         for gamma in range(1, self.gamma_max + 1):
             saving = (per_token[0] - per_token[gamma]) * left - lag
             better = saving > best_saving + 1e-9 * per_token[0]
-            if better and self.affordable(gamma, state, saving):
+            if better and self.affordable(gamma, lag, saving):
                 best, best_saving = gamma, saving
         return best
 
@@ -356,9 +357,9 @@ class CostController:
             self._prompt_tokens = float(state.prompt_len.max())
         return per_step * self._prompt_tokens / self.config.width
 
-    def probe_seconds(self, state: DecodeState | None) -> float:
-        """A probe's cost over a beam step: the draft's catch-up and one drafted layer."""
-        return self.catch_up_seconds(state) + self.iteration_seconds(1) - self.iteration_seconds(0)
+    def probe_seconds(self, lag: float) -> float:
+        """A probe's cost over a beam step: the draft's catch-up `lag` and one drafted layer."""
+        return lag + self.iteration_seconds(1) - self.iteration_seconds(0)
 
     def idle_seconds(self) -> float:
         """The beam steps run since the draft last ran, in seconds."""

@@ -219,7 +219,7 @@ def test_a_draft_whose_prompt_costs_more_than_the_budget_is_not_run() -> None:
     cal = Calibration(**COSTS, pass_rates=[0.9], catch_up_s=0.01)
     controller = CostController(SamplingConfig(max_new_tokens=64), cal)
     state = SimpleNamespace(prompt_len=torch.tensor([300]))  # 100 beam steps' worth to feed
-    assert not controller.affordable(1, state)  # type: ignore[arg-type]
+    assert not controller.affordable(1, controller.catch_up_seconds(state))  # type: ignore[arg-type]
     assert controller.knobs(state).gamma == 0  # type: ignore[arg-type]
     short = CostController(SamplingConfig(max_new_tokens=64), cal)
     assert short.knobs(SimpleNamespace(prompt_len=torch.tensor([3]))).gamma > 0  # type: ignore[arg-type]
@@ -232,7 +232,7 @@ def test_beyond_the_budget_a_draft_is_run_only_on_a_bet_worth_its_risk() -> None
     state = SimpleNamespace(prompt_len=torch.tensor([30]))  # 10 beam steps' worth to feed
     config = SamplingConfig(max_new_tokens=256)
     betting = CostController(config, cal)
-    assert not betting.affordable(1, state)  # type: ignore[arg-type]
+    assert not betting.affordable(1, betting.catch_up_seconds(state))  # type: ignore[arg-type]
     assert betting.knobs(state).gamma > 0  # type: ignore[arg-type]
     wary = CostController(config, cal, CostPolicy(bet_ratio=100.0))
     assert wary.knobs(state).gamma == 0  # type: ignore[arg-type]
