@@ -11,7 +11,8 @@
 # embedded weights runs in the first call; the embedded pair's weights follow in two more calls
 # on the same warm machine (it goes back 30 s after a call), staged in $STAGE between them:
 #
-#   one       .gpu/ holds the wheels (the GGUF's first part may ride along): install, then every
+#   one       .gpu/ holds the wheels (the GGUF's first part may ride along): install, the
+#             device's draws and tokens against the host's (gpu_draws.py), then every
 #             random-weight figure and benchmarks/results/gpu/<device>/summary.json without the
 #             embedded pair: the static path's costs with the engine beside the models, on the
 #             host, and beside them with the verify side as one CUDA graph (`--engine graph`),
@@ -53,7 +54,8 @@ summarize() {  # the summary of what $STAGE/out holds, the table and a tarball o
     [ -n "${SKIP_SUMMARY:-}" ] || timeout 60 python3 benchmarks/gpu_summary.py \
         --costs "$work/costs" --bench "$work/bench" --e2e-beam "$work/e2e_beam_qwen.json" \
         --profile "$work/profile_qwen_static.json" \
-        --profiles "$work"/profile_qwen_static_*.json --out "$work/summary" 2>&1 | tail -40
+        --profiles "$work"/profile_qwen_static_*.json --draws "$work/draws.json" \
+        --out "$work/summary" 2>&1 | tail -40
     uptime
     cp "$work/summary/summary.md" "$OUT/" 2>/dev/null
     tar czf "$OUT/$1.tgz" -C "$work" .
@@ -68,6 +70,9 @@ one)
     python3 -c "import torch, transformers, pydantic; print(torch.__version__, transformers.__version__, pydantic.__version__, torch.cuda.get_device_name())"
     uptime
     work="$STAGE/out" && mkdir -p "$work/costs"
+    # the device draws the host's numbers and decodes its tokens (table scorers, every method,
+    # eager and through the verify graph): benchmarks/gpu_draws.py
+    timeout 120 python3 benchmarks/gpu_draws.py --out "$work/draws.json" 2>&1 | tail -14
     costs() {  # size path seconds [engine]: the engine beside the models, on the host, or graphed
         local name="$2" && [ "${4:-model}" = cpu ] && name="$2-hostengine"
         [ "${4:-model}" = graph ] && name="$2-verifygraph"

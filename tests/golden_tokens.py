@@ -3,9 +3,9 @@
 `python -m tests.golden_tokens` (from the repository root) writes `tests/data/golden_tokens.json`
 with the tokens and scores of every method and decoder path for fixed seeds, and
 `tests/algorithm/test_golden_tokens.py` decodes the same cases again and compares. The file was
-recorded last when every draw became a function of uniforms (the inverse transform for float64
-tables too) and the verifier's draws got a stream per layer and purpose (`streams.py`); a change
-that moves a draw on purpose records it again, with the exactness tests passing. The models are
+recorded last when every uniform became a hash of its counters, with no generator (`streams.py`),
+and the distinct draw a sequential inverse transform instead of a Gumbel top-k; a change that
+moves a draw on purpose records it again, with the exactness tests passing. The models are
 built here deterministically: an exact n-gram table and a tiny float64 Llama target/draft pair with
 KV caches.
 """

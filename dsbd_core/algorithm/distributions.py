@@ -8,11 +8,10 @@ models agree (ALGORITHM.md §11.2).
 
 from __future__ import annotations
 
-from typing import Protocol
-
 import torch
 
 from dsbd_core.algorithm.host_reads import may_read
+from dsbd_core.algorithm.streams import Uniforms
 
 NEG_INF = float("-inf")
 # Below this mass a residual is treated as empty: a rejection that needs it happens with
@@ -87,26 +86,14 @@ def residual_eps(dtype: torch.dtype) -> float:
     return RESIDUAL_EPS if dtype == torch.float64 else 1e-6
 
 
-class Uniforms(Protocol):
-    """A source of uniform noise other than a generator: pre-drawn numbers handed out in the
-    order the draws ask for them (`streams.Recorded`), which is how a compiled or captured
-    step, which cannot take a `torch.Generator`, draws."""
-
-    def uniform(
-        self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
-    ) -> torch.Tensor: ...
-
-
-Source = torch.Generator | Uniforms
+Source = Uniforms  # what every draw takes its numbers from (`streams.Draws`)
 
 
 def uniform(
     source: Source, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor:
-    """Uniform numbers in [0, 1) from `source`: every draw of the engine is a function of
-    these (inverse transform, Gumbel top-k, acceptance tests), nothing draws on its own."""
-    if isinstance(source, torch.Generator):
-        return torch.rand(shape, generator=source, dtype=dtype, device=device)
+    """Uniform numbers in (0, 1) from `source`: every draw of the engine is a function of
+    these (inverse transform, acceptance tests), nothing draws on its own."""
     return source.uniform(shape, dtype, device)
 
 
@@ -132,32 +119,47 @@ def draw_with_replacement(
 def draw_distinct(
     probs: torch.Tensor, n: int, source: Source
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`n` draws per row sequentially without replacement (Gumbel top-k).
+    """`n` draws per row sequentially without replacement, each by inverse transform over
+    the candidates not drawn yet.
 
-    The order of the Gumbel top-k is distributed as sequential sampling without replacement, so
-    draw j has the conditional probability `p(d_j) / (1 - sum_{i<j} p(d_i))`, returned as the
+    Draw j has the conditional probability `p(d_j) / (1 - sum_{i<j} p(d_i))`, returned as the
     exact proposal probability DSBD's distinct-beam verification needs (ALGORITHM.md §4.5).
     Draws past the number of candidates with mass get exists=False.
     Returns (index [B, n], conditional probability [B, n], exists [B, n]).
+
+    One float64 running mass serves every draw: with the drawn candidates r_1 < ... < r_k
+    (masses m_1..m_k, prefix sums M_s) removed, the running mass left at a candidate between
+    r_s and r_{s+1} is C(i) - M_s, so draw j searches C for u * (mass left) + M_s in each of
+    the j + 1 gaps and takes the first gap where the candidate found lies inside. The noise is
+    n uniforms a row, not one per candidate (a Gumbel top-k needs the whole table's worth).
     """
     batch, size = probs.shape
-    take = min(n, size)
-    u = uniform(source, tuple(probs.shape), probs.dtype, probs.device)
-    # Gumbel top-k: argmax of log p - log E with E = -log u ~ Exp(1) is argmax of p / E, which
-    # orders the candidates the same way in three passes instead of eight (p = 0 gets key 0,
-    # below every candidate with mass, as -inf did). (The source's numbers are left as drawn.)
-    exponential = u.clamp_min(1e-300).log_().neg_()
-    keys = torch.div(probs, exponential, out=exponential)
-    index = keys.topk(take, dim=-1).indices
-    p = probs.gather(1, index)
+    device = probs.device
+    cumulative = torch.cumsum(probs, dim=-1, dtype=torch.float64)  # a new tensor: probs stay
+    total = cumulative[:, -1:]
+    u = uniform(source, (batch, n), torch.float64, device)
+    index = torch.zeros(batch, n, dtype=torch.long, device=device)
+    exists = torch.zeros(batch, n, dtype=torch.bool, device=device)
+    mass = torch.zeros(batch, n, dtype=torch.float64, device=device)
+    edge = torch.full((batch, 1), size, dtype=torch.long, device=device)
+    for j in range(n):
+        removed, order = index[:, :j].sort(dim=1)
+        before = torch.cat([mass.new_zeros(batch, 1), mass[:, :j].gather(1, order).cumsum(1)], 1)
+        left = total - before[:, -1:]
+        found = torch.searchsorted(cumulative, u[:, j : j + 1] * left + before, right=True)
+        found = torch.maximum(found, torch.cat([edge.new_zeros(batch, 1), removed + 1], 1))
+        inside = found < torch.cat([removed, edge], 1)
+        choice = found.gather(1, inside.to(torch.int8).argmax(dim=1, keepdim=True))
+        choice = choice.clamp_(max=size - 1)
+        drawn = inside.any(dim=1, keepdim=True) & (left > 0) & (probs.gather(1, choice) > 0)
+        if j > 0:
+            drawn &= exists[:, j - 1 : j]
+        index[:, j : j + 1] = choice
+        exists[:, j : j + 1] = drawn
+        mass[:, j : j + 1] = torch.where(drawn, probs.gather(1, choice).to(torch.float64), 0.0)
+    p = torch.where(exists, probs.gather(1, index), 0.0)
     mass_before = p.cumsum(dim=-1) - p
     conditional = p / (1.0 - mass_before).clamp_min(1e-300)
-    exists = p > 0
-    if take < n:
-        pad = n - take
-        index = torch.cat([index, index.new_zeros(batch, pad)], dim=1)
-        conditional = torch.cat([conditional, conditional.new_zeros(batch, pad)], dim=1)
-        exists = torch.cat([exists, exists.new_zeros(batch, pad)], dim=1)
     return index, conditional, exists
 
 

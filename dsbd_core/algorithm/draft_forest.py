@@ -28,6 +28,7 @@ from dsbd_core.algorithm.distributions import (
 )
 from dsbd_core.algorithm.scorer import ForestLayer, ForestLogprobs, ScoreCall
 from dsbd_core.algorithm.state import NO_FOREST, DecodeState, Forest, deepest_layer, roots_of
+from dsbd_core.algorithm.streams import DRAFT, Streams
 
 
 def draft_forest(
@@ -35,7 +36,7 @@ def draft_forest(
     config: SamplingConfig,
     vocab: int,
     eos: torch.Tensor,
-    generator: torch.Generator,
+    streams: Streams,
 ) -> Generator[ScoreCall, ForestLogprobs, Forest]:
     """Draft beam sampling for up to `state.depth[b]` layers: one draft-model call per layer."""
     assert state.depth is not None, "plan the iteration first (Engine.next_iteration)"
@@ -50,7 +51,7 @@ def draft_forest(
     layers, tables, probs = [], [], []
     for level in range(1, depth_max + 1):
         ok = parent_ok & (depth >= level)[:, None]
-        drawn = draft_layer(sigma, logq, ok, config, support, eos, generator)
+        drawn = draft_layer(sigma, logq, ok, config, support, eos, streams.at(level, DRAFT))
         layer, table, prob, sigma, parent_ok = drawn
         layers.append(layer)
         tables.append(table)

@@ -34,13 +34,12 @@ from dsbd_core.algorithm.methods import MethodConfig
 from dsbd_core.algorithm.result import DecodeResult, collect_results
 from dsbd_core.algorithm.scorer import ForestLogprobs, Origin, Roots, ScoreCall
 from dsbd_core.algorithm.state import NO_FOREST, DecodeState, Forest, Outcome, Pool, zero_counters
-from dsbd_core.algorithm.streams import Streams, side_seed
+from dsbd_core.algorithm.streams import DRAFT_SIDE, VERIFY_SIDE, Streams
 from dsbd_core.algorithm.verify_forest import verify_forest, verify_scored
 from dsbd_core.algorithm.verify_graph import graph_applies, graph_for
 
-# Random streams of an iteration: the two sides, and the width estimate of distinct drafts
-# (its own stream, so choosing a width never moves the verification's uniforms).
-DRAFT_STREAM, VERIFY_STREAM = 1, 2
+# The random streams of an iteration's two sides (`streams.py`).
+DRAFT_STREAM, VERIFY_STREAM = DRAFT_SIDE, VERIFY_SIDE
 
 
 class Engine:
@@ -61,7 +60,6 @@ class Engine:
         # run the verify side after its forward as one compiled graph where it can be
         # (`verify_graph.py`: a device, no log-probs, the sampling engine)
         self.graph = graph
-        self.generator = torch.Generator()  # reseeded per iteration and side, see _reseed
         self.eos = torch.tensor(sorted(set(config.eos_token_ids)), dtype=torch.long, device="cpu")
 
     def start(self, prompts: list[list[int]], device: torch.device | str = "cpu") -> DecodeState:
@@ -155,8 +153,8 @@ class Engine:
         if not self.uses_draft:
             return NO_FOREST
         eos = self._place(state)
-        self._reseed(state, DRAFT_STREAM)
-        return (yield from draft_forest(state, self.config, self.vocab, eos, self.generator))
+        streams = self.streams(state, DRAFT_STREAM)
+        return (yield from draft_forest(state, self.config, self.vocab, eos, streams))
 
     def verify_steps(
         self, state: DecodeState, forest: Forest
@@ -165,7 +163,7 @@ class Engine:
         (ALGORITHM.md §4), as a generator of its one target-model call."""
         assert state.depth is not None, "call next_iteration first"
         eos = self._place(state)
-        streams = Streams(self.generator, self._reseed(state, VERIFY_STREAM))
+        streams = self.streams(state, VERIFY_STREAM)
         verify = verify_scored
         if self.graph and graph_applies(self.config) and not may_read(state.alive):
             verify = graph_for(state.alive.device, verify_scored)
@@ -211,22 +209,15 @@ class Engine:
             self.config.length_penalty,
         )
 
-    def _reseed(
-        self, state: DecodeState, stream: int, generator: torch.Generator | None = None
-    ) -> int:
-        """Seed the generator (or `generator`) for this side of the iteration (`side_seed`);
-        returns the seed."""
-        mixed = side_seed(state.seed, state.iteration, stream)
-        (generator or self.generator).manual_seed(mixed)
-        return mixed
+    def streams(self, state: DecodeState, side: int) -> Streams:
+        """The random streams of `side` in the state's current iteration: a function of the
+        seed, the iteration and the side only, so every device draws the same numbers."""
+        return Streams.side(state.seed, state.iteration, side)
 
     def _place(self, state: DecodeState) -> torch.Tensor:
-        """Move the generators and the EOS ids to the state's device (the draws happen where
-        the tables live); returns the EOS ids there. A CUDA generator draws other numbers than
-        the CPU one for the same seed: a seeded decode is reproducible per device type."""
+        """Move the EOS ids to the state's device (the draws happen where the tables live);
+        returns the EOS ids there."""
         device = state.tokens.device
-        if self.generator.device != device:
-            self.generator = torch.Generator(device=device)
         if self.eos.device != device:
             self.eos = self.eos.to(device)
         return self.eos

@@ -16,10 +16,11 @@ verification scheme (Algorithm 1, Eq. 3, Theorem 3.1) and its dynamic width. The
 
 The engine (`engine.py`) serves this iteration batched over sessions, with masks where they differ;
 docs/ALGORITHM.md §2-§5 gives its details and decisions. tests/algorithm/test_reference_iteration.py
-checks that this module decodes the engine's tokens draw for draw: it draws from the same streams
-(`streams.py`) in the same shapes (a layer's table has a row per slot, empty ones included: W in the
-first layer, W_S after) and calls the engine's pure helpers for the filter, the draws, the residual
-and the width rule. It covers both modes, fixed and dynamic width, the filters, lean memory and
+checks that this module decodes the engine's tokens draw for draw: it draws the same counters
+(`streams.py`: its one session is the engine's row 0; a layer's table has a row per slot, empty
+ones included, W in the first layer, W_S after) and calls the engine's pure helpers for the
+filter, the draws, the residual and the width rule. It covers both modes, fixed and dynamic
+width, the filters, lean memory and
 epsilon; not several sessions at once, a draft head restricted to K tokens, log-probs or beam
 search; it agrees for float64 models (the engine shifts float32 tables).
 """
@@ -30,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-from torch import Generator, Tensor
+from torch import Tensor
 
 from dsbd_core.algorithm.config import SamplingConfig
 from dsbd_core.algorithm.distributions import (
@@ -41,7 +42,7 @@ from dsbd_core.algorithm.distributions import (
     residual,
 )
 from dsbd_core.algorithm.engine import DRAFT_STREAM, VERIFY_STREAM
-from dsbd_core.algorithm.streams import ACCEPT, BONUS, FILL, REFILL, WIDTH, side_seed, stream_seed
+from dsbd_core.algorithm.streams import ACCEPT, BONUS, DRAFT, FILL, REFILL, WIDTH, Draws, Streams
 from dsbd_core.algorithm.width import layer_width
 from dsbd_core.algorithm.width_distinct import distinct_layer_width
 
@@ -125,13 +126,14 @@ def draft_forest(
 ) -> list[Layer]:
     """Beam sampling with the draft, W_S wide, from the beams' *target* scores (so a draft
     equal to the target proposes exactly P_l); one draft call per layer."""
-    rng = torch.Generator().manual_seed(side_seed(session.seed, session.iteration, DRAFT_STREAM))
+    streams = Streams.side(session.seed, session.iteration, DRAFT_STREAM)
     paths, score = _roots(session, config.width)
     forest: list[Layer] = []
     distinct = config.mode == "distinct"
-    for _ in range(depth):
+    for level in range(1, depth + 1):
         logq = _rows(draft, paths, vocab)
         table = candidate_table(score, logq, paths, config)  # Q_l
+        rng = streams.at(level, DRAFT)
         index, prob, exists = sample(table, config.effective_draft_width, distinct, rng)
         parent, token = index // vocab, index % vocab
         score = torch.where(exists, score[parent] + logq[parent, token], 0.0)
@@ -149,7 +151,7 @@ def verify_forest(
     """The layers in order (the target's log-probs at every node are one forward in the engine):
     the first layer that fails, or the bonus layer after the last, gives the output beams.
     Returns (outputs, layers passed, widths)."""
-    seed = side_seed(session.seed, session.iteration, VERIFY_STREAM)
+    streams = Streams.side(session.seed, session.iteration, VERIFY_STREAM)
     width, distinct = config.width, config.mode == "distinct"
     paths, score = _roots(session, width)
     widths: list[int] = []
@@ -157,16 +159,16 @@ def verify_forest(
         logp = _rows(target, paths, vocab)
         p = candidate_table(score, logp, paths, config)  # P_l
         if layer is None:  # every drafted layer passed: a bonus layer, a beam-sampling step
-            slots, passed = _slots(p, width, distinct, stream(seed, level, BONUS)), level - 1
+            slots, passed = _slots(p, width, distinct, streams.at(level, BONUS)), level - 1
             break
         valid = torch.tensor([path is not None for path in paths]).repeat_interleave(vocab)
-        k = choose_width(p, layer, valid, session.remaining, config, stream(seed, level, WIDTH))
+        k = choose_width(p, layer, valid, session.remaining, config, streams.at(level, WIDTH))
         widths.append(k)
         accepted, chain, chosen = accept_drafts(
-            p, layer, valid, k, config, stream(seed, level, ACCEPT)
+            p, layer, valid, k, config, streams.at(level, ACCEPT)
         )
         if len(accepted) < k:  # failed: accepted drafts, one draw from the chain, fresh from P_l
-            rng = stream(seed, level, FILL)
+            rng = streams.at(level, FILL)
             fallback, _, found = sample(chain, 1, False, rng)
             slots = [(int(layer.index[j]), True) for j in accepted] + [(int(fallback), bool(found))]
             if distinct:  # the fresh draws exclude every candidate taken already
@@ -183,7 +185,7 @@ def verify_forest(
         session.remaining -= len(ended)
         if len(ended) == len(accepted):  # all of them finished: fill the width left from P_l
             rest = p * ~chosen if distinct else p
-            slots, passed = _slots(rest, width, distinct, stream(seed, level, REFILL)), level
+            slots, passed = _slots(rest, width, distinct, streams.at(level, REFILL)), level
             break
         parents = set(accepted) - set(ended)
         paths = [path if j in parents else None for j, path in enumerate(layer.paths)]
@@ -195,7 +197,7 @@ def verify_forest(
 
 
 def choose_width(
-    p: Tensor, layer: Layer, valid: Tensor, remaining: int, config: SamplingConfig, rng: Generator
+    p: Tensor, layer: Layer, valid: Tensor, remaining: int, config: SamplingConfig, rng: Draws
 ) -> int:
     """K, from P_l and Q_l only (never from the drafts' uniforms, which keeps each slot exact):
     the width left, or the threshold rule on the distribution of the acceptance count."""
@@ -210,12 +212,12 @@ def choose_width(
 
 
 def accept_drafts(
-    p: Tensor, layer: Layer, valid: Tensor, k: int, config: SamplingConfig, rng: Generator
+    p: Tensor, layer: Layer, valid: Tensor, k: int, config: SamplingConfig, rng: Draws
 ) -> tuple[list[int], Tensor, Tensor]:
     """The acceptance chain (Eq. 3) over the layer's drafts in draw order, until K accepted.
     Returns the accepted drafts, the final chain and the candidates chosen."""
     distinct = config.mode == "distinct"
-    u = torch.rand((1, len(layer.index)), generator=rng, dtype=p.dtype)[0]  # before K is used
+    u = rng.uniform((1, len(layer.index)), p.dtype, p.device)[0]  # before K is used
     q_left = layer.table * valid  # Q~: a draft of a rejected parent is never accepted
     chain, p_left = p, p.clone()  # p_left (distinct): P without the candidates chosen
     chosen = torch.zeros_like(p, dtype=torch.bool)
@@ -253,11 +255,9 @@ def candidate_table(
     return joint_filter(weights[None], config.temperature, config.top_k, config.top_p)[0]
 
 
-def sample(
-    weights: Tensor, n: int, distinct: bool, rng: Generator
-) -> tuple[Tensor, Tensor, Tensor]:
+def sample(weights: Tensor, n: int, distinct: bool, rng: Draws) -> tuple[Tensor, Tensor, Tensor]:
     """n draws: (index, draw probability, exists). distinct: sequentially without replacement
-    (Gumbel top-k; the probability given the earlier draws), else i.i.d."""
+    (the probability given the earlier draws), else i.i.d."""
     if distinct:
         index, prob, exists = (x[0] for x in draw_distinct(weights[None], n, rng))
         return index, prob, exists
@@ -265,12 +265,7 @@ def sample(
     return index, weights[index], exists
 
 
-def stream(seed: int, level: int, purpose: int) -> Generator:
-    """The verifier's generator for one (layer, purpose) (`streams.py`)."""
-    return torch.Generator().manual_seed(stream_seed(seed, level, purpose))
-
-
-def _slots(weights: Tensor, n: int, distinct: bool, rng: Generator) -> list[Slot]:
+def _slots(weights: Tensor, n: int, distinct: bool, rng: Draws) -> list[Slot]:
     """n output slots drawn from `weights` (P_l, or what is left of it)."""
     index, _, exists = sample(weights, n, distinct, rng)
     return list(zip(index.tolist(), exists.tolist(), strict=True))

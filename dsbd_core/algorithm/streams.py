@@ -1,115 +1,134 @@
-"""The verifier's random streams: one per (forest layer, purpose) of an iteration.
+"""Every random number of a decode, as a hash of its counters: no generator, no state.
 
-Verification draws for four purposes per layer: the bonus slots of sessions past their depth,
-the acceptance uniforms, the fill of a failed layer and the refill of a layer whose accepted
-beams all finished. On the host the engine skips a draw no session of the batch needs (reading
-a mask costs nothing there); on a device it draws every time and selects with `where`, since
-learning that nobody needs the draw would wait for the device (`host_reads.py`). With one
-stream for the whole side, a skipped draw would move every later one, and the two placements
-would decode different tokens for the same seed. With one stream per (layer, purpose), seeded
-from the side's seed, a draw takes the same numbers whether or not the draws before it ran, so
-the host and the device decode the same tokens, and a seeded decode stays reproducible.
+A uniform is murmur3 (`murmur.py`) of nine 32-bit words: the decode's seed (two words), the
+iteration, the side (draft or verifier), the forest layer, the purpose (a draft layer, or the
+verifier's bonus, acceptance, fill, refill and width draws), the draw within that (layer,
+purpose), the session (the row of the batch) and the index within the row (for a candidate
+table, the candidate's flat index parent * V + token). Because a draw is a function of what it
+is for and nothing else:
 
-The first layer's bonus stream is the side's own seed: a beam-sampling or sampling step (no
-drafted layer) draws only there, from the stream it always had.
+* a skipped draw moves no other: the host skips what no session needs (reading a mask costs
+  nothing there), a device computes everything and selects with `where`, and both decode the
+  same tokens for the same seed;
+* padding rows, bucket sizes and chunking move no draw (a draw is keyed by its session and
+  index, not by where it sits in memory);
+* the host, a compiled graph and a GPU draw the same numbers: the words are integer tensor ops
+  that mean the same on every device, and a graph takes the side's key as a tensor input
+  (`Streams.on`), so one capture serves every iteration;
+* draft and verifier may live in different processes: each derives its side's numbers from
+  (seed, iteration, side) alone.
+
+Uniforms lie strictly inside (0, 1): float64 ones carry 52 random bits, (2k + 1) / 2^53; float32
+ones 23, (2k + 1) / 2^24 (a hash of 2^32 - 1 mapped to 1.0 would force an impossible token).
 """
 
 from __future__ import annotations
 
+import math
+from typing import Protocol
+
 import torch
 
-from dsbd_core.algorithm.distributions import Source
+from dsbd_core.algorithm.murmur import MASK, Word, absorb, absorb_scrambled, finish, scramble
 
 # What a draw of a verified layer is for (the order of the draws within a layer: bonus, width,
 # acceptance, fill, refill). WIDTH: the dynamic width's simulated layers (`width_distinct`).
-BONUS, ACCEPT, FILL, REFILL, WIDTH = 0, 1, 2, 3, 4
-_MASK = 2**63 - 1
+# DRAFT: the draft side's draws of a layer.
+BONUS, ACCEPT, FILL, REFILL, WIDTH, DRAFT = 0, 1, 2, 3, 4, 5
+# The two sides of an iteration.
+DRAFT_SIDE, VERIFY_SIDE = 1, 2
+WORDS = 9  # seed (2), iteration, side, layer, purpose, draw, session, index
 
 
-def side_seed(seed: int, iteration: int, side: int) -> int:
-    """The seed of one side's draws (`DRAFT_STREAM` or `VERIFY_STREAM`) in one iteration.
+class Uniforms(Protocol):
+    """Where a draw takes its uniform numbers from (`Draws`, or a test's stand-in)."""
 
-    Draft and verifier may live in different processes; deriving each side's stream from
-    (decode seed, iteration, side) instead of sharing one generator makes a distributed decode
-    draw exactly what the in-process engine draws for the same seed."""
-    return (seed * 1_000_003 + iteration * 4 + side) % _MASK
+    def uniform(
+        self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor: ...
+
+
+def side_key(seed: int, iteration: int, side: int) -> int:
+    """The hash state after (seed, iteration, side): what one side of one iteration draws from.
+    The seed enters as two words (it is taken mod 2^64)."""
+    state = absorb(absorb(0, seed & MASK), (seed >> 32) & MASK)
+    return absorb(absorb(state, iteration & MASK), side)
 
 
 class Streams:
-    """Hands out the generator seeded for a (layer, purpose) of one iteration's verify side."""
+    """One side of one iteration: hands out the draws of a (layer, purpose)."""
 
-    def __init__(self, generator: torch.Generator, seed: int) -> None:
-        self.generator = generator
-        self.seed = seed  # the side's seed (`Engine._reseed`)
+    def __init__(self, key: Word) -> None:
+        self.key = key  # `side_key`: a Python int on the host, a 0-d int64 tensor in a graph
 
-    def at(self, level: int, purpose: int) -> Source:
-        """The generator, seeded for layer `level`'s draws for `purpose` (use it before the
-        next `at`: there is one generator)."""
-        self.generator.manual_seed(stream_seed(self.seed, level, purpose))
-        return self.generator
+    @classmethod
+    def side(cls, seed: int, iteration: int, side: int) -> Streams:
+        """The streams of `side` in `iteration` of a decode seeded `seed`."""
+        return cls(side_key(seed, iteration, side))
 
+    def on(self, device: torch.device) -> Streams:
+        """The same streams with the key as a tensor on `device`: a compiled graph takes it as
+        an input instead of baking the number in (which would compile again every iteration)."""
+        return Streams(torch.tensor(self.key, dtype=torch.int64, device=device))
 
-class Recording(Streams):
-    """`Streams` that also keeps every number it hands out, by (layer, purpose), in order:
-    the numbers a `Recorded` replays."""
-
-    def __init__(self, generator: torch.Generator, seed: int) -> None:
-        super().__init__(generator, seed)
-        self.tape: dict[tuple[int, int], list[torch.Tensor]] = {}
-
-    def at(self, level: int, purpose: int) -> Source:
-        generator = super().at(level, purpose)
-        return _Taping(generator, self.tape.setdefault((level, purpose), []))
+    def at(self, level: int, purpose: int) -> Draws:
+        """The draws of layer `level` for `purpose`."""
+        return Draws(absorb(absorb(self.key, level), purpose))
 
 
-class Recorded:
-    """The numbers of a `Recording`, handed out again in the same order: a source without a
-    generator, which a compiled step (`torch.compile(fullgraph=True)` cannot take a
-    `torch.Generator`) or a captured one (its noise drawn before the replay) draws from."""
+class Draws:
+    """The draws of one (layer, purpose), in order: the k-th `uniform` call is draw k. Rows are
+    sessions, counted from `first_row`."""
 
-    def __init__(self, tape: dict[tuple[int, int], list[torch.Tensor]]) -> None:
-        self.tape = tape
+    def __init__(self, key: Word, first_row: int = 0, calls: int = 0) -> None:
+        self.key, self.first_row, self.calls = key, first_row, calls
 
-    def at(self, level: int, purpose: int) -> Source:
-        return _Replaying(self.tape.get((level, purpose), []))
-
-
-class _Taping:
-    def __init__(self, generator: torch.Generator, into: list[torch.Tensor]) -> None:
-        self.generator, self.into = generator, into
+    @classmethod
+    def seeded(cls, seed: int) -> Draws:
+        """Draws of their own for a tool or a test that samples outside a decode (side 0,
+        which no decode uses)."""
+        return Streams.side(seed, 0, 0).at(0, 0)
 
     def uniform(
         self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
     ) -> torch.Tensor:
-        drawn = torch.rand(shape, generator=self.generator, dtype=dtype, device=device)
-        self.into.append(drawn.clone())
-        return drawn
+        """Uniforms in (0, 1) of `shape`: row i is session first_row + i, the other dimensions
+        flattened are the index within the row."""
+        key = absorb(self.key, self.calls)
+        self.calls += 1
+        return counter_uniforms(key, shape, dtype, device, self.first_row)
+
+    def rows_from(self, first_row: int) -> Draws:
+        """These draws for the rows from `first_row` on: a batch drawn in chunks draws what it
+        draws in one call (use either the chunks or the whole, not both)."""
+        return Draws(self.key, self.first_row + first_row, self.calls)
 
 
-class _Replaying:
-    def __init__(self, tape: list[torch.Tensor]) -> None:
-        self.tape, self.next = tape, 0
-
-    def uniform(
-        self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
-    ) -> torch.Tensor:
-        drawn = self.tape[self.next]
-        self.next += 1
-        assert drawn.shape == shape and drawn.dtype == dtype, "replayed out of order"
-        return drawn
-
-
-def stream_seed(seed: int, level: int, purpose: int) -> int:
-    """A seed per (side seed, layer, purpose): the side's own for the first layer's bonus,
-    else a 64-bit mix of the three (splitmix64's finaliser), so that no two streams of a
-    decode share their numbers."""
-    if (level, purpose) == (1, BONUS):
-        return seed
-    stream = level * 4 + purpose + 1 if purpose < WIDTH else (1 << 32) + level
-    z = (seed + 0x9E3779B97F4A7C15 * stream) & 0xFFFFFFFFFFFFFFFF
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
-    return (z ^ (z >> 31)) & _MASK
+def counter_uniforms(
+    key: Word,
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    device: torch.device | str,
+    first_row: int = 0,
+) -> torch.Tensor:
+    """murmur3 of (key's words, session, index) for every element of `shape`, as uniforms."""
+    if dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"dtype={dtype}: uniforms are float32 or float64")
+    rows = shape[0] if shape else 1
+    cols = math.prod(shape[1:])
+    words = 2 if dtype == torch.float64 else 1  # 52 random bits need two hashes
+    row = torch.arange(first_row, first_row + rows, dtype=torch.int64, device=device)
+    index = torch.arange(cols * words, dtype=torch.int64, device=device)
+    state = absorb(key, row)[:, None]
+    h = finish(absorb_scrambled(state, scramble(index)[None, :]), WORDS)
+    return hash_uniforms(h.view(rows, cols, words), dtype).reshape(shape)
 
 
-LayerStreams = Streams | Recorded  # what verification draws from
+def hash_uniforms(h: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Uniforms from hashes (the last dimension: 2 words for float64, 1 for float32): odd
+    multiples of 2^-53 (52 bits: 26 of each word) or of 2^-24 (23 bits), so strictly inside
+    (0, 1) and exact in their dtype."""
+    if dtype == torch.float64:
+        bits = ((h[..., 0] >> 6) << 26) | (h[..., 1] >> 6)
+        return (bits * 2 + 1).to(torch.float64) * 2.0**-53
+    return ((h[..., 0] >> 9) * 2 + 1).to(torch.float32) * 2.0**-24

@@ -19,15 +19,17 @@ class TableScorer:
     """Next-token log-probabilities from a table `logp` of shape [V] * order.
 
     `logp[c_1, ..., c_{order-1}, v]` = log p(v | last tokens c). Rows must be normalised log
-    distributions (`-inf` for zero probability).
+    distributions (`-inf` for zero probability). `device`: where the table lives and an
+    in-process decode keeps its state (`engine_device`): the same log-probs on every device,
+    which is how a GPU is checked to decode the CPU's tokens.
     """
 
-    def __init__(self, logp: torch.Tensor) -> None:
+    def __init__(self, logp: torch.Tensor, device: torch.device | str = "cpu") -> None:
         if logp.dim() < 1 or any(s != logp.shape[-1] for s in logp.shape):
             raise ValueError(f"logp must have shape [V] * order, got {tuple(logp.shape)}")
         self.order = logp.dim()
         self._vocab = logp.shape[-1]
-        self.rows = logp.reshape(-1, self._vocab).to(torch.float64)
+        self.rows = logp.reshape(-1, self._vocab).to(device=device, dtype=torch.float64)
         self.forward_calls = 0
         self._contexts: list[torch.Tensor] = []
         self._roots_pending = False
@@ -36,12 +38,16 @@ class TableScorer:
     def vocab_size(self) -> int:
         return self._vocab
 
+    @property
+    def engine_device(self) -> torch.device:
+        return self.rows.device
+
     def set_roots(self, roots: Roots) -> None:
         tokens, lengths = roots.tokens, roots.lengths
         width = self.order - 1
         if width and int(lengths.min()) < width:
             raise ValueError(f"every sequence needs at least {width} tokens for this table")
-        offsets = lengths[:, None] - width + torch.arange(width)  # [B, width]
+        offsets = lengths[:, None] - width + torch.arange(width, device=lengths.device)
         index = offsets[:, None, :].expand(-1, tokens.shape[1], -1)
         self._contexts = [tokens.gather(2, index)]  # [B, R, order-1]
         self._roots_pending = True
@@ -64,7 +70,7 @@ class TableScorer:
         self._contexts = []
 
     def _lookup(self, context: torch.Tensor) -> torch.Tensor:
-        flat = torch.zeros(context.shape[:2], dtype=torch.long)
+        flat = torch.zeros(context.shape[:2], dtype=torch.long, device=context.device)
         for i in range(context.shape[2]):
             flat = flat * self._vocab + context[:, :, i]
         return self.rows[flat]

@@ -15,7 +15,8 @@ deterministic search's (`search.search_step`).
 An accumulated processed score is the raw log-likelihood divided by the temperature (the
 filters only exclude candidates), so the engine keeps raw scores and divides here: the ranking,
 the length-normalised finished scores and the early-stopping comparisons are the same up to
-that factor. The draw is Gumbel top-K, which is successive sampling without replacement.
+that factor. The draw is `distributions.draw_distinct` over that softmax: successive sampling
+without replacement, as `torch.multinomial` does it.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from dsbd_core.algorithm.config import SamplingConfig
-from dsbd_core.algorithm.distributions import NEG_INF, Source, uniform
+from dsbd_core.algorithm.distributions import NEG_INF, Source, draw_distinct, joint_filter
 
 
 def row_filter(logp: torch.Tensor, config: SamplingConfig, keep_at_least: int) -> torch.Tensor:
@@ -61,8 +62,15 @@ def ranked(
     weights: torch.Tensor, index: torch.Tensor, exists: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Drawn candidates `index` [B, K] sorted by score as transformers sorts its draws: (raw
-    scores best first, -inf where none was drawn; their indices)."""
+    scores best first, -inf where none was drawn; their indices).
+
+    Equal scores (exact ties: an n-gram table's same transitions in another order) are ordered
+    by candidate index, not by draw order: which of two tied candidates runs on or finishes
+    then depends on no random number, so the law is the one an enumeration states
+    (tests/exact_transformers.py); transformers leaves that order to `torch.sort`."""
     flat = weights.reshape(weights.shape[0], -1)
+    index, by_index = index.sort(dim=1)
+    exists = exists.gather(1, by_index)
     values = torch.where(exists, flat.gather(1, index), NEG_INF)
     values, order = values.sort(dim=1, descending=True, stable=True)
     return values, index.gather(1, order)
@@ -84,7 +92,6 @@ def sampled_candidates(
     logp: [B, P, V] the target's log-probs at the parents.
     """
     scores = law_scores(weights, logp, width, n_eos, config)
-    u = uniform(source, tuple(scores.shape), torch.float64, scores.device)
-    gumbel = -torch.log(-torch.log(u.clamp_min(1e-300)))
-    drawn = (scores + gumbel).topk(keep, dim=1).indices
-    return ranked(weights, drawn, torch.isfinite(scores.gather(1, drawn)))
+    law = joint_filter(scores, 1.0, 0, 1.0)  # a softmax that keeps empty rows at 0
+    drawn, _, exists = draw_distinct(law, keep, source)
+    return ranked(weights, drawn, exists)

@@ -12,9 +12,9 @@ take their slot with them; a passed layer whose accepted beams all finished is r
 Sessions of a batch stop at different layers; `_Walk` keeps which are still verifying. Where
 each draw's numbers come from is part of the contract (seeded decodes are reproducible, and the
 distributed path draws exactly what the in-process one draws): the bonus, acceptance, fill and
-refill draws of each layer have a stream of their own (`streams.py`), the dynamic width's
-estimate its own generator, so whether a draw runs (the host skips what no session needs, a
-device draws always) moves no other draw.
+refill draws of each layer, and the dynamic width's estimate, have a stream of their own
+(`streams.py`), and a draw is a hash of what it is for, so whether a draw runs (the host skips
+what no session needs, a device draws always) moves no other draw.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ from dsbd_core.algorithm.state import (
     roots_of,
     zero_counters,
 )
-from dsbd_core.algorithm.streams import ACCEPT, BONUS, FILL, REFILL, WIDTH, LayerStreams
+from dsbd_core.algorithm.streams import ACCEPT, BONUS, FILL, REFILL, WIDTH, Streams
 from dsbd_core.algorithm.verify import LayerVerdict, draw_slots, fill_failed_layer, verify_layer
 from dsbd_core.algorithm.width import layer_width
 from dsbd_core.algorithm.width_distinct import distinct_layer_width
@@ -60,7 +60,7 @@ def verify_forest(
     config: SamplingConfig,
     vocab: int,
     eos: torch.Tensor,
-    streams: LayerStreams,
+    streams: Streams,
     verify: Callable[..., Outcome] | None = None,
 ) -> Generator[ScoreCall, ForestLogprobs, Outcome]:
     """Score the forest in one target call and verify it layer by layer (with `verify`, the
@@ -89,7 +89,7 @@ def verify_scored(
     config: SamplingConfig,
     vocab: int,
     eos: torch.Tensor,
-    streams: LayerStreams,
+    streams: Streams,
     deepest: int,
 ) -> Outcome:
     """Verify the scored forest layer by layer (`node_logp`: the target's log-probs at the
@@ -126,7 +126,7 @@ class _Walk:
         config: SamplingConfig,
         vocab: int,
         eos: torch.Tensor,
-        streams: LayerStreams,
+        streams: Streams,
         counters: dict[str, torch.Tensor],
     ) -> None:
         self.state, self.forest, self.config, self.vocab, self.eos = (

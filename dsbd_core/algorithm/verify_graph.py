@@ -6,16 +6,15 @@ no read on the host, for every width rule (`graph_applies`). Run eagerly it is ~
 kernels a fixed-width DSBD iteration and ~2,300 with dynamic width (W = 3, gamma = 3;
 `benchmarks/investigations/host_reads/host_reads.py`), each a launch of several microseconds on
 a GPU; compiled with `torch.compile(fullgraph=True)` on the `cudagraphs` backend it is one graph
-replay. A compiled graph cannot take a `torch.Generator`, so its uniforms are drawn before each
-call from the same per-(layer, purpose) streams (`streams.py`) in the same shapes: the first
-call at a shape runs eagerly and records them (`streams.Recording`), later calls draw that
-layout and replay it (`streams.Recorded`). The tokens are those of the eager path
-(`tests/algorithm/test_iteration_graph.py` decodes through it with the `eager` backend on the
-CPU).
+replay. Its draws need no generator: every uniform is a hash of its counters (`streams.py`),
+and the side's key enters the graph as a tensor (`Streams.on`), so one capture serves every
+iteration and draws inside the graph what the eager path draws. The tokens are those of the
+eager path (`tests/algorithm/test_iteration_graph.py` decodes through it with the `eager`
+backend on the CPU).
 
 Graphs are per process and per backend (`graph_for`), as captured graphs are in every engine
 that keeps them; Dynamo compiles again where a shape or a config differs (a new gamma, batch
-or vocabulary), and the layouts are keyed the same way.
+or vocabulary).
 """
 
 from __future__ import annotations
@@ -27,12 +26,10 @@ from typing import Any
 import torch
 
 from dsbd_core.algorithm.config import SamplingConfig
-from dsbd_core.algorithm.distributions import uniform
 from dsbd_core.algorithm.state import DecodeState, Forest, Outcome
-from dsbd_core.algorithm.streams import LayerStreams, Recorded, Recording, Streams
+from dsbd_core.algorithm.streams import Streams
 
 Verify = Callable[..., Outcome]
-Layout = dict[tuple[int, int], list[tuple[tuple[int, ...], torch.dtype]]]
 
 
 def graph_applies(config: SamplingConfig) -> bool:
@@ -43,13 +40,12 @@ def graph_applies(config: SamplingConfig) -> bool:
 
 
 class VerifyGraph:
-    """`verify_scored`, compiled once per shape and config, fed pre-drawn uniforms."""
+    """`verify_scored`, compiled once per shape and config, its key an input."""
 
     def __init__(self, verify: Verify, backend: str) -> None:
         self.eager = verify
         self.compiled = torch.compile(verify, fullgraph=True, backend=backend, dynamic=False)
         self.backend = backend
-        self.layouts: dict[tuple, Layout] = {}
         self.replays = 0
 
     def __call__(
@@ -60,30 +56,13 @@ class VerifyGraph:
         config: SamplingConfig,
         vocab: int,
         eos: torch.Tensor,
-        streams: LayerStreams,
+        streams: Streams,
         deepest: int,
     ) -> Outcome:
-        assert isinstance(streams, Streams)
-        key = _key(state, forest, node_logp, config, deepest)
-        layout = self.layouts.get(key)
-        if layout is None:  # first call at this shape: eager, learning what it draws
-            recording = Recording(streams.generator, streams.seed)
-            outcome = self.eager(state, forest, node_logp, config, vocab, eos, recording, deepest)
-            self.layouts[key] = {
-                where: [(tuple(t.shape), t.dtype) for t in drawn]
-                for where, drawn in recording.tape.items()
-            }
-            return outcome
-        device = state.tokens.device
-        tape = {}
-        for (level, purpose), shapes in layout.items():
-            source = streams.at(level, purpose)
-            tape[(level, purpose)] = [uniform(source, s, d, device) for s, d in shapes]
+        keyed = streams.on(state.tokens.device)
         if self.backend == "cudagraphs":
             torch.compiler.cudagraph_mark_step_begin()
-        outcome = self.compiled(
-            state, forest, node_logp, config, vocab, eos, Recorded(tape), deepest
-        )
+        outcome = self.compiled(state, forest, node_logp, config, vocab, eos, keyed, deepest)
         self.replays += 1
         # a captured graph's outputs are its buffers, rewritten by its next replay
         return _cloned(outcome) if self.backend == "cudagraphs" else outcome
@@ -102,26 +81,6 @@ def graph_for(device: torch.device, verify: Verify) -> VerifyGraph:
     if graph is None or graph.eager is not verify:
         graph = _GRAPHS[backend] = VerifyGraph(verify, backend)
     return graph
-
-
-def _key(
-    state: DecodeState,
-    forest: Forest,
-    node_logp: list[torch.Tensor],
-    config: SamplingConfig,
-    deepest: int,
-) -> tuple:
-    """What fixes the layout of an iteration's draws: the shapes and the config."""
-    shapes = tuple(tuple(x.shape) for x in node_logp) + tuple(
-        tuple(layer.token.shape) for layer in forest.layers
-    )
-    return (
-        tuple(state.tokens.shape),
-        shapes,
-        node_logp[0].dtype,
-        deepest,
-        config.model_dump_json(exclude={"seed"}),
-    )
 
 
 def _cloned(tree: Any) -> Any:

@@ -34,6 +34,7 @@ import torch
 
 from dsbd_core.algorithm.distributions import Source, draw_distinct
 from dsbd_core.algorithm.host_reads import may_read
+from dsbd_core.algorithm.streams import Draws
 from dsbd_core.algorithm.verify import verify_layer
 from dsbd_core.algorithm.width import layer_width, threshold_width
 
@@ -131,7 +132,7 @@ def distinct_count_tails(
     valid_rows: torch.Tensor | None,
     drafts: torch.Tensor,
     slots: int,
-    source: Source,
+    source: Draws,
     *,
     samples: int = SAMPLES,
     keep: int = KEEP,
@@ -142,9 +143,10 @@ def distinct_count_tails(
     `drafts`: [B] drafts each session has in the layer (its draft width W_S; 0: not verified),
     at most `slots` (the layer's draft slots, known without reading the counts). N counts
     acceptances without a cap, as the DP does. Every session is simulated with numbers of its
-    own, in chunks of at most `CHUNK` numbers fixed by the batch's size: what a session draws
-    does not depend on what the others need, so a device (which simulates every session rather
-    than wait to learn which need it) and the host estimate the same widths.
+    own (its simulated layers are its rows of the stream, `Draws.rows_from`), in chunks of at
+    most `CHUNK` numbers: what a session draws depends neither on what the others need nor on
+    the chunks, so a device (which simulates every session rather than wait to learn which
+    need it) and the host estimate the same widths.
     """
     batch = target.shape[0]
     m = slots
@@ -162,7 +164,7 @@ def distinct_count_tails(
                 drafts[i : i + rows],
                 m,
                 samples,
-                source,
+                source.rows_from(i * samples),
             )
             for i in range(0, batch, rows)
         ]
@@ -213,7 +215,7 @@ def distinct_layer_width(
     threshold: float,
     w_min: int,
     w_max: torch.Tensor,
-    source: Source,
+    source: Draws,
 ) -> torch.Tensor:
     """Width of one verified layer per session for distinct drafts (the threshold rule of
     ALGORITHM.md §5.2 on the estimated count distribution).

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from dsbd_core.algorithm.distributions import draw_distinct, joint_filter, residual
+from dsbd_core.algorithm.streams import Draws
 from tests.exact_reference import assert_matches
 
 
@@ -62,11 +63,10 @@ def test_residual_sums_to_one_and_mass_identity() -> None:
 
 
 @pytest.mark.parametrize("n", [2, 3])
-def test_gumbel_top_k_is_sequential_sampling_without_replacement(n: int) -> None:
+def test_distinct_draws_are_sequential_sampling_without_replacement(n: int) -> None:
     probs = torch.tensor([0.4, 0.25, 0.2, 0.1, 0.05], dtype=torch.float64)
     runs = 100_000
-    gen = torch.Generator().manual_seed(2)
-    index, conditional, exists = draw_distinct(probs.expand(runs, -1).clone(), n, gen)
+    index, conditional, exists = draw_distinct(probs.expand(runs, -1).clone(), n, Draws.seeded(2))
     assert bool(exists.all())
     samples = [tuple(row) for row in index.tolist()]
 
@@ -80,10 +80,45 @@ def test_gumbel_top_k_is_sequential_sampling_without_replacement(n: int) -> None
     import itertools
 
     exact = {s: ordered(s) for s in itertools.permutations(range(5), n)}
-    assert_matches(samples, exact, f"gumbel top-{n}")
+    assert_matches(samples, exact, f"distinct top-{n}")
     # the reported conditional probability is that of the sequential draw
     first = index[0].tolist()
     used = 0.0
     for j, x in enumerate(first):
         assert math.isclose(float(conditional[0, j]), float(probs[x]) / (1 - used), rel_tol=1e-12)
         used += float(probs[x])
+
+
+def test_distinct_draws_at_the_edges_of_the_mass() -> None:
+    """Candidates without mass are never drawn; past the candidates with mass a draw does not
+    exist (and no later one); a row without mass draws nothing; columns of zeros appended (a
+    padded bucket) move no draw."""
+    probs = torch.tensor(
+        [
+            [0.0, 0.5, 0.0, 0.5, 0.0],  # two candidates with mass
+            [0.0, 0.0, 0.0, 0.0, 0.0],  # none
+            [1.0, 0.0, 0.0, 0.0, 0.0],  # one, at the first index
+            [0.0, 0.0, 0.0, 0.0, 1.0],  # one, at the last
+        ],
+        dtype=torch.float64,
+    )
+    index, conditional, exists = draw_distinct(probs, 4, Draws.seeded(0))
+    assert exists.tolist() == [
+        [True, True, False, False],
+        [False, False, False, False],
+        [True, False, False, False],
+        [True, False, False, False],
+    ]
+    assert sorted(index[0, :2].tolist()) == [1, 3]
+    assert index[2, 0] == 0 and index[3, 0] == 4
+    assert bool((index >= 0).all() & (index < 5).all())
+    assert conditional[0, :2].tolist() == [0.5, 1.0] and conditional[1].tolist() == [0.0] * 4
+    rows = torch.rand(64, 30, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    rows = rows**3 / (rows**3).sum(-1, keepdim=True)
+    padded = torch.cat([rows, torch.zeros(64, 9, dtype=torch.float64)], dim=1)
+    a = draw_distinct(rows, 5, Draws.seeded(1))
+    b = draw_distinct(padded, 5, Draws.seeded(1))
+    for x, y in zip(a, b, strict=True):
+        assert torch.equal(x, y)
+    assert bool(a[2].all())
+    assert all(len(set(row)) == 5 for row in a[0].tolist())  # distinct

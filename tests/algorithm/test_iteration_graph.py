@@ -5,14 +5,14 @@ captured on a GPU.
 pool) is compiled with `torch.compile(fullgraph=True)` while the CPU takes the device's branches
 (`host_reads.computing_everywhere`): any read of a value on the host (`bool(t)`, `.item()`,
 `.nonzero()`, `.tolist()`) is a graph break, and `fullgraph=True` makes a break an error. Its
-draws take the numbers the eager run drew (`streams.Recording` / `streams.Recorded`: a compiled
-graph cannot take a `torch.Generator`), and it must return what the eager run returned, on every
+draws are hashes of their counters computed inside the graph from the side's key, a tensor input
+(`streams.Streams.on`), and it must return what the eager run returned, on every
 iteration of decodes that finish beams at EOS mid-forest, fail layers, refill and take bonus
 layers, for the fixed and the dynamic width rules (the distinct rule's simulated layers
 included) and epsilon's relaxed acceptance. The draft's
 layer between two draft-model calls (`draft_forest.draft_layer`) is checked the same way, and
-whole decodes through `verify_graph.VerifyGraph` (compiled once, uniforms drawn before each
-call) give the eager decodes' tokens.
+whole decodes through `verify_graph.VerifyGraph` (compiled once per shape, whatever the
+iteration's key) give the eager decodes' tokens.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from dsbd_core.algorithm.loop import Decode, run_decode
 from dsbd_core.algorithm.methods import method_config
 from dsbd_core.algorithm.scorer import Roots, drive
 from dsbd_core.algorithm.state import NO_FOREST, Outcome, deepest_layer
-from dsbd_core.algorithm.streams import Recorded, Recording
+from dsbd_core.algorithm.streams import DRAFT, VERIFY_SIDE, Streams
 from dsbd_core.algorithm.verify_forest import verify_scored
 from dsbd_core.algorithm.verify_graph import graph_for
 from dsbd_core.models.static_scorer import StaticScorer
@@ -109,9 +109,10 @@ def test_the_verify_side_compiles_as_one_graph_and_decodes_as_eager(
             scored = target.forward(forest.layers)
             node_logp = [scored.roots] + list(scored.layers)
             args = (config, VOCAB, engine.eos)
-            recording = Recording(torch.Generator(), 1000 + iterations)
-            eager = verify_scored(state, forest, node_logp, *args, recording, deepest)
-            graph = compiled(state, forest, node_logp, *args, Recorded(recording.tape), deepest)
+            streams = Streams.side(config.seed, iterations, VERIFY_SIDE)
+            eager = verify_scored(state, forest, node_logp, *args, streams, deepest)
+            keyed = streams.on(torch.device("cpu"))
+            graph = compiled(state, forest, node_logp, *args, keyed, deepest)
             expected, actual = _flat(eager), _flat(graph)
             assert sorted(actual) == sorted(expected)
             for key, value in expected.items():
@@ -120,6 +121,8 @@ def test_the_verify_side_compiles_as_one_graph_and_decodes_as_eager(
             engine.advance(state, eager)
             iterations += 1
     assert iterations >= 3 and counter.frame_count >= 1 and counter.op_count > 100
+    # the key is an input: a new iteration's key is no new graph (shapes and depths are)
+    assert counter.frame_count < iterations
     if name != "sample":
         assert pooled > 0, "no beam finished at EOS: the pool's path was not exercised"
 
@@ -139,10 +142,10 @@ def test_a_draft_layer_compiles_as_one_graph_and_draws_as_eager(mode: str) -> No
     logq, sigma, ok = draft.forward([]).roots, state.score, state.alive
     with computing_everywhere():
         for level in range(1, 4):
-            recording = Recording(torch.Generator(), 7)
-            eager = draft_layer(sigma, logq, ok, config, None, engine.eos, recording.at(level, 0))
-            replay = Recorded(recording.tape).at(level, 0)
-            graph = compiled(sigma, logq, ok, config, None, engine.eos, replay)
+            streams = Streams.side(7, level, 1)
+            eager = draft_layer(sigma, logq, ok, config, None, engine.eos, streams.at(level, DRAFT))
+            keyed = streams.on(torch.device("cpu")).at(level, DRAFT)
+            graph = compiled(sigma, logq, ok, config, None, engine.eos, keyed)
             for a, b in zip(
                 [*dataclasses.astuple(eager[0]), *eager[1:]],
                 [*dataclasses.astuple(graph[0]), *graph[1:]],

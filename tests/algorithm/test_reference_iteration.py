@@ -21,7 +21,7 @@ from dsbd_core.algorithm.reference import Model, reference_decode
 from tests.exact_reference import random_table
 
 EOS = 0
-SEEDS = (0, 1, 2, 3)
+SEEDS = (0, 1, 4, 5)  # every case meets a failed layer with these draws
 # (name, vocabulary, n-gram order, prompt, how close the draft is to the target): a wide trigram
 # pair (the first layer's table, 3 x 24, is larger than what the distinct width estimate keeps
 # exactly), a small bigram pair where EOS is likely (beams and accepted drafts finish, layers

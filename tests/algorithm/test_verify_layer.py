@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from dsbd_core.algorithm.distributions import draw_distinct, draw_with_replacement
+from dsbd_core.algorithm.streams import Draws
 from dsbd_core.algorithm.verify import fill_failed_layer, verify_layer
 from tests.exact_reference import assert_matches
 
@@ -30,7 +31,7 @@ VALID_PARENT = torch.tensor([True, False, True])
 def run_layer(
     drafts_n: int, k: int, slots: int, distinct: bool, seed: int, q: torch.Tensor = FAR
 ) -> tuple[list[tuple[int, ...]], torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
+    gen = Draws.seeded(seed)
     target = P.expand(RUNS, -1).clone()
     proposal = q.expand(RUNS, -1).clone()
     if distinct:
@@ -131,7 +132,7 @@ def test_distinct_slots_are_a_without_replacement_sample(
 def test_the_reference_codes_rule_with_distinct_drafts_is_biased() -> None:
     """ALGORITHM.md §4.5, §12.1 item 3: drafts without replacement verified with the i.i.d.
     rule. The harness must see the bias (this guards the power of the tests above)."""
-    gen = torch.Generator().manual_seed(5)
+    gen = Draws.seeded(5)
     target = P.expand(RUNS, -1).clone()
     proposal = Q.expand(RUNS, -1).clone()
     drafts, _, exists = draw_distinct(proposal, 3, gen)

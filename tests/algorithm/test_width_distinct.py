@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from dsbd_core.algorithm.distributions import draw_distinct
+from dsbd_core.algorithm.streams import Draws
 from dsbd_core.algorithm.verify import verify_layer
 from dsbd_core.algorithm.width import acceptance_alphas, acceptance_count_distribution
 from dsbd_core.algorithm.width_distinct import (
@@ -63,7 +64,7 @@ def reference(name: str, m: int) -> torch.Tensor:
 
 def simulated_tails(p, q, valid, m: int, seed: int = 0) -> torch.Tensor:
     """Pr[N >= k] of the distinct rule on the full layer, by simulation."""
-    g = torch.Generator().manual_seed(seed)
+    g = Draws.seeded(seed)
     pb, qb, vb = (x.expand(RUNS, -1).contiguous() for x in (p, q, valid))
     index, prob, exists = draw_distinct(qb, m, g)
     verdict = verify_layer(
@@ -89,7 +90,7 @@ def dp_tails(p, q, valid, m: int) -> torch.Tensor:
 
 
 def estimated_tails(p, q, valid, m: int, samples: int, seed: int = 7) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
+    g = Draws.seeded(seed)
     return distinct_count_tails(p, q, valid, torch.tensor([m]), m, g, samples=samples)[0]
 
 
@@ -146,7 +147,7 @@ def test_the_threshold_now_holds_where_the_dp_broke_it() -> None:
     estimate for the widest width whose real pass rate is >= 0.7."""
     p, q, valid = LAYERS["peaky .9/.85"]
     real = reference("peaky .9/.85", 3)
-    g = torch.Generator().manual_seed(11)
+    g = Draws.seeded(11)
     width = int(
         distinct_layer_width(p, q, valid, torch.tensor([3]), 3, 0.7, 1, torch.tensor([3]), g)
     )
@@ -156,7 +157,7 @@ def test_the_threshold_now_holds_where_the_dp_broke_it() -> None:
 
 def test_sessions_without_drafts_and_w_min() -> None:
     p, q, valid = LAYERS["flat"]
-    g = torch.Generator().manual_seed(0)
+    g = Draws.seeded(0)
     two = (p.expand(2, -1), q.expand(2, -1), valid.expand(2, -1))
     tails = distinct_count_tails(*two, torch.tensor([0, 2]), 2, g)
     assert tails[0].tolist() == [1.0, 0.0, 0.0] and tails[1, 0] == 1.0

@@ -25,6 +25,7 @@ from dsbd_core import (
     generate_batch,
 )
 from dsbd_core.algorithm.scorer import Roots
+from dsbd_core.algorithm.streams import Draws
 from dsbd_core.models.draft_variants import (
     RestrictedHead,
     compact_logits,
@@ -160,7 +161,7 @@ def test_width_rules_on_the_support_equal_the_full_layer() -> None:
         layer_width(target, table, drafts, 4, 0.6, 1, w_max),
     )
     tails = [
-        distinct_count_tails(x, y, None, drafts, 4, torch.Generator().manual_seed(1), samples=4000)
+        distinct_count_tails(x, y, None, drafts, 4, Draws.seeded(1), samples=4000)
         for x, y in ((target, table), (p, q))
     ]
     assert (tails[0] - tails[1]).abs().max() < 0.05

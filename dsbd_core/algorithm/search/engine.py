@@ -25,7 +25,6 @@ from dsbd_core.algorithm.scorer import ForestLogprobs, ScoreCall
 from dsbd_core.algorithm.search.sampled import draft_sampled_search
 from dsbd_core.algorithm.search.walk import draft_search, verify_search
 from dsbd_core.algorithm.state import NO_FOREST, DecodeState, Forest, Outcome
-from dsbd_core.algorithm.streams import Streams
 
 
 def engine_for(config: MethodConfig, vocab_size: int, *, graph: bool = False) -> Engine:
@@ -54,8 +53,8 @@ class SearchEngine(Engine):
             return NO_FOREST
         eos = self._place(state)
         if self.config.selection == "transformers":  # sampled: DSBD under transformers' law
-            self._reseed(state, DRAFT_STREAM)
-            return (yield from draft_sampled_search(state, self.config, eos, self.generator))
+            streams = self.streams(state, DRAFT_STREAM)
+            return (yield from draft_sampled_search(state, self.config, eos, streams))
         return (yield from draft_search(state, self.config, eos))
 
     def verify_steps(
@@ -64,7 +63,7 @@ class SearchEngine(Engine):
         """Target side: one forward over the forest, the target's search steps through it."""
         assert state.depth is not None, "call next_iteration first"
         eos = self._place(state)
-        streams = Streams(self.generator, self._reseed(state, VERIFY_STREAM))
+        streams = self.streams(state, VERIFY_STREAM)
         return (yield from verify_search(state, forest, self.config, self.vocab, eos, streams))
 
     def advance(self, state: DecodeState, outcome: Outcome) -> None:

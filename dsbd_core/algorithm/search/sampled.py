@@ -32,10 +32,10 @@ import torch
 
 from dsbd_core.algorithm.candidates import Scores
 from dsbd_core.algorithm.config import SamplingConfig
-from dsbd_core.algorithm.distributions import NEG_INF, Source, draw_distinct, joint_filter
+from dsbd_core.algorithm.distributions import NEG_INF, draw_distinct, joint_filter
 from dsbd_core.algorithm.scorer import ForestLayer, ForestLogprobs, ScoreCall
 from dsbd_core.algorithm.state import NO_FOREST, DecodeState, Forest, deepest_layer, roots_of
-from dsbd_core.algorithm.streams import ACCEPT, BONUS, FILL, LayerStreams
+from dsbd_core.algorithm.streams import ACCEPT, BONUS, DRAFT, FILL, Streams
 from dsbd_core.algorithm.transformers_law import law_scores, ranked
 from dsbd_core.algorithm.verify import fill_failed_layer, verify_layer
 
@@ -61,7 +61,7 @@ def law_table(
 
 
 def draft_sampled_search(
-    state: DecodeState, config: SamplingConfig, eos: torch.Tensor, source: Source
+    state: DecodeState, config: SamplingConfig, eos: torch.Tensor, streams: Streams
 ) -> Generator[ScoreCall, ForestLogprobs, Forest]:
     """The draft's layers: W_S (default K) candidates per layer drawn without replacement from
     its own transformers'-law table, its W best non-stopping ones extended."""
@@ -81,7 +81,7 @@ def draft_sampled_search(
     for level in range(1, depth_max + 1):
         ok = parent_ok & (depth >= level)[:, None]
         _, table = law_table(sigma, logq, ok, config, n_eos)
-        index, prob, exists = draw_distinct(table, drafts, source)
+        index, prob, exists = draw_distinct(table, drafts, streams.at(level, DRAFT))
         token = index % width if support is None else support[index % width]
         layer = ForestLayer(parent=index // width, token=token, exists=exists)
         layers.append(layer)
@@ -106,7 +106,7 @@ def verified_candidates(
     forest: Forest,
     config: SamplingConfig,
     eos: torch.Tensor,
-    streams: LayerStreams,
+    streams: Streams,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The step's K candidates at `level` (scores best first, indices), an exact
     without-replacement sample of P: verified drafts and fills where a session `verifying`
