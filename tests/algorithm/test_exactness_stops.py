@@ -23,6 +23,7 @@ from tests.exact_reference import (
     multinomial_outcomes,
     random_table,
 )
+from tests.exact_transformers import transformers_beam_outcomes
 
 RUNS = 100_000
 V = 4
@@ -119,3 +120,24 @@ def test_width_one_methods_with_stops_are_multinomial_sampling() -> None:
         results = decode(method, target, draft, seed=7, **extra)
         samples = [tuple(r.best.token_ids) for r in results]
         assert_matches(samples, exact, f"{method} {extra} stops")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("method", "extra"), [("beam", {}), ("dsbd", {"gamma": 2})])
+def test_transformers_law_with_stops_is_exact(method: str, extra: dict) -> None:
+    """Beam sampling under transformers' law, plain and drafted: a candidate whose text holds a
+    stop is a finished hypothesis as an EOS one is (the enumeration: exact_transformers)."""
+    target, draft = tables(seed=8)
+    results = decode(method, target, draft, width=2, selection="transformers", seed=9, **extra)
+    exact = transformers_beam_outcomes(
+        TableLM(target),
+        PROMPT,
+        2,
+        MAX_NEW,
+        {EOS},
+        stopped=lambda tokens: any(s in _text(tokens) for s in STOPS),
+    )
+    merged: dict = {}
+    for key, p in exact.items():
+        merged[tuple(sorted(key))] = merged.get(tuple(sorted(key)), 0.0) + p
+    assert_matches(outcomes_of(results), merged, f"{method} transformers' law with stops")

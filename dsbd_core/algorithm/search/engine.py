@@ -73,7 +73,11 @@ class SearchEngine(Engine):
         assert state.depth is not None, "call next_iteration first"
         eos = self._place(state)
         streams = Streams(self.generator, self._reseed(state, VERIFY_STREAM))
-        return (yield from verify_search(state, forest, self.config, self.vocab, eos, streams))
+        return (
+            yield from verify_search(
+                state, forest, self.config, self.vocab, eos, streams, stop=self.stop
+            )
+        )
 
     def advance(self, state: DecodeState, outcome: Outcome) -> None:
         """As `Engine.advance`, and the finished hypotheses' scores."""
