@@ -30,6 +30,17 @@ class TokenizerTexts:
         return _source_table(self.source)
 
 
+@dataclass(frozen=True)
+class LoadedTexts:
+    """A byte table built in this process (`token_bytes` of a loaded tokenizer): in-process
+    decodes, which never pickle their stop check."""
+
+    texts: tuple[bytes, ...]
+
+    def table(self) -> Sequence[bytes]:
+        return self.texts
+
+
 @lru_cache(maxsize=4)
 def _source_table(source: str) -> tuple[bytes, ...]:
     from dsbd_core.models.tokens import load_tokenizer
