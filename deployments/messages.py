@@ -28,6 +28,7 @@ from dsbd_core.algorithm.result import DecodeResult
 from dsbd_core.algorithm.scorer import ForestLayer
 from dsbd_core.algorithm.session_batch import BatchReport
 from dsbd_core.algorithm.state import Forest, Outcome
+from dsbd_core.algorithm.stops import StopStrings
 
 __all__ = [
     "Committed",
@@ -78,6 +79,8 @@ class DecodeCall:
     adaptive: bool
     vocab_size: int
     trace: dict[str, str] = field(default_factory=dict)  # the request span (W3C carrier)
+    # stop strings with the tokenizer they are matched through (by name: a few bytes)
+    stop: StopStrings | None = None
 
 
 @dataclass

@@ -28,6 +28,7 @@ from dsbd.sampling_flags import add_config_flags, config_from_args
 from dsbd_core.algorithm.config import SamplingConfig, config_error_message
 from dsbd_core.algorithm.decoders import generate
 from dsbd_core.algorithm.methods import METHODS, drafts
+from dsbd_core.algorithm.stops import first_stop, stop_problem
 
 if TYPE_CHECKING:
     from dsbd_core.algorithm.result import DecodeResult
@@ -53,6 +54,13 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         help="wrap the prompt in the tokenizer's chat template (default: when it has one)",
     )
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
+    parser.add_argument(
+        "--stop",
+        action="append",
+        default=[],
+        metavar="TEXT",
+        help="a stop string (repeatable): a beam finishes where its text first holds one",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     add_device_flag(parser)
     add_pair_flags(parser)
@@ -68,6 +76,10 @@ def run(args: argparse.Namespace) -> int:
         options = DraftOptions(quantize=args.draft_quantize, head_tokens=args.draft_head_tokens)
     except ValidationError as error:
         print(config_error_message(error), file=sys.stderr)
+        return 2
+    problem = stop_problem(args.stop)
+    if problem is not None:
+        print(f"--stop: {problem}", file=sys.stderr)
         return 2
     return _generate(args, config, options)
 
@@ -111,7 +123,16 @@ def _generate(args: argparse.Namespace, config: SamplingConfig, options: DraftOp
     capture = capture_static(target, draft, config, len(prompt_ids), say)
     load_s = time.perf_counter() - start
     start = time.perf_counter()
-    result = generate(args.method, target, prompt_ids, config, draft=draft, controller=controller)
+    stop = None
+    if args.stop:
+        from dsbd_core.algorithm.stops import StopStrings
+        from dsbd_core.models.token_bytes import LoadedTexts, token_bytes
+
+        texts = LoadedTexts(token_bytes(pair.target.tokenizer))
+        stop = StopStrings(tuple(args.stop), texts)
+    result = generate(
+        args.method, target, prompt_ids, config, draft=draft, controller=controller, stop=stop
+    )
     decode_s = time.perf_counter() - start
     report = _report(args, config, pair.target, pair.draft, prompt_ids, result, load_s, decode_s)
     report["models"] = pair.describe()
@@ -136,8 +157,14 @@ def _report(
     decode_s: float,
 ) -> dict[str, Any]:
     """Everything one run says, as plain data (the `--json` output; the text view reads it)."""
-    decode_text = target.tokenizer.decode
     stats = result.stats
+
+    def decode_text(ids: list[int], skip_special_tokens: bool) -> str:
+        """A beam's text, cut before the first stop string in it (`--stop`)."""
+        text = target.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+        found = first_stop(text, args.stop) if args.stop else None
+        return text[: found[0]] if found is not None else text
+
     return {
         "method": args.method,
         "target": target.name,

@@ -40,6 +40,18 @@ MODES = ("with_replacement", "distinct")
 
 Beam = tuple[int, ...]
 Outcome = tuple[Beam, ...]
+# Stop strings and the text of each token id: a beam whose text (its tokens' texts joined)
+# holds a stop string has finished, as one ending in an EOS token has.
+Stops = tuple[tuple[str, ...], tuple[str, ...]]
+
+
+def _stopped(beam: Beam, stops: Stops | None) -> bool:
+    """Whether the text of ``beam`` holds one of the stop strings."""
+    if stops is None:
+        return False
+    strings, texts = stops
+    text = "".join(texts[t] for t in beam)
+    return any(s in text for s in strings)
 
 
 # --------------------------------------------------------------------------------------------
@@ -300,6 +312,7 @@ def beam_sampling_outcomes(
     temperature: float = 1.0,
     top_k: int = 0,
     top_p: float = 1.0,
+    stops: Stops | None = None,
 ) -> dict[Outcome, float]:
     """Exact distribution of the final beam multiset of target beam sampling.
 
@@ -308,8 +321,9 @@ def beam_sampling_outcomes(
     ``max_new_tokens`` steps are done: build the candidate table ``s_i + log p(v | ...)`` over
     active beams and tokens, filter it jointly (``joint_filter``), draw ``R`` candidates
     (``"with_replacement"``: i.i.d.; ``"distinct"``: sequentially without replacement, all
-    candidates with mass if fewer than ``R``), extend; beams ending in an ``eos`` token join the
-    finished pool and reduce ``R``. Scores are true raw cumulative log-probs, never filtered.
+    candidates with mass if fewer than ``R``), extend; beams ending in an ``eos`` token (or whose
+    text holds a stop string, ``stops``) join the finished pool and reduce ``R``. Scores are
+    true raw cumulative log-probs, never filtered.
 
     Returns ``{outcome: probability}`` where an outcome is the sorted tuple of all final beams
     (finished + active, duplicates kept). Identical states (sorted active beams, sorted finished
@@ -346,7 +360,7 @@ def beam_sampling_outcomes(
             # merge would be wrong for draws without replacement over candidate indices).
             assert mode == "with_replacement" or len(merged_mass) == np.count_nonzero(probs)
             new_beams = sorted(merged_mass)
-            is_eos = [b[-1] in eos_set for b in new_beams]
+            is_eos = [b[-1] in eos_set or _stopped(b, stops) for b in new_beams]
             mass = np.array([merged_mass[b] for b in new_beams])
             index_rows, draw_probs = draw(mass, remaining)
             n_done_rows = np.array(is_eos, dtype=np.intp)[index_rows].sum(axis=1)
@@ -413,11 +427,13 @@ def multinomial_outcomes(
     temperature: float = 1.0,
     top_k: int = 0,
     top_p: float = 1.0,
+    stops: Stops | None = None,
 ) -> dict[Beam, float]:
     """Exact distribution of plain ancestral sampling: ``{generated tokens: probability}``.
 
     Each token is drawn from ``joint_filter`` applied to the single next-token row; generation
-    stops after an ``eos`` token or ``max_new_tokens`` tokens. Written separately from the beam
+    stops after an ``eos`` token, a text holding a stop string (``stops``), or ``max_new_tokens``
+    tokens. Written separately from the beam
     enumerator so that "beam sampling with W = 1 is ordinary sampling" is a real check; note
     that beam sampling's outcome for W = 1 is the 1-tuple ``(tokens,)``.
     """
@@ -426,7 +442,8 @@ def multinomial_outcomes(
     result: dict[Beam, float] = defaultdict(float)
 
     def recurse(tokens: Beam, p: float) -> None:
-        if len(tokens) == max_new_tokens or (tokens and tokens[-1] in eos_set):
+        done = tokens and (tokens[-1] in eos_set or _stopped(tokens, stops))
+        if len(tokens) == max_new_tokens or done:
             result[tokens] += p
             return
         probs = joint_filter(lm.next_logprobs(prompt_t + tokens), temperature, top_k, top_p)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -74,9 +74,11 @@ def transformers_beam_outcomes(
     top_p: float = 1.0,
     length_penalty: float = 1.0,
     early_stopping: bool | str = False,
+    stopped: Callable[[tuple[int, ...]], bool] | None = None,
 ) -> dict[tuple[tuple[int, ...], ...], float]:
     """Law of the W returned sequences (generated tokens, best first) of transformers' beam
-    sampling with `num_return_sequences=W`."""
+    sampling with `num_return_sequences=W`; `stopped(generated tokens)`: a candidate whose text
+    holds a stop string ends there as one ending in EOS does (issue 52)."""
     vocab = lm.vocab_size
     prompt_len = len(prompt)
     max_length = prompt_len + max_new_tokens
@@ -116,6 +118,7 @@ def transformers_beam_outcomes(
                     eos,
                     length_penalty,
                     early_stopping,
+                    stopped,
                 )
                 if new is None:
                     continue
@@ -141,9 +144,15 @@ def _step(
     eos: set[int],
     length_penalty: float,
     early_stopping: bool | str,
+    stopped: Callable[[tuple[int, ...]], bool] | None = None,
 ) -> dict | None:
     """One step of `_beam_search` after the draw: running beams, finished beams, stopping."""
-    hits = [seq[-1] in eos or len(seq) >= max_length for _, seq in top]
+    hits = [
+        seq[-1] in eos
+        or len(seq) >= max_length
+        or (stopped is not None and stopped(seq[prompt_len:]))
+        for _, seq in top
+    ]
     # _get_running_beams_for_next_iteration
     running_scores = [acc - BIG * hit for (acc, _), hit in zip(top, hits, strict=True)]
     order = sorted(range(len(top)), key=lambda i: -running_scores[i])[:width]

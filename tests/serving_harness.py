@@ -235,7 +235,7 @@ def in_process_decoder(server: dict[str, Any]) -> Any:
     draft = load_causal_lm(str(server["draft"]), dtype=torch.float64)
     _, stop_ids = load_tokenizer(str(server["target"]))
 
-    def decode(method: str, prompt_ids: list[int], **knobs: Any):
+    def decode(method: str, prompt_ids: list[int], stop: Any = None, **knobs: Any):
         config = SamplingConfig(eos_token_ids=stop_ids, **knobs)
         return generate(
             method,
@@ -243,6 +243,7 @@ def in_process_decoder(server: dict[str, Any]) -> Any:
             prompt_ids,
             config,
             draft=TransformerScorer(draft.model) if method in METHODS_WITH_DRAFT else None,
+            stop=stop,
         )
 
     return decode

@@ -73,7 +73,9 @@ from deployments.observability.tracing import replica_id
 from deployments.replicas.allocator import active_allocator, allocator_stats
 from dsbd_core.algorithm.config import SamplingConfig
 from dsbd_core.algorithm.methods import MethodConfig
+from dsbd_core.algorithm.stops import StopStrings
 from dsbd_core.models import load_tokenizer
+from dsbd_core.models.token_bytes import TokenizerTexts
 
 app = FastAPI(
     title="dsbd",
@@ -208,7 +210,7 @@ class Ingress:
             self._openai(request, ids, chat=False, beams_only=True) for ids in prompts
         )
         return batch_completion_response(
-            self.options.model_name, prompts, ends, request.n, self.texts
+            self.options.model_name, prompts, ends, request.n, self._texts(request)
         )
 
     @app.post("/v1/chat/completions", response_model=None)
@@ -290,7 +292,7 @@ class Ingress:
             [beams for _, beams in done],
             [scored for scored, _ in done],
             request.n,
-            self.texts,
+            self._texts(request),
         )
 
     async def _prompt_ids(self, prompts: list[str | list[int]]) -> list[list[int]]:
@@ -317,10 +319,8 @@ class Ingress:
         self, request: Any, prompt_ids: list[int], *, chat: bool, beams_only: bool = False
     ) -> Any:
         """One prompt's decode: the reply (streamed or not), or its beams (`beams_only`)."""
-        stop_ids = self._stop_token_ids(request.stop_strings)
-        stops = tuple(sorted(set(self.stop_ids) | set(stop_ids)))
         config = requested_config(
-            lambda: request.sampling_config(stops, self.options.default_max_tokens)
+            lambda: request.sampling_config(self.stop_ids, self.options.default_max_tokens)
         )
         config = await self._config(config, request.method, prompt_ids)
         if request.n > self.options.limits.max_n:
@@ -329,7 +329,8 @@ class Ingress:
                 f"n={request.n} exceeds this server's limit max_n={self.options.limits.max_n}",
                 "n",
             )
-        call = self._call(config, request.adaptive, prompt_ids)
+        call = self._call(config, request.adaptive, prompt_ids, request.stop_strings)
+        texts = self._texts(request)
         if request.stream:
             leave = self._admit(call)
             ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
@@ -341,7 +342,7 @@ class Ingress:
                 chat=chat,
                 model_name=self.options.model_name,
                 limits=self.options.limits,
-                texts=self.texts,
+                texts=texts,
                 ident=ident,
                 stops=config.eos_token_ids,
                 on_end=_report_end,
@@ -350,9 +351,7 @@ class Ingress:
         beams = (await self._run(call)).result.beams[: request.n]
         if beams_only:
             return beams
-        return completion_response(
-            self.options.model_name, prompt_ids, beams, self.texts, chat=chat
-        )
+        return completion_response(self.options.model_name, prompt_ids, beams, texts, chat=chat)
 
     def _admit(self, call: DecodeCall) -> Callable[[], None]:
         """Count a decode in, or refuse it (429) when this ingress runs too many already or
@@ -396,16 +395,29 @@ class Ingress:
         _report_end(end)
         return end
 
-    def _call(self, config: MethodConfig, adaptive: bool, prompt_ids: list[int]) -> DecodeCall:
-        """The decode a router replica runs for this request (in the request span's trace)."""
+    def _call(
+        self,
+        config: MethodConfig,
+        adaptive: bool,
+        prompt_ids: list[int],
+        stops: list[str] | None = None,
+    ) -> DecodeCall:
+        """The decode a router replica runs for this request (in the request span's trace);
+        its stop strings matched through this server's tokenizer, named by its source."""
         assert self._info is not None
+        stop = StopStrings(tuple(stops), TokenizerTexts(self.options.tokenizer)) if stops else None
         return DecodeCall(
             prompt_ids=list(prompt_ids),
             config=config,
             adaptive=adaptive,
             vocab_size=int(self._info["vocab_size"]),
             trace=tracing.inject(trace.get_current_span()),
+            stop=stop,
         )
+
+    def _texts(self, request: Any) -> BeamText:
+        """The request's view of its beams' texts: cut at its stop strings."""
+        return self.texts.with_stops(request.stop_strings, request.include_stop_str_in_output)
 
     async def _config(
         self,
@@ -438,20 +450,6 @@ class Ingress:
                 f"model={model!r} does not exist; available: {self.options.model_name!r}",
                 "model",
             )
-
-    def _stop_token_ids(self, stops: list[str]) -> list[int]:
-        ids = []
-        for stop in stops:
-            encoded = self.tokenizer.encode(stop, add_special_tokens=False)
-            if len(encoded) != 1:
-                raise APIError(
-                    400,
-                    f"stop={stop!r} is {len(encoded)} tokens; allowed: stop "
-                    "strings that are exactly one token",
-                    "stop",
-                )
-            ids.append(encoded[0])
-        return ids
 
     def _chat_ids(self, messages: list[dict[str, Any]]) -> list[int]:
         """Prompt ids of a chat: the template's text, encoded without extra special tokens."""

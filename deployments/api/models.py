@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
 
 from dsbd_core.algorithm.config import SamplingConfig
 from dsbd_core.algorithm.methods import METHODS
+from dsbd_core.algorithm.stops import stop_problem
 
 # SamplingConfig fields that OpenAI requests carry under their own names, that the server fills,
 # or that other fields decide (`search`: `method` or `use_beam_search`; `logprobs`: the routes'
@@ -124,7 +125,16 @@ class _OpenAIRequest(DecodingKnobs):  # type: ignore[misc, valid-type]
     n: int = Field(1, ge=1, le=64, description="How many beams to return, best first (<= width).")
     stream: bool = Field(False, description="Stream the current best beam as server-sent events.")
     stream_options: dict[str, Any] | None = None
-    stop: str | list[str] | None = Field(None, description="Stop strings (each one token).")
+    stop: str | list[str] | None = Field(
+        None,
+        description=(
+            "Stop strings, matched on the generated text (any length): a beam finishes where"
+            " its text first holds one, as at an EOS token, and its text ends before it."
+        ),
+    )
+    include_stop_str_in_output: bool = Field(
+        False, description="vLLM's field: the returned text keeps the stop string it ends with."
+    )
     seed: int | None = Field(None, ge=0)
     user: str | None = None
     best_of: int | None = None
@@ -139,6 +149,15 @@ class _OpenAIRequest(DecodingKnobs):  # type: ignore[misc, valid-type]
     presence_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
     suffix: str | None = None
+
+    @field_validator("stop", mode="after")
+    @classmethod
+    def _stops_within_limits(cls, value: str | list[str] | None) -> str | list[str] | None:
+        if value is not None:
+            problem = stop_problem([value] if isinstance(value, str) else value)
+            if problem is not None:
+                raise ValueError(problem)
+        return value
 
     @model_validator(mode="after")
     def _refuse_what_dsbd_cannot_do(self) -> _OpenAIRequest:
@@ -386,6 +405,8 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: Literal["stop", "length"] | None
+    # vLLM's field: the stop string a finished beam's text was cut at (None: EOS or length)
+    stop_reason: int | str | None = None
 
 
 class _Response(BaseModel):
@@ -432,6 +453,7 @@ class ChatChoice(BaseModel):
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: Literal["stop", "length"] | None
+    stop_reason: int | str | None = None  # as CompletionChoice's
 
 
 class ChatCompletionResponse(_Response):

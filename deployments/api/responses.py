@@ -2,11 +2,17 @@
 beams, with the text the client sees (special tokens and the stop token left out) and, when
 asked, the tokens' log-probabilities in OpenAI's two formats.
 
+Stop strings (`BeamText.with_stops`): a beam the engine finished at a stop string keeps every
+token (its log-probs list them all, as vLLM's do) and its text ends before the first stop
+string in it (`include_stop_str_in_output`: after it); `stop_reason` names that string.
+
 The log-probabilities are the ones the engine tracked while decoding (`Beam.token_logprobs`,
 `Beam.top_logprobs`: the target's raw distribution, docs/SERVING.md). The OpenAI routes list the
 tokens of the returned text, so a beam that ended in a stop token lists every token but that
 one, as its text leaves it out; the native route lists them all.
 """
+
+from __future__ import annotations
 
 import math
 from typing import Any
@@ -25,6 +31,7 @@ from deployments.api.models import (
 )
 from dsbd_core.algorithm.prompt_logprobs import PromptLogprobs
 from dsbd_core.algorithm.result import Beam
+from dsbd_core.algorithm.stops import first_stop
 
 # OpenAI's stand-in for a log-probability of minus infinity (JSON has no infinity).
 FLOOR = -9999.0
@@ -33,21 +40,59 @@ FLOOR = -9999.0
 class BeamText:
     """Token ids to the text a client sees, with the target's tokenizer."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(
+        self, tokenizer: Any, stops: tuple[str, ...] = (), include_stop: bool = False
+    ) -> None:
         self.tokenizer = tokenizer
         self._pieces: dict[int, str] = {}
+        self.stops = stops  # a request's stop strings (`with_stops`)
+        self.include_stop = include_stop  # vLLM's include_stop_str_in_output
+
+    def with_stops(self, stops: list[str], include_stop: bool) -> BeamText:
+        """This text view for a request with stop strings (shares the token pieces)."""
+        if not stops:
+            return self
+        view = BeamText(self.tokenizer, tuple(stops), include_stop)
+        view._pieces = self._pieces
+        return view
 
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
+    def stopped_at(self, beam: Beam) -> tuple[str, str] | None:
+        """A beam finished at a stop string: its text cut there and that string; else None."""
+        if not (beam.finished and self.stops):
+            return None
+        text = self.decode(beam.token_ids)
+        found = first_stop(text, self.stops)
+        if found is None:
+            return None
+        at, stop = found
+        return self.cut(text, at, stop), stop
+
+    def cut(self, text: str, at: int, stop: str) -> str:
+        """`text` where a stop string starts at `at`: before it, or through it."""
+        return text[: at + len(stop)] if self.include_stop else text[:at]
+
     def visible_ids(self, beam: Beam) -> list[int]:
-        """The beam's tokens without its stop token (OpenAI leaves the stop sequence out)."""
+        """The beam's tokens without its stop token (OpenAI leaves the stop sequence out); a
+        beam finished at a stop string keeps them all (its text is cut instead)."""
         ids = beam.token_ids
+        if self.stopped_at(beam) is not None:
+            return ids
         return ids[:-1] if beam.finished and ids else ids
 
     def text(self, beam: Beam) -> str:
-        """The beam's text without its stop token."""
+        """The beam's text without its stop token, or cut at its stop string."""
+        stopped = self.stopped_at(beam)
+        if stopped is not None:
+            return stopped[0]
         return self.decode(self.visible_ids(beam))
+
+    def stop_reason(self, beam: Beam) -> str | None:
+        """vLLM's `stop_reason`: the stop string the beam finished at (None: EOS, length)."""
+        stopped = self.stopped_at(beam)
+        return stopped[1] if stopped is not None else None
 
     def piece(self, token_id: int) -> str:
         """One token's text (as vLLM reports it: the token decoded alone)."""
@@ -167,6 +212,7 @@ def batch_completion_response(
                 text=texts.text(b),
                 logprobs=texts.beam_logprobs(b, chat=False),  # type: ignore[arg-type]
                 finish_reason=finish_reason(b),
+                stop_reason=texts.stop_reason(b),
             )
             for i, group in enumerate(beams)
             for j, b in enumerate(group)
@@ -189,6 +235,7 @@ def completion_response(
                     message=AssistantMessage(content=texts.text(b)),
                     logprobs=texts.beam_logprobs(b, chat=True),  # type: ignore[arg-type]
                     finish_reason=finish_reason(b),
+                    stop_reason=texts.stop_reason(b),
                 )
                 for i, b in enumerate(beams)
             ],
@@ -202,6 +249,7 @@ def completion_response(
                 text=texts.text(b),
                 logprobs=texts.beam_logprobs(b, chat=False),  # type: ignore[arg-type]
                 finish_reason=finish_reason(b),
+                stop_reason=texts.stop_reason(b),
             )
             for i, b in enumerate(beams)
         ],
@@ -252,12 +300,20 @@ def echo_completion_response(
             choices.append(
                 CompletionChoice(
                     index=i * n + j,
-                    text=texts.decode(ids + visible),
+                    text=_echoed(texts, ids, beam, visible),
                     logprobs=logprobs,
                     finish_reason=finish_reason(beam) if beam is not None else "length",
+                    stop_reason=texts.stop_reason(beam) if beam is not None else None,
                 )
             )
     return CompletionResponse(model=model_name, choices=choices, usage=summed_usage(prompts, beams))
+
+
+def _echoed(texts: BeamText, ids: list[int], beam: Beam | None, visible: list[int]) -> str:
+    """An echoed choice's text: the prompt's and the beam's (cut at its stop string)."""
+    if beam is not None and texts.stopped_at(beam) is not None:
+        return texts.decode(ids) + texts.text(beam)
+    return texts.decode(ids + visible)
 
 
 def _joined(first: CompletionLogprobs, then: CompletionLogprobs) -> CompletionLogprobs:

@@ -6,6 +6,9 @@ beam search can disagree for a while, so text arrives in steps; with one beam (`
 it is every token as it is accepted. A client that disconnects cancels the decode and frees its
 caches (`DecodeStream`). With logprobs asked, every chunk carries the log-probs of the tokens
 whose text it adds (taken from the decode's state: the committed tokens' values are final too).
+With stop strings, a chunk never sends text a later stop match would cut: the committed text is
+cut at a stop string in it, and the longest end of it that begins a stop string is held back
+until the next tokens show whether the stop follows (`stops.held_back`).
 The router replica that runs the decode sends the committed tokens (deployments/decode/router.py); a
 router that dies mid-stream is replaced without the client noticing (deployments/decode/client.py).
 """
@@ -25,6 +28,7 @@ from deployments.api.responses import BeamText, finish_reason, usage
 from deployments.decode.client import ReplayDiverged
 from deployments.decode.limits import Limits
 from deployments.messages import Committed, DecodeEnd
+from dsbd_core.algorithm.stops import first_stop, held_back
 
 
 class DecodeStream(StreamingResponse):
@@ -74,7 +78,12 @@ async def sse_events(
     kind = "chat.completion.chunk" if chat else "text_completion"
 
     def chunk(
-        index: int, text: str | None, finish: str | None, first: bool = False, logprobs: Any = None
+        index: int,
+        text: str | None,
+        finish: str | None,
+        first: bool = False,
+        logprobs: Any = None,
+        stop_reason: str | None = None,
     ) -> str:
         shown = logprobs.model_dump() if logprobs is not None else None
         if chat:
@@ -91,6 +100,8 @@ async def sse_events(
                 "logprobs": shown,
                 "finish_reason": finish,
             }
+        if finish is not None:
+            choice["stop_reason"] = stop_reason
         body = {
             "id": ident,
             "object": kind,
@@ -126,7 +137,7 @@ async def sse_events(
             ids = committed.ids
             if ids and ids[-1] in stops:  # a stop token is never part of the text
                 ids = ids[:-1]
-            text = texts.decode(ids)
+            text = streamable(texts.decode(ids), texts)
             if text.startswith(sent) and len(text) > len(sent) and not text.endswith("\ufffd"):
                 logprobs = committed.logprobs(texts, ids, sent_ids, chat)
                 yield chunk(0, text[len(sent) :], None, logprobs=logprobs)
@@ -145,7 +156,8 @@ async def sse_events(
         if index > 0 and chat:
             yield chunk(index, None, None, first=True)
         logprobs = texts.beam_logprobs(beam, chat=chat, start=sent_ids if resume else 0)
-        yield chunk(index, rest, finish_reason(beam), logprobs=logprobs)
+        stop_reason = texts.stop_reason(beam)
+        yield chunk(index, rest, finish_reason(beam), logprobs=logprobs, stop_reason=stop_reason)
     options = request.stream_options or {}
     if options.get("include_usage"):
         body = {
@@ -158,6 +170,20 @@ async def sse_events(
         }
         yield f"data: {json.dumps(body)}\n\n"
     yield "data: [DONE]\n\n"
+
+
+def streamable(text: str, texts: BeamText) -> str:
+    """What of a committed text may be sent: all of it without stop strings; else cut at a
+    stop string in it, less the end that begins one (unless the stop is kept in the text, then
+    a later match cuts nothing already there)."""
+    if not texts.stops:
+        return text
+    found = first_stop(text, texts.stops)
+    if found is not None:
+        return texts.cut(text, *found)
+    if texts.include_stop:
+        return text
+    return text[: len(text) - held_back(text, texts.stops)]
 
 
 class _Committed:

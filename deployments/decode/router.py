@@ -84,6 +84,7 @@ class Router:
             call.vocab_size,
             call.config,
             adaptive=call.adaptive,
+            stop=call.stop,
         )
 
     async def decode(self, call: DecodeCall) -> DecodeEnd:

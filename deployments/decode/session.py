@@ -53,6 +53,7 @@ from dsbd_core.algorithm.methods import MethodConfig, method_config
 from dsbd_core.algorithm.replay import Lineage, ReplayNeeded
 from dsbd_core.algorithm.result import DecodeResult
 from dsbd_core.algorithm.state import DecodeState, Outcome
+from dsbd_core.algorithm.stops import StopStrings
 
 # How long one iteration is retried while Serve replaces a lost replica (a health check
 # failing, a fresh replica's imports and, for a tensor-parallel verifier, its ranks' start).
@@ -101,8 +102,10 @@ class DecodeSession:
         adaptive: bool = True,
         retry_window_s: float = RETRY_WINDOW_S,
         controller: Controller | None = None,
+        stop: StopStrings | None = None,
     ) -> None:
         self.router = router
+        self.stop = stop  # the request's stop strings (every iteration call carries them)
         self.handles = router.handles
         self.vocab_size = vocab_size
         self.config = config
@@ -128,6 +131,7 @@ class DecodeSession:
             self.vocab_size,
             [prompt_ids],
             controller=self.controller,
+            stop=self.stop,
         )
         state = self.state = decode.state
         observer = SessionObserver(self.session)  # spans and metrics (deployments/observability)

@@ -10,6 +10,7 @@ only.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -23,7 +24,10 @@ from dsbd_core.algorithm.logprobs import (
     segment_of,
 )
 from dsbd_core.algorithm.scorer import ForestLayer, Origin
-from dsbd_core.algorithm.state import Outcome, Pool
+from dsbd_core.algorithm.state import DecodeState, Outcome, Pool
+
+if TYPE_CHECKING:
+    from dsbd_core.algorithm.stops import StopStrings
 
 
 @dataclass
@@ -103,6 +107,18 @@ def sequences(
     return seq, length + level
 
 
+def layer_stopped(
+    state: DecodeState, layers: list[ForestLayer], level: int, stop: StopStrings
+) -> torch.Tensor:
+    """Which nodes of forest layer `level` finished by a stop string [B, n]: their text holds
+    one (their parents' did not)."""
+    node = layers[level - 1].token
+    at = torch.full((node.shape[0],), level, dtype=torch.long, device=node.device)
+    index = torch.arange(node.shape[1], device=node.device).expand_as(node)
+    seq, seq_len = sequences(state.tokens, state.length, layers, at, index)
+    return stop.finished(seq, seq_len, state.prompt_len)
+
+
 def finds_rows(mask: torch.Tensor, rows_needed: bool) -> bool:
     """Whether the beams leaving under `mask` are found by reading it (`pool_add`'s
     `compact`): where the read costs nothing (the host), or where their rows are needed one by
@@ -160,6 +176,7 @@ class NextBeams:
     remaining: torch.Tensor
     origin: Origin
     order: torch.Tensor  # [B, W] the output slot each next beam comes from
+    finished: torch.Tensor  # [B, W] the output slots that went to the pool (EOS or stop)
 
 
 def next_beams(
@@ -177,10 +194,12 @@ def next_beams(
     lean_memory: bool,
     max_new_tokens: int,
     rows_needed: bool = False,
+    stop: StopStrings | None = None,
 ) -> NextBeams:
     """Turn the output slots into the next iteration's input beams.
 
-    Output beams that end in an EOS token go to `pool`; the others are packed to the front of
+    Output beams that end in an EOS token (or whose text holds a `stop` string) go to
+    `pool`; the others are packed to the front of
     the rows (lean memory: only the most likely one is kept, ALGORITHM.md §7). `rows_needed`: their
     log-probs follow the pooled rows (`finds_rows`).
     """
@@ -192,6 +211,8 @@ def next_beams(
     seq_len = torch.where(live, seq_len + 1, length)
     exists = out.exists & live[:, None]
     finished = exists & torch.isin(new_token, eos)
+    if stop is not None:
+        finished = finished | (exists & stop.finished(seq, seq_len, prompt_len))
     compact = finds_rows(finished, rows_needed)
     if not compact or bool(finished.any()):
         pool_add(
@@ -228,7 +249,7 @@ def next_beams(
     untouched = ~live
     seq = torch.where(untouched[:, None, None], tokens, seq)
     new_score = torch.where(keep, new_score, 0.0)
-    return NextBeams(seq, seq_len, new_score, keep, remaining, origin, order)
+    return NextBeams(seq, seq_len, new_score, keep, remaining, origin, order, finished)
 
 
 def node_logprobs(table: ForestLogprobTable, level: int, mask: torch.Tensor) -> Segment:

@@ -13,6 +13,7 @@ from dsbd_core.algorithm.loop import Decode, engine_device, run_decode
 from dsbd_core.algorithm.methods import method_config
 from dsbd_core.algorithm.result import DecodeResult
 from dsbd_core.algorithm.scorer import ForestScorer
+from dsbd_core.algorithm.stops import StopStrings
 
 
 def generate_batch(
@@ -22,10 +23,13 @@ def generate_batch(
     config: SamplingConfig,
     draft: ForestScorer | None = None,
     controller: Controller | None = None,
+    *,
+    stop: StopStrings | None = None,
 ) -> list[DecodeResult]:
     """Decode several independent prompts in one batched run (one result per prompt).
 
-    `controller` chooses each iteration's speed knobs (default: the config's gamma and W_S).
+    `controller` chooses each iteration's speed knobs (default: the config's gamma and W_S);
+    `stop`: stop strings, which finish a beam where its text first holds one (`stops.py`).
     """
     run_config = method_config(method, config)
     uses_draft = run_config.uses_draft
@@ -42,6 +46,7 @@ def generate_batch(
         [list(p) for p in prompts],
         controller=controller,
         device=engine_device(target),
+        stop=stop,
     )
     return run_decode(decode, target, draft if uses_draft else None)
 
@@ -53,6 +58,10 @@ def generate(
     config: SamplingConfig,
     draft: ForestScorer | None = None,
     controller: Controller | None = None,
+    *,
+    stop: StopStrings | None = None,
 ) -> DecodeResult:
     """Decode one prompt: sequences best-first with true log-likelihoods, and stats."""
-    return generate_batch(method, target, [list(prompt_ids)], config, draft, controller)[0]
+    return generate_batch(method, target, [list(prompt_ids)], config, draft, controller, stop=stop)[
+        0
+    ]

@@ -18,6 +18,7 @@ from collections.abc import Generator
 
 import torch
 
+from dsbd_core.algorithm.beams import layer_stopped
 from dsbd_core.algorithm.candidates import Scores, layer_candidates
 from dsbd_core.algorithm.config import SamplingConfig
 from dsbd_core.algorithm.distributions import (
@@ -28,6 +29,7 @@ from dsbd_core.algorithm.distributions import (
 )
 from dsbd_core.algorithm.scorer import ForestLayer, ForestLogprobs, ScoreCall
 from dsbd_core.algorithm.state import NO_FOREST, DecodeState, Forest, deepest_layer, roots_of
+from dsbd_core.algorithm.stops import StopStrings
 from dsbd_core.algorithm.streams import DRAFT, Streams
 
 
@@ -37,8 +39,11 @@ def draft_forest(
     vocab: int,
     eos: torch.Tensor,
     streams: Streams,
+    *,
+    stop: StopStrings | None = None,
 ) -> Generator[ScoreCall, ForestLogprobs, Forest]:
-    """Draft beam sampling for up to `state.depth[b]` layers: one draft-model call per layer."""
+    """Draft beam sampling for up to `state.depth[b]` layers: one draft-model call per layer
+    (`stop`: a node whose text holds a stop string finished, so it has no children)."""
     assert state.depth is not None, "plan the iteration first (Engine.next_iteration)"
     depth, alive = state.depth, state.alive
     depth_max = deepest_layer(state)
@@ -54,6 +59,8 @@ def draft_forest(
         drawn = draft_layer(sigma, logq, ok, config, support, eos, streams.at(level, DRAFT))
         layer, table, prob, sigma, parent_ok = drawn
         layers.append(layer)
+        if stop is not None and level < depth_max:
+            parent_ok = parent_ok & ~layer_stopped(state, layers, level, stop)
         tables.append(table)
         probs.append(prob)
         if level < depth_max:

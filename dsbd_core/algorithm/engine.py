@@ -34,6 +34,7 @@ from dsbd_core.algorithm.methods import MethodConfig
 from dsbd_core.algorithm.result import DecodeResult, collect_results
 from dsbd_core.algorithm.scorer import ForestLogprobs, Origin, Roots, ScoreCall
 from dsbd_core.algorithm.state import NO_FOREST, DecodeState, Forest, Outcome, Pool, zero_counters
+from dsbd_core.algorithm.stops import StopStrings
 from dsbd_core.algorithm.streams import DRAFT_SIDE, VERIFY_SIDE, Streams
 from dsbd_core.algorithm.verify_forest import verify_forest, verify_scored
 from dsbd_core.algorithm.verify_graph import graph_applies, graph_for
@@ -53,8 +54,17 @@ class Engine:
     them; the engine itself never touches a model.
     """
 
-    def __init__(self, config: MethodConfig, vocab_size: int, *, graph: bool = False) -> None:
+    def __init__(
+        self,
+        config: MethodConfig,
+        vocab_size: int,
+        *,
+        graph: bool = False,
+        stop: StopStrings | None = None,
+    ) -> None:
         self.config = config
+        # stop strings: a beam also finishes where its text first holds one (stops.py)
+        self.stop = stop
         self.vocab = vocab_size
         self.uses_draft = config.uses_draft
         # run the verify side after its forward as one compiled graph where it can be
@@ -154,7 +164,9 @@ class Engine:
             return NO_FOREST
         eos = self._place(state)
         streams = self.streams(state, DRAFT_STREAM)
-        return (yield from draft_forest(state, self.config, self.vocab, eos, streams))
+        return (
+            yield from draft_forest(state, self.config, self.vocab, eos, streams, stop=self.stop)
+        )
 
     def verify_steps(
         self, state: DecodeState, forest: Forest
@@ -165,7 +177,8 @@ class Engine:
         eos = self._place(state)
         streams = self.streams(state, VERIFY_STREAM)
         verify = verify_scored
-        if self.graph and graph_applies(self.config) and not may_read(state.alive):
+        graphed = self.graph and self.stop is None  # a stop check reads on the host
+        if graphed and graph_applies(self.config) and not may_read(state.alive):
             verify = graph_for(state.alive.device, verify_scored)
         return (
             yield from verify_forest(
@@ -176,6 +189,7 @@ class Engine:
                 eos,
                 streams,
                 verify,
+                stop=self.stop,
             )
         )
 

@@ -33,6 +33,7 @@ from dsbd_core.algorithm.result import DecodeResult
 from dsbd_core.algorithm.scorer import ForestLayer, ForestLogprobs, ForestScorer, ScoreCall, drive
 from dsbd_core.algorithm.search.engine import engine_for
 from dsbd_core.algorithm.state import NO_FOREST, DecodeState, Forest, Outcome, deepest_layer
+from dsbd_core.algorithm.stops import StopStrings
 
 
 @dataclass
@@ -50,9 +51,11 @@ class IterationCall:
     replay: Replay | None = None
     # run the verify side after its forward as one compiled graph (`verify_graph.py`)
     graph: bool = False
+    # the decode's stop strings (`stops.py`): both sides finish beams whose text holds one
+    stop: StopStrings | None = None
 
     def engine(self, vocab_size: int) -> Engine:
-        return engine_for(self.config, vocab_size, graph=self.graph)
+        return engine_for(self.config, vocab_size, graph=self.graph, stop=self.stop)
 
     def propose_steps(self, vocab_size: int) -> Generator[ScoreCall, ForestLogprobs, Forest]:
         """The draft side as a generator of draft-model calls."""
@@ -113,10 +116,12 @@ class Decode:
         controller: Controller | None = None,
         device: torch.device | str = "cpu",
         graph: bool = False,
+        stop: StopStrings | None = None,
     ) -> None:
         self.config = config
         self.graph = graph  # the verify side as one compiled graph, where it applies
-        self.engine = engine_for(config, vocab_size)
+        self.stop = stop  # stop strings, sent with every call to both sides
+        self.engine = engine_for(config, vocab_size, stop=stop)
         self.controller = controller or FixedKnobs(config)
         # raises on a bad prompt, before any step; `device`: where the state lives
         # (`engine_device`: beside an in-process model)
@@ -130,7 +135,9 @@ class Decode:
             if not self.engine.next_iteration(state, gamma=knobs.gamma):
                 break
             assert state.depth is not None
-            call = IterationCall(state.for_models(), self._config(knobs), graph=self.graph)
+            call = IterationCall(
+                state.for_models(), self._config(knobs), graph=self.graph, stop=self.stop
+            )
             drafting = self.config.uses_draft and deepest_layer(state) > 0
             forest = (yield Propose(call)) if drafting else NO_FOREST
             outcome = yield Verify(call, forest)

@@ -26,6 +26,7 @@ import torch
 from dsbd_core.algorithm.beams import (
     Outputs,
     finds_rows,
+    layer_stopped,
     next_beams,
     node_logprobs,
     pool_add,
@@ -48,6 +49,7 @@ from dsbd_core.algorithm.state import (
     roots_of,
     zero_counters,
 )
+from dsbd_core.algorithm.stops import StopStrings
 from dsbd_core.algorithm.streams import ACCEPT, BONUS, FILL, REFILL, WIDTH, Streams
 from dsbd_core.algorithm.verify import LayerVerdict, draw_slots, fill_failed_layer, verify_layer
 from dsbd_core.algorithm.width import layer_width
@@ -62,24 +64,21 @@ def verify_forest(
     eos: torch.Tensor,
     streams: Streams,
     verify: Callable[..., Outcome] | None = None,
+    *,
+    stop: StopStrings | None = None,
 ) -> Generator[ScoreCall, ForestLogprobs, Outcome]:
     """Score the forest in one target call and verify it layer by layer (with `verify`, the
-    same function run another way: `verify_graph.VerifyGraph`)."""
+    same function run another way: `verify_graph.VerifyGraph`; `stop`: stop strings finish
+    beams too, `stops.py`)."""
     assert state.depth is not None, "plan the iteration first (Engine.next_iteration)"
     roots = roots_of(state)
     scored = yield ScoreCall(roots, list(forest.layers))
     assert scored.roots is not None
     node_logp = [scored.roots] + list(scored.layers)
-    return (verify or verify_scored)(
-        state,
-        forest,
-        node_logp,
-        config,
-        vocab,
-        eos,
-        streams,
-        deepest_layer(state),
-    )
+    args = (state, forest, node_logp, config, vocab, eos, streams, deepest_layer(state))
+    if stop is not None:  # never the graph (the engine asks for none): it reads on the host
+        return verify_scored(*args, stop=stop)
+    return (verify or verify_scored)(*args)
 
 
 def verify_scored(
@@ -91,6 +90,7 @@ def verify_scored(
     eos: torch.Tensor,
     streams: Streams,
     deepest: int,
+    stop: StopStrings | None = None,
 ) -> Outcome:
     """Verify the scored forest layer by layer (`node_logp`: the target's log-probs at the
     roots, then at each layer's nodes; `deepest`: the planned deepest layer).
@@ -107,7 +107,7 @@ def verify_scored(
     # The tables stay in the dtype the scorer returns: float64 for float64 models (exactness
     # tests), float32 otherwise (bfloat16/float32 models: every table op costs half). Scores
     # (log-likelihoods) are always accumulated in float64 (`_Walk.scores`).
-    walk = _Walk(state, forest, config, vocab, eos, streams, counters)
+    walk = _Walk(state, forest, config, vocab, eos, streams, counters, stop)
     if config.logprobs is not None:  # asked for: the values come from these same rows
         walk.table = ForestLogprobTable(node_logp, forest.layers, config.logprobs)
     for level in range(1, deepest + 2):
@@ -128,7 +128,9 @@ class _Walk:
         eos: torch.Tensor,
         streams: Streams,
         counters: dict[str, torch.Tensor],
+        stop: StopStrings | None = None,
     ) -> None:
+        self.stop = stop
         self.state, self.forest, self.config, self.vocab, self.eos = (
             state,
             forest,
@@ -305,11 +307,15 @@ class _Walk:
         verdict: LayerVerdict,
         passed: torch.Tensor,
     ) -> None:
-        """Accepted drafts of passed layers become the next parents; EOS ones leave."""
+        """Accepted drafts of passed layers become the next parents; EOS ones (and those whose
+        text holds a stop string) leave."""
         self.passed_layers += passed.long()
         accepted = verdict.accepted & passed[:, None]
         node_score = scores.of(drafts)
         finished_here = accepted & torch.isin(layer.token, self.eos)
+        if self.stop is not None:
+            stopped = layer_stopped(self.state, self.forest.layers, level, self.stop)
+            finished_here = finished_here | (accepted & stopped)
         compact = finds_rows(finished_here, self.table is not None)
         if not compact or bool(finished_here.any()):
             self._pool_finished(level, layer, node_score, finished_here, compact)
@@ -379,12 +385,11 @@ class _Walk:
             lean_memory=self.config.lean_memory,
             max_new_tokens=self.config.max_new_tokens,
             rows_needed=self.table is not None,
+            stop=self.stop,
         )
         logprobs = None
         if self.table is not None:
-            exists = out.exists & self.live[:, None]
-            finished = exists & torch.isin(out.index % self.vocab, self.eos)
-            next_part, done = slot_logprobs(self.table, out, beams, finished, self.vocab)
+            next_part, done = slot_logprobs(self.table, out, beams, beams.finished, self.vocab)
             pooled = self.finished_logprobs + ([done] if done is not None else [])
             logprobs = IterationLogprobs(next_part, pooled)
         return walk_outcome(

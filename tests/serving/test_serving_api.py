@@ -18,7 +18,9 @@ import requests
 from deployments.api.responses import BeamText
 from deployments.replicas.allocator import jemalloc_library
 from dsbd.server_process import descendants, process_name
+from dsbd_core.algorithm.stops import StopStrings
 from dsbd_core.models import load_tokenizer
+from dsbd_core.models.token_bytes import TokenizerTexts
 from tests.serving_harness import MODEL, client, in_process_decoder, native
 
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
@@ -51,12 +53,12 @@ def _prompt_ids(texts: BeamText, chat: bool) -> list[int]:
 
 
 def _request(api, chat: bool, stream: bool, **extra: Any):
-    common = {"model": MODEL, "max_tokens": 10, "seed": 4, "n": 2, "stream": stream}
+    common = {"model": MODEL, "max_tokens": 10, "seed": 4, "n": 2, "stream": stream, **extra}
     if chat:
         return api.chat.completions.create(
-            messages=MESSAGES, logprobs=True, top_logprobs=3, extra_body=KNOBS, **common, **extra
+            messages=MESSAGES, logprobs=True, top_logprobs=3, extra_body=KNOBS, **common
         )
-    return api.completions.create(prompt="one two", logprobs=3, extra_body=KNOBS, **common, **extra)
+    return api.completions.create(prompt="one two", logprobs=3, extra_body=KNOBS, **common)
 
 
 def _per_choice(chunks, chat: bool) -> dict[int, list]:
@@ -117,6 +119,52 @@ def test_logprobs_equal_the_in_process_decode_streamed_and_not(server, reference
     for index, entries in expected.items():
         assert [(t, top) for t, _, top in streamed[index]] == [(t, top) for t, _, top in entries]
         assert [p for _, p, _ in streamed[index]] == pytest.approx([p for _, p, _ in entries])
+
+
+def _choice_text(choice: Any, chat: bool) -> str:
+    return (choice.message.content if chat else choice.text) or ""
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_stop_strings_end_beams_as_in_process_streamed_and_not(server, reference, texts, chat):
+    """Issue 52: a stop string of several tokens that the decode meets midway ends the beam
+    there, as in the in-process decode with the same stop; the text ends before it, and the
+    streamed text is the same (nothing sent that the stop cut)."""
+    prompt = _prompt_ids(texts, chat)
+    vocabulary = TokenizerTexts(str(server["target"]))
+
+    def found() -> tuple[dict, str, Any, BeamText] | None:
+        for seed in range(4, 40):  # a decode long enough to meet a stop midway
+            knobs = {"seed": seed, "max_new_tokens": 10, "width": 2, "gamma": 2}
+            free = reference("dsbd", prompt, **knobs).beams[0].token_ids
+            for i in range(1, len(free) - 2):  # two tokens from the middle of it
+                candidate = texts.decode(free[i : i + 2])
+                stop = StopStrings((candidate,), vocabulary)
+                want = reference("dsbd", prompt, stop=stop, **knobs)
+                view = texts.with_stops([candidate], False)
+                if candidate.strip() and any(view.stop_reason(b) for b in want.beams):
+                    return knobs, candidate, want, view
+        return None
+
+    case = found()
+    assert case is not None, "no stop of two tokens ends a beam"
+    knobs, candidate, want, view = case
+    api = client(server)
+    seed = {"seed": knobs["seed"]}
+    whole = _request(api, chat, False, stop=[candidate], **seed)
+    assert len(whole.choices) == len(want.beams) == 2
+    for choice, beam in zip(whole.choices, want.beams, strict=True):
+        assert _choice_text(choice, chat) == view.text(beam)
+        assert candidate not in _choice_text(choice, chat)
+        assert choice.finish_reason == ("stop" if beam.finished else "length")
+        assert choice.model_dump().get("stop_reason") == view.stop_reason(beam)
+    assert any(c.model_dump().get("stop_reason") == candidate for c in whole.choices)
+    streamed: dict[int, str] = {}
+    for chunk in _request(api, chat, True, stop=[candidate], **seed):
+        for choice in chunk.choices:
+            part = choice.delta.content if chat else choice.text
+            streamed[choice.index] = streamed.get(choice.index, "") + (part or "")
+    assert streamed == {i: _choice_text(c, chat) for i, c in enumerate(whole.choices)}
 
 
 def test_the_native_route_returns_every_tokens_logprob_summing_to_the_log_likelihood(

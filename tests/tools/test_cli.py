@@ -177,3 +177,29 @@ def test_generate_on_tiny_models(
     code, out, _ = run(argv, capsys)  # the human-readable view of the same run
     assert code == 0
     assert f"tokens {stats['tokens_emitted']}," in out and "target passes/token" in out
+
+
+def test_a_bad_stop_exits_2_naming_it(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["generate", "--prompt", "hi", "--target", "/nonexistent", "--stop", ""]
+    code, out, err = run(argv, capsys)
+    assert code == 2 and out == ""
+    assert "--stop: stop[0]='' is empty" in err
+
+
+def test_generate_stops_at_a_stop_string(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--stop` (repeatable): a beam whose text meets one finishes there, its text cut before."""
+    target = save_tiny_model(tmp_path / "t", tiny_tokens(32), seed=1)
+    argv = ["generate", "--method", "beam", "--prompt", "w1 w2 w3", "--target", str(target)]
+    argv += ["--max-new-tokens", "12", "--seed", "0", "--width", "2", "--json"]
+    code, out, _ = run(argv, capsys)
+    assert code == 0
+    free = json.loads(out)["beams"][0]["text"]
+    stop = free.strip()[1:3]  # two characters from inside the free decode
+    assert len(stop) == 2
+    code, out, _ = run([*argv, "--stop", stop, "--stop", "never-there"], capsys)
+    assert code == 0
+    beams = json.loads(out)["beams"]
+    assert all(stop not in beam["text"] for beam in beams)
+    assert any(beam["finished"] for beam in beams)

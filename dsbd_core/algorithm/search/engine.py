@@ -25,13 +25,21 @@ from dsbd_core.algorithm.scorer import ForestLogprobs, ScoreCall
 from dsbd_core.algorithm.search.sampled import draft_sampled_search
 from dsbd_core.algorithm.search.walk import draft_search, verify_search
 from dsbd_core.algorithm.state import NO_FOREST, DecodeState, Forest, Outcome
+from dsbd_core.algorithm.stops import StopStrings
 
 
-def engine_for(config: MethodConfig, vocab_size: int, *, graph: bool = False) -> Engine:
+def engine_for(
+    config: MethodConfig,
+    vocab_size: int,
+    *,
+    graph: bool = False,
+    stop: StopStrings | None = None,
+) -> Engine:
     """The engine that runs `config`: beam search when `config.search`, else sampling
-    (`graph`: the verify side as one compiled graph where it applies, `verify_graph.py`)."""
+    (`graph`: the verify side as one compiled graph where it applies, `verify_graph.py`;
+    `stop`: the decode's stop strings, `stops.py`)."""
     kind = SearchEngine if config.searching else Engine
-    return kind(config, vocab_size, graph=graph)
+    return kind(config, vocab_size, graph=graph, stop=stop)
 
 
 class SearchEngine(Engine):
@@ -64,7 +72,11 @@ class SearchEngine(Engine):
         assert state.depth is not None, "call next_iteration first"
         eos = self._place(state)
         streams = self.streams(state, VERIFY_STREAM)
-        return (yield from verify_search(state, forest, self.config, self.vocab, eos, streams))
+        return (
+            yield from verify_search(
+                state, forest, self.config, self.vocab, eos, streams, stop=self.stop
+            )
+        )
 
     def advance(self, state: DecodeState, outcome: Outcome) -> None:
         """As `Engine.advance`, and the finished hypotheses' scores."""

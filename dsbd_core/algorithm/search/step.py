@@ -23,6 +23,7 @@ log-probs at the running beams come from changes (the forest's nodes instead of 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -60,6 +61,7 @@ def search_step(
     config: SamplingConfig,
     source: Source | None = None,
     drawn: tuple[torch.Tensor, torch.Tensor] | None = None,
+    stopped: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> SearchStep:
     """One beam-search step from the running beams marked `valid` [B, P] among `P` parent rows.
 
@@ -69,7 +71,10 @@ def search_step(
     `source`: the K candidates are sampled as transformers' beam sampling samples them
     (`transformers_law.py`), drawing from it; `drawn`: they were drawn already (scores best
     first, indices: a verified layer, `sampled.py`); neither: the K best
-    (deterministic search).
+    (deterministic search). `stopped`: which candidates (flat indices [B, K]) finish by a stop
+    string (`stops.py`); they stop as EOS candidates do, and a deterministic step takes as
+    many more of the best candidates as it needs to keep W running (the W best that do not
+    stop, as the EOS bound K = max(2, 1 + #EOS) x W guarantees without stop strings).
     """
     batch, parents, vocab = logp.shape
     width = finished_scores.shape[1]
@@ -80,12 +85,16 @@ def search_step(
         values, indices = drawn
     elif source is None:
         values, indices = weights.reshape(batch, -1).topk(keep, dim=1)  # sorted: best first
+        if stopped is not None:
+            values, indices = _enough_running(weights, values, indices, eos, stopped, width)
     else:
         values, indices = sampled_candidates(
             weights, logp, keep, width, eos.numel(), config, source
         )
     exists = torch.isfinite(values)
     is_eos = torch.isin(indices % vocab, eos)
+    if stopped is not None:  # a stop string ends a hypothesis as an EOS token does
+        is_eos = is_eos | stopped(indices)
     at_limit = (generated >= config.max_new_tokens)[:, None]
     stopping = exists & (is_eos | at_limit)
     # Only the W best candidates may finish (the rest are the running beams' backup).
@@ -121,6 +130,26 @@ def search_step(
         finished_scores=merged,
         done=done | (stopping | ~exists).all(dim=1),
     )
+
+
+def _enough_running(
+    weights: torch.Tensor,
+    values: torch.Tensor,
+    indices: torch.Tensor,
+    eos: torch.Tensor,
+    stopped: Callable[[torch.Tensor], torch.Tensor],
+    width: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The best candidates, doubled in number until W of them (or all there are) do not
+    stop in every session: their values and indices, best first."""
+    flat = weights.reshape(weights.shape[0], -1)
+    vocab = weights.shape[2]
+    while True:
+        ends = torch.isin(indices % vocab, eos) | stopped(indices)
+        running = (torch.isfinite(values) & ~ends).sum(dim=1)
+        if bool((running >= width).all()) or indices.shape[1] >= flat.shape[1]:
+            return values, indices
+        values, indices = flat.topk(min(2 * indices.shape[1], flat.shape[1]), dim=1)
 
 
 def _search_done(

@@ -18,7 +18,7 @@ correctness never depends on the draft.
 
 from __future__ import annotations
 
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 
 import torch
 
@@ -50,6 +50,7 @@ from dsbd_core.algorithm.state import (
     roots_of,
     zero_counters,
 )
+from dsbd_core.algorithm.stops import StopStrings
 from dsbd_core.algorithm.streams import Streams
 
 
@@ -93,13 +94,16 @@ def verify_search(
     vocab: int,
     eos: torch.Tensor,
     streams: Streams | None = None,
+    stop: StopStrings | None = None,
 ) -> Generator[ScoreCall, ForestLogprobs, Outcome]:
     """Score the forest in one target call; take the target's search steps through it
-    (`streams`: where a sampled step draws, transformers' law)."""
+    (`streams`: where a sampled step draws, transformers' law; `stop`: stop strings end
+    hypotheses as EOS does)."""
     assert state.depth is not None and state.finished_scores is not None
     scored = yield ScoreCall(roots_of(state), list(forest.layers))
     assert scored.roots is not None
     walk = _SearchWalk(state, forest, config, vocab, eos, streams)
+    walk.stop = stop
     walk.counters["target"] += state.alive.any(dim=1).long()
     for layer in forest.layers:
         walk.counters["proposed"] += layer.exists.sum(dim=1)
@@ -147,6 +151,25 @@ class _SearchWalk:
         self.finished = Pool()
         self.table: ForestLogprobTable | None = None
         self.finished_logprobs: list[Segment] = []
+        self.stop: StopStrings | None = None
+
+    def _stopped(self, level: int) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """Which candidates of step `level` (flat indices over the rows of layer `level - 1`)
+        finish by a stop string; None without stop strings."""
+        stop = self.stop
+        if stop is None:
+            return None
+        state, vocab = self.state, self.vocab
+
+        def stopped(indices: torch.Tensor) -> torch.Tensor:
+            parent, token = indices // vocab, indices % vocab
+            at = torch.full_like(state.length, level - 1)
+            seq, seq_len = sequences(state.tokens, state.length, self.forest.layers, at, parent)
+            where = seq_len[:, None, None].expand(-1, parent.shape[1], 1)
+            seq.scatter_(2, where, token[:, :, None])
+            return stop.finished(seq, seq_len + 1, state.prompt_len)
+
+        return stopped
 
     def step(self, level: int, logp: torch.Tensor) -> None:
         """The target's search step at depth `level` from its running beams (rows of layer
@@ -178,6 +201,7 @@ class _SearchWalk:
             self.eos,
             self.config,
             drawn=drawn,
+            stopped=self._stopped(level),
         )
         pending = self.pending
         self.finished_scores = torch.where(

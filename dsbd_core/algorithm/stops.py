@@ -1,0 +1,161 @@
+"""Stop strings: a beam finishes where its generated text first contains one (issue 52).
+
+A stop string makes "finished" a function of the beam's whole generated prefix (through the
+tokenizer's text), as an EOS token makes it a function of the last token. The engine asks one
+question wherever it tests a token against the EOS ids: which of these sequences (a draft
+node's, an accepted node's, an output slot's) finished by a stop string? `StopStrings.finished`
+answers it for a batch of sequences at once, as a mask beside the EOS test, so the rule is the
+EOS rule: the draft does not extend a finished node, verification finishes an accepted or filled
+beam at the first token whose text holds a stop, and the beam leaves the running set there.
+
+The text is matched as UTF-8 bytes: each token id has the bytes it adds to the text
+(`TokenTexts`), and a generated text contains a stop exactly when the concatenated bytes
+contain the stop's bytes (UTF-8 is self-synchronising, so a byte match is a character match).
+A running beam's text holds no stop (it would have finished), so a new match ends in the last
+token; it spans at most `len(stop in bytes)` tokens when every token adds at least one byte, and
+only that many last tokens are read (`window`). Tokens whose text is empty (special tokens, left
+out of the text) count in that window; a stop spelled across more tokens than its bytes is not
+seen. The answer for each distinct window is computed once (`torch.unique` over the rows) and
+memoised, so 1e5 sessions of a table model cost a handful of host lookups.
+
+Nothing here runs without a stop string: the engine's default path is unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+# vLLM leaves both open; these bound the per-check window and the host work.
+MAX_STOPS = 16
+MAX_STOP_CHARS = 256
+# windows whose answer a decode remembers before it starts over (a long decode's memory)
+_MEMO_ENTRIES = 1 << 16
+
+
+class TokenTexts(Protocol):
+    """Where a stop check reads each token id's bytes: small and picklable (it travels with
+    every iteration call), resolving its table where it is used."""
+
+    def table(self) -> Sequence[bytes]:
+        """The bytes each token id adds to the text (b"" for a token that adds none)."""
+        ...
+
+
+@dataclass(frozen=True)
+class ExplicitTexts:
+    """A vocabulary given token by token (table models in the tests, small vocabularies)."""
+
+    texts: tuple[str, ...]
+
+    def table(self) -> Sequence[bytes]:
+        return [text.encode() for text in self.texts]
+
+
+def stop_problem(stops: Sequence[str]) -> str | None:
+    """What is wrong with a list of stop strings (None: nothing), in the words an error
+    message gives the field `stop`: the value and what is allowed."""
+    if len(stops) > MAX_STOPS:
+        return f"{len(stops)} stop strings; allowed: at most {MAX_STOPS}"
+    for i, stop in enumerate(stops):
+        if not isinstance(stop, str) or not stop:
+            return (
+                f"stop[{i}]={stop!r} is empty; allowed: strings of 1..{MAX_STOP_CHARS} characters"
+            )
+        if len(stop) > MAX_STOP_CHARS:
+            return (
+                f"stop[{i}] is {len(stop)} characters; allowed: at most {MAX_STOP_CHARS} characters"
+            )
+    return None
+
+
+@dataclass
+class StopStrings:
+    """The stop strings of a decode and the vocabulary's bytes: which sequences finished.
+
+    Pickles as its strings and its `TokenTexts` (the table and the memo stay behind), so it
+    can ride along with every `IterationCall` to the draft and verifier replicas.
+    """
+
+    stops: tuple[str, ...]
+    texts: TokenTexts
+    _table: Sequence[bytes] | None = field(default=None, repr=False, compare=False)
+    _memo: dict[tuple[int, ...], bool] = field(default_factory=dict, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        problem = stop_problem(self.stops)
+        if problem is not None or not self.stops:
+            raise ValueError(f"stop: {problem or 'no stop string'}")
+        self.stops = tuple(self.stops)
+        self._encoded = tuple(stop.encode() for stop in self.stops)
+
+    @property
+    def window(self) -> int:
+        """How many last tokens a check reads: the longest stop's length in bytes."""
+        return max(len(stop) for stop in self._encoded)
+
+    def __getstate__(self) -> dict:
+        return {"stops": self.stops, "texts": self.texts}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["stops"], state["texts"])  # type: ignore[misc]
+
+    def finished(
+        self, seq: torch.Tensor, seq_len: torch.Tensor, prompt_len: torch.Tensor
+    ) -> torch.Tensor:
+        """Which sequences' generated text holds a stop: `seq` [B, n, L] token ids, each
+        session's sequences `seq_len` [B] long (prompt included) after `prompt_len` [B]
+        prompt tokens. Returns [B, n] bool on `seq`'s device. Valid where a sequence's text
+        without its last token holds none (every sequence the engine asks about)."""
+        batch, n, capacity = seq.shape
+        k = self.window
+        pos = seq_len[:, None] - k + torch.arange(k, device=seq.device)  # [B, k]
+        generated = (pos >= prompt_len[:, None]) & (pos >= 0)
+        index = pos.clamp(0, capacity - 1)[:, None, :].expand(batch, n, k)
+        window = torch.where(generated[:, None, :], seq.gather(2, index), -1).reshape(-1, k)
+        rows, inverse = torch.unique(window, dim=0, return_inverse=True)
+        hits = [self._holds_stop(tuple(row)) for row in rows.tolist()]
+        found = torch.tensor(hits, dtype=torch.bool, device=seq.device)
+        return found[inverse].view(batch, n)
+
+    def _holds_stop(self, window: tuple[int, ...]) -> bool:
+        """Whether the text of these token ids (-1: none) holds a stop string (memoised)."""
+        hit = self._memo.get(window)
+        if hit is None:
+            if self._table is None:
+                self._table = self.texts.table()
+            table = self._table
+            text = b"".join(table[t] for t in window if 0 <= t < len(table))
+            hit = any(stop in text for stop in self._encoded)
+            if len(self._memo) >= _MEMO_ENTRIES:
+                self._memo.clear()
+            self._memo[window] = hit
+        return hit
+
+
+def first_stop(text: str, stops: Sequence[str]) -> tuple[int, str] | None:
+    """Where the earliest stop string starts in `text` and which one (the longest of those
+    starting there), or None: where a finished beam's returned text is cut."""
+    best: tuple[int, str] | None = None
+    for stop in stops:
+        at = text.find(stop)
+        if at < 0:
+            continue
+        if best is None or at < best[0] or (at == best[0] and len(stop) > len(best[1])):
+            best = (at, stop)
+    return best
+
+
+def held_back(text: str, stops: Sequence[str]) -> int:
+    """How many last characters of a growing text a stream must hold back: the longest
+    suffix that begins some stop string (a later match starting there would cut it)."""
+    longest = 0
+    for stop in stops:
+        for size in range(min(len(stop) - 1, len(text)), longest, -1):
+            if text.endswith(stop[:size]):
+                longest = size
+                break
+    return longest
