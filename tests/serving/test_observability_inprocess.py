@@ -49,7 +49,8 @@ def _steps(tiny, **knobs: Any):
     """An in-process decode step by step:
     (engine, [(state for the models, forest, outcome)], result)."""
     target, draft, stop_ids = tiny
-    config = SamplingConfig(eos_token_ids=stop_ids, seed=0, **knobs)
+    # seed 3: the dynamic-width decode rejects drafts that had children (a branch checked below)
+    config = SamplingConfig(eos_token_ids=stop_ids, seed=3, **knobs)
     scorer, draft_scorer = TransformerScorer(target.model), TransformerScorer(draft.model)
     engine = Engine(method_config("dsbd", config), scorer.vocab_size)
     state = engine.start([target.tokenizer.encode(PROMPT)])

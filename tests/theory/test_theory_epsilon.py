@@ -17,6 +17,7 @@ from pydantic import ValidationError
 from dsbd.cli import build_parser, config_from_args
 from dsbd_core import SamplingConfig, TableScorer, config_error_message, generate_batch
 from dsbd_core.algorithm.distributions import draw_distinct, draw_with_replacement
+from dsbd_core.algorithm.streams import Draws
 from dsbd_core.algorithm.verify import fill_failed_layer, verify_layer
 from dsbd_core.tools.theory import overaccept_bias, overaccept_layer, overaccept_rejection
 from dsbd_core.tools.theory.overaccept import overaccept_step_law
@@ -30,7 +31,7 @@ DRAFT = np.array([0.10, 0.15, 0.35, 0.05, 0.25, 0.10])
 
 def run_layer(target, draft, eps, drafts=1, distinct=False, seed=0):
     """One layer of `drafts` candidates, K = 1, one parent: (slot-0 token, accepted?, bias)."""
-    gen = torch.Generator().manual_seed(seed)
+    gen = Draws.seeded(seed)
     t = torch.tensor(target, dtype=torch.float64).expand(RUNS, -1).clone()
     q = torch.tensor(draft, dtype=torch.float64).expand(RUNS, -1).clone()
     if distinct:
