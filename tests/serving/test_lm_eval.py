@@ -7,6 +7,12 @@ The served pair is the tiny float64 one (tests/conftest.py `served`); lm-eval's 
 loads the same target directory in float64. Tolerance 1e-9 per log-likelihood: the server
 scores a prompt in one forward of another shape (a chain forest through the static KV pool),
 so the float64 sums agree to their last bits, not bit for bit.
+
+Issue 52 item 3: on generate_until tasks whose `until` strings are several tokens (GSM8K's
+format, "Question:" and a blank line; HumanEval's "\\ndef", "\\nclass", "\\nif"),
+`local-completions` and `local-chat-completions` against a `dsbd serve` of the embedded SmolLM2
+pair in float32 give exactly the generations of lm-eval's `hf` model on the same weights. It
+starts a server of its own (one application, about a minute on two cores).
 """
 
 from __future__ import annotations
@@ -15,8 +21,10 @@ import json
 from pathlib import Path
 
 import pytest
+import requests
+import yaml
 
-from tests.serving_harness import MODEL
+from tests.serving_harness import MODEL, serving
 
 CHOICES = [
     {"question": "one two three", "choices": [" four", " five", " ten"], "answer": 0},
@@ -123,3 +131,164 @@ def test_lm_eval_through_the_server_equals_its_hf_model(
     generated = [s["filtered_resps"][0] for s in served["samples"]["dsbd_generate"]]
     greedy = [s["filtered_resps"][0] for s in local["samples"]["dsbd_generate"]]
     assert len(generated) == len(GENERATE) and generated == greedy  # greedy, both ways
+
+
+# Generations through the server on SmolLM2 (issue 52 item 3): lm-eval's `until` strings are of
+# several tokens, matched by the server on the generated text, as its `hf` model cuts its own.
+QUESTIONS = [
+    {"question": "What is 2 + 3?", "answer": "5"},
+    {"question": "Tom has 4 apples and eats one. How many apples are left?", "answer": "3"},
+    {"question": "What is the capital of France?", "answer": "Paris"},
+]
+CODE = [  # SmolLM2 goes on with "pass\n\nclass C:" and "\ndef three():" (greedy)
+    {"prompt": "class A:\n    pass\n\n\nclass B:\n", "target": "    pass"},
+    {"prompt": "def one():\n    return 1\n\n\ndef two():\n    return 2\n\n", "target": ""},
+]
+GSM_UNTIL = ["Question:", "\n\n"]
+CODE_UNTIL = ["\ndef", "\nclass", "\nif"]
+
+
+def _generate_tasks(root: Path) -> Path:
+    """GSM8K's format (`Question: ...\\nAnswer:` until "Question:" or a blank line) and a
+    HumanEval-like one (a function head until "\\ndef", "\\nclass", "\\nif"), local data."""
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "gsm.jsonl").write_text("".join(json.dumps(row) + "\n" for row in QUESTIONS))
+    (root / "code.jsonl").write_text("".join(json.dumps(row) + "\n" for row in CODE))
+    for name, data, text, target, until, tokens in (
+        ("dsbd_gsm", "gsm", "Question: {{question}}\\nAnswer:", "answer", GSM_UNTIL, 32),
+        ("dsbd_code", "code", "{{prompt}}", "target", CODE_UNTIL, 40),
+    ):
+        (root / f"{name}.yaml").write_text(f"""task: {name}
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {root / f"{data}.jsonl"}
+test_split: test
+output_type: generate_until
+doc_to_text: "{text}"
+doc_to_target: "{{{{{target}}}}}"
+generation_kwargs:
+  until: {json.dumps(until)}
+  max_gen_toks: {tokens}
+  do_sample: false
+metric_list:
+  - metric: exact_match
+""")
+    return root
+
+
+def _smollm2_config(root: Path) -> Path:
+    """One application serving the embedded SmolLM2 pair in float32 (lm-eval's `hf` dtype)."""
+    small = {"num_cpus": 0.1}
+    app = {
+        "model_name": "smollm2",
+        "target": {"source": "smollm2", "dtype": "float32"},
+        "draft": {"source": "smollm2-draft", "dtype": "float32"},
+        "router_resources": small,
+        "draft_resources": small,
+        "verifier_resources": small,
+    }
+    config = {
+        "applications": [
+            {
+                "name": "dsbd",
+                "route_prefix": "/",
+                "import_path": "deployments.app:build_app",
+                "args": app,
+            }
+        ]
+    }
+    (root / "serve.yaml").write_text(yaml.safe_dump(config))
+    return root / "serve.yaml"
+
+
+def _generations(results: dict, task: str) -> list[str]:
+    return [s["filtered_resps"][0] for s in results["samples"][task]]
+
+
+@pytest.mark.real_model
+def test_lm_eval_generate_until_on_smollm2_equals_its_hf_model(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`local-completions` and `local-chat-completions` against `dsbd serve` on SmolLM2 give
+    exactly the generations of lm-eval's `hf` model (float32, greedy) on tasks whose `until`
+    strings are several tokens long. Stops are met: the same requests with
+    `include_stop_str_in_output` end in the stop string `stop_reason` names, right after the
+    generation, so the server's matching on the text is what ends them."""
+    for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):  # local files only, no hub
+        monkeypatch.setenv(name, "1")
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    from dsbd_core.models.loading import prepare_preset
+
+    weights = str(prepare_preset("smollm2"))  # the directory the target replica loads
+    manager = TaskManager(include_path=str(_generate_tasks(tmp_path / "tasks")))
+    tasks = ["dsbd_gsm", "dsbd_code"]
+    (tmp_path / "server").mkdir()
+    with serving(tmp_path / "server", _smollm2_config(tmp_path / "server")) as server:
+        url = server["url"]
+        common = f"model=smollm2,tokenizer_backend=huggingface,tokenizer={weights},max_retries=1"
+        completions = lm_eval.simple_evaluate(
+            model="local-completions",
+            model_args=f"{common},base_url={url}/v1/completions,num_concurrent=1,batch_size=2",
+            tasks=tasks,
+            task_manager=manager,
+            log_samples=True,
+        )
+        chat = lm_eval.simple_evaluate(
+            model="local-chat-completions",
+            model_args=f"model=smollm2,base_url={url}/v1/chat/completions,max_retries=1",
+            tasks=tasks,
+            task_manager=manager,
+            apply_chat_template=True,
+            log_samples=True,
+        )
+        # the same requests with `include_stop_str_in_output`: which stop ended each one
+        kept = {
+            task: [
+                requests.post(
+                    f"{url}/v1/completions",
+                    json={
+                        "model": "smollm2",
+                        "prompt": s["arguments"][0][0],
+                        "max_tokens": tokens,
+                        "temperature": 0,
+                        "stop": until,
+                        "include_stop_str_in_output": True,
+                    },
+                    timeout=120,
+                ).json()["choices"][0]
+                for s in completions["samples"][task]
+            ]
+            for task, tokens, until in (("dsbd_gsm", 32, GSM_UNTIL), ("dsbd_code", 40, CODE_UNTIL))
+        }
+    hf_args = f"pretrained={weights},dtype=float32"
+    local = lm_eval.simple_evaluate(
+        model="hf",
+        model_args=hf_args,
+        device="cpu",
+        tasks=tasks,
+        task_manager=manager,
+        log_samples=True,
+    )
+    local_chat = lm_eval.simple_evaluate(
+        model="hf",
+        model_args=hf_args,
+        device="cpu",
+        tasks=tasks,
+        task_manager=manager,
+        apply_chat_template=True,
+        log_samples=True,
+    )
+    for task, until in (("dsbd_gsm", GSM_UNTIL), ("dsbd_code", CODE_UNTIL)):
+        served, own = _generations(completions, task), _generations(local, task)
+        assert served == own, (task, served, own)
+        assert _generations(chat, task) == _generations(local_chat, task), task
+        # stops of several tokens ended generations: the text with the stop kept is the
+        # generation and then the stop string that `stop_reason` names
+        ended = [c for c in kept[task] if c["finish_reason"] == "stop"]
+        assert [c for c in ended if c["stop_reason"] in until], kept[task]
+        for generation, choice in zip(served, kept[task], strict=True):
+            assert choice["text"] == generation + (choice["stop_reason"] or ""), choice
+        print(task, "completions:", served, "chat:", _generations(chat, task))
