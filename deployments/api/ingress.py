@@ -239,9 +239,10 @@ class Ingress:
             config, request.method, prompt_ids, tokens_field="max_new_tokens"
         )
         handed: list[str] = []  # hand-overs to another router (deployments/decode/client.py)
-        call = self._call(config, request.adaptive, prompt_ids)
+        call = self._call(config, request.adaptive, prompt_ids, request.stop_strings)
         end = await self._run(call, handed)
         result = end.result
+        texts = self._texts(request)
         stats = result.stats.as_dict()
         stats["accepted_per_position"] = accepted_per_position(result)
         stats["serving"] = {**end.serving, "handovers": handed}
@@ -251,15 +252,14 @@ class Ingress:
             "prompt_tokens": len(prompt_ids),
             "beams": [
                 {
-                    "text": self.texts.text(beam),
+                    "text": texts.text(beam),
                     "token_ids": beam.token_ids,
                     "log_likelihood": beam.log_likelihood,
                     "score": beam.score,
                     "finished": beam.finished,
+                    "stop_reason": texts.stop_reason(beam),
                     **(
-                        native_beam_logprobs(beam, self.texts)
-                        if beam.token_logprobs is not None
-                        else {}
+                        native_beam_logprobs(beam, texts) if beam.token_logprobs is not None else {}
                     ),
                 }
                 for beam in result.beams

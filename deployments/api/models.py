@@ -100,7 +100,39 @@ _NEUTRAL: dict[str, Any] = {
 }
 
 
-class _OpenAIRequest(DecodingKnobs):  # type: ignore[misc, valid-type]
+class StopFields(BaseModel):
+    """Stop strings as OpenAI and vLLM take them: the OpenAI routes, the native route and
+    `dsbd batch` rows share the fields, their limits and their error messages."""
+
+    stop: str | list[str] | None = Field(
+        None,
+        description=(
+            "Stop strings, matched on the generated text (any length): a beam finishes where"
+            " its text first holds one, as at an EOS token, and its text ends before it."
+        ),
+    )
+    include_stop_str_in_output: bool = Field(
+        False, description="vLLM's field: the returned text keeps the stop string it ends with."
+    )
+
+    @field_validator("stop", mode="after")
+    @classmethod
+    def _stops_within_limits(cls, value: str | list[str] | None) -> str | list[str] | None:
+        if value is not None:
+            problem = stop_problem([value] if isinstance(value, str) else value)
+            if problem is not None:
+                raise ValueError(problem)
+        return value
+
+    @property
+    def stop_strings(self) -> list[str]:
+        """The stop strings as a list (none: [])."""
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+class _OpenAIRequest(DecodingKnobs, StopFields):  # type: ignore[misc, valid-type]
     """Fields shared by completions and chat."""
 
     model_config = ConfigDict(extra="forbid")
@@ -125,16 +157,6 @@ class _OpenAIRequest(DecodingKnobs):  # type: ignore[misc, valid-type]
     n: int = Field(1, ge=1, le=64, description="How many beams to return, best first (<= width).")
     stream: bool = Field(False, description="Stream the current best beam as server-sent events.")
     stream_options: dict[str, Any] | None = None
-    stop: str | list[str] | None = Field(
-        None,
-        description=(
-            "Stop strings, matched on the generated text (any length): a beam finishes where"
-            " its text first holds one, as at an EOS token, and its text ends before it."
-        ),
-    )
-    include_stop_str_in_output: bool = Field(
-        False, description="vLLM's field: the returned text keeps the stop string it ends with."
-    )
     seed: int | None = Field(None, ge=0)
     user: str | None = None
     best_of: int | None = None
@@ -149,15 +171,6 @@ class _OpenAIRequest(DecodingKnobs):  # type: ignore[misc, valid-type]
     presence_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
     suffix: str | None = None
-
-    @field_validator("stop", mode="after")
-    @classmethod
-    def _stops_within_limits(cls, value: str | list[str] | None) -> str | list[str] | None:
-        if value is not None:
-            problem = stop_problem([value] if isinstance(value, str) else value)
-            if problem is not None:
-                raise ValueError(problem)
-        return value
 
     @model_validator(mode="after")
     def _refuse_what_dsbd_cannot_do(self) -> _OpenAIRequest:
@@ -186,12 +199,6 @@ class _OpenAIRequest(DecodingKnobs):  # type: ignore[misc, valid-type]
                 f"n={self.n} needs a beam method ({', '.join(BEAM_METHODS)}); {self.method} has 1"
             )
         return self
-
-    @property
-    def stop_strings(self) -> list[str]:
-        if self.stop is None:
-            return []
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
     @property
     def logprob_count(self) -> int | None:
@@ -327,7 +334,7 @@ class ChatCompletionRequest(_OpenAIRequest):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
-class GenerateRequest(DecodingKnobs):  # type: ignore[misc, valid-type]
+class GenerateRequest(DecodingKnobs, StopFields):  # type: ignore[misc, valid-type]
     """POST /v1/dsbd/generate: one prompt, all beams and full statistics back."""
 
     model_config = ConfigDict(extra="forbid")

@@ -20,11 +20,14 @@ import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from deployments.api.models import BEAM_METHODS
+from deployments.api.responses import BeamText
 from deployments.batch.output import OUTPUT_SCHEMA, error_record
 from deployments.batch.rows import BatchRow, parse_row
 from dsbd_core.algorithm.config import SamplingConfig
 from dsbd_core.algorithm.methods import MethodConfig, method_config
+from dsbd_core.algorithm.stops import StopStrings
 from dsbd_core.models.pair import DraftOptions
+from dsbd_core.models.token_bytes import LoadedTexts, token_bytes
 
 
 class RowDefaults(BaseModel):
@@ -85,7 +88,8 @@ def row_error_message(error: Exception) -> str:
             clauses.append(f"{field}={value!r}: unknown field; allowed: {allowed}")
             continue
         shown = "" if isinstance(value, dict) else f"={value!r}"
-        clauses.append(f"{field}{shown}: {item['msg']}")
+        message = str(item["msg"]).removeprefix("Value error, ")  # as the HTTP API words it
+        clauses.append(f"{field}{shown}: {message}")
     return "; ".join(clauses)
 
 
@@ -120,6 +124,8 @@ class BatchDecoder:
             None if s.fixed_knobs else pair.calibration(force=s.recalibrate, say=lambda _: None)
         )
         self.tokenizer = self.target.tokenizer
+        self.texts = BeamText(self.tokenizer)
+        self._token_texts: LoadedTexts | None = None  # built for the first row with `stop`
         self.stop_ids = pair.stop_ids
         self.vocab_size = self.target.vocab_size
         config = self.target.model.config
@@ -134,19 +140,20 @@ class BatchDecoder:
 
         rows = batch.to_pylist()
         records: list[dict[str, Any] | None] = [None] * len(rows)
-        requests, where, shapes = [], [], []
+        requests, where, shapes, views = [], [], [], []
         for k, row in enumerate(rows):
             if row["problem"] is not None:
                 records[k] = error_record(row, "invalid_row", row["problem"])
                 continue
             try:
-                request, n = self._request(row["row"])
+                request, n, view = self._request(row["row"])
             except (ValueError, ValidationError) as error:
                 records[k] = error_record(row, "invalid_row", row_error_message(error))
                 continue
             requests.append(request)
             where.append(k)
             shapes.append(n)
+            views.append(view)
         if requests:
             try:
                 results, _ = decode_lockstep(
@@ -157,8 +164,10 @@ class BatchDecoder:
                 for k in where:
                     records[k] = error_record(rows[k], "decode_failed", message)
             else:
-                for k, request, n, outcome in zip(where, requests, shapes, results, strict=True):
-                    records[k] = self._record(rows[k], request, n, outcome, len(requests))
+                for k, request, n, view, outcome in zip(
+                    where, requests, shapes, views, results, strict=True
+                ):
+                    records[k] = self._record(rows[k], request, n, view, outcome, len(requests))
         return pa.Table.from_pylist(records, schema=OUTPUT_SCHEMA)
 
     def _controller(self, request: Any, config: MethodConfig) -> Any:
@@ -170,8 +179,9 @@ class BatchDecoder:
         return CostController(config, self.calibration)
 
     # ----------------------------------------------------------------- rows
-    def _request(self, text: str) -> tuple[Any, int | None]:
-        """The validated decode request of a row's JSON, and how many beams it wants."""
+    def _request(self, text: str) -> tuple[Any, int | None, BeamText]:
+        """The validated decode request of a row's JSON, how many beams it wants, and its view
+        of the beams' texts (cut at its stop strings, as the HTTP API cuts them)."""
         from dsbd_core.algorithm.lockstep import Request
 
         row = parse_row(text)
@@ -184,7 +194,18 @@ class BatchDecoder:
         check_n(n, method, method_config(method, config))
         prompt_ids = self._prompt_ids(row, defaults.chat)
         self._check_length(prompt_ids, method_config(method, config), method)
-        return Request(prompt_ids, config, method), n
+        stop = None
+        if row.stop_strings:
+            stop = StopStrings(tuple(row.stop_strings), self._stop_texts())
+        view = self.texts.with_stops(row.stop_strings, row.include_stop_str_in_output)
+        return Request(prompt_ids, config, method, stop=stop), n, view
+
+    def _stop_texts(self) -> LoadedTexts:
+        """The tokenizer's byte table, built once per actor (the decodes run in this process,
+        so the table never travels)."""
+        if self._token_texts is None:
+            self._token_texts = LoadedTexts(token_bytes(self.tokenizer))
+        return self._token_texts
 
     def _prompt_ids(self, row: BatchRow, default_chat: bool | None) -> list[int]:
         template = bool(getattr(self.tokenizer, "chat_template", None))
@@ -233,7 +254,13 @@ class BatchDecoder:
             )
 
     def _record(
-        self, row: dict[str, Any], request: Any, n: int | None, outcome: Any, batch_rows: int
+        self,
+        row: dict[str, Any],
+        request: Any,
+        n: int | None,
+        view: BeamText,
+        outcome: Any,
+        batch_rows: int,
     ) -> dict[str, Any]:
         if outcome.error is not None:
             message = f"decoding failed: {type(outcome.error).__name__}: {outcome.error}"
@@ -247,16 +274,18 @@ class BatchDecoder:
             "id": row["id"],
             "index": row["index"],
             "row_hash": row["row_hash"],
-            "text": self._text(best),
+            "text": view.text(best),
             "token_ids": best.token_ids,
             "finish_reason": "stop" if best.finished else "length",
+            "stop_reason": view.stop_reason(best),
             "beams": [
                 {
-                    "text": self._text(b),
+                    "text": view.text(b),
                     "token_ids": b.token_ids,
                     "log_likelihood": b.log_likelihood,
                     "score": b.score,
                     "finished": b.finished,
+                    "stop_reason": view.stop_reason(b),
                     "token_logprobs": b.token_logprobs,
                     "top_logprobs": _top_logprobs(b.top_logprobs),
                 }
@@ -269,11 +298,6 @@ class BatchDecoder:
             "error": None,
             "error_kind": None,
         }
-
-    def _text(self, beam: Any) -> str:
-        """The beam's text without its stop token (as the HTTP API returns it)."""
-        ids = beam.token_ids[:-1] if beam.finished and beam.token_ids else beam.token_ids
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
 
 
 def _top_logprobs(tops: list[list[tuple[int, float]]] | None) -> list[list[dict]] | None:

@@ -55,6 +55,7 @@ BEAM = pa.struct(
         ("log_likelihood", pa.float64()),
         ("score", pa.float64()),
         ("finished", pa.bool_()),
+        ("stop_reason", pa.string()),  # the stop string the beam finished at (row `stop`)
         # with `logprobs` asked (row field or --logprobs): each token's target log-probability
         # and the most likely tokens at its position; null otherwise
         ("token_logprobs", pa.list_(pa.float64())),
@@ -92,6 +93,7 @@ OUTPUT_SCHEMA = pa.schema(
         ("text", pa.string()),
         ("token_ids", pa.list_(_INT)),
         ("finish_reason", pa.string()),
+        ("stop_reason", pa.string()),
         ("beams", pa.list_(BEAM)),
         ("prompt_tokens", _INT),
         ("method", pa.string()),

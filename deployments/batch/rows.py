@@ -27,7 +27,7 @@ from typing import Any, Literal
 import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 
-from deployments.api.models import ChatMessage, Method
+from deployments.api.models import ChatMessage, Method, StopFields
 from dsbd_core.algorithm.config import SamplingConfig
 
 InputFormat = Literal["jsonl", "parquet"]
@@ -58,7 +58,7 @@ _RowKnobs: type[BaseModel] = create_model(  # type: ignore[call-overload]
 )
 
 
-class BatchRow(_RowKnobs):  # type: ignore[misc, valid-type]
+class BatchRow(_RowKnobs, StopFields):  # type: ignore[misc, valid-type]
     """One input row: a prompt in one of three forms, an optional id and per-row knobs.
 
     Knobs (SamplingConfig's fields, `method`, `n`, `chat`) override the command line's defaults

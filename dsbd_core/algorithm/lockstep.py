@@ -28,6 +28,7 @@ from dsbd_core.algorithm.loop import Decode, Propose, SideCall, Verify
 from dsbd_core.algorithm.methods import MethodConfig, method_config
 from dsbd_core.algorithm.result import DecodeResult
 from dsbd_core.algorithm.session_batch import Job, SessionBatcher
+from dsbd_core.algorithm.stops import StopStrings
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,8 @@ class Request:
     prompt_ids: list[int]
     config: SamplingConfig
     method: str = "dsbd"
+    # stop strings: a beam finishes where its text first holds one (stops.py), as `generate`
+    stop: StopStrings | None = None
 
 
 # (request, the config its method runs with, whether it drafts) -> its controller, or None
@@ -86,7 +89,13 @@ class _Loops:
                         f"method={request.method!r} needs a draft model; none was given"
                     )
                 chosen = controller(request, config) if controller else None
-                decode = Decode(config, vocab, [list(request.prompt_ids)], controller=chosen)
+                decode = Decode(
+                    config,
+                    vocab,
+                    [list(request.prompt_ids)],
+                    controller=chosen,
+                    stop=request.stop,
+                )
                 self.out[i].seed = decode.state.seed
                 self.loops[i] = decode.steps()
                 self.send(i, None)

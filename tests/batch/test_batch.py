@@ -28,11 +28,14 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from deployments.api.responses import BeamText
 from dsbd.cli import main
 from dsbd_core import SamplingConfig
 from dsbd_core.algorithm.decoders import generate
 from dsbd_core.algorithm.methods import METHODS_WITH_DRAFT
+from dsbd_core.algorithm.stops import StopStrings
 from dsbd_core.models import encode_prompt, load_causal_lm, stop_token_ids
+from dsbd_core.models.token_bytes import LoadedTexts, token_bytes
 from dsbd_core.models.transformer_scorer import TransformerScorer
 from tests.serving_harness import leftovers
 from tests.tiny_models import build_pair
@@ -90,6 +93,10 @@ BAD = {
         "too long; allowed: at most max_prompt_tokens=40",
     ),
     "bad-n": ({"prompt": "x", "n": 4}, "n=4 is larger than width=3"),
+    "bad-stop": (
+        {"prompt": "x", "stop": ["a", ""]},
+        "stop=['a', '']: stop[1]='' is empty; allowed: strings of 1..256",
+    ),
 }
 
 
@@ -114,8 +121,31 @@ def rows() -> list[dict[str, Any]]:
     return out
 
 
+def stops(target: Any, row: dict[str, Any]) -> StopStrings | None:
+    """A row's stop strings as the engine matches them (None: the row has none)."""
+    if not row.get("stop"):
+        return None
+    return StopStrings(tuple(row["stop"]), LoadedTexts(token_bytes(target.tokenizer)))
+
+
+def stop_row(pair: dict[str, Any]) -> dict[str, Any]:
+    """A row whose stop string (two tokens from the middle of its decode without it) ends its
+    best beam midway: the tiny models' weights are random, so the stop is found, not known."""
+    row = {"id": "stop", "prompt": "one two three", "chat": False, "seed": 7, "method": "beam"}
+    free = expected(pair, row, 7)[1].best.token_ids
+    texts = BeamText(pair["target"].tokenizer)
+    for i in range(1, len(free) - 2):
+        candidate = {**row, "stop": [texts.decode(free[i : i + 2])]}
+        if candidate["stop"][0].strip():
+            best = expected(pair, candidate, 7)[1].best
+            if texts.with_stops(candidate["stop"], False).stop_reason(best):
+                return candidate
+    raise AssertionError(f"no two tokens of {free} make a stop that ends the best beam")
+
+
 def expected(pair: dict[str, Any], row: dict[str, Any], seed: int) -> Any:
-    """The in-process decode of one row alone with its seed: what its record must hold."""
+    """The in-process decode of one row alone with its seed (and its stop strings): what its
+    record must hold."""
     target = pair["target"]
     knobs = {k: v for k, v in row.items() if k in SamplingConfig.model_fields}
     if knobs.get("threshold") == "none":
@@ -134,7 +164,8 @@ def expected(pair: dict[str, Any], row: dict[str, Any], seed: int) -> Any:
         ids = encode_prompt(target, row["prompt"], chat=row.get("chat"))
     method = row.get("method", "dsbd")
     draft = TransformerScorer(pair["draft"].model) if method in METHODS_WITH_DRAFT else None
-    result = generate(method, TransformerScorer(target.model), ids, config, draft=draft)
+    scorer = TransformerScorer(target.model)
+    result = generate(method, scorer, ids, config, draft=draft, stop=stops(target, row))
     return ids, result
 
 
@@ -172,6 +203,15 @@ def check_records(
             assert tops == [[t for t, _ in top] for top in beam.top_logprobs]
         assert record["token_ids"] == want.best.token_ids
         assert record["finish_reason"] == ("stop" if want.best.finished else "length")
+        view = BeamText(pair["target"].tokenizer).with_stops(row.get("stop") or [], False)
+        assert record["text"] == view.text(want.best)
+        assert record["stop_reason"] == view.stop_reason(want.best)
+        assert [b["stop_reason"] for b in record["beams"]] == [
+            view.stop_reason(b) for b in want.beams[:n]
+        ]
+        if row.get("stop"):  # the stop string ended the best beam: its text is cut before it
+            assert record["stop_reason"] == row["stop"][0]
+            assert row["stop"][0] not in record["text"], record["text"]
         assert record["method"] == row.get("method", "dsbd")
         if "seed" in row:
             assert record["seed"] == row["seed"]
@@ -187,7 +227,7 @@ def test_lockstep_requests_decode_as_alone_and_fail_alone(pair) -> None:
     from dsbd_core.algorithm.session_batch import SessionBatcher
 
     target, draft = pair["target"], pair["draft"]
-    stops = stop_token_ids(target)
+    eos = stop_token_ids(target)
     cases = [
         ("dsbd", [5, 6, 7], {"width": 3, "gamma": 2, "seed": 1}),
         ("beam", [8, 9], {"width": 2, "seed": 2}),
@@ -197,9 +237,15 @@ def test_lockstep_requests_decode_as_alone_and_fail_alone(pair) -> None:
         ("dsbd", [1, 2], {"width": 2, "threshold": None, "lean_memory": False, "seed": 6}),
     ]
     requests = [
-        Request(ids, SamplingConfig(max_new_tokens=7, eos_token_ids=stops, **knobs), method)
+        Request(ids, SamplingConfig(max_new_tokens=7, eos_token_ids=eos, **knobs), method)
         for method, ids, knobs in cases
     ]
+    # and a request with a stop string that ends its best beam midway (issue 52)
+    row = stop_row(pair)
+    knobs = {"max_new_tokens": 6, "width": 3, "seed": 7}
+    config = SamplingConfig(eos_token_ids=eos, **knobs)
+    prompt = encode_prompt(target, row["prompt"], chat=False)
+    requests.append(Request(prompt, config, "beam", stop=stops(target, row)))
     target_batcher = SessionBatcher(TransformerScorer(target.model))
     draft_batcher = SessionBatcher(TransformerScorer(draft.model))
     results, report = decode_lockstep(requests, target_batcher, draft_batcher)
@@ -215,6 +261,7 @@ def test_lockstep_requests_decode_as_alone_and_fail_alone(pair) -> None:
             request.prompt_ids,
             request.config,
             alone,
+            stop=request.stop,
         )
         assert [b.token_ids for b in got.result.beams] == [b.token_ids for b in want.beams]
         assert got.result.stats.as_dict() == want.stats.as_dict()
@@ -232,8 +279,9 @@ def read_jsonl(directory: Path) -> list[dict[str, Any]]:
 
 
 def test_jsonl_job_through_the_cli_decodes_every_row_as_alone(pair, tmp_path: Path) -> None:
-    """The real command in its own session: Ray started and stopped by it, nothing left."""
-    given = rows()
+    """The real command in its own session: Ray started and stopped by it, nothing left; a
+    row's stop string ends its beam as in-process, and a bad one is an error naming `stop`."""
+    given = [*rows(), stop_row(pair)]
     source = tmp_path / "prompts.jsonl"
     source.write_text("".join(json.dumps(r) + "\n" for r in given) + "\n")
     out = tmp_path / "out.jsonl"
@@ -263,7 +311,7 @@ def test_jsonl_job_through_the_cli_decodes_every_row_as_alone(pair, tmp_path: Pa
     assert process.returncode == 0, stderr[-3000:]
     summary = stdout.strip().splitlines()[-1]
     assert summary.startswith(
-        f"dsbd batch: {len(GOOD)} rows decoded, {len(BAD)} failed, 0 skipped"
+        f"dsbd batch: {len(GOOD) + 1} rows decoded, {len(BAD)} failed, 0 skipped"
     ), summary
     check_records(pair, read_jsonl(out), given)
 

@@ -21,7 +21,7 @@ from dsbd.server_process import descendants, process_name
 from dsbd_core.algorithm.stops import StopStrings
 from dsbd_core.models import load_tokenizer
 from dsbd_core.models.token_bytes import TokenizerTexts
-from tests.serving_harness import MODEL, client, in_process_decoder, native
+from tests.serving_harness import MODEL, assert_same, client, in_process_decoder, native
 
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 KNOBS = {"width": 2, "gamma": 2, "adaptive": False}
@@ -125,30 +125,30 @@ def _choice_text(choice: Any, chat: bool) -> str:
     return (choice.message.content if chat else choice.text) or ""
 
 
+def _stop_case(server, reference, texts: BeamText, prompt: list[int]) -> tuple:
+    """A dsbd decode of `prompt` (knobs, seed) and a stop string of two of its middle tokens
+    that ends a beam there: knobs, the stop, the in-process decode with it, its text view."""
+    vocabulary = TokenizerTexts(str(server["target"]))
+    for seed in range(4, 40):  # a decode long enough to meet a stop midway
+        knobs = {"seed": seed, "max_new_tokens": 10, "width": 2, "gamma": 2}
+        free = reference("dsbd", prompt, **knobs).beams[0].token_ids
+        for i in range(1, len(free) - 2):  # two tokens from the middle of it
+            candidate = texts.decode(free[i : i + 2])
+            stop = StopStrings((candidate,), vocabulary)
+            want = reference("dsbd", prompt, stop=stop, **knobs)
+            view = texts.with_stops([candidate], False)
+            if candidate.strip() and any(view.stop_reason(b) for b in want.beams):
+                return knobs, candidate, want, view
+    raise AssertionError("no stop of two tokens ends a beam")
+
+
 @pytest.mark.parametrize("chat", [False, True])
 def test_stop_strings_end_beams_as_in_process_streamed_and_not(server, reference, texts, chat):
     """Issue 52: a stop string of several tokens that the decode meets midway ends the beam
     there, as in the in-process decode with the same stop; the text ends before it, and the
     streamed text is the same (nothing sent that the stop cut)."""
     prompt = _prompt_ids(texts, chat)
-    vocabulary = TokenizerTexts(str(server["target"]))
-
-    def found() -> tuple[dict, str, Any, BeamText] | None:
-        for seed in range(4, 40):  # a decode long enough to meet a stop midway
-            knobs = {"seed": seed, "max_new_tokens": 10, "width": 2, "gamma": 2}
-            free = reference("dsbd", prompt, **knobs).beams[0].token_ids
-            for i in range(1, len(free) - 2):  # two tokens from the middle of it
-                candidate = texts.decode(free[i : i + 2])
-                stop = StopStrings((candidate,), vocabulary)
-                want = reference("dsbd", prompt, stop=stop, **knobs)
-                view = texts.with_stops([candidate], False)
-                if candidate.strip() and any(view.stop_reason(b) for b in want.beams):
-                    return knobs, candidate, want, view
-        return None
-
-    case = found()
-    assert case is not None, "no stop of two tokens ends a beam"
-    knobs, candidate, want, view = case
+    knobs, candidate, want, view = _stop_case(server, reference, texts, prompt)
     api = client(server)
     seed = {"seed": knobs["seed"]}
     whole = _request(api, chat, False, stop=[candidate], **seed)
@@ -165,6 +165,38 @@ def test_stop_strings_end_beams_as_in_process_streamed_and_not(server, reference
             part = choice.delta.content if chat else choice.text
             streamed[choice.index] = streamed.get(choice.index, "") + (part or "")
     assert streamed == {i: _choice_text(c, chat) for i, c in enumerate(whole.choices)}
+
+
+def test_the_native_route_takes_stop_strings_as_the_openai_routes(server, reference, texts) -> None:
+    """`stop` and `include_stop_str_in_output` on /v1/dsbd/generate: the beams are the
+    in-process decode's with the same stop, each text cut before it (or through it) and
+    `stop_reason` naming it; a bad stop list is a 400 naming `stop`."""
+    prompt = _prompt_ids(texts, False)
+    knobs, candidate, want, view = _stop_case(server, reference, texts, prompt)
+    body = {"prompt_ids": prompt, "stop": [candidate], "adaptive": False, **knobs}
+    got = native(server, body)
+    assert_same(got, want)
+    for served, beam in zip(got["beams"], want.beams, strict=True):
+        assert served["text"] == view.text(beam) and candidate not in served["text"]
+        assert served["stop_reason"] == view.stop_reason(beam)
+    assert any(b["stop_reason"] == candidate for b in got["beams"])
+    kept = native(server, {**body, "include_stop_str_in_output": True})
+    for served, beam in zip(kept["beams"], want.beams, strict=True):
+        if served["stop_reason"] is not None:
+            assert served["text"].endswith(candidate), served["text"]
+            assert served["text"] == view.text(beam) + candidate
+    for stop, fragment in (
+        (["one", ""], "stop[1]='' is empty"),
+        (["x"] * 17, "17 stop strings; allowed: at most 16"),
+    ):
+        response = requests.post(
+            f"{server['url']}/v1/dsbd/generate",
+            json={"prompt_ids": prompt, "stop": stop},
+            timeout=60,
+        )
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert fragment in error["message"] and error["param"] == "stop", error
 
 
 def test_the_native_route_returns_every_tokens_logprob_summing_to_the_log_likelihood(
