@@ -236,7 +236,7 @@ def in_process_decoder(server: dict[str, Any]) -> Any:
     _, stop_ids = load_tokenizer(str(server["target"]))
 
     def decode(method: str, prompt_ids: list[int], stop: Any = None, **knobs: Any):
-        config = SamplingConfig(eos_token_ids=stop_ids, **knobs)
+        config = SamplingConfig(**{"eos_token_ids": stop_ids, **knobs})  # knobs may set it
         return generate(
             method,
             TransformerScorer(target.model),

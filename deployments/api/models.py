@@ -22,9 +22,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 
+from deployments.api.stop_fields import EosFields, StopFields
 from dsbd_core.algorithm.config import SamplingConfig
 from dsbd_core.algorithm.methods import METHODS
-from dsbd_core.algorithm.stops import stop_problem
 
 # SamplingConfig fields that OpenAI requests carry under their own names, that the server fills,
 # or that other fields decide (`search`: `method` or `use_beam_search`; `logprobs`: the routes'
@@ -100,39 +100,7 @@ _NEUTRAL: dict[str, Any] = {
 }
 
 
-class StopFields(BaseModel):
-    """Stop strings as OpenAI and vLLM take them: the OpenAI routes, the native route and
-    `dsbd batch` rows share the fields, their limits and their error messages."""
-
-    stop: str | list[str] | None = Field(
-        None,
-        description=(
-            "Stop strings, matched on the generated text (any length): a beam finishes where"
-            " its text first holds one, as at an EOS token, and its text ends before it."
-        ),
-    )
-    include_stop_str_in_output: bool = Field(
-        False, description="vLLM's field: the returned text keeps the stop string it ends with."
-    )
-
-    @field_validator("stop", mode="after")
-    @classmethod
-    def _stops_within_limits(cls, value: str | list[str] | None) -> str | list[str] | None:
-        if value is not None:
-            problem = stop_problem([value] if isinstance(value, str) else value)
-            if problem is not None:
-                raise ValueError(problem)
-        return value
-
-    @property
-    def stop_strings(self) -> list[str]:
-        """The stop strings as a list (none: [])."""
-        if self.stop is None:
-            return []
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
-
-
-class _OpenAIRequest(DecodingKnobs, StopFields):  # type: ignore[misc, valid-type]
+class _OpenAIRequest(DecodingKnobs, StopFields, EosFields):  # type: ignore[misc, valid-type]
     """Fields shared by completions and chat."""
 
     model_config = ConfigDict(extra="forbid")
@@ -334,7 +302,7 @@ class ChatCompletionRequest(_OpenAIRequest):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
-class GenerateRequest(DecodingKnobs, StopFields):  # type: ignore[misc, valid-type]
+class GenerateRequest(DecodingKnobs, StopFields, EosFields):  # type: ignore[misc, valid-type]
     """POST /v1/dsbd/generate: one prompt, all beams and full statistics back."""
 
     model_config = ConfigDict(extra="forbid")
@@ -383,7 +351,7 @@ def _sampling_config(
         top_p=request.top_p,  # type: ignore[attr-defined]
         seed=request.seed,  # type: ignore[attr-defined]
         max_new_tokens=max_new_tokens,
-        eos_token_ids=eos_token_ids,
+        eos_token_ids=request.eos_ids(eos_token_ids),  # type: ignore[attr-defined]
         search=search,
         logprobs=logprobs,
     )

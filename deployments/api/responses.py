@@ -41,18 +41,26 @@ class BeamText:
     """Token ids to the text a client sees, with the target's tokenizer."""
 
     def __init__(
-        self, tokenizer: Any, stops: tuple[str, ...] = (), include_stop: bool = False
+        self,
+        tokenizer: Any,
+        stops: tuple[str, ...] = (),
+        include_stop: bool = False,
+        stop_ids: tuple[int, ...] = (),
     ) -> None:
         self.tokenizer = tokenizer
         self._pieces: dict[int, str] = {}
         self.stops = stops  # a request's stop strings (`with_stops`)
         self.include_stop = include_stop  # vLLM's include_stop_str_in_output
+        self.stop_ids = stop_ids  # a request's stop_token_ids (vLLM's; stop_reason names one)
 
-    def with_stops(self, stops: list[str], include_stop: bool) -> BeamText:
-        """This text view for a request with stop strings (shares the token pieces)."""
-        if not stops:
+    def with_stops(
+        self, stops: list[str], include_stop: bool, stop_ids: list[int] | None = None
+    ) -> BeamText:
+        """This text view for a request with stop strings or stop token ids (shares the token
+        pieces)."""
+        if not stops and not stop_ids:
             return self
-        view = BeamText(self.tokenizer, tuple(stops), include_stop)
+        view = BeamText(self.tokenizer, tuple(stops), include_stop, tuple(stop_ids or ()))
         view._pieces = self._pieces
         return view
 
@@ -89,10 +97,15 @@ class BeamText:
             return stopped[0]
         return self.decode(self.visible_ids(beam))
 
-    def stop_reason(self, beam: Beam) -> str | None:
-        """vLLM's `stop_reason`: the stop string the beam finished at (None: EOS, length)."""
+    def stop_reason(self, beam: Beam) -> str | int | None:
+        """vLLM's `stop_reason`: the stop string the beam finished at, or the request's stop
+        token id it ended with (None: the model's EOS, length)."""
         stopped = self.stopped_at(beam)
-        return stopped[1] if stopped is not None else None
+        if stopped is not None:
+            return stopped[1]
+        if beam.finished and beam.token_ids and beam.token_ids[-1] in self.stop_ids:
+            return beam.token_ids[-1]
+        return None
 
     def piece(self, token_id: int) -> str:
         """One token's text (as vLLM reports it: the token decoded alone)."""

@@ -83,7 +83,7 @@ async def sse_events(
         finish: str | None,
         first: bool = False,
         logprobs: Any = None,
-        stop_reason: str | None = None,
+        stop_reason: str | int | None = None,
     ) -> str:
         shown = logprobs.model_dump() if logprobs is not None else None
         if chat:

@@ -27,7 +27,8 @@ from typing import Any, Literal
 import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 
-from deployments.api.models import ChatMessage, Method, StopFields
+from deployments.api.models import ChatMessage, Method
+from deployments.api.stop_fields import StopFields
 from dsbd_core.algorithm.config import SamplingConfig
 
 InputFormat = Literal["jsonl", "parquet"]

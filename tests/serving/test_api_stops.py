@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from deployments.api.models import ChatCompletionRequest, CompletionRequest
+from deployments.api.models import ChatCompletionRequest, CompletionRequest, GenerateRequest
 from deployments.api.responses import BeamText, completion_response
 from deployments.api.streaming import streamable
 from dsbd_core.algorithm.result import Beam
@@ -73,3 +73,43 @@ def test_bad_stop_lists_are_refused_naming_the_field() -> None:
         include_stop_str_in_output=True,
     )
     assert request.stop_strings == ["Question:", "\ndef"] and request.include_stop_str_in_output
+
+
+def test_stop_token_ids_and_ignore_eos_set_the_ids_that_finish_a_beam(texts: BeamText) -> None:
+    """vLLM's `stop_token_ids` add to the model's EOS ids and `ignore_eos` drops those; a beam
+    that ends with a requested id has it as `stop_reason` and its text leaves it out."""
+    completion = CompletionRequest(model="m", prompt="p", stop_token_ids=[13, 2, 13])
+    assert completion.sampling_config((2,), 8).eos_token_ids == (2, 13)
+    ignoring = CompletionRequest(model="m", prompt="p", stop_token_ids=[13], ignore_eos=True)
+    assert ignoring.sampling_config((2,), 8).eos_token_ids == (13,)
+    chat = ChatCompletionRequest(
+        model="m", messages=[{"role": "user", "content": "hi"}], ignore_eos=True
+    )
+    assert chat.sampling_config((2,), 8).eos_token_ids == ()
+    assert GenerateRequest(prompt="p", stop_token_ids=[7]).sampling_config((2,)).eos_token_ids == (
+        2,
+        7,
+    )
+    ids = texts.tokenizer.encode("The capital is Berlin.")
+    view = texts.with_stops([], False, [ids[-1]])
+    ended = Beam(token_ids=ids, log_likelihood=-1.0, score=-1.0, finished=True)
+    assert view.stop_reason(ended) == ids[-1]
+    assert view.text(ended) == texts.decode(ids[:-1])  # the stop token's text left out
+    reply = completion_response("m", [1], [ended], view, chat=False)
+    assert reply.choices[0].stop_reason == ids[-1] and reply.choices[0].finish_reason == "stop"
+    eos = Beam(token_ids=[*ids[:-1], 2], log_likelihood=-1.0, score=-1.0, finished=True)
+    assert view.stop_reason(eos) is None  # the model's EOS: no stop_reason, as vLLM
+
+
+def test_bad_stop_token_ids_and_ignore_eos_are_refused_naming_the_field() -> None:
+    for body, fragment in (
+        ({"stop_token_ids": [3, -1]}, "stop_token_ids[1]=-1 is negative"),
+        ({"stop_token_ids": list(range(17))}, "at most 16 items"),
+        ({"ignore_eos": "maybe"}, "valid boolean"),
+    ):
+        field = next(iter(body))
+        for model in (CompletionRequest, GenerateRequest):
+            extra = {"model": "m"} if model is CompletionRequest else {}
+            with pytest.raises(ValidationError, match=field) as info:
+                model(prompt="p", **extra, **body)
+            assert fragment in str(info.value)

@@ -199,6 +199,60 @@ def test_the_native_route_takes_stop_strings_as_the_openai_routes(server, refere
         assert fragment in error["message"] and error["param"] == "stop", error
 
 
+def test_stop_token_ids_and_ignore_eos_decode_as_in_process(server, reference, texts) -> None:
+    """vLLM's `stop_token_ids` (a token from the middle of a decode) finish beams as the
+    in-process decode with that id among the EOS ids, on the native route and on completions
+    (streamed and not: the same text, `stop_reason` the id); with `ignore_eos` the id alone
+    finishes beams; an id outside the vocabulary or negative is a 400 naming the field."""
+    prompt = _prompt_ids(texts, False)
+    _, eos = load_tokenizer(str(server["target"]))
+    knobs = {"seed": 5, "max_new_tokens": 10, "width": 2, "gamma": 2}
+    free = reference("dsbd", prompt, **knobs).beams[0].token_ids
+
+    def ends(token: int, ids: tuple[int, ...]) -> Any:
+        want = reference("dsbd", prompt, eos_token_ids=ids, **knobs)
+        return want if any(b.finished and b.token_ids[-1] == token for b in want.beams) else None
+
+    token = next(t for t in free[1:-1] if t not in eos and ends(t, (*eos, t)))
+    want = ends(token, (*eos, token))
+    body = {"prompt_ids": prompt, "stop_token_ids": [token], "adaptive": False, **knobs}
+    got = native(server, body)
+    assert_same(got, want)
+    view = texts.with_stops([], False, [token])
+    assert [b["stop_reason"] for b in got["beams"]] == [view.stop_reason(b) for b in want.beams]
+    assert token in [b["stop_reason"] for b in got["beams"]]
+    extra = {**KNOBS, "stop_token_ids": [token]}
+    common = {"model": MODEL, "prompt": "one two", "max_tokens": 10, "n": 2, "seed": 5}
+    api = client(server)
+    whole = api.completions.create(extra_body=extra, **common)
+    for choice, beam in zip(whole.choices, want.beams, strict=True):
+        assert choice.text == view.text(beam)
+        assert choice.model_dump().get("stop_reason") == view.stop_reason(beam)
+    streamed: dict[int, str] = {}
+    for chunk in api.completions.create(extra_body=extra, stream=True, **common):
+        for choice in chunk.choices:
+            streamed[choice.index] = streamed.get(choice.index, "") + (choice.text or "")
+    assert streamed == {c.index: c.text for c in whole.choices}
+    alone = reference("dsbd", prompt, eos_token_ids=(token,), **knobs)
+    assert_same(native(server, {**body, "ignore_eos": True}), alone)
+    for ids, fragment in (
+        ([10**6], "stop_token_ids[0]=1000000: token id out of range; allowed 0.."),
+        ([-1], "stop_token_ids[0]=-1 is negative"),
+    ):
+        for path, request in (
+            ("dsbd/generate", {"prompt_ids": prompt}),
+            ("completions", {"model": MODEL, "prompt": "x"}),
+        ):
+            response = requests.post(
+                f"{server['url']}/v1/{path}",
+                json={**request, "stop_token_ids": ids},
+                timeout=60,
+            )
+            assert response.status_code == 400, response.text
+            error = response.json()["error"]
+            assert fragment in error["message"] and error["param"] == "stop_token_ids", error
+
+
 def test_the_native_route_returns_every_tokens_logprob_summing_to_the_log_likelihood(
     server, reference
 ) -> None:
