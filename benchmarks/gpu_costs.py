@@ -165,7 +165,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default="model",
         help="where the engine's state and draws live: beside the models (as `generate` puts "
         "them; default), on the host (as a serving router's engine), or beside the models "
-        "with the verify side after its forward as one compiled graph (verify_graph.py)",
+        "with the verify side after its forward as one compiled graph (side_graphs.py)",
     )
     parser.add_argument(
         "--compile",

@@ -14,7 +14,7 @@ and the support, and the verifier spreads them over the vocabulary (`Forest.full
 
 from __future__ import annotations
 
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 
 import torch
 
@@ -32,6 +32,10 @@ from dsbd_core.algorithm.state import NO_FOREST, DecodeState, Forest, deepest_la
 from dsbd_core.algorithm.stops import StopStrings
 from dsbd_core.algorithm.streams import DRAFT, Streams
 
+# A draft layer's result: the layer, its table Q_l, each draft's draw probability, the drafts'
+# scores and which of them may be parents next.
+Drawn = tuple[ForestLayer, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
 
 def draft_forest(
     state: DecodeState,
@@ -41,9 +45,12 @@ def draft_forest(
     streams: Streams,
     *,
     stop: StopStrings | None = None,
+    layer_fn: Callable[..., Drawn] | None = None,
 ) -> Generator[ScoreCall, ForestLogprobs, Forest]:
     """Draft beam sampling for up to `state.depth[b]` layers: one draft-model call per layer
-    (`stop`: a node whose text holds a stop string finished, so it has no children)."""
+    (`stop`: a node whose text holds a stop string finished, so it has no children;
+    `layer_fn`: `draft_layer` run another way, `side_graphs.DraftLayerGraph`)."""
+    layer_fn = layer_fn or draft_layer
     assert state.depth is not None, "plan the iteration first (Engine.next_iteration)"
     depth, alive = state.depth, state.alive
     depth_max = deepest_layer(state)
@@ -56,7 +63,7 @@ def draft_forest(
     layers, tables, probs = [], [], []
     for level in range(1, depth_max + 1):
         ok = parent_ok & (depth >= level)[:, None]
-        drawn = draft_layer(sigma, logq, ok, config, support, eos, streams.at(level, DRAFT))
+        drawn = layer_fn(sigma, logq, ok, config, support, eos, streams.at(level, DRAFT))
         layer, table, prob, sigma, parent_ok = drawn
         layers.append(layer)
         if stop is not None and level < depth_max:
@@ -76,7 +83,7 @@ def draft_layer(
     support: torch.Tensor | None,
     eos: torch.Tensor,
     source: Source,
-) -> tuple[ForestLayer, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> Drawn:
     """One draft layer from the draft's log-probs `logq` at its parents (scores `sigma`, `ok`
     the parents that may have children): the layer, its table Q_l, each draft's draw
     probability, the drafts' scores and which of them may be parents next (not EOS).

@@ -27,17 +27,17 @@ from collections.abc import Generator
 import torch
 
 from dsbd_core.algorithm.beams import finds_rows, pool_add
-from dsbd_core.algorithm.draft_forest import draft_forest
+from dsbd_core.algorithm.draft_forest import draft_forest, draft_layer
 from dsbd_core.algorithm.host_reads import may_read, one_copy
 from dsbd_core.algorithm.logprobs import TokenLogprobs, splice
 from dsbd_core.algorithm.methods import MethodConfig
 from dsbd_core.algorithm.result import DecodeResult, collect_results
 from dsbd_core.algorithm.scorer import ForestLogprobs, Origin, Roots, ScoreCall
+from dsbd_core.algorithm.side_graphs import draft_graph_for, graph_applies, graph_for
 from dsbd_core.algorithm.state import NO_FOREST, DecodeState, Forest, Outcome, Pool, zero_counters
 from dsbd_core.algorithm.stops import StopStrings
 from dsbd_core.algorithm.streams import DRAFT_SIDE, VERIFY_SIDE, Streams
 from dsbd_core.algorithm.verify_forest import verify_forest, verify_scored
-from dsbd_core.algorithm.verify_graph import graph_applies, graph_for
 
 # The random streams of an iteration's two sides (`streams.py`).
 DRAFT_STREAM, VERIFY_STREAM = DRAFT_SIDE, VERIFY_SIDE
@@ -67,8 +67,8 @@ class Engine:
         self.stop = stop
         self.vocab = vocab_size
         self.uses_draft = config.uses_draft
-        # run the verify side after its forward as one compiled graph where it can be
-        # (`verify_graph.py`: a device, no log-probs, the sampling engine)
+        # run each side's engine work between model calls as one compiled graph where it can
+        # be (`side_graphs.py`: a device, no log-probs, the sampling engine, no stop strings)
         self.graph = graph
         self.eos = torch.tensor(sorted(set(config.eos_token_ids)), dtype=torch.long, device="cpu")
 
@@ -164,8 +164,13 @@ class Engine:
             return NO_FOREST
         eos = self._place(state)
         streams = self.streams(state, DRAFT_STREAM)
+        layer_fn = None
+        if self._graphed(state):
+            layer_fn = draft_graph_for(state.alive.device, draft_layer)
         return (
-            yield from draft_forest(state, self.config, self.vocab, eos, streams, stop=self.stop)
+            yield from draft_forest(
+                state, self.config, self.vocab, eos, streams, stop=self.stop, layer_fn=layer_fn
+            )
         )
 
     def verify_steps(
@@ -177,8 +182,7 @@ class Engine:
         eos = self._place(state)
         streams = self.streams(state, VERIFY_STREAM)
         verify = verify_scored
-        graphed = self.graph and self.stop is None  # a stop check reads on the host
-        if graphed and graph_applies(self.config) and not may_read(state.alive):
+        if self._graphed(state):
             verify = graph_for(state.alive.device, verify_scored)
         return (
             yield from verify_forest(
@@ -221,6 +225,17 @@ class Engine:
             state.counters,
             state.history,
             self.config.length_penalty,
+        )
+
+    def _graphed(self, state: DecodeState) -> bool:
+        """Whether this iteration's sides run as compiled graphs: asked for, where the state
+        lives on a device, for a config whose sides read nothing (`side_graphs.graph_applies`;
+        a stop string's check reads on the host)."""
+        return (
+            self.graph
+            and self.stop is None
+            and graph_applies(self.config)
+            and not may_read(state.alive)
         )
 
     def streams(self, state: DecodeState, side: int) -> Streams:

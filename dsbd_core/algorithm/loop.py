@@ -49,7 +49,7 @@ class IterationCall:
     # A seeded decode's driver says which earlier iteration each side's cache continues and,
     # when a replica lost it, how to rebuild it bit for bit (dsbd_core/algorithm/replay.py).
     replay: Replay | None = None
-    # run the verify side after its forward as one compiled graph (`verify_graph.py`)
+    # each side's engine work between model calls as one compiled graph (`side_graphs.py`)
     graph: bool = False
     # the decode's stop strings (`stops.py`): both sides finish beams whose text holds one
     stop: StopStrings | None = None
@@ -119,7 +119,7 @@ class Decode:
         stop: StopStrings | None = None,
     ) -> None:
         self.config = config
-        self.graph = graph  # the verify side as one compiled graph, where it applies
+        self.graph = graph  # each side's engine work as one compiled graph, where it applies
         self.stop = stop  # stop strings, sent with every call to both sides
         self.engine = engine_for(config, vocab_size, stop=stop)
         self.controller = controller or FixedKnobs(config)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from dsbd_core.algorithm.murmur import MASK, Word, absorb, absorb_scrambled, finish, scramble
@@ -98,6 +99,12 @@ class Draws:
         self.calls += 1
         return counter_uniforms(key, shape, dtype, device, self.first_row)
 
+    def on(self, device: torch.device) -> Draws:
+        """These draws with the key as a tensor on `device` (a compiled graph's input)."""
+        return Draws(
+            torch.tensor(self.key, dtype=torch.int64, device=device), self.first_row, self.calls
+        )
+
     def rows_from(self, first_row: int) -> Draws:
         """These draws for the rows from `first_row` on: a batch drawn in chunks draws what it
         draws in one call (use either the chunks or the whole, not both)."""
@@ -117,11 +124,30 @@ def counter_uniforms(
     rows = shape[0] if shape else 1
     cols = math.prod(shape[1:])
     words = 2 if dtype == torch.float64 else 1  # 52 random bits need two hashes
+    if isinstance(key, int) and torch.device(device).type == "cpu":
+        return torch.from_numpy(_host_uniforms(key, rows, cols, words, first_row)).reshape(shape)
     row = torch.arange(first_row, first_row + rows, dtype=torch.int64, device=device)
     index = torch.arange(cols * words, dtype=torch.int64, device=device)
     state = absorb(key, row)[:, None]
     h = finish(absorb_scrambled(state, scramble(index)[None, :]), WORDS)
     return hash_uniforms(h.view(rows, cols, words), dtype).reshape(shape)
+
+
+def _host_uniforms(key: int, rows: int, cols: int, words: int, first_row: int) -> np.ndarray:
+    """`counter_uniforms` on the host: the same words as uint32 numpy arrays, whose arithmetic
+    is mod 2^32 as murmur3's is (a handful of array operations where the int64 tensor path
+    takes ~50 small ones, each a few microseconds on the CPU)."""
+    row = np.arange(first_row, first_row + rows, dtype=np.uint32)
+    index = np.arange(cols * words, dtype=np.uint32)
+    state = absorb(key, row)[:, None]
+    h = finish(absorb_scrambled(state, scramble(index)[None, :]), WORDS).reshape(rows, cols, words)
+    if words == 2:
+        high, low = (h[..., k].astype(np.uint64) >> np.uint64(6) for k in (0, 1))
+        bits = (high << np.uint64(26)) | low
+        return (bits * np.uint64(2) + np.uint64(1)).astype(np.float64) * 2.0**-53
+    return ((h[..., 0] >> np.uint32(9)) * np.uint32(2) + np.uint32(1)).astype(
+        np.float32
+    ) * np.float32(2.0**-24)
 
 
 def hash_uniforms(h: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

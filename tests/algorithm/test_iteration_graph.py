@@ -11,8 +11,8 @@ iteration of decodes that finish beams at EOS mid-forest, fail layers, refill an
 layers, for the fixed and the dynamic width rules (the distinct rule's simulated layers
 included) and epsilon's relaxed acceptance. The draft's
 layer between two draft-model calls (`draft_forest.draft_layer`) is checked the same way, and
-whole decodes through `verify_graph.VerifyGraph` (compiled once per shape, whatever the
-iteration's key) give the eager decodes' tokens.
+whole decodes through `side_graphs.VerifyGraph` and `side_graphs.DraftLayerGraph` (compiled
+once per shape, whatever the iteration's or the layer's key) give the eager decodes' tokens.
 """
 
 from __future__ import annotations
@@ -31,10 +31,10 @@ from dsbd_core.algorithm.host_reads import computing_everywhere
 from dsbd_core.algorithm.loop import Decode, run_decode
 from dsbd_core.algorithm.methods import method_config
 from dsbd_core.algorithm.scorer import Roots, drive
+from dsbd_core.algorithm.side_graphs import draft_graph_for, graph_for
 from dsbd_core.algorithm.state import NO_FOREST, Outcome, deepest_layer
 from dsbd_core.algorithm.streams import DRAFT, VERIFY_SIDE, Streams
 from dsbd_core.algorithm.verify_forest import verify_scored
-from dsbd_core.algorithm.verify_graph import graph_for
 from dsbd_core.models.static_scorer import StaticScorer
 from dsbd_core.models.transformer_scorer import TransformerScorer
 from tests.exact_reference import random_table
@@ -168,7 +168,8 @@ def test_a_decode_through_the_verify_graph_gives_the_eager_tokens(
         **{"threshold": None, "max_new_tokens": 20, "seed": 9, "eos_token_ids": (EOS,)} | fields
     )
     graph = graph_for(torch.device("cpu"), verify_scored)
-    before = graph.replays
+    draft_graph = draft_graph_for(torch.device("cpu"), draft_layer)
+    before, draft_before = graph.replays, draft_graph.replays
 
     def decode(graphed: bool) -> list:
         run = Decode(
@@ -179,6 +180,8 @@ def test_a_decode_through_the_verify_graph_gives_the_eager_tokens(
     with computing_everywhere():
         eager, graphed = decode(False), decode(True)
     assert graph.replays - before >= 2, "the graph was not replayed"
+    if drafts:  # and the draft's layers ran as their graph
+        assert draft_graph.replays - draft_before >= 2, "the draft layer's graph was not replayed"
     for a, b in zip(eager, graphed, strict=True):
         assert [(x.token_ids, x.log_likelihood, x.finished) for x in a.beams] == [
             (x.token_ids, x.log_likelihood, x.finished) for x in b.beams

@@ -13,7 +13,7 @@ Prints the engine's reads per iteration (the iterations' own; the end of the dec
 reads host copies of the results, and the table scorer are counted apart), by kind and by the
 engine file and line that made them (the places to move onto the device first), and the
 engine's own tensor operations per iteration (views left out): on a GPU each is a kernel
-launch unless the step runs as a captured graph (`verify_graph.py`). `--device-branches`
+launch unless the step runs as a captured graph (`side_graphs.py`). `--device-branches`
 takes the branches a GPU takes (`dsbd_core.algorithm.host_reads`). Not a timing: the
 machine's load does not matter.
 """
@@ -32,10 +32,13 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _pop_mode_temporarily
 
-from dsbd_core import SamplingConfig, TableScorer, generate
+from dsbd_core import SamplingConfig, TableScorer
 from dsbd_core.algorithm.host_reads import computing_everywhere
+from dsbd_core.algorithm.loop import Decode, run_decode
+from dsbd_core.algorithm.methods import method_config
+from dsbd_core.algorithm.side_graphs import DraftLayerGraph, VerifyGraph
 
 _PHASES = {"algorithm/result.py": "end", "algorithm/table_scorer.py": "scorer"}
 READS = ("item", "__bool__", "__int__", "__float__", "__index__", "tolist", "nonzero")
@@ -115,6 +118,33 @@ class _Uncounted:
         self.inner.release()
 
 
+@contextmanager
+def graph_calls(calls: collections.Counter, counter: OpCounter) -> Iterator[None]:
+    """Count the side graphs' calls, leaving their own operations out of `counter` (the
+    dispatch mode steps aside while a graph runs, as it would not see a replay's kernels)."""
+    saved = {kind: kind.__call__ for kind in (VerifyGraph, DraftLayerGraph)}
+
+    def wrap(kind: type, original: Callable[..., Any]) -> Callable[..., Any]:
+        def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+            calls[kind.__name__] += 1
+            counter.paused = True
+            try:
+                with _pop_mode_temporarily():
+                    return original(self, *args, **kwargs)
+            finally:
+                counter.paused = False
+
+        return call
+
+    for kind, original in saved.items():
+        kind.__call__ = wrap(kind, original)  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        for kind, original in saved.items():
+            kind.__call__ = original  # type: ignore[method-assign]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--method", default="dsbd")
@@ -125,6 +155,12 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=64)
     parser.add_argument(
         "--device-branches", action="store_true", help="take the branches the engine takes on a GPU"
+    )
+    parser.add_argument(
+        "--graph",
+        action="store_true",
+        help="each side's engine work as its compiled graph (side_graphs.py, with"
+        " --device-branches): their calls are counted, their operations left out",
     )
     args = parser.parse_args()
     sys.path.insert(0, ".")
@@ -145,9 +181,11 @@ def main() -> None:
     kinds: collections.Counter = collections.Counter()
     counter = OpCounter()
     branches = computing_everywhere() if args.device_branches else contextlib.nullcontext()
-    with branches, counted(where, kinds), counter:
+    graphs: collections.Counter = collections.Counter()
+    with branches, counted(where, kinds), counter, graph_calls(graphs, counter):
         drafting = _Uncounted(draft, counter) if args.method != "beam" else None
-        result = generate(args.method, _Uncounted(target, counter), [1, 2, 3], config, drafting)
+        run = Decode(method_config(args.method, config), args.vocab, [[1, 2, 3]], graph=args.graph)
+        result = run_decode(run, _Uncounted(target, counter), drafting)[0]
     iterations = result.stats.iterations
     # where a read is made: the iterations (the waits to cut), the end of the decode (once,
     # after the results crossed in one copy: host tensors there), the table scorer (a model)
@@ -170,6 +208,8 @@ def main() -> None:
         "by_kind": {k: v / iterations for k, v in kinds.most_common()},
         "by_place": {k: v / iterations for k, v in where.most_common(15)},
         "device_branches": args.device_branches,
+        "graph": args.graph,
+        "graph_calls_per_iteration": {k: v / iterations for k, v in graphs.items()},
         "engine_ops_per_iteration": sum(counter.ops.values()) / iterations,
         "top_ops": {k: v / iterations for k, v in counter.ops.most_common(12)},
     }

@@ -36,7 +36,7 @@ def engine_for(
     stop: StopStrings | None = None,
 ) -> Engine:
     """The engine that runs `config`: beam search when `config.search`, else sampling
-    (`graph`: the verify side as one compiled graph where it applies, `verify_graph.py`;
+    (`graph`: each side's engine work as one compiled graph where it applies, `side_graphs.py`;
     `stop`: the decode's stop strings, `stops.py`)."""
     kind = SearchEngine if config.searching else Engine
     return kind(config, vocab_size, graph=graph, stop=stop)
