@@ -14,12 +14,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import pty
 import re
 import subprocess
 import sys
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +35,7 @@ from dsbd_core.models import encode_prompt, load_causal_lm, stop_token_ids
 from dsbd_core.models.token_bytes import LoadedTexts, token_bytes
 from dsbd_core.models.transformer_scorer import TransformerScorer
 from tests.serving_harness import leftovers
+from tests.terminal import Terminal
 from tests.tiny_models import build_pair
 
 REPO = Path(__file__).parents[2]
@@ -372,37 +370,6 @@ def test_parquet_job_then_resume_decodes_only_what_is_missing(
 
     assert main(command) == 0  # all done: nothing decoded, Ray not even needed
     assert f"0 rows decoded, 0 failed, {len(given)} skipped" in capsys.readouterr().out
-
-
-class Terminal:
-    """A pseudo-terminal to stand in for sys.stdout or sys.stderr; a thread drains it (a full
-    pty would block the writer). What Ray Data shows depends on `sys.stdout.isatty()`: bars
-    (rich, on sys.stderr) on a terminal, periodic log lines otherwise."""
-
-    def __init__(self) -> None:
-        self.master, follower = pty.openpty()
-        self.file = os.fdopen(follower, "w", buffering=1, encoding="utf-8", errors="replace")
-        self.chunks: list[bytes] = []
-        self.reader = threading.Thread(target=self._drain, daemon=True)
-        self.reader.start()
-
-    def _drain(self) -> None:
-        while True:
-            try:
-                data = os.read(self.master, 65536)
-            except OSError:  # EIO: the other end was closed
-                return
-            if not data:
-                return
-            self.chunks.append(data)
-
-    def text(self) -> str:
-        """Everything written, without colours and cursor moves (close first)."""
-        self.file.close()
-        self.reader.join(timeout=10)
-        os.close(self.master)
-        raw = b"".join(self.chunks).decode("utf-8", errors="replace")
-        return re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", raw).replace("\r", "\n")
 
 
 def test_progress_bar_on_a_terminal_and_none_with_no_progress(

@@ -18,9 +18,8 @@ import requests
 from deployments.api.responses import BeamText
 from deployments.replicas.allocator import jemalloc_library
 from dsbd.server_process import descendants, process_name
-from dsbd_core.algorithm.stops import StopStrings
 from dsbd_core.models import load_tokenizer
-from dsbd_core.models.token_bytes import TokenizerTexts
+from tests.serving.api_choices import choice_text, per_choice, stop_case
 from tests.serving_harness import MODEL, assert_same, client, in_process_decoder, native
 
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
@@ -61,30 +60,6 @@ def _request(api, chat: bool, stream: bool, **extra: Any):
     return api.completions.create(prompt="one two", logprobs=3, extra_body=KNOBS, **common)
 
 
-def _per_choice(chunks, chat: bool) -> dict[int, list]:
-    """The logprobs entries of a stream, per choice: (token, logprob, top tokens)."""
-    out: dict[int, list] = {}
-    for chunk in chunks:
-        for choice in chunk.choices:
-            logprobs = choice.logprobs
-            if logprobs is None:
-                continue
-            if chat:
-                entries = [
-                    (c.token, c.logprob, [t.token for t in c.top_logprobs])
-                    for c in logprobs.content
-                ]
-            else:
-                entries = [
-                    (t, p, sorted(top))
-                    for t, p, top in zip(
-                        logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs, strict=True
-                    )
-                ]
-            out.setdefault(choice.index, []).extend(entries)
-    return out
-
-
 @pytest.mark.parametrize("chat", [False, True])
 def test_logprobs_equal_the_in_process_decode_streamed_and_not(server, reference, texts, chat):
     api = client(server)
@@ -113,33 +88,12 @@ def test_logprobs_equal_the_in_process_decode_streamed_and_not(server, reference
                 expected.append(texts.piece(token))
             assert sorted(set(top)) == sorted(set(expected))
     # streamed: each chunk carries the logprobs of the tokens it adds; together, the same
-    streamed = _per_choice(list(_request(api, chat, True)), chat)
-    expected = _per_choice([whole], chat)
+    streamed = per_choice(list(_request(api, chat, True)), chat)
+    expected = per_choice([whole], chat)
     assert sorted(streamed) == sorted(expected) == [0, 1]
     for index, entries in expected.items():
         assert [(t, top) for t, _, top in streamed[index]] == [(t, top) for t, _, top in entries]
         assert [p for _, p, _ in streamed[index]] == pytest.approx([p for _, p, _ in entries])
-
-
-def _choice_text(choice: Any, chat: bool) -> str:
-    return (choice.message.content if chat else choice.text) or ""
-
-
-def _stop_case(server, reference, texts: BeamText, prompt: list[int]) -> tuple:
-    """A dsbd decode of `prompt` (knobs, seed) and a stop string of two of its middle tokens
-    that ends a beam there: knobs, the stop, the in-process decode with it, its text view."""
-    vocabulary = TokenizerTexts(str(server["target"]))
-    for seed in range(4, 40):  # a decode long enough to meet a stop midway
-        knobs = {"seed": seed, "max_new_tokens": 10, "width": 2, "gamma": 2}
-        free = reference("dsbd", prompt, **knobs).beams[0].token_ids
-        for i in range(1, len(free) - 2):  # two tokens from the middle of it
-            candidate = texts.decode(free[i : i + 2])
-            stop = StopStrings((candidate,), vocabulary)
-            want = reference("dsbd", prompt, stop=stop, **knobs)
-            view = texts.with_stops([candidate], False)
-            if candidate.strip() and any(view.stop_reason(b) for b in want.beams):
-                return knobs, candidate, want, view
-    raise AssertionError("no stop of two tokens ends a beam")
 
 
 @pytest.mark.parametrize("chat", [False, True])
@@ -148,14 +102,14 @@ def test_stop_strings_end_beams_as_in_process_streamed_and_not(server, reference
     there, as in the in-process decode with the same stop; the text ends before it, and the
     streamed text is the same (nothing sent that the stop cut)."""
     prompt = _prompt_ids(texts, chat)
-    knobs, candidate, want, view = _stop_case(server, reference, texts, prompt)
+    knobs, candidate, want, view = stop_case(server, reference, texts, prompt)
     api = client(server)
     seed = {"seed": knobs["seed"]}
     whole = _request(api, chat, False, stop=[candidate], **seed)
     assert len(whole.choices) == len(want.beams) == 2
     for choice, beam in zip(whole.choices, want.beams, strict=True):
-        assert _choice_text(choice, chat) == view.text(beam)
-        assert candidate not in _choice_text(choice, chat)
+        assert choice_text(choice, chat) == view.text(beam)
+        assert candidate not in choice_text(choice, chat)
         assert choice.finish_reason == ("stop" if beam.finished else "length")
         assert choice.model_dump().get("stop_reason") == view.stop_reason(beam)
     assert any(c.model_dump().get("stop_reason") == candidate for c in whole.choices)
@@ -164,7 +118,7 @@ def test_stop_strings_end_beams_as_in_process_streamed_and_not(server, reference
         for choice in chunk.choices:
             part = choice.delta.content if chat else choice.text
             streamed[choice.index] = streamed.get(choice.index, "") + (part or "")
-    assert streamed == {i: _choice_text(c, chat) for i, c in enumerate(whole.choices)}
+    assert streamed == {i: choice_text(c, chat) for i, c in enumerate(whole.choices)}
 
 
 def test_the_native_route_takes_stop_strings_as_the_openai_routes(server, reference, texts) -> None:
@@ -172,7 +126,7 @@ def test_the_native_route_takes_stop_strings_as_the_openai_routes(server, refere
     in-process decode's with the same stop, each text cut before it (or through it) and
     `stop_reason` naming it; a bad stop list is a 400 naming `stop`."""
     prompt = _prompt_ids(texts, False)
-    knobs, candidate, want, view = _stop_case(server, reference, texts, prompt)
+    knobs, candidate, want, view = stop_case(server, reference, texts, prompt)
     body = {"prompt_ids": prompt, "stop": [candidate], "adaptive": False, **knobs}
     got = native(server, body)
     assert_same(got, want)
