@@ -49,7 +49,7 @@ def draft_forest(
 ) -> Generator[ScoreCall, ForestLogprobs, Forest]:
     """Draft beam sampling for up to `state.depth[b]` layers: one draft-model call per layer
     (`stop`: a node whose text holds a stop string finished, so it has no children;
-    `layer_fn`: `draft_layer` run another way, `side_graphs.DraftLayerGraph`)."""
+    `layer_fn`: `draft_layer` run another way, `side_graphs.SideGraph`)."""
     layer_fn = layer_fn or draft_layer
     assert state.depth is not None, "plan the iteration first (Engine.next_iteration)"
     depth, alive = state.depth, state.alive

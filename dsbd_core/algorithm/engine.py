@@ -33,7 +33,7 @@ from dsbd_core.algorithm.logprobs import TokenLogprobs, splice
 from dsbd_core.algorithm.methods import MethodConfig
 from dsbd_core.algorithm.result import DecodeResult, collect_results
 from dsbd_core.algorithm.scorer import ForestLogprobs, Origin, Roots, ScoreCall
-from dsbd_core.algorithm.side_graphs import draft_graph_for, graph_applies, graph_for
+from dsbd_core.algorithm.side_graphs import graph_applies, graph_for
 from dsbd_core.algorithm.state import NO_FOREST, DecodeState, Forest, Outcome, Pool, zero_counters
 from dsbd_core.algorithm.stops import StopStrings
 from dsbd_core.algorithm.streams import DRAFT_SIDE, VERIFY_SIDE, Streams
@@ -166,7 +166,7 @@ class Engine:
         streams = self.streams(state, DRAFT_STREAM)
         layer_fn = None
         if self._graphed(state):
-            layer_fn = draft_graph_for(state.alive.device, draft_layer)
+            layer_fn = graph_for(state.alive.device, draft_layer)
         return (
             yield from draft_forest(
                 state, self.config, self.vocab, eos, streams, stop=self.stop, layer_fn=layer_fn

@@ -15,7 +15,7 @@ capture serves every iteration and layer and draws inside the graph what the eag
 The tokens are those of the eager path (`tests/algorithm/test_iteration_graph.py` decodes
 through both with the `eager` backend on the CPU).
 
-Graphs are per process, per function and per backend (`graph_for`), as captured graphs are in
+Graphs are per process, per function and per device (`graph_for`), as captured graphs are in
 every engine that keeps them; Dynamo compiles again where a shape or a config differs (a new
 gamma, batch or vocabulary).
 """
@@ -29,12 +29,7 @@ from typing import Any
 import torch
 
 from dsbd_core.algorithm.config import SamplingConfig
-from dsbd_core.algorithm.draft_forest import Drawn
-from dsbd_core.algorithm.state import DecodeState, Forest, Outcome
 from dsbd_core.algorithm.streams import Draws, Streams
-
-Verify = Callable[..., Outcome]
-DraftLayer = Callable[..., Drawn]
 
 
 def graph_applies(config: SamplingConfig) -> bool:
@@ -44,89 +39,41 @@ def graph_applies(config: SamplingConfig) -> bool:
     return config.logprobs is None and not config.searching
 
 
-class VerifyGraph:
-    """`verify_scored`, compiled once per shape and config, its key an input."""
+class SideGraph:
+    """One side's engine function (`verify_scored` after the target's forward, `draft_layer`
+    between two draft-model calls), compiled once per shape and config. Its random key, the
+    argument that is `Streams` or `Draws`, is moved to the device as a tensor input, so one
+    graph serves every iteration and layer (the layer is in the key, not in the graph)."""
 
-    def __init__(self, verify: Verify, backend: str) -> None:
-        self.eager = verify
-        self.compiled = torch.compile(verify, fullgraph=True, backend=backend, dynamic=False)
-        self.backend = backend
+    def __init__(self, fn: Callable[..., Any], device: torch.device) -> None:
+        self.eager = fn
+        self.device = device
+        self.backend = "cudagraphs" if device.type == "cuda" else "eager"
+        self.compiled = torch.compile(fn, fullgraph=True, backend=self.backend, dynamic=False)
         self.replays = 0
 
-    def __call__(
-        self,
-        state: DecodeState,
-        forest: Forest,
-        node_logp: list[torch.Tensor],
-        config: SamplingConfig,
-        vocab: int,
-        eos: torch.Tensor,
-        streams: Streams,
-        deepest: int,
-    ) -> Outcome:
-        keyed = streams.on(state.tokens.device)
+    def __call__(self, *args: Any) -> Any:
+        keyed = [a.on(self.device) if isinstance(a, Streams | Draws) else a for a in args]
         if self.backend == "cudagraphs":
             torch.compiler.cudagraph_mark_step_begin()
-        outcome = self.compiled(state, forest, node_logp, config, vocab, eos, keyed, deepest)
+        out = self.compiled(*keyed)
         self.replays += 1
         # a captured graph's outputs are its buffers, rewritten by its next replay
-        return _cloned(outcome) if self.backend == "cudagraphs" else outcome
+        return _cloned(out) if self.backend == "cudagraphs" else out
 
 
-class DraftLayerGraph:
-    """`draft_forest.draft_layer`, compiled once per shape and config, its key an input (one
-    graph serves every layer of the same width: the layer is in the key, not in the graph)."""
-
-    def __init__(self, layer: DraftLayer, backend: str) -> None:
-        self.eager = layer
-        self.compiled = torch.compile(layer, fullgraph=True, backend=backend, dynamic=False)
-        self.backend = backend
-        self.replays = 0
-
-    def __call__(
-        self,
-        sigma: torch.Tensor,
-        logq: torch.Tensor,
-        ok: torch.Tensor,
-        config: SamplingConfig,
-        support: torch.Tensor | None,
-        eos: torch.Tensor,
-        draws: Draws,
-    ) -> Drawn:
-        keyed = draws.on(sigma.device)
-        if self.backend == "cudagraphs":
-            torch.compiler.cudagraph_mark_step_begin()
-        drawn = self.compiled(sigma, logq, ok, config, support, eos, keyed)
-        self.replays += 1
-        return _cloned(drawn) if self.backend == "cudagraphs" else drawn
+_GRAPHS: dict[tuple[torch.device, Callable[..., Any]], SideGraph] = {}
 
 
-_GRAPHS: dict[tuple[str, Callable[..., Any]], Any] = {}
-
-
-def graph_for(device: torch.device, verify: Verify) -> VerifyGraph:
-    """This process's graph of `verify` for `device`: CUDA graphs on CUDA, Dynamo's traced
-    graph run eagerly elsewhere. The engine takes it only where it keeps its state on a
-    device (on the CPU: where the tests force the device's branches); the CPU gains nothing
-    from a graph."""
-    backend = _backend(device)
-    graph = _GRAPHS.get((backend, verify))
+def graph_for(device: torch.device, fn: Callable[..., Any]) -> SideGraph:
+    """This process's graph of `fn` (`verify_scored` or `draft_layer`) for `device`: CUDA
+    graphs on CUDA, Dynamo's traced graph run eagerly elsewhere. The engine takes it only where
+    it keeps its state on a device (on the CPU: where the tests force the device's branches);
+    the CPU gains nothing from a graph."""
+    graph = _GRAPHS.get((device, fn))
     if graph is None:
-        graph = _GRAPHS[(backend, verify)] = VerifyGraph(verify, backend)
+        graph = _GRAPHS[(device, fn)] = SideGraph(fn, device)
     return graph
-
-
-def draft_graph_for(device: torch.device, layer: DraftLayer) -> DraftLayerGraph:
-    """This process's graph of the draft layer `layer` for `device` (as `graph_for`)."""
-    backend = _backend(device)
-    graph = _GRAPHS.get((backend, layer))
-    if graph is None:
-        graph = _GRAPHS[(backend, layer)] = DraftLayerGraph(layer, backend)
-    return graph
-
-
-def _backend(device: torch.device) -> str:
-    return "cudagraphs" if device.type == "cuda" else "eager"
 
 
 def _cloned(tree: Any) -> Any:

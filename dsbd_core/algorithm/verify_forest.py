@@ -68,7 +68,7 @@ def verify_forest(
     stop: StopStrings | None = None,
 ) -> Generator[ScoreCall, ForestLogprobs, Outcome]:
     """Score the forest in one target call and verify it layer by layer (with `verify`, the
-    same function run another way: `side_graphs.VerifyGraph`; `stop`: stop strings finish
+    same function run another way: `side_graphs.SideGraph`; `stop`: stop strings finish
     beams too, `stops.py`)."""
     assert state.depth is not None, "plan the iteration first (Engine.next_iteration)"
     roots = roots_of(state)

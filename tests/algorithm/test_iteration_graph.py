@@ -11,7 +11,7 @@ iteration of decodes that finish beams at EOS mid-forest, fail layers, refill an
 layers, for the fixed and the dynamic width rules (the distinct rule's simulated layers
 included) and epsilon's relaxed acceptance. The draft's
 layer between two draft-model calls (`draft_forest.draft_layer`) is checked the same way, and
-whole decodes through `side_graphs.VerifyGraph` and `side_graphs.DraftLayerGraph` (compiled
+whole decodes through `side_graphs.SideGraph` for both sides (compiled
 once per shape, whatever the iteration's or the layer's key) give the eager decodes' tokens.
 """
 
@@ -31,7 +31,7 @@ from dsbd_core.algorithm.host_reads import computing_everywhere
 from dsbd_core.algorithm.loop import Decode, run_decode
 from dsbd_core.algorithm.methods import method_config
 from dsbd_core.algorithm.scorer import Roots, drive
-from dsbd_core.algorithm.side_graphs import draft_graph_for, graph_for
+from dsbd_core.algorithm.side_graphs import graph_for
 from dsbd_core.algorithm.state import NO_FOREST, Outcome, deepest_layer
 from dsbd_core.algorithm.streams import DRAFT, VERIFY_SIDE, Streams
 from dsbd_core.algorithm.verify_forest import verify_scored
@@ -168,7 +168,7 @@ def test_a_decode_through_the_verify_graph_gives_the_eager_tokens(
         **{"threshold": None, "max_new_tokens": 20, "seed": 9, "eos_token_ids": (EOS,)} | fields
     )
     graph = graph_for(torch.device("cpu"), verify_scored)
-    draft_graph = draft_graph_for(torch.device("cpu"), draft_layer)
+    draft_graph = graph_for(torch.device("cpu"), draft_layer)
     before, draft_before = graph.replays, draft_graph.replays
 
     def decode(graphed: bool) -> list:

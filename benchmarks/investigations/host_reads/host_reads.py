@@ -38,7 +38,7 @@ from dsbd_core import SamplingConfig, TableScorer
 from dsbd_core.algorithm.host_reads import computing_everywhere
 from dsbd_core.algorithm.loop import Decode, run_decode
 from dsbd_core.algorithm.methods import method_config
-from dsbd_core.algorithm.side_graphs import DraftLayerGraph, VerifyGraph
+from dsbd_core.algorithm.side_graphs import SideGraph
 
 _PHASES = {"algorithm/result.py": "end", "algorithm/table_scorer.py": "scorer"}
 READS = ("item", "__bool__", "__int__", "__float__", "__index__", "tolist", "nonzero")
@@ -122,27 +122,22 @@ class _Uncounted:
 def graph_calls(calls: collections.Counter, counter: OpCounter) -> Iterator[None]:
     """Count the side graphs' calls, leaving their own operations out of `counter` (the
     dispatch mode steps aside while a graph runs, as it would not see a replay's kernels)."""
-    saved = {kind: kind.__call__ for kind in (VerifyGraph, DraftLayerGraph)}
+    original = SideGraph.__call__
 
-    def wrap(kind: type, original: Callable[..., Any]) -> Callable[..., Any]:
-        def call(self: Any, *args: Any, **kwargs: Any) -> Any:
-            calls[kind.__name__] += 1
-            counter.paused = True
-            try:
-                with _pop_mode_temporarily():
-                    return original(self, *args, **kwargs)
-            finally:
-                counter.paused = False
+    def call(self: SideGraph, *args: Any) -> Any:
+        calls[self.eager.__name__] += 1  # verify_scored, draft_layer
+        counter.paused = True
+        try:
+            with _pop_mode_temporarily():
+                return original(self, *args)
+        finally:
+            counter.paused = False
 
-        return call
-
-    for kind, original in saved.items():
-        kind.__call__ = wrap(kind, original)  # type: ignore[method-assign]
+    SideGraph.__call__ = call  # type: ignore[method-assign]
     try:
         yield
     finally:
-        for kind, original in saved.items():
-            kind.__call__ = original  # type: ignore[method-assign]
+        SideGraph.__call__ = original  # type: ignore[method-assign]
 
 
 def main() -> None:
