@@ -28,13 +28,29 @@ import torch
 
 from dsbd_core.algorithm.beams import finds_rows, pool_add
 from dsbd_core.algorithm.draft_forest import draft_forest, draft_layer
-from dsbd_core.algorithm.host_reads import may_read, one_copy
+from dsbd_core.algorithm.host_reads import may_read, one_copy, unpacked
 from dsbd_core.algorithm.logprobs import TokenLogprobs, splice
 from dsbd_core.algorithm.methods import MethodConfig
 from dsbd_core.algorithm.result import DecodeResult, collect_results
-from dsbd_core.algorithm.scorer import ForestLogprobs, Origin, Roots, ScoreCall
-from dsbd_core.algorithm.side_graphs import graph_applies, graph_for
-from dsbd_core.algorithm.state import NO_FOREST, DecodeState, Forest, Outcome, Pool, zero_counters
+from dsbd_core.algorithm.scorer import ForestLogprobs, ForestScorer, Origin, Roots, ScoreCall, drive
+from dsbd_core.algorithm.side_graphs import (
+    GraphScorer,
+    draft_side,
+    graph_applies,
+    graph_for,
+    verify_side,
+)
+from dsbd_core.algorithm.state import (
+    NO_FOREST,
+    DecodeState,
+    Forest,
+    Outcome,
+    Plan,
+    Pool,
+    plan_iteration,
+    planning_parts,
+    zero_counters,
+)
 from dsbd_core.algorithm.stops import StopStrings
 from dsbd_core.algorithm.streams import DRAFT_SIDE, VERIFY_SIDE, Streams
 from dsbd_core.algorithm.verify_forest import verify_forest, verify_scored
@@ -120,22 +136,23 @@ class Engine:
         beam-sampling step; any depth keeps fixed-width DSBD exact), which is how a controller
         adapts speculation per iteration. Returns False when nothing is left to decode.
         """
-        if not self.uses_draft:
-            gamma = 0
-        elif gamma is None:
-            gamma = self.config.gamma
-        budget = self.config.max_new_tokens - (state.length - state.prompt_len)
-        live = (state.remaining > 0) & (budget > 0) & state.alive.any(dim=1)
-        retired = state.alive & ~live[:, None]  # budget spent: the beams leave unfinished
-        # never overshoot the budget: an iteration emits at most depth + 1 tokens
-        depth = torch.where(live, (budget - 1).clamp(max=gamma), torch.zeros_like(budget))
-        # the iteration's one read of planning values (a wait, where the state is on a GPU)
-        flags = torch.stack([retired.any().long(), live.any().long(), depth.max()])
+        gamma = self.gamma(gamma)
+        ahead, state.plan = state.plan, None
+        if ahead is None or ahead.gamma != gamma:  # else planned inside the last verify graph
+            ahead = plan_iteration(
+                state.length,
+                state.prompt_len,
+                state.remaining,
+                state.alive,
+                self.config.max_new_tokens,
+                gamma,
+            )
+        live, retired, depth, flags = ahead.live, ahead.retired, ahead.depth, ahead.flags
         state.host_roots = None
         if may_read(flags):
             any_retired, any_live, deepest = (int(x) for x in flags.tolist())
         else:  # the roots the scorers plan from cross in the same copy (`Roots.host`)
-            any_retired, any_live, deepest, state.host_roots = _planning_copy(state, flags, live)
+            any_retired, any_live, deepest, state.host_roots = _planning_copy(state, ahead)
         if any_retired:
             compact = finds_rows(retired, state.logprobs is not None)
             pool_add(
@@ -155,6 +172,13 @@ class Engine:
         state.live = live
         state.depth, state.planned = depth, (depth, deepest)
         return bool(any_live)
+
+    def gamma(self, gamma: int | None = None) -> int:
+        """The draft depth an iteration plans with: 0 without a draft, else `gamma` or the
+        config's."""
+        if not self.uses_draft:
+            return 0
+        return self.config.gamma if gamma is None else gamma
 
     def propose_steps(self, state: DecodeState) -> Generator[ScoreCall, ForestLogprobs, Forest]:
         """Draft side: beam-sample the forest from the current input beams (ALGORITHM.md §3), as a
@@ -197,11 +221,37 @@ class Engine:
             )
         )
 
+    def propose(self, state: DecodeState, scorer: ForestScorer) -> Forest:
+        """The draft side against a model in this process: as one graph, its forwards inside,
+        where `_fuses` (the draft's gamma layers unrolled), else its calls one by one."""
+        if not self._fuses(state, scorer):
+            return drive(scorer, self.propose_steps(state))
+        if not self.uses_draft:
+            return NO_FOREST
+        assert isinstance(scorer, GraphScorer)
+        graph = graph_for(state.alive.device, draft_side)
+        streams = self.streams(state, DRAFT_STREAM)
+        forest, calls = graph(scorer, state, self.config, self.vocab, self._place(state), streams)
+        scorer.forward_calls += calls
+        return forest
+
+    def verify(self, state: DecodeState, forest: Forest, scorer: ForestScorer) -> Outcome:
+        """The target side against a model in this process: as one graph, the forest forward
+        inside, where `_fuses`, else its call driven (each side's engine work then a graph of
+        its own where `_graphed`)."""
+        if not self._fuses(state, scorer):
+            return drive(scorer, self.verify_steps(state, forest))
+        assert isinstance(scorer, GraphScorer)
+        graph = graph_for(state.alive.device, verify_side)
+        streams = self.streams(state, VERIFY_STREAM)
+        args = (state, forest, self.config, self.vocab, self._place(state), streams)
+        outcome, calls = graph(scorer, *args, self.gamma(self.config.gamma))
+        scorer.forward_calls += calls
+        return outcome
+
     def advance(self, state: DecodeState, outcome: Outcome) -> None:
         """Take the verified outcome as the next iteration's input beams."""
         assert state.live is not None and state.depth is not None
-        if self.uses_draft:
-            state.counters["draft"] += torch.where(state.live, state.depth, 0)
         for name, increment in outcome.counters.items():
             state.counters[name] += increment
         state.pool.extend(outcome.finished)
@@ -215,6 +265,7 @@ class Engine:
             outcome.remaining,
             outcome.origin,
         )
+        state.plan = outcome.plan  # the next plan where the verify graph made it
 
     def finish(self, state: DecodeState) -> list[DecodeResult]:
         """Every session's beams best-first and its statistics."""
@@ -237,6 +288,12 @@ class Engine:
             and graph_applies(self.config)
             and not may_read(state.alive)
         )
+
+    def _fuses(self, state: DecodeState, scorer: ForestScorer) -> bool:
+        """Whether a side runs whole as one graph with its model: `_graphed`, a model whose
+        forwards read nothing (`side_graphs.GraphScorer`), and past the first iteration (a
+        prefill runs eagerly: its shape is the prompt's, as in every engine with graphs)."""
+        return isinstance(scorer, GraphScorer) and state.origin is not None and self._graphed(state)
 
     def streams(self, state: DecodeState, side: int) -> Streams:
         """The random streams of `side` in the state's current iteration: a function of the
@@ -264,15 +321,15 @@ class Engine:
                 )
 
 
-def _planning_copy(
-    state: DecodeState, flags: torch.Tensor, live: torch.Tensor
-) -> tuple[int, int, int, Roots]:
+def _planning_copy(state: DecodeState, ahead: Plan) -> tuple[int, int, int, Roots]:
     """The planning values and the iteration's roots (its beams once the retired ones left),
-    on the host in one copy."""
-    origin = state.origin
-    parts = [flags, state.tokens, state.length, state.alive & live[:, None]]
-    parts += [origin.root, origin.path] if origin is not None else []
-    host_flags, tokens, length, alive, *rest = one_copy(parts, torch.device("cpu"))
+    on the host in one copy (of the record the verify graph packed, where it did)."""
+    parts = planning_parts(state.tokens, state.length, state.origin, ahead)
+    if ahead.record is not None:
+        host = unpacked(ahead.record.to("cpu"), parts)
+    else:
+        host = one_copy(parts, torch.device("cpu"))
+    host_flags, tokens, length, alive, *rest = host
     any_retired, any_live, deepest = (int(x) for x in host_flags.tolist())
     roots = Roots(tokens, length, alive, Origin(*rest) if rest else None)
     return any_retired, any_live, deepest, roots

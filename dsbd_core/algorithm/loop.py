@@ -30,7 +30,7 @@ from dsbd_core.algorithm.control import Controller, FixedKnobs, Knobs
 from dsbd_core.algorithm.engine import Engine
 from dsbd_core.algorithm.methods import MethodConfig
 from dsbd_core.algorithm.result import DecodeResult
-from dsbd_core.algorithm.scorer import ForestLayer, ForestLogprobs, ForestScorer, ScoreCall, drive
+from dsbd_core.algorithm.scorer import ForestLayer, ForestLogprobs, ForestScorer, ScoreCall
 from dsbd_core.algorithm.search.engine import engine_for
 from dsbd_core.algorithm.state import NO_FOREST, DecodeState, Forest, Outcome, deepest_layer
 from dsbd_core.algorithm.stops import StopStrings
@@ -171,9 +171,9 @@ def run_decode(
             call = steps.send(answer)
             if isinstance(call, Propose):
                 assert draft is not None, "a drafting decode needs a draft scorer"
-                answer = drive(draft, call.call.propose_steps(vocab))
+                answer = call.call.engine(vocab).propose(call.call.state, draft)
             else:
-                answer = drive(target, call.call.verify_steps(vocab, call.forest))
+                answer = call.call.engine(vocab).verify(call.call.state, call.forest, target)
     except StopIteration as stop:
         return stop.value
     finally:

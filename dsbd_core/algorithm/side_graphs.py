@@ -23,13 +23,40 @@ gamma, batch or vocabulary).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Generator, Sequence
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import torch
 
 from dsbd_core.algorithm.config import SamplingConfig
+from dsbd_core.algorithm.draft_forest import draft_forest
+from dsbd_core.algorithm.host_reads import packed
+from dsbd_core.algorithm.scorer import ForestLayer, ForestLogprobs, ScoreCall
+from dsbd_core.algorithm.state import (
+    DecodeState,
+    Forest,
+    Outcome,
+    plan_iteration,
+    planning_parts,
+)
 from dsbd_core.algorithm.streams import Draws, Streams
+from dsbd_core.algorithm.verify_forest import verify_forest, verify_scored
+
+T = TypeVar("T")
+
+
+@runtime_checkable
+class GraphScorer(Protocol):
+    """A model whose forwards can sit inside a side's graph: `set_roots` and `scored` (its
+    `forward` without the host counter, which would change every call) are functions of
+    tensors that read nothing on the host. A side whose model is one runs whole as one graph
+    (`draft_side`, `verify_side`): the draft's gamma layers unrolled, its forwards between them."""
+
+    forward_calls: int
+
+    def set_roots(self, roots: Any) -> None: ...
+
+    def scored(self, layers: Sequence[ForestLayer]) -> ForestLogprobs: ...
 
 
 def graph_applies(config: SamplingConfig) -> bool:
@@ -49,6 +76,9 @@ class SideGraph:
         self.eager = fn
         self.device = device
         self.backend = "cudagraphs" if device.type == "cuda" else "eager"
+        # a graph per shape, depth and config: past Dynamo's default of 8, `fullgraph` fails
+        dynamo = torch._dynamo.config
+        dynamo.recompile_limit = max(dynamo.recompile_limit, 64)
         self.compiled = torch.compile(fn, fullgraph=True, backend=self.backend, dynamic=False)
         self.replays = 0
 
@@ -88,3 +118,65 @@ def _cloned(tree: Any) -> Any:
         fields = dataclasses.fields(tree)
         return type(tree)(**{f.name: _cloned(getattr(tree, f.name)) for f in fields})
     return tree
+
+
+def drive_scored(
+    scorer: GraphScorer, steps: Generator[ScoreCall, ForestLogprobs, T]
+) -> tuple[T, int]:
+    """`scorer.drive` for a side inside a graph: the generator's value and how many forwards
+    it made (the caller counts them on the host, outside the graph). Dynamo traces the value
+    through only as a return value: read nothing of it inside the graph."""
+    calls = 0
+    try:
+        call = next(steps)
+        while True:
+            if call.roots is not None:
+                scorer.set_roots(call.roots)
+            calls += 1
+            call = steps.send(scorer.scored(call.layers))
+    except StopIteration as stop:
+        return stop.value, calls
+
+
+def draft_side(
+    scorer: GraphScorer,
+    state: DecodeState,
+    config: SamplingConfig,
+    vocab: int,
+    eos: torch.Tensor,
+    streams: Streams,
+) -> tuple[Forest, int]:
+    """The whole draft side, the draft model's forwards included: one graph per bucket."""
+    return drive_scored(scorer, draft_forest(state, config, vocab, eos, streams))
+
+
+def verify_side(
+    scorer: GraphScorer,
+    state: DecodeState,
+    forest: Forest,
+    config: SamplingConfig,
+    vocab: int,
+    eos: torch.Tensor,
+    streams: Streams,
+    gamma: int,
+) -> tuple[Outcome, int]:
+    """The whole verify side, the target's forest forward included, and the next iteration's
+    plan at depth `gamma` (`state.plan_iteration`: the host then reads it in the planning copy
+    without computing it): one graph per bucket."""
+
+    def verified(*args: Any) -> Outcome:
+        outcome = verify_scored(*args)
+        ahead = plan_iteration(
+            outcome.length,
+            state.prompt_len,
+            outcome.remaining,
+            outcome.alive,
+            config.max_new_tokens,
+            gamma,
+        )
+        ahead.record = packed(planning_parts(outcome.tokens, outcome.length, outcome.origin, ahead))
+        outcome.plan = ahead
+        return outcome
+
+    steps = verify_forest(state, forest, config, vocab, eos, streams, verified)
+    return drive_scored(scorer, steps)

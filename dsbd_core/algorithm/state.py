@@ -89,6 +89,8 @@ class DecodeState:
     # deterministic beam search (config.search): the length-normalised scores of the best W
     # finished hypotheses so far, best first, -inf where fewer have finished [B, W]
     finished_scores: torch.Tensor | None = None
+    # the next iteration's plan where the last verify side's graph made it (`Engine.verify`)
+    plan: Plan | None = None
 
     def for_models(self) -> DecodeState:
         """What the draft and the verifier need of the state: no pool, history, counters or
@@ -97,7 +99,7 @@ class DecodeState:
         This is the message a serving router sends each iteration (a few KiB): the beams'
         tokens, scores and flags, the planned depth, and the `Origin` the caches compact from.
         """
-        return replace(self, pool=Pool(), counters={}, history=[], logprobs=None)
+        return replace(self, pool=Pool(), counters={}, history=[], logprobs=None, plan=None)
 
 
 def roots_of(state: DecodeState) -> Roots:
@@ -155,6 +157,54 @@ class Outcome:
     emitted: torch.Tensor  # [B] tokens each session's beams grew by
     finished: Pool  # beams that left decoding this iteration
     record: dict[str, torch.Tensor]  # accepted_layers, widths, alphas (per session)
-    counters: dict[str, torch.Tensor]  # increments: COUNTERS (less "draft"), epsilon_bias
+    counters: dict[str, torch.Tensor]  # increments: COUNTERS, epsilon_bias
     logprobs: IterationLogprobs | None = None  # config.logprobs set: what the beams added
     finished_scores: torch.Tensor | None = None  # beam search: DecodeState.finished_scores
+    plan: Plan | None = None  # the next iteration's plan, made inside a fused verify graph
+
+
+@dataclass
+class Plan:
+    """An iteration's plan (`plan_iteration`): which sessions decode, which beams retire (their
+    budget spent), each session's depth, the flags the host reads (any retired, any live,
+    the deepest depth) and the roots' rows once the retired left. Made for one `gamma`."""
+
+    gamma: int
+    live: torch.Tensor  # [B] bool
+    retired: torch.Tensor  # [B, W] bool
+    depth: torch.Tensor  # [B] long
+    flags: torch.Tensor  # [3] long
+    roots_alive: torch.Tensor  # [B, W] bool
+    # `planning_parts` packed into one float64 buffer (`host_reads.packed`) where a verify
+    # graph made the plan: the host's planning read is then one copy of it
+    record: torch.Tensor | None = None
+
+
+def plan_iteration(
+    length: torch.Tensor,
+    prompt_len: torch.Tensor,
+    remaining: torch.Tensor,
+    alive: torch.Tensor,
+    max_new_tokens: int,
+    gamma: int,
+) -> Plan:
+    """The plan of an iteration starting from these beams (a function of tensors: the fused
+    verify side computes the next one inside its graph, `side_graphs.verify_side`;
+    `max_new_tokens` bounds every session's budget, `gamma` its depth)."""
+    budget = max_new_tokens - (length - prompt_len)
+    live = (remaining > 0) & (budget > 0) & alive.any(dim=1)
+    retired = alive & ~live[:, None]  # budget spent: the beams leave unfinished
+    # never overshoot the budget: an iteration emits at most depth + 1 tokens
+    depth = torch.where(live, (budget - 1).clamp(max=gamma), torch.zeros_like(budget))
+    # the iteration's one read of planning values (a wait, where the state is on a GPU)
+    flags = torch.stack([retired.any().long(), live.any().long(), depth.max()])
+    return Plan(gamma, live, retired, depth, flags, alive & live[:, None])
+
+
+def planning_parts(
+    tokens: torch.Tensor, length: torch.Tensor, origin: Origin | None, plan: Plan
+) -> list[torch.Tensor]:
+    """What the host reads when it plans an iteration on a device: the plan's flags and the
+    roots (tokens, lengths, rows, origin) the scorers plan their forwards from."""
+    parts = [plan.flags, tokens, length, plan.roots_alive]
+    return parts + ([origin.root, origin.path] if origin is not None else [])

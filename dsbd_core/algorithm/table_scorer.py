@@ -45,7 +45,9 @@ class TableScorer:
     def set_roots(self, roots: Roots) -> None:
         tokens, lengths = roots.tokens, roots.lengths
         width = self.order - 1
-        if width and int(lengths.min()) < width:
+        # checked at a decode's first roots (its prefill, which runs eagerly): later roots only
+        # grow, and a compiled side (`side_graphs.py`) reads nothing
+        if width and roots.origin is None and int(lengths.min()) < width:
             raise ValueError(f"every sequence needs at least {width} tokens for this table")
         offsets = lengths[:, None] - width + torch.arange(width, device=lengths.device)
         index = offsets[:, None, :].expand(-1, tokens.shape[1], -1)
@@ -54,6 +56,11 @@ class TableScorer:
 
     def forward(self, layers: Sequence[ForestLayer]) -> ForestLogprobs:
         self.forward_calls += 1
+        return self.scored(layers)
+
+    def scored(self, layers: Sequence[ForestLayer]) -> ForestLogprobs:
+        """`forward` without its host counter: a function of tensors that reads nothing, so a
+        side's graph can hold it (`side_graphs.GraphScorer`)."""
         roots = self._lookup(self._contexts[0]) if self._roots_pending else None
         self._roots_pending = False
         out = []

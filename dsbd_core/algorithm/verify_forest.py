@@ -102,6 +102,7 @@ def verify_scored(
     batch = state.alive.shape[0]
     counters = zero_counters(batch, state.alive.device)
     counters["target"] += state.alive.any(dim=1).long()
+    counters["draft"] += state.depth  # layers drafted: 0 where a session does not decode
     for layer in forest.layers:
         counters["proposed"] += layer.exists.sum(dim=1)
     # The tables stay in the dtype the scorer returns: float64 for float64 models (exactness

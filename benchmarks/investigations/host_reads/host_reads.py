@@ -35,10 +35,12 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _pop_mode_temporarily
 
 from dsbd_core import SamplingConfig, TableScorer
+from dsbd_core.algorithm import engine as engine_module
 from dsbd_core.algorithm.host_reads import computing_everywhere
 from dsbd_core.algorithm.loop import Decode, run_decode
 from dsbd_core.algorithm.methods import method_config
 from dsbd_core.algorithm.side_graphs import SideGraph
+from dsbd_core.tools.bench.harness import git_info, machine_info
 
 _PHASES = {"algorithm/result.py": "end", "algorithm/table_scorer.py": "scorer"}
 READS = ("item", "__bool__", "__int__", "__float__", "__index__", "tolist", "nonzero")
@@ -117,6 +119,18 @@ class _Uncounted:
     def release(self) -> None:
         self.inner.release()
 
+    def scored(self, layers: Any) -> Any:
+        """The forward inside a side's graph (`side_graphs.GraphScorer`), counted apart."""
+        return self.inner.scored(layers)
+
+    @property
+    def forward_calls(self) -> int:
+        return self.inner.forward_calls
+
+    @forward_calls.setter
+    def forward_calls(self, value: int) -> None:
+        self.inner.forward_calls = value
+
 
 @contextmanager
 def graph_calls(calls: collections.Counter, counter: OpCounter) -> Iterator[None]:
@@ -125,7 +139,7 @@ def graph_calls(calls: collections.Counter, counter: OpCounter) -> Iterator[None
     original = SideGraph.__call__
 
     def call(self: SideGraph, *args: Any) -> Any:
-        calls[self.eager.__name__] += 1  # verify_scored, draft_layer
+        calls[self.eager.__name__] += 1  # draft_side, verify_side (or their engine parts)
         counter.paused = True
         try:
             with _pop_mode_temporarily():
@@ -138,6 +152,26 @@ def graph_calls(calls: collections.Counter, counter: OpCounter) -> Iterator[None
         yield
     finally:
         SideGraph.__call__ = original  # type: ignore[method-assign]
+
+
+@contextmanager
+def host_unpacking(counter: OpCounter) -> Iterator[None]:
+    """Leave out the unpacking of the planning record: on a GPU it runs on the host's copy
+    (no launch); on this CPU it looks like any other operation."""
+    original = engine_module.unpacked
+
+    def unpacked(buffer: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
+        counter.paused = True
+        try:
+            return original(buffer, like)
+        finally:
+            counter.paused = False
+
+    engine_module.unpacked = unpacked
+    try:
+        yield
+    finally:
+        engine_module.unpacked = original
 
 
 def main() -> None:
@@ -177,7 +211,13 @@ def main() -> None:
     counter = OpCounter()
     branches = computing_everywhere() if args.device_branches else contextlib.nullcontext()
     graphs: collections.Counter = collections.Counter()
-    with branches, counted(where, kinds), counter, graph_calls(graphs, counter):
+    with (
+        branches,
+        counted(where, kinds),
+        counter,
+        graph_calls(graphs, counter),
+        host_unpacking(counter),
+    ):
         drafting = _Uncounted(draft, counter) if args.method != "beam" else None
         run = Decode(method_config(args.method, config), args.vocab, [[1, 2, 3]], graph=args.graph)
         result = run_decode(run, _Uncounted(target, counter), drafting)[0]
@@ -188,6 +228,8 @@ def main() -> None:
     for place, n in where.items():
         phase[_PHASES.get(place.split(":")[0], "iterations")] += n
     report = {
+        "machine": machine_info(torch.device("cpu")),
+        **git_info(),
         "config": {
             "method": args.method,
             "width": args.width,

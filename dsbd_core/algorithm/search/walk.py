@@ -105,6 +105,7 @@ def verify_search(
     walk = _SearchWalk(state, forest, config, vocab, eos, streams)
     walk.stop = stop
     walk.counters["target"] += state.alive.any(dim=1).long()
+    walk.counters["draft"] += state.depth  # layers drafted: 0 where a session does not decode
     for layer in forest.layers:
         walk.counters["proposed"] += layer.exists.sum(dim=1)
     node_logp = [scored.roots] + list(scored.layers)

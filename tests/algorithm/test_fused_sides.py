@@ -1,0 +1,176 @@
+"""A side whose model reads nothing runs whole as one graph: two graph calls and one read per
+iteration (CPU-side evidence for the captured iteration of docs/ARCHITECTURE.md).
+
+With a `GraphScorer` (the exact n-gram table) and the engine on a device (the CPU takes the
+device's branches, `computing_everywhere`), `Decode(graph=True)` runs past its prefill each
+iteration's draft side (the gamma draft layers unrolled, the draft's forwards between them) as
+one compiled call and its verify side (the forest forward, verification, the next beams and the
+next iteration's plan, packed for the host) as another, with `torch.compile(fullgraph=True)`:
+a read of a value inside either is a graph break, and `fullgraph=True` makes it an error. The
+tokens and statistics are the eager decode's; per steady-state iteration the host makes at most
+2 compiled calls, at most 20 tensor operations outside them and exactly 1 read (an iteration
+where a session's budget runs out retires its beams eagerly: once a session).
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode, _pop_mode_temporarily
+
+from dsbd_core import SamplingConfig, TableScorer
+from dsbd_core.algorithm import engine as engine_module
+from dsbd_core.algorithm.host_reads import computing_everywhere
+from dsbd_core.algorithm.loop import Decode, Propose, run_decode
+from dsbd_core.algorithm.methods import method_config
+from dsbd_core.algorithm.side_graphs import SideGraph
+from tests.exact_reference import random_table
+
+VOCAB, EOS = 12, 0
+PROMPTS = [[3, 5, 7], [1, 2], [9, 4, 4, 8]]
+READS = ("item", "__bool__", "__int__", "__float__", "__index__", "tolist", "nonzero")
+CASES = [
+    ("dsbd-fixed", "dsbd", {"width": 3, "gamma": 3}),
+    ("dsbd-dynamic", "dsbd", {"width": 3, "gamma": 3, "threshold": 0.7}),
+    ("beam", "beam", {"width": 3}),
+]
+
+
+def _pair() -> tuple[TableScorer, TableScorer]:
+    rng = np.random.default_rng(3)
+    target = TableScorer(torch.from_numpy(random_table(rng, VOCAB, 3, concentration=0.5)))
+    draft = TableScorer(torch.from_numpy(random_table(rng, VOCAB, 3, concentration=0.5)))
+    return target, draft
+
+
+def _config(method: str, fields: dict, tokens: int) -> Any:
+    config = SamplingConfig(
+        **{"max_new_tokens": tokens, "seed": 2, "eos_token_ids": (EOS,)} | fields
+    )
+    return method_config(method, config)
+
+
+class _Ops(TorchDispatchMode):
+    """Counts the tensor operations run outside the graphs (views left out: no launch)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+        self.paused = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        if not self.paused and not func.is_view:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+@contextmanager
+def _counting(ops: _Ops, calls: collections.Counter, reads: collections.Counter) -> Iterator[None]:
+    """Within: graph calls by function, host reads by kind, and `ops` outside the graphs (a
+    replay's kernels are not the host's launches). The planning record is unpacked on the
+    host's copy: left out too."""
+    call, unpacked, pool_add = SideGraph.__call__, engine_module.unpacked, engine_module.pool_add
+
+    def graph_call(self: SideGraph, *args: Any) -> Any:
+        calls[self.eager.__name__] += 1
+        ops.paused = True
+        try:
+            with _pop_mode_temporarily():
+                return call(self, *args)
+        finally:
+            ops.paused = False
+
+    def host_unpacked(*args: Any) -> Any:
+        ops.paused = True
+        try:
+            return unpacked(*args)
+        finally:
+            ops.paused = False
+
+    def retiring(*args: Any, **kwargs: Any) -> Any:
+        calls["retired"] += 1  # a session's budget ran out: its beams leave, eagerly
+        return pool_add(*args, **kwargs)
+
+    def reader(name: str, original: Any) -> Any:
+        def read(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            if not ops.paused:
+                reads[name] += 1
+            return original(self, *args, **kwargs)
+
+        return read
+
+    saved = {name: getattr(torch.Tensor, name) for name in READS}
+    SideGraph.__call__ = graph_call  # type: ignore[method-assign]
+    engine_module.unpacked, engine_module.pool_add = host_unpacked, retiring
+    for name, original in saved.items():
+        setattr(torch.Tensor, name, reader(name, original))
+    try:
+        with ops:
+            yield
+    finally:
+        SideGraph.__call__ = call  # type: ignore[method-assign]
+        engine_module.unpacked, engine_module.pool_add = unpacked, pool_add
+        for name, original in saved.items():
+            setattr(torch.Tensor, name, original)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("name", "method", "fields"), CASES, ids=[c[0] for c in CASES])
+def test_a_fused_decode_gives_the_eager_tokens_in_two_graph_calls_and_one_read(
+    name: str, method: str, fields: dict
+) -> None:
+    target, draft = _pair()
+    drafts = method != "beam"
+    config = _config(method, fields, 16)
+
+    def decode(graphed: bool) -> list:
+        run = Decode(config, VOCAB, PROMPTS, graph=graphed)
+        return run_decode(run, target, draft if drafts else None)
+
+    with computing_everywhere():
+        eager = decode(False)
+        forwards = (target.forward_calls, draft.forward_calls)
+        graphed = decode(True)
+    for a, b in zip(eager, graphed, strict=True):
+        assert [(x.token_ids, x.log_likelihood, x.finished) for x in a.beams] == [
+            (x.token_ids, x.log_likelihood, x.finished) for x in b.beams
+        ], name
+        assert a.stats.as_dict() == b.stats.as_dict(), name
+    # the models' forwards are counted on the host, outside the graphs
+    assert (target.forward_calls, draft.forward_calls) == tuple(2 * f for f in forwards)
+
+    # per iteration past the prefill, at full depth: what the host does
+    run = Decode(config, VOCAB, PROMPTS, graph=True)
+    steps, answer, counted = run.steps(), None, 0
+    with computing_everywhere():
+        while True:
+            ops, calls, reads = _Ops(), collections.Counter(), collections.Counter()
+            with _counting(ops, calls, reads):
+                try:
+                    call = steps.send(answer)  # plans the iteration (the one read)
+                except StopIteration:
+                    break
+                iteration = run.state.iteration
+                full = drafts and run.state.planned is not None and run.state.planned[1] == 3
+                if isinstance(call, Propose):
+                    answer = call.call.engine(VOCAB).propose(call.call.state, draft)
+                    call = steps.send(answer)
+                answer = call.call.engine(VOCAB).verify(call.call.state, call.forest, target)
+            if iteration <= 1 or (drafts and not full) or calls.pop("retired", 0):
+                # the prefill runs eagerly, and so is the next iteration planned; a shallower
+                # bucket (the budget's last tokens) is another shape; a session whose budget
+                # ran out retires its beams eagerly (once a session)
+                continue
+            counted += 1
+            assert sum(calls.values()) <= 2, (name, iteration, dict(calls))
+            assert set(calls) <= {"draft_side", "verify_side"}, dict(calls)
+            assert ops.count <= 20, (name, iteration, ops.count)
+            # the advance of the previous iteration runs inside `send`: counted above too
+            assert sum(reads.values()) == 1, (name, iteration, dict(reads))
+    assert counted >= 2, "no steady-state iteration was counted"
