@@ -21,7 +21,9 @@ iteration emits what a beam-sampling step would (verify.fill_failed_layer, the c
 Compact support (`ForestLogprobs.support`): only a token of some root's context can follow a
 match (the forest's tokens are drawn from the same support), so the distributions are K wide,
 K the distinct tokens of the batch's roots, fixed at `set_roots` for the whole iteration, as
-a restricted draft head's are. The tables are float64: exact ratios of counts, and K wide.
+a restricted draft head's are. K is padded with tokens of no mass to a power of two (at least
+`min_support`, at most V), so that an engine compiled per shape (`side_graphs.py`) meets a
+handful of widths, not one per iteration. The tables are float64: exact ratios of counts.
 
 A look-up, not a forward: per node it compares the last `ngram_max` tokens with every
 position of its context (O(T x ngram_max) element-wise, vectorised over all nodes).
@@ -67,9 +69,12 @@ class NgramDraft:
     longest suffix matched (1..NGRAM_MAX).
     """
 
-    def __init__(self, vocab_size: int, ngram_max: int = NGRAM_DEFAULT) -> None:
+    def __init__(
+        self, vocab_size: int, ngram_max: int = NGRAM_DEFAULT, *, min_support: int = 256
+    ) -> None:
         self._vocab = int(vocab_size)
         self.ngram_max = check_ngram_max(ngram_max)
+        self.min_support = max(1, min_support)
         self.forward_calls = 0
         self._contexts: list[torch.Tensor] = []  # per layer (0: roots) [B, M, T_l]
         self._lengths = torch.zeros(0, dtype=torch.long)  # [B] root lengths
@@ -87,8 +92,7 @@ class NgramDraft:
         tokens, lengths, alive = roots.tokens, roots.lengths, roots.alive
         positions = torch.arange(tokens.shape[2], device=tokens.device)
         inside = (positions[None, None, :] < lengths[:, None, None]) & alive[:, :, None]
-        support = torch.unique(tokens[inside])  # sorted
-        self._support = support if support.numel() else tokens.new_zeros(1)
+        self._support = self._padded(torch.unique(tokens[inside]))  # sorted
         self._lengths = lengths
         self._contexts = [tokens]
         self._roots_pending = True
@@ -115,6 +119,18 @@ class NgramDraft:
 
     def release(self) -> None:
         self._contexts = []
+
+    def _padded(self, support: torch.Tensor) -> torch.Tensor:
+        """`support` (sorted, distinct) with the smallest ids outside it added, up to a power
+        of two >= `min_support` (V at most): tokens of no mass, whose columns change no draw."""
+        size = max(self.min_support, 1 << max(support.numel() - 1, 0).bit_length())
+        size = min(max(size, support.numel(), 1), max(self._vocab, support.numel(), 1))
+        if support.numel() >= size:
+            return support
+        outside = torch.ones(max(self._vocab, 1), dtype=torch.bool, device=support.device)
+        outside[support[support < outside.numel()]] = False
+        extra = outside.nonzero()[: size - support.numel(), 0]
+        return torch.cat([support, extra]).sort().values
 
     # a SessionBatcher keeps per-session caches of its scorer: this one has none
     def export_sessions(self) -> list[Any]:

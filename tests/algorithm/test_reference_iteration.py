@@ -165,19 +165,30 @@ def test_the_reference_decodes_the_engines_tokens(
     assert seen["iterations"] >= 2 * len(SEEDS) and seen["failed layers"] > 0, seen
 
 
-# (pair, prompt): prompts that repeat, so that the look-up matches at once and keeps matching
-NGRAM_PAIRS = [("bigram-5", [2, 3, 2, 4, 2]), ("close-bigram-8", [3, 1, 3, 1, 3])]
+# (pair, prompt, min_support): prompts that repeat, so that the look-up matches at once and
+# keeps matching; a support of the context's tokens padded to a power of two (min_support 1:
+# 3 tokens + 1 of no mass), or the whole vocabulary (the default minimum, 256 > V)
+NGRAM_PAIRS = [("bigram-5", [2, 3, 2, 4, 2], 1), ("close-bigram-8", [3, 1, 3, 1, 3], 256)]
 
 
 @pytest.mark.parametrize(("name", "fields"), CASES, ids=[c[0] for c in CASES])
-@pytest.mark.parametrize(("pair", "prompt"), NGRAM_PAIRS, ids=[p[0] for p in NGRAM_PAIRS])
+@pytest.mark.parametrize(
+    ("pair", "prompt", "min_support"), NGRAM_PAIRS, ids=[p[0] for p in NGRAM_PAIRS]
+)
 def test_the_reference_decodes_the_engines_tokens_with_the_ngram_draft(
-    pair: str, prompt: list[int], name: str, fields: dict[str, Any]
+    pair: str, prompt: list[int], min_support: int, name: str, fields: dict[str, Any]
 ) -> None:
     """The prompt-lookup draft (issue 48) in every case, dynamic width and lean memory too:
     its compact support draws what the plain look-up's vocabulary-wide rows draw."""
     _, vocab, order, _, close = next(p for p in PAIRS if p[0] == pair)
     target, _ = _pair(vocab, order, close)
     draft = _lookup_model(vocab, 2)
-    seen = _compare(target, draft, lambda: NgramDraft(vocab, 2), prompt, fields, f"{pair}/{name}")
+    seen = _compare(
+        target,
+        draft,
+        lambda: NgramDraft(vocab, 2, min_support=min_support),
+        prompt,
+        fields,
+        f"{pair}/{name}",
+    )
     assert seen["iterations"] >= 2 * len(SEEDS) and seen["failed layers"] > 0, seen
