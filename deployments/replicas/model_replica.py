@@ -35,7 +35,7 @@ from deployments.replicas.allocator import (
 )
 from deployments.replicas.continuous_batch import ContinuousBatcher
 from dsbd_core.algorithm.cost_model import ForwardCosts
-from dsbd_core.algorithm.ngram_draft import LOOKUP_DRAFT, NgramDraft
+from dsbd_core.algorithm.ngram_draft import LOOKUP_DRAFT, NgramDraft, describe_lookup
 from dsbd_core.algorithm.session_batch import Job, SessionBatcher
 from dsbd_core.models import load_causal_lm, stop_token_ids
 from dsbd_core.models.calibrate import model_costs, pass_rate_inputs
@@ -259,7 +259,7 @@ class ModelReplica:
         self.max_positions = 1 << 20
         ngram_max = self.options.variant.ngram_max
         self.scorer = NgramDraft(self.vocab_size, ngram_max)
-        self.variant = f"prompt lookup, n-grams up to {ngram_max}"
+        self.variant = describe_lookup(ngram_max)
         self.support_size = min(LOOKUP_SUPPORT, self.vocab_size)
         self.costs = LOOKUP_COSTS
         self.identity = {"model": f"{LOOKUP_DRAFT}-{ngram_max}", "variant": self.variant}

@@ -62,6 +62,11 @@ def check_ngram_max(value: int, field: str = "ngram_max") -> int:
     return value
 
 
+def describe_lookup(ngram_max: int) -> str:
+    """The draft in words, as entry points print and record it."""
+    return f"prompt lookup, n-grams up to {ngram_max}"
+
+
 class NgramDraft:
     """The prompt-lookup draft (module doc): next-token distributions from suffix matches.
 
@@ -84,9 +89,6 @@ class NgramDraft:
     @property
     def vocab_size(self) -> int:
         return self._vocab
-
-    def describe(self) -> str:
-        return f"prompt lookup, n-grams up to {self.ngram_max}"
 
     def set_roots(self, roots: Roots) -> None:
         tokens, lengths, alive = roots.tokens, roots.lengths, roots.alive

@@ -29,6 +29,7 @@ from dsbd_core.algorithm.ngram_draft import (
     NGRAM_MAX,
     NGRAM_MIN,
     NgramDraft,
+    describe_lookup,
     ngram_max_problem,
 )
 from dsbd_core.models.calibrate import calibrate, forward_costs, machine, pass_rate_inputs
@@ -210,7 +211,7 @@ def load_pair(
     if draft is None:
         return LoadedPair(loaded_target, None, torch_dtype, reason, "", device, path)
     if draft == LOOKUP_DRAFT:
-        lookup = f"prompt lookup, n-grams up to {options.ngram_max}"
+        lookup = describe_lookup(options.ngram_max)
         return LoadedPair(
             loaded_target, None, torch_dtype, reason, lookup, device, path, options.ngram_max
         )

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from dsbd_core.algorithm.config import SamplingConfig
+from dsbd_core.algorithm.ngram_draft import describe_lookup
 from dsbd_core.tools.bench.humaneval import check_completion, default_sandbox, truncate_completion
 from dsbd_core.tools.bench.measure import EnergyMeter, measured
 from dsbd_core.tools.bench.methods import MethodSpec, parse_methods
@@ -92,7 +93,10 @@ def run_bench(
         calibration = loaded.calibration(force=recalibrate, say=say)
     if any(s.lookup for s in adaptive):  # the same target with the prompt-lookup draft
         lookup = dataclasses.replace(
-            loaded, draft=None, lookup=config.ngram_max, draft_variant="prompt lookup"
+            loaded,
+            draft=None,
+            lookup=config.ngram_max,
+            draft_variant=describe_lookup(config.ngram_max),
         )
         lookup_calibration = lookup.calibration(force=recalibrate, say=say)
     pair = Pair(
