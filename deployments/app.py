@@ -29,6 +29,7 @@ from deployments.replicas.model_replica import ModelOptions
 from deployments.replicas.tp_group import worker_bundle
 from deployments.replicas.verifier import Verifier
 from dsbd_core.algorithm.cost_model import CostPolicy
+from dsbd_core.algorithm.ngram_draft import LOOKUP_DRAFT
 
 # Resources Ray schedules by name that `Resources` sets through its own fields.
 BUILTIN_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
@@ -213,6 +214,16 @@ class AppArgs(BaseModel):
         return self
 
     @model_validator(mode="after")
+    def _lookup_drafts_only(self) -> AppArgs:
+        """'ngram' names the prompt-lookup draft: it has no weights to verify with."""
+        if self.target.source == LOOKUP_DRAFT:
+            raise ValueError(
+                f"target.source={LOOKUP_DRAFT!r}: the prompt-lookup draft cannot be the target; "
+                "allowed: a preset, a transformers directory, a .gguf file or a hub id"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _devices_match_resources(self) -> AppArgs:
         """A model's device and TP size must agree with its deployment's GPUs."""
         for model, resources, side in (
@@ -252,7 +263,7 @@ def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
     inherited = _application_runtime_env()
     draft = Draft.options(
         **config.draft_resources.options(config.draft, inherited), **routing
-    ).bind(config.draft.model_dump())
+    ).bind(config.draft.model_dump(), config.target.source)  # the look-up: the target's vocab
     verifier = Verifier.options(
         **config.verifier_resources.options(config.target, inherited), **routing
     ).bind(config.target.model_dump())

@@ -51,6 +51,7 @@ def prepare_models(schema: Any) -> None:
     Raises ServeSetupError naming the application (and the field for tensor parallelism).
     """
     from deployments.app import AppArgs
+    from dsbd_core.algorithm.ngram_draft import LOOKUP_DRAFT
     from dsbd_core.models import ModelSourceError, resolve_source
     from dsbd_core.models.tensor_parallel import TensorParallelError, check_split, model_config
 
@@ -59,12 +60,16 @@ def prepare_models(schema: Any) -> None:
             continue
         args = AppArgs.model_validate(app.args or {})
         for side, model in (("target", args.target), ("draft", args.draft)):
+            if side == "draft" and model.source == LOOKUP_DRAFT:
+                continue  # the prompt-lookup draft: no weights to prepare
             try:
                 resolve_source(model.source)
                 if model.tp_size > 1:  # refused here, before any replica starts
                     check_split(model_config(model.source), model.tp_size)
             except ModelSourceError as error:
-                raise ServeSetupError(f"{app.name}: {error}") from None
+                allowed = f"; or {LOOKUP_DRAFT!r} (the prompt-lookup draft)" * (side == "draft")
+                where = f"{app.name}.args.{side}.source={model.source!r}"
+                raise ServeSetupError(f"{where}: {error}{allowed}") from None
             except TensorParallelError as error:
                 where = f"{app.name}.args.{side}.tp_size={model.tp_size}"
                 raise ServeSetupError(f"{where}: {error}") from None

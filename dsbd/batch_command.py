@@ -78,7 +78,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     model = parser.add_argument_group("models and row defaults (a row's own fields win)")
     model.add_argument("--method", choices=METHODS, default="dsbd", help="default: dsbd")
     model.add_argument("--target", default=DEFAULT_TARGET, help="preset, dir, .gguf or hub id")
-    model.add_argument("--draft", default=DEFAULT_DRAFT, help="draft model; same vocabulary")
+    model.add_argument(
+        "--draft",
+        default=DEFAULT_DRAFT,
+        help="draft model; same vocabulary; or 'ngram': the prompt-lookup draft (no weights)",
+    )
     model.add_argument(
         "--chat",
         action=argparse.BooleanOptionalAction,
@@ -176,7 +180,9 @@ def _plan(args: argparse.Namespace) -> BatchJob:
             decode_path=args.decode_path,
             threads=threads,
             draft_variant=DraftOptions(
-                quantize=args.draft_quantize, head_tokens=args.draft_head_tokens
+                quantize=args.draft_quantize,
+                head_tokens=args.draft_head_tokens,
+                ngram_max=args.ngram_max,
             ),
             fixed_knobs=args.fixed_knobs,
             recalibrate=args.recalibrate,

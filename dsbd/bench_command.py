@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -29,7 +30,14 @@ from pydantic import ValidationError
 from dsbd.bench import batch, chaos, load, serve, soak
 from dsbd.common import add_pair_flags
 from dsbd_core.algorithm.config import config_error_message
-from dsbd_core.tools.bench.methods import GRAMMAR, MethodNameError, parse_methods, with_references
+from dsbd_core.algorithm.ngram_draft import LOOKUP_DRAFT
+from dsbd_core.tools.bench.methods import (
+    GRAMMAR,
+    LOOKUP_FAMILIES,
+    MethodNameError,
+    parse_methods,
+    with_references,
+)
 from dsbd_core.tools.bench.pairs import PAIRS
 from dsbd_core.tools.bench.prompts import PROMPT_SETS
 
@@ -180,9 +188,14 @@ def build_config(args: argparse.Namespace) -> BenchConfig:
     if not 1 <= prompts <= available:
         raise ValueError(f"--prompts={prompts}: allowed: 1..{available} for set {prompt_set}")
     draft = args.draft or (preset.draft if preset else None)
-    if draft is None and any(s.uses_draft for s in specs):
-        needing = [s.name for s in specs if s.uses_draft]
-        raise ValueError(f"methods {needing} need a draft: pass --draft")
+    if draft == LOOKUP_DRAFT:  # every drafting method drafts with the prompt lookup
+        specs = [replace(s, lookup=True) if s.family in LOOKUP_FAMILIES else s for s in specs]
+        draft = None
+    if draft is None and any(s.uses_draft_model for s in specs):
+        needing = [s.name for s in specs if s.uses_draft_model]
+        raise ValueError(
+            f"methods {needing} need a draft model: pass --draft (or -ng: the prompt lookup)"
+        )
     return BenchConfig(
         pair=args.pair,
         target=args.target or preset.target,
@@ -202,6 +215,7 @@ def build_config(args: argparse.Namespace) -> BenchConfig:
         decode_path=args.decode_path,
         draft_quantize=args.draft_quantize,
         draft_head_tokens=args.draft_head_tokens,
+        ngram_max=args.ngram_max,
         threads=args.threads,
         warmup_tokens=args.warmup_tokens,
         timing_rounds=args.timing_rounds,

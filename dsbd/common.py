@@ -87,6 +87,14 @@ def add_pair_flags(parser: argparse.ArgumentParser, *, knobs: bool = True) -> No
         "0: the full head; default: 32768 for vocabularies over 65536, else the full head",
     )
     group.add_argument(
+        "--ngram-max",
+        type=int,
+        default=3,
+        metavar="N",
+        help="--draft ngram (the prompt-lookup draft: no weights, drafts from the text "
+        "itself) only: the longest suffix it matches, 1..16 (default: 3)",
+    )
+    group.add_argument(
         "--decode-path",
         choices=("auto", "dynamic", "static"),
         default="auto",

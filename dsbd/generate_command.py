@@ -45,7 +45,10 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "--target", default=DEFAULT_TARGET, help="preset, local dir, .gguf file or hub id"
     )
     parser.add_argument(
-        "--draft", default=DEFAULT_DRAFT, help="draft model (dsbd and sps only); same vocabulary"
+        "--draft",
+        default=DEFAULT_DRAFT,
+        help="draft model (dsbd, sps, spec_beam_search); same vocabulary; or 'ngram': the "
+        "prompt-lookup draft (no weights: drafts from the text itself)",
     )
     parser.add_argument(
         "--chat",
@@ -73,7 +76,11 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         config = config_from_args(args)
-        options = DraftOptions(quantize=args.draft_quantize, head_tokens=args.draft_head_tokens)
+        options = DraftOptions(
+            quantize=args.draft_quantize,
+            head_tokens=args.draft_head_tokens,
+            ngram_max=args.ngram_max,
+        )
     except ValidationError as error:
         print(config_error_message(error), file=sys.stderr)
         return 2
@@ -134,7 +141,9 @@ def _generate(args: argparse.Namespace, config: SamplingConfig, options: DraftOp
         args.method, target, prompt_ids, config, draft=draft, controller=controller, stop=stop
     )
     decode_s = time.perf_counter() - start
-    report = _report(args, config, pair.target, pair.draft, prompt_ids, result, load_s, decode_s)
+    report = _report(
+        args, config, pair.target, pair.draft_name, prompt_ids, result, load_s, decode_s
+    )
     report["models"] = pair.describe()
     report["dtype"] = pair.dtype_name
     report["knobs"] = "fixed" if controller is None else {"gamma": controller.chosen}
@@ -150,7 +159,7 @@ def _report(
     args: argparse.Namespace,
     config: SamplingConfig,
     target: LoadedModel,
-    draft: LoadedModel | None,
+    draft: str | None,
     prompt_ids: list[int],
     result: DecodeResult,
     load_s: float,
@@ -168,7 +177,7 @@ def _report(
     return {
         "method": args.method,
         "target": target.name,
-        "draft": draft.name if draft is not None else None,
+        "draft": draft,
         "prompt": args.prompt,
         "prompt_tokens": len(prompt_ids),
         "config": config.model_dump(mode="json"),

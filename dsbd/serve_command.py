@@ -81,6 +81,21 @@ def add_arguments(serve: argparse.ArgumentParser) -> None:
         help="shard every application's target over N tensor-parallel ranks "
         "(overrides target.tp_size of the config)",
     )
+    serve.add_argument(
+        "--draft",
+        default=None,
+        metavar="SOURCE",
+        help="every application's draft (overrides draft.source of the config): a preset, "
+        "directory, .gguf file or hub id, or 'ngram': the prompt-lookup draft (no weights)",
+    )
+    serve.add_argument(
+        "--ngram-max",
+        type=int,
+        default=None,
+        metavar="N",
+        help="the prompt-lookup draft's longest matched suffix, 1..16 (overrides "
+        "draft.variant.ngram_max of the config)",
+    )
 
 
 def print_ray_env() -> int:
@@ -97,8 +112,17 @@ def print_ray_env() -> int:
     return 0
 
 
-def load_config(path: Path | None, host: str, port: int, tp_size: int | None = None) -> Any:
-    """The validated Serve config (ServeDeploySchema); exits with a clear message if bad."""
+def load_config(
+    path: Path | None,
+    host: str,
+    port: int,
+    tp_size: int | None = None,
+    *,
+    draft: str | None = None,
+    ngram_max: int | None = None,
+) -> Any:
+    """The validated Serve config (ServeDeploySchema); exits with a clear message if bad.
+    `tp_size`, `draft` and `ngram_max` (the flags) override every application's."""
     from ray.serve.schema import ServeDeploySchema
 
     if path is None:
@@ -131,12 +155,26 @@ def load_config(path: Path | None, host: str, port: int, tp_size: int | None = N
                 args = dict(app.args or {})
                 target = AppArgs().target.model_dump() | dict(args.get("target") or {})
                 app.args = args | {"target": target | {"tp_size": tp_size}}
+            if draft is not None or ngram_max is not None:
+                app.args = _with_draft(dict(app.args or {}), draft, ngram_max)
             try:
                 AppArgs.model_validate(app.args or {})
             except ValidationError as error:
                 message = config_error_message(error).replace("\n", f"\n  {app.name}.args.")
                 raise SystemExit(fail(f"--config: {app.name}.args.{message}")) from None
     return schema
+
+
+def _with_draft(args: dict[str, Any], source: str | None, ngram_max: int | None) -> dict:
+    """An application's args with the draft the flags name."""
+    from deployments.app import AppArgs
+
+    draft = AppArgs().draft.model_dump() | dict(args.get("draft") or {})
+    if source is not None:
+        draft["source"] = source
+    if ngram_max is not None:
+        draft["variant"] = dict(draft.get("variant") or {}) | {"ngram_max": ngram_max}
+    return args | {"draft": draft}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -153,7 +191,14 @@ def run(args: argparse.Namespace) -> int:
             f"or >= {OBJECT_STORE_MINIMUM_MIB} (Ray's minimum)"
         )
         raise SystemExit(fail(message))
-    schema = load_config(args.config, args.host, args.port, args.tp_size)
+    schema = load_config(
+        args.config,
+        args.host,
+        args.port,
+        args.tp_size,
+        draft=args.draft,
+        ngram_max=args.ngram_max,
+    )
     try:
         prepare_models(schema)
     except ServeSetupError as error:

@@ -6,6 +6,7 @@ Pure torch (+ transformers for real models); knows nothing of Ray.
 from dsbd_core.algorithm.config import SamplingConfig, config_error_message
 from dsbd_core.algorithm.decoders import generate, generate_batch
 from dsbd_core.algorithm.methods import METHODS
+from dsbd_core.algorithm.ngram_draft import NgramDraft
 from dsbd_core.algorithm.result import Beam, DecodeResult, DecodeStats
 from dsbd_core.algorithm.scorer import ForestLayer, ForestLogprobs, ForestScorer, Origin
 from dsbd_core.algorithm.table_scorer import TableScorer
@@ -18,6 +19,7 @@ __all__ = [
     "ForestLayer",
     "ForestLogprobs",
     "ForestScorer",
+    "NgramDraft",
     "Origin",
     "SamplingConfig",
     "TableScorer",

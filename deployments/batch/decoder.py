@@ -116,8 +116,8 @@ class BatchDecoder:
             draft_options=s.draft_variant,
             decode_path=s.decode_path,
         )
-        assert pair.draft is not None
-        self.target, self.draft = pair.target, pair.draft
+        assert pair.has_draft  # a model, or the prompt lookup (`draft: ngram`)
+        self.target = pair.target
         # the cost model's calibration: measured once per machine and cached (same tokens for
         # the same seed on every actor of the machine)
         self.calibration = (

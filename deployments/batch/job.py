@@ -149,13 +149,19 @@ def run_job(job: BatchJob, *, address: str | None = None, progress: bool = True)
 # --------------------------------------------------------------------------- checks
 def check_models(settings: DecoderSettings) -> None:
     """Presets converted once here (not in every actor at once); unknown sources refused."""
+    from dsbd_core.algorithm.ngram_draft import LOOKUP_DRAFT
     from dsbd_core.models import ModelSourceError, resolve_source
 
     for flag, source in (("--target", settings.target), ("--draft", settings.draft)):
+        if flag == "--draft" and source == LOOKUP_DRAFT:
+            continue  # the prompt-lookup draft: no weights
         try:
             resolve_source(source)
         except ModelSourceError as error:
-            raise UsageError(f"{flag} {source!r}: {error}") from None
+            allowed = (
+                f"; or {LOOKUP_DRAFT!r} (the prompt-lookup draft)" if flag == "--draft" else ""
+            )
+            raise UsageError(f"{flag} {source!r}: {error}{allowed}") from None
 
 
 def check_output(out: OutputDir, settings: DecoderSettings, *, overwrite: bool) -> None:

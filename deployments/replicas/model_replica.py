@@ -35,12 +35,14 @@ from deployments.replicas.allocator import (
 )
 from deployments.replicas.continuous_batch import ContinuousBatcher
 from dsbd_core.algorithm.cost_model import ForwardCosts
+from dsbd_core.algorithm.ngram_draft import LOOKUP_DRAFT, NgramDraft, describe_lookup
 from dsbd_core.algorithm.session_batch import Job, SessionBatcher
 from dsbd_core.models import load_causal_lm, stop_token_ids
 from dsbd_core.models.calibrate import model_costs, pass_rate_inputs
 from dsbd_core.models.decode_path import make_scorer, resolve_decode_path
 from dsbd_core.models.draft_variants import head_support
 from dsbd_core.models.dtypes import dtype_name, resolve_dtype
+from dsbd_core.models.lookup_calibration import LOOKUP_COSTS, LOOKUP_SUPPORT
 from dsbd_core.models.pair import DraftOptions, model_identity, prepare_draft
 from dsbd_core.models.static_scorer import StaticScorer
 from dsbd_core.models.tensor_parallel import INIT_TIMEOUT_S, model_config
@@ -53,7 +55,11 @@ class ModelOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    source: str = Field(..., description="Preset, transformers directory, .gguf file or hub id.")
+    source: str = Field(
+        ...,
+        description="Preset, transformers directory, .gguf file or hub id; the draft may also "
+        "be 'ngram': the prompt-lookup draft (no weights; its bound: variant.ngram_max).",
+    )
     dtype: str = Field(
         "auto",
         pattern="^(auto|float32|bfloat16|float64)$",
@@ -151,7 +157,11 @@ class ModelReplica:
     SPAN = "dsbd.model"  # the name of the span of each call (dsbd.draft, dsbd.verify)
     CHEAP_VARIANT = False  # the Draft applies `ModelOptions.variant` (int8, restricted head)
 
-    def __init__(self, options: dict[str, Any] | ModelOptions) -> None:
+    def __init__(
+        self, options: dict[str, Any] | ModelOptions, target_source: str | None = None
+    ) -> None:
+        """`target_source`: the target's, where this replica hosts the prompt-lookup draft
+        (`source: ngram`): its vocabulary size is the target's."""
         self.options = ModelOptions.model_validate(options)
         torch.set_num_threads(self.options.threads)
         torch_dtype, self.dtype_reason = resolve_dtype(self.options.dtype, self.options.device)
@@ -164,7 +174,10 @@ class ModelReplica:
         self.pass_rate_inputs: dict[str, Any] | None = None
         self.variant, self.support_size = "", None
         self.decode_path = "dynamic"  # a tensor-parallel group runs the dynamic path
-        if self.options.tp_size > 1:
+        memory: dict[str, Any] | None = None
+        if self.options.source == LOOKUP_DRAFT:
+            self._host_lookup(target_source)
+        elif self.options.tp_size > 1:
             from deployments.replicas.tp_group import TensorParallelScorer
 
             self.tp_group = TensorParallelScorer(
@@ -218,9 +231,11 @@ class ModelReplica:
             self.pass_rate_inputs = pass_rate_inputs(loaded)
             kv = kv_bytes_per_token(model.config, torch_dtype)
             free = device_free_bytes(self.options.device)
-        self.memory = replica_memory(
-            kv, self.options.session_memory_bytes, self.options.session_memory_fraction, free
-        )
+        if self.options.source != LOOKUP_DRAFT:  # the look-up keeps no KV cache to admit
+            memory = replica_memory(
+                kv, self.options.session_memory_bytes, self.options.session_memory_fraction, free
+            )
+        self.memory = memory
         self.batcher = SessionBatcher(
             self.scorer, ttl_s=self.options.session_ttl_s, max_sessions=self.options.max_sessions
         )
@@ -232,6 +247,22 @@ class ModelReplica:
         self._recent: dict[str, float] = {}  # session -> last call time (batch-wait policy)
         self._released: dict[str, float] = {}  # session -> when released (see `release`)
         self._batcher: ContinuousBatcher | None = None
+
+    def _host_lookup(self, target_source: str | None) -> None:
+        """The prompt-lookup draft instead of a model (issue 48): no weights, no KV cache, no
+        forward to price (`LOOKUP_COSTS`); the router calibrates the pair through it as it
+        does a model draft's (its pass rates and iteration seconds, cached per machine)."""
+        if target_source is None:
+            raise ValueError(f"source={LOOKUP_DRAFT!r}: the draft needs the target's source")
+        config = model_config(target_source).get_text_config(decoder=True)
+        self.vocab_size = int(config.vocab_size)
+        self.max_positions = 1 << 20
+        ngram_max = self.options.variant.ngram_max
+        self.scorer = NgramDraft(self.vocab_size, ngram_max)
+        self.variant = describe_lookup(ngram_max)
+        self.support_size = min(LOOKUP_SUPPORT, self.vocab_size)
+        self.costs = LOOKUP_COSTS
+        self.identity = {"model": f"{LOOKUP_DRAFT}-{ngram_max}", "variant": self.variant}
 
     async def run_jobs(self, jobs: list[Job]) -> tuple[list[Any], SideReport]:
         """Run one batch (one at a time) in a worker thread; returns values and the report."""

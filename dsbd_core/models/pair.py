@@ -19,14 +19,24 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from dsbd_core.algorithm.config import SamplingConfig
 from dsbd_core.algorithm.cost_model import Calibration
+from dsbd_core.algorithm.ngram_draft import (
+    LOOKUP_DRAFT,
+    NGRAM_DEFAULT,
+    NGRAM_MAX,
+    NGRAM_MIN,
+    NgramDraft,
+    describe_lookup,
+    ngram_max_problem,
+)
 from dsbd_core.models.calibrate import calibrate, forward_costs, machine, pass_rate_inputs
 from dsbd_core.models.decode_path import make_scorer, resolve_decode_path
 from dsbd_core.models.draft_variants import head_support, quantize_int8, restrict_head
 from dsbd_core.models.dtypes import dtype_name, resolve_dtype
+from dsbd_core.models.errors import ModelSourceError
 from dsbd_core.models.loading import LoadedModel, check_same_vocabulary, load_causal_lm
 from dsbd_core.models.presets import cache_root
 from dsbd_core.models.row_chunks import chunk_linear_rows
@@ -59,6 +69,20 @@ class DraftOptions(BaseModel):
         f"(auto): {AUTO_HEAD_TOKENS} when the vocabulary exceeds {LARGE_VOCABULARY}, else 0.",
     )
 
+    ngram_max: int = Field(
+        NGRAM_DEFAULT,
+        description=f"The prompt-lookup draft (draft '{LOOKUP_DRAFT}') only: the longest suffix "
+        f"it matches in the context ({NGRAM_MIN}..{NGRAM_MAX}).",
+    )
+
+    @field_validator("ngram_max", mode="before")
+    @classmethod
+    def _ngram_range(cls, value: object) -> object:
+        problem = ngram_max_problem(value)
+        if problem is not None:
+            raise ValueError(problem)  # pydantic names the field and the value
+        return value
+
     def head_for(self, vocab_size: int) -> int:
         if self.head_tokens is not None:
             return self.head_tokens
@@ -76,6 +100,19 @@ class LoadedPair:
     draft_variant: str  # e.g. "int8 linear layers, head 32770 of 151936 tokens"
     device: str = "cpu"
     decode_path: str = "dynamic"  # resolved: dynamic or static (`decode_path.py`)
+    # the prompt-lookup draft (`--draft ngram`): its n-gram bound; `draft` is then None
+    lookup: int | None = None
+
+    @property
+    def has_draft(self) -> bool:
+        """A draft takes part: a model, or the prompt lookup."""
+        return self.draft is not None or self.lookup is not None
+
+    @property
+    def draft_name(self) -> str | None:
+        if self.lookup is not None:
+            return LOOKUP_DRAFT
+        return self.draft.name if self.draft is not None else None
 
     @property
     def dtype_name(self) -> str:
@@ -86,7 +123,7 @@ class LoadedPair:
         return stop_token_ids(self.target)
 
     def describe(self) -> str:
-        draft = f"; draft {self.draft.name}: {self.draft_variant}" if self.draft else ""
+        draft = f"; draft {self.draft_name}: {self.draft_variant}" if self.has_draft else ""
         return (
             f"target {self.target.name}: {self.dtype_reason}{draft}; {self.decode_path} decode path"
         )
@@ -102,7 +139,7 @@ class LoadedPair:
         """What the pair's costs depend on besides the machine (the calibration's cache key)."""
         return {
             "target": model_identity(self.target),
-            "draft": model_identity(self.draft) if self.draft else None,
+            "draft": model_identity(self.draft) if self.draft else self._lookup_identity(),
             "draft_variant": self.draft_variant,
             "dtype": self.dtype_name,
             "device": self.device,
@@ -110,10 +147,17 @@ class LoadedPair:
             "description": self.describe(),
         }
 
+    def _lookup_identity(self) -> str | None:
+        return f"{LOOKUP_DRAFT}-{self.lookup}" if self.lookup is not None else None
+
     def calibration(
         self, *, force: bool = False, say: Callable[[str], None] = print
     ) -> Calibration:
         """The cost model's calibration for this pair here (measured once, then cached)."""
+        if self.lookup is not None:
+            from dsbd_core.models.lookup_calibration import calibrate_lookup
+
+            return calibrate_lookup(self, force=force, say=say)
         draft = self.draft.model if self.draft is not None else None
         support = head_support(draft) if draft is not None else None
         prompts = pass_rate_inputs(self.target)["prompts"]
@@ -130,9 +174,13 @@ class LoadedPair:
             stop_ids=self.stop_ids,
         )
 
-    def scorers(self) -> tuple[TransformerScorer, TransformerScorer | None]:
+    def scorers(self) -> tuple[TransformerScorer, TransformerScorer | NgramDraft | None]:
         """New scorers of the target and the draft on the pair's decode path."""
-        draft = make_scorer(self.draft.model, self.decode_path) if self.draft else None
+        draft: TransformerScorer | NgramDraft | None = None
+        if self.lookup is not None:
+            draft = NgramDraft(self.target.vocab_size, self.lookup)
+        elif self.draft is not None:
+            draft = make_scorer(self.draft.model, self.decode_path)
         return make_scorer(self.target.model, self.decode_path), draft
 
 
@@ -154,17 +202,27 @@ def load_pair(
 ) -> LoadedPair:
     """Load `target` (and `draft`) in the dtype `dtype` means on `device`; make the draft cheap
     as `draft_options` say; check that they share a vocabulary. `decode_path` (auto, dynamic,
-    static) is checked first."""
+    static) is checked first. `draft` 'ngram' is the prompt-lookup draft (no weights)."""
     path = resolve_decode_path(decode_path, device)
     torch_dtype, reason = resolve_dtype(dtype, device)
+    options = draft_options or DraftOptions()
     loaded_target = load_causal_lm(target, dtype=torch_dtype)
     loaded_target.model.to(device)
     if draft is None:
         return LoadedPair(loaded_target, None, torch_dtype, reason, "", device, path)
-    loaded_draft = load_causal_lm(draft, dtype=torch_dtype)
+    if draft == LOOKUP_DRAFT:
+        lookup = describe_lookup(options.ngram_max)
+        return LoadedPair(
+            loaded_target, None, torch_dtype, reason, lookup, device, path, options.ngram_max
+        )
+    try:
+        loaded_draft = load_causal_lm(draft, dtype=torch_dtype)
+    except ModelSourceError as error:
+        raise ModelSourceError(
+            f"draft: {error}; or {LOOKUP_DRAFT!r} (the prompt-lookup draft)"
+        ) from None
     check_same_vocabulary(loaded_target, loaded_draft)
     loaded_draft.model.to(device)
-    options = draft_options or DraftOptions()
     variant = prepare_draft(loaded_draft, options, stop_token_ids(loaded_target))
     return LoadedPair(loaded_target, loaded_draft, torch_dtype, reason, variant, device, path)
 

@@ -19,6 +19,7 @@ from transformers import GenerationConfig, LlamaForCausalLM
 
 from dsbd_core import SamplingConfig, generate
 from dsbd_core.algorithm.lockstep import Request, decode_lockstep
+from dsbd_core.algorithm.ngram_draft import NgramDraft
 from dsbd_core.algorithm.session_batch import SessionBatcher
 from dsbd_core.models import load_causal_lm, load_tokenizer
 from dsbd_core.models.transformer_scorer import TransformerScorer
@@ -177,6 +178,33 @@ def test_beam_search_equals_transformers_on_the_embedded_style_target(tmp_path: 
         assert_same_hypotheses(
             ours("spec_beam_search", target, prompt, draft, **knobs), expected, context
         )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", [1, 2])
+def test_spec_beam_search_with_the_ngram_draft_gives_beam_searchs_tokens(seed: int) -> None:
+    """The prompt-lookup draft (issue 48): transformers' hypotheses, token for token, whether
+    the context matches (repeating prompts; the search's own loops) or not (a first token)."""
+    target = random_llama(seed, eos_boost=1.0)
+    prompts = [[3, 5, 7, 3, 5, 7, 3], [9, 4, 4, 8, 9, 4, 4], [11]]
+    accepted = 0
+    for i, (width, penalty, early, max_new) in enumerate(GRID[::2]):
+        prompt = prompts[i % len(prompts)]
+        expected = hf_search(target, prompt, width, (0,), max_new, penalty, early)
+        config = SamplingConfig(
+            width=width,
+            length_penalty=penalty,
+            early_stopping=early,
+            max_new_tokens=max_new,
+            eos_token_ids=(0,),
+            gamma=2 + i % 3,
+        )
+        draft = NgramDraft(target.config.vocab_size, 1 + i % 4)
+        got = generate("spec_beam_search", TransformerScorer(target), prompt, config, draft)
+        context = {"case": (width, penalty, early, max_new, prompt), "eos": (0,)}
+        assert_same_hypotheses(got, expected, context)
+        accepted += got.stats.accepted_tokens
+    assert accepted > 0  # the look-up's forests were verified, and some of them passed
 
 
 @pytest.mark.parametrize("width", [1, 3])

@@ -7,18 +7,21 @@ one that starts from the pair's measured rates drafts only where the measurement
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from dsbd_core import SamplingConfig
+from dsbd_core import SamplingConfig, TableScorer
 from dsbd_core.algorithm.cost_model import Calibration, CostController, CostPolicy, ForwardCosts
 from dsbd_core.algorithm.decoders import generate
 from dsbd_core.algorithm.iteration_timer import IterationTimer
 from dsbd_core.algorithm.methods import method_config
+from dsbd_core.algorithm.ngram_draft import NgramDraft
 from dsbd_core.models.calibrate import calibrate, measure_iteration_seconds, measure_pass_rates
+from dsbd_core.models.lookup_calibration import LOOKUP_COSTS
 from dsbd_core.models.transformer_scorer import TransformerScorer
 from tests.models.test_engine_transformers import tiny
 
@@ -236,3 +239,39 @@ def test_beyond_the_budget_a_draft_is_run_only_on_a_bet_worth_its_risk() -> None
     assert betting.knobs(state).gamma > 0  # type: ignore[arg-type]
     wary = CostController(config, cal, CostPolicy(bet_ratio=100.0))
     assert wary.knobs(state).gamma == 0  # type: ignore[arg-type]
+
+
+def _counting_table(vocab: int, period: int) -> torch.Tensor:
+    """A bigram target that counts: v -> (v + 1) mod `period` with probability 0.99."""
+    logp = torch.full((vocab, vocab), math.log(0.01 / (vocab - 1)), dtype=torch.float64)
+    for v in range(vocab):
+        logp[v, (v + 1) % period] = math.log(0.99)
+    return logp
+
+
+@pytest.mark.parametrize("period", [4, 64])
+@pytest.mark.parametrize(("method", "knobs"), [("dsbd", {"threshold": 0.7}), ("sps", {})])
+def test_the_ngram_draft_is_drafted_where_the_text_repeats_and_not_where_it_does_not(
+    method: str, knobs: dict, period: int
+) -> None:
+    """The prompt-lookup draft priced like any draft (zero forward cost, the policy's priors):
+    a request whose text repeats (period 4) keeps drafting and its layers pass; one whose text
+    does not repeat (64 tokens counted from 0) finds empty layers and ends decoding as beam
+    sampling does. (Fixed width W = 3 needs three distinct accepted drafts a layer, which a
+    look-up whose every match is followed by one token cannot give: dynamic width can.)"""
+    calibration = Calibration(target=COSTS["target"], draft=LOOKUP_COSTS)
+    config = method_config(method, SamplingConfig(max_new_tokens=48, seed=0, **knobs))
+    controller = CostController(config, calibration)
+    result = generate(
+        method,
+        TableScorer(_counting_table(64, period)),
+        [0],
+        config,
+        draft=NgramDraft(64),
+        controller=controller,
+    )
+    drafted = sum(gamma > 0 for gamma in controller.chosen[-12:])
+    if period == 4:
+        assert drafted == 12 and result.stats.target_passes_per_token < 0.5
+    else:
+        assert drafted == 0 and result.stats.accepted_tokens == 0

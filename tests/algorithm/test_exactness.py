@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from dsbd_core import SamplingConfig, TableScorer, generate_batch
+from dsbd_core import ForestScorer, SamplingConfig, TableScorer, generate_batch
+from dsbd_core.algorithm.ngram_draft import NgramDraft
 from tests.exact_reference import (
     TableLM,
     assert_matches,
@@ -43,18 +44,27 @@ def outcomes_of(results: list) -> list[tuple[tuple[int, ...], ...]]:
     return [tuple(sorted(tuple(beam.token_ids) for beam in r.beams)) for r in results]
 
 
-def decode(method: str, target: np.ndarray, draft: np.ndarray | None, **config) -> list:
+def decode(
+    method: str,
+    target: np.ndarray,
+    draft: np.ndarray | ForestScorer | None,
+    prompt: list[int] = PROMPT,
+    **config,
+) -> list:
+    """RUNS sessions of `prompt` in one call; `draft`: a table, or a scorer (NgramDraft)."""
     cfg = SamplingConfig(
         max_new_tokens=MAX_NEW, eos_token_ids=(EOS,), seed=config.pop("seed", 0), **config
     )
-    draft_scorer = TableScorer(torch.from_numpy(draft)) if draft is not None else None
+    draft_scorer = TableScorer(torch.from_numpy(draft)) if isinstance(draft, np.ndarray) else draft
     return generate_batch(
-        method, TableScorer(torch.from_numpy(target)), [PROMPT] * RUNS, cfg, draft_scorer
+        method, TableScorer(torch.from_numpy(target)), [prompt] * RUNS, cfg, draft_scorer
     )
 
 
-def exact_beam(target: np.ndarray, width: int, mode: str, **filters) -> dict:
-    return beam_sampling_outcomes(TableLM(target), PROMPT, width, MAX_NEW, mode, {EOS}, **filters)
+def exact_beam(
+    target: np.ndarray, width: int, mode: str, prompt: list[int] = PROMPT, **filters
+) -> dict:
+    return beam_sampling_outcomes(TableLM(target), prompt, width, MAX_NEW, mode, {EOS}, **filters)
 
 
 GRID = [(w, g) for w in (1, 2, 3) for g in (1, 2, 3)]
@@ -163,3 +173,46 @@ def test_disjoint_supports_emit_one_token_per_iteration_and_stay_exact() -> None
         assert r.stats.widths[0] == [1]
     # with zero acceptance the residual is P, so even dynamic width is plain beam sampling
     assert_matches(outcomes_of(results), exact_beam(logp, 2, "distinct"), "disjoint supports")
+
+
+# The prompt-lookup draft (issue 48): [1] has no match at the first iteration (an empty first
+# layer: a beam step's tokens), later contexts match where tokens repeat; the longer prompt
+# matches at once, with n-grams of 1 and 2. Dynamic width and lean memory at W > 1 have a law of
+# their own (random-width beam sampling, ALGORITHM.md §4.4): test_reference_iteration decodes
+# them with the n-gram draft draw for draw against the reference.
+NGRAM_PROMPTS = [[1], [1, 2, 1, 3, 1, 2]]
+NGRAM_CASES = [
+    ("distinct-w3-g3", {"width": 3, "gamma": 3, "mode": "distinct"}),
+    ("distinct-w2-g2-ws3", {"width": 2, "gamma": 2, "draft_width": 3, "mode": "distinct"}),
+    ("iid-w2-g2", {"width": 2, "gamma": 2, "mode": "with_replacement"}),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("prompt", NGRAM_PROMPTS, ids=["no-match-first", "matches"])
+@pytest.mark.parametrize(("name", "knobs"), NGRAM_CASES, ids=[c[0] for c in NGRAM_CASES])
+def test_fixed_width_dsbd_with_the_ngram_draft_equals_target_beam_sampling(
+    prompt: list[int], name: str, knobs: dict
+) -> None:
+    target, _ = tables(seed=53)  # p(1 | 1) = 0.36: the repeats the draft proposes pass
+    draft = NgramDraft(V, ngram_max=2)
+    results = decode("dsbd", target, draft, prompt, seed=len(prompt), threshold=None, **knobs)
+    exact = exact_beam(target, knobs["width"], knobs["mode"], prompt)
+    assert_matches(outcomes_of(results), exact, f"dsbd ngram {name} prompt={prompt}")
+    assert any(r.stats.accepted_tokens > 0 for r in results[:1000])  # it drafted, and passed
+    if prompt == [1]:  # nothing to match at the first iteration: its layers were empty
+        assert all(r.stats.accepted_layers[0] == 0 for r in results[:1000])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("prompt", NGRAM_PROMPTS, ids=["no-match-first", "matches"])
+def test_width_one_methods_with_the_ngram_draft_are_multinomial_sampling(
+    prompt: list[int],
+) -> None:
+    target, _ = tables(seed=53)
+    exact = multinomial_outcomes(TableLM(target), prompt, MAX_NEW, {EOS})
+    for method, extra in (("sps", {}), ("dsbd", {"width": 1, "lean_memory": True})):
+        results = decode(method, target, NgramDraft(V), prompt, gamma=3, seed=2, **extra)
+        samples = [tuple(r.best.token_ids) for r in results]
+        assert_matches(samples, exact, f"{method} {extra} ngram {prompt}")
+        assert any(r.stats.accepted_tokens > 0 for r in results[:1000])

@@ -10,6 +10,7 @@ reference took from another stream, in another shape or order, moves their token
 from __future__ import annotations
 
 from collections import Counter
+from math import log
 from typing import Any
 
 import numpy as np
@@ -17,6 +18,7 @@ import pytest
 import torch
 
 from dsbd_core import SamplingConfig, TableScorer, generate
+from dsbd_core.algorithm.ngram_draft import NgramDraft
 from dsbd_core.algorithm.reference import Model, reference_decode
 from tests.exact_reference import random_table
 
@@ -87,6 +89,64 @@ def _model(table: np.ndarray) -> Model:
     return next_logprobs
 
 
+def _lookup_model(vocab: int, ngram_max: int) -> Model:
+    """The prompt-lookup draft written plainly (issue 48; `NgramDraft` is the engine's): the
+    followers of the longest suffix (n <= ngram_max) that occurred before, counted, over the
+    whole vocabulary; -inf everywhere where nothing matches."""
+
+    def next_logprobs(tokens: list[int]) -> torch.Tensor:
+        out = torch.full((vocab,), float("-inf"), dtype=torch.float64)
+        for n in range(min(ngram_max, len(tokens) - 1), 0, -1):
+            suffix = tokens[len(tokens) - n :]
+            followers = Counter(
+                tokens[j + 1]
+                for j in range(n - 1, len(tokens) - 1)
+                if tokens[j - n + 1 : j + 1] == suffix
+            )
+            if followers:
+                total = sum(followers.values())
+                for token, count in followers.items():
+                    out[token] = log(count / total)
+                return out
+        return out
+
+    return next_logprobs
+
+
+def _compare(
+    target: np.ndarray,
+    draft: Model,
+    draft_scorer: Any,
+    prompt: list[int],
+    fields: dict[str, Any],
+    where: str,
+) -> Counter[str]:
+    """Decode with every seed in the engine and in the reference; the same layers passed,
+    widths, beams and log-likelihoods. Returns what the decodes met."""
+    seen: Counter[str] = Counter()
+    vocab = target.shape[-1]
+    for seed in SEEDS:
+        config = SamplingConfig(max_new_tokens=12, eos_token_ids=(EOS,), seed=seed, **fields)
+        engine = generate(
+            "dsbd", TableScorer(torch.from_numpy(target)), prompt, config, draft_scorer()
+        )
+        session = reference_decode(prompt, _model(target), draft, config, vocab)
+        at = f"{where}/seed{seed}"
+        assert [passed for passed, _ in session.history] == engine.stats.accepted_layers, at
+        assert [widths for _, widths in session.history] == engine.stats.widths, at
+        start = len(prompt)
+        got = sorted((b.tokens[start:], f, b.score) for b, f in session.pool)
+        expected = sorted((b.token_ids, b.finished, b.log_likelihood) for b in engine.beams)
+        assert [g[:2] for g in got] == [e[:2] for e in expected], at
+        for (_, _, score), (_, _, want) in zip(got, expected, strict=True):
+            assert score == pytest.approx(want, abs=1e-9), at
+        history = zip(engine.stats.accepted_layers, engine.stats.widths, strict=True)
+        seen["iterations"] += len(engine.stats.accepted_layers)
+        seen["failed layers"] += sum(layers < len(verified) for layers, verified in history)
+        seen["passed layers"] += sum(engine.stats.accepted_layers)
+    return seen
+
+
 @pytest.mark.parametrize(("pair", "vocab", "order", "prompt", "close", "name", "fields"), _params())
 def test_the_reference_decodes_the_engines_tokens(
     pair: str,
@@ -98,28 +158,37 @@ def test_the_reference_decodes_the_engines_tokens(
     fields: dict[str, Any],
 ) -> None:
     target, draft = _pair(vocab, order, close)
-    seen: Counter[str] = Counter()
-    for seed in SEEDS:
-        config = SamplingConfig(max_new_tokens=12, eos_token_ids=(EOS,), seed=seed, **fields)
-        engine = generate(
-            "dsbd",
-            TableScorer(torch.from_numpy(target)),
-            prompt,
-            config,
-            TableScorer(torch.from_numpy(draft)),
-        )
-        session = reference_decode(prompt, _model(target), _model(draft), config, vocab)
-        where = f"{pair}/{name}/seed{seed}"
-        assert [passed for passed, _ in session.history] == engine.stats.accepted_layers, where
-        assert [widths for _, widths in session.history] == engine.stats.widths, where
-        start = len(prompt)
-        got = sorted((b.tokens[start:], f, b.score) for b, f in session.pool)
-        expected = sorted((b.token_ids, b.finished, b.log_likelihood) for b in engine.beams)
-        assert [g[:2] for g in got] == [e[:2] for e in expected], where
-        for (_, _, score), (_, _, want) in zip(got, expected, strict=True):
-            assert score == pytest.approx(want, abs=1e-9), where
-        history = zip(engine.stats.accepted_layers, engine.stats.widths, strict=True)
-        seen["iterations"] += len(engine.stats.accepted_layers)
-        seen["failed layers"] += sum(layers < len(verified) for layers, verified in history)
+    draft_table = torch.from_numpy(draft)
+    where = f"{pair}/{name}"
+    seen = _compare(target, _model(draft), lambda: TableScorer(draft_table), prompt, fields, where)
     # the decodes reach the branches the comparison is for
+    assert seen["iterations"] >= 2 * len(SEEDS) and seen["failed layers"] > 0, seen
+
+
+# (pair, prompt, min_support): prompts that repeat, so that the look-up matches at once and
+# keeps matching; a support of the context's tokens padded to a power of two (min_support 1:
+# 3 tokens + 1 of no mass), or the whole vocabulary (the default minimum, 256 > V)
+NGRAM_PAIRS = [("bigram-5", [2, 3, 2, 4, 2], 1), ("close-bigram-8", [3, 1, 3, 1, 3], 256)]
+
+
+@pytest.mark.parametrize(("name", "fields"), CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize(
+    ("pair", "prompt", "min_support"), NGRAM_PAIRS, ids=[p[0] for p in NGRAM_PAIRS]
+)
+def test_the_reference_decodes_the_engines_tokens_with_the_ngram_draft(
+    pair: str, prompt: list[int], min_support: int, name: str, fields: dict[str, Any]
+) -> None:
+    """The prompt-lookup draft (issue 48) in every case, dynamic width and lean memory too:
+    its compact support draws what the plain look-up's vocabulary-wide rows draw."""
+    _, vocab, order, _, close = next(p for p in PAIRS if p[0] == pair)
+    target, _ = _pair(vocab, order, close)
+    draft = _lookup_model(vocab, 2)
+    seen = _compare(
+        target,
+        draft,
+        lambda: NgramDraft(vocab, 2, min_support=min_support),
+        prompt,
+        fields,
+        f"{pair}/{name}",
+    )
     assert seen["iterations"] >= 2 * len(SEEDS) and seen["failed layers"] > 0, seen

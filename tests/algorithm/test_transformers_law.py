@@ -17,6 +17,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from dsbd_core import SamplingConfig, TableScorer, generate_batch
 from dsbd_core.algorithm.methods import MethodConfigError, method_config
+from dsbd_core.algorithm.ngram_draft import NgramDraft
 from tests.exact_reference import TableLM, assert_matches, random_table
 from tests.exact_transformers import transformers_beam_outcomes
 
@@ -107,6 +108,32 @@ def test_dsbd_under_transformers_law_is_exact(name: str, knobs: dict, tables: di
     passes = sum(r.stats.target_forward_passes for r in results) / RUNS
     steps = sum(r.stats.tokens_emitted for r in results) / RUNS
     assert passes < steps, f"no step was saved ({passes:.2f} passes for {steps:.2f} steps)"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("prompt", [[1], [1, 2, 1, 3, 1, 2]], ids=["no-match-first", "matches"])
+@pytest.mark.parametrize("knobs", [{"gamma": 2}, {"gamma": 3, "draft_width": 3}], ids=["g2", "g3"])
+def test_dsbd_with_the_ngram_draft_under_transformers_law_is_exact(
+    prompt: list[int], knobs: dict
+) -> None:
+    """The prompt-lookup draft (issue 48): no match at the first iteration ([1], its layers
+    empty), or matches at once; transformers' law either way."""
+    rng = np.random.default_rng(53)
+    target = random_table(rng, V, 2, concentration=1.0)
+    config = SamplingConfig(
+        width=WIDTH,
+        max_new_tokens=MAX_NEW,
+        eos_token_ids=(EOS,),
+        seed=6,
+        selection="transformers",
+        **knobs,
+    )
+    results = generate_batch(
+        "dsbd", TableScorer(torch.from_numpy(target)), [prompt] * RUNS, config, NgramDraft(V, 2)
+    )
+    exact = transformers_beam_outcomes(TableLM(target), prompt, WIDTH, MAX_NEW, {EOS})
+    assert_matches(_outcomes(results), _as_sets(exact), f"dsbd ngram, transformers' law {prompt}")
+    assert any(r.stats.accepted_tokens > 0 for r in results[:1000])
 
 
 @pytest.mark.slow

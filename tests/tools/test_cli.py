@@ -179,6 +179,44 @@ def test_generate_on_tiny_models(
     assert f"tokens {stats['tokens_emitted']}," in out and "target passes/token" in out
 
 
+@pytest.mark.parametrize("method", ["dsbd", "sps", "spec_beam_search"])
+def test_generate_with_the_ngram_draft(
+    method: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--draft ngram`: the prompt-lookup draft, no weights; fixed knobs draft every iteration,
+    the cost model prices it from its own calibration (cached per machine and pair)."""
+    monkeypatch.setenv("DSBD_CALIBRATION_DIR", str(tmp_path / "calibration"))
+    target = save_tiny_model(tmp_path / "t", tiny_tokens(32), seed=1)
+    argv = ["generate", "--method", method, "--prompt", "w1 w2 w3 w1 w2 w3 w1 w2"]
+    argv += ["--target", str(target), "--draft", "ngram", "--ngram-max", "2"]
+    argv += ["--max-new-tokens", "8", "--seed", "0", "--width", "2", "--json"]
+    code, out, _ = run([*argv, "--fixed-knobs"], capsys)
+    assert code == 0
+    report = json.loads(out)
+    assert report["draft"] == "ngram" and "prompt lookup, n-grams up to 2" in report["models"]
+    assert report["stats"]["draft_forward_passes"] > 0 and report["stats"]["drafted_tokens"] > 0
+    code, out, _ = run(argv, capsys)
+    assert code == 0 and json.loads(out)["knobs"]["gamma"]
+    assert list((tmp_path / "calibration").glob("*pass-rates*.json"))
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (["--draft", "ngram", "--ngram-max", "0"], ["ngram_max=0", "allowed 1..16"]),
+        (["--draft", "ngram", "--ngram-max", "17"], ["ngram_max=17", "allowed 1..16"]),
+        (["--draft", "ngrams"], ["draft", "'ngrams'", "'ngram' (the prompt-lookup draft)"]),
+    ],
+)
+def test_a_bad_draft_exits_2_naming_it(
+    flags: list[str], named: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    target = save_tiny_model(tmp_path / "t", tiny_tokens(32), seed=1)
+    code, out, err = run(["generate", "--prompt", "w1", "--target", str(target), *flags], capsys)
+    assert code == 2 and out == ""
+    assert all(part in err for part in named), err
+
+
 def test_a_bad_stop_exits_2_naming_it(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["generate", "--prompt", "hi", "--target", "/nonexistent", "--stop", ""]
     code, out, err = run(argv, capsys)

@@ -9,6 +9,7 @@ grow; `fresh=True` starts over).
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import os
@@ -22,6 +23,7 @@ from pathlib import Path
 import torch
 
 from dsbd_core.algorithm.config import SamplingConfig
+from dsbd_core.algorithm.ngram_draft import describe_lookup
 from dsbd_core.tools.bench.humaneval import check_completion, default_sandbox, truncate_completion
 from dsbd_core.tools.bench.measure import EnergyMeter, measured
 from dsbd_core.tools.bench.methods import MethodSpec, parse_methods
@@ -70,10 +72,11 @@ def run_bench(
     torch.set_num_threads(config.threads)
     device = torch.device(config.device)
     say(f"loading target {config.target} and draft {config.draft} ...")
-    draft_name = config.draft if config.draft and any(s.uses_draft for s in specs) else None
+    draft_name = config.draft if config.draft and any(s.uses_draft_model for s in specs) else None
     options = DraftOptions(
         quantize=config.draft_quantize,  # type: ignore[arg-type]
         head_tokens=config.draft_head_tokens,
+        ngram_max=config.ngram_max,
     )
     loaded = load_pair(
         config.target,
@@ -84,9 +87,18 @@ def run_bench(
         decode_path=config.decode_path,
     )
     say(loaded.describe())
-    calibration = None
-    if loaded.draft is not None and any(s.uses_draft and not s.fixed_knobs for s in specs):
+    calibration = lookup_calibration = None
+    adaptive = [s for s in specs if s.uses_draft and not s.fixed_knobs]
+    if loaded.draft is not None and any(not s.lookup for s in adaptive):
         calibration = loaded.calibration(force=recalibrate, say=say)
+    if any(s.lookup for s in adaptive):  # the same target with the prompt-lookup draft
+        lookup = dataclasses.replace(
+            loaded,
+            draft=None,
+            lookup=config.ngram_max,
+            draft_variant=describe_lookup(config.ngram_max),
+        )
+        lookup_calibration = lookup.calibration(force=recalibrate, say=say)
     pair = Pair(
         loaded.target,
         loaded.draft,
@@ -94,6 +106,8 @@ def run_bench(
         loaded.stop_ids,
         calibration,
         decode_path=loaded.decode_path,
+        ngram_max=config.ngram_max,
+        lookup_calibration=lookup_calibration,
     )
     prompt_ids = [encode_prompt(loaded.target, p.text, chat=p.chat) for p in prompts]
     _write_prompts(out_dir / "prompts.jsonl", prompts, prompt_ids)
@@ -299,7 +313,9 @@ def _measure_one(
         tokens=decoded.tokens,
         answer_tokens=len(decoded.answer_ids),
         target_forward_passes=target_calls,
-        draft_forward_passes=draft_counter.calls if draft_counter else 0,
+        draft_forward_passes=decoded.lookup_calls
+        if decoded.lookup_calls is not None
+        else (draft_counter.calls if draft_counter else 0),
         target_kv_peak_bytes=pair.target_counter.kv_peak_bytes,
         target_kv_peak_shape=pair.target_counter.kv_peak_shape,
         draft_kv_peak_bytes=draft_counter.kv_peak_bytes if draft_counter else 0,
@@ -351,6 +367,12 @@ def _hf_settings(specs: list[MethodSpec], pair: Pair, base: SamplingConfig) -> d
         return {}
     settings = hf_generation_config(hf[0], base, pair).to_diff_dict()
     settings.pop("num_beams", None)
+    lookups = sorted({s.gamma for s in hf if s.family == "hf-lookup"})
+    if lookups:
+        settings["prompt_lookup"] = {
+            "prompt_lookup_num_tokens": lookups,
+            "max_matching_ngram_size": pair.ngram_max,
+        }
     if pair.draft is not None:
         assistant = pair.draft.model.generation_config
         settings["assistant"] = {

@@ -12,10 +12,15 @@
     ...-lean                     memory-lean DSBD (one beam between iterations, ALGORITHM.md §7)
     ...-fk                       fixed knobs: draft exactly G layers every iteration (default:
                                  the cost model chooses the depth per iteration, up to G)
+    ...-ng                       the prompt-lookup draft (`--draft ngram`, the run's
+                                 --ngram-max) instead of the draft model (sps, dsbd,
+                                 spec-search)
     dsbd-w{W}-g{G}-fixed-tf      DSBD under transformers' law (selection='transformers')
     hf-sample                    transformers `generate(do_sample=True)`
     hf-beam-w{W}                 transformers `generate(num_beams=W, do_sample=True)`
     hf-assisted                  transformers `generate(assistant_model=draft, do_sample=True)`
+    hf-lookup[-g{G}]             transformers `generate(prompt_lookup_num_tokens=G,
+                                 max_matching_ngram_size=--ngram-max, do_sample=True)`
     search-w{W}                  deterministic beam search of width W (our engine, beam_search)
     spec-search-w{W}-g{G}        speculative beam search (spec_beam_search): the same tokens as
                                  search-w{W}; takes -ws{S} and -fk like dsbd
@@ -44,6 +49,7 @@ Family = Literal[
     "hf-sample",
     "hf-beam",
     "hf-assisted",
+    "hf-lookup",
     "search",
     "spec-search",
     "hf-search",
@@ -54,11 +60,12 @@ SEARCH_FAMILIES = ("search", "spec-search", "hf-search")
 # our decoders' names (dsbd_core.algorithm.decoders) where they differ from the family's
 _ENGINE_METHOD = {"search": "beam_search", "spec-search": "spec_beam_search"}
 GRAMMAR = (
-    "sample | sps[-g<G>][-fk] | beam-w<W>[-tf] | "
-    "dsbd-w<W>[-g<G>](-fixed|-t<T>)[-ws<S>][-wmin<M>][-lean][-fk][-tf] | "
-    "hf-sample | hf-beam-w<W> | hf-assisted | "
-    "search-w<W> | spec-search-w<W>[-g<G>][-ws<S>][-fk] | hf-search-w<W>"
+    "sample | sps[-g<G>][-fk][-ng] | beam-w<W>[-tf] | "
+    "dsbd-w<W>[-g<G>](-fixed|-t<T>)[-ws<S>][-wmin<M>][-lean][-fk][-tf][-ng] | "
+    "hf-sample | hf-beam-w<W> | hf-assisted | hf-lookup[-g<G>] | "
+    "search-w<W> | spec-search-w<W>[-g<G>][-ws<S>][-fk][-ng] | hf-search-w<W>"
 )
+LOOKUP_FAMILIES = ("sps", "dsbd", "spec-search")  # take -ng: the prompt-lookup draft
 
 
 class MethodNameError(ValueError):
@@ -78,12 +85,18 @@ class MethodSpec:
     draft_width: int | None = None  # W_S; None = W
     fixed_knobs: bool = False  # draft gamma layers every iteration (no cost model)
     transformers_law: bool = False  # selection='transformers' (beam only)
+    lookup: bool = False  # the prompt-lookup draft instead of the draft model (-ng)
 
     @property
     def name(self) -> str:
         """Canonical name (the key of every result record)."""
+        return self._name() + ("-ng" if self.lookup else "")
+
+    def _name(self) -> str:
         if self.family in ("sample", "hf-sample", "hf-assisted"):
             return self.family
+        if self.family == "hf-lookup":
+            return f"hf-lookup-g{self.gamma}"
         if self.family == "sps":
             return f"sps-g{self.gamma}" + ("-fk" if self.fixed_knobs else "")
         if self.family in ("beam", "hf-beam", "search", "hf-search"):
@@ -112,7 +125,13 @@ class MethodSpec:
 
     @property
     def uses_draft(self) -> bool:
+        """A draft takes part: the draft model, or the prompt lookup (-ng)."""
         return self.family in DRAFT_FAMILIES
+
+    @property
+    def uses_draft_model(self) -> bool:
+        """The run's draft model takes part (not with -ng)."""
+        return self.uses_draft and not self.lookup
 
     @property
     def reference(self) -> str:
@@ -152,6 +171,7 @@ def parse_method(text: str, *, gamma: int) -> MethodSpec:
     families = (
         "hf-sample",
         "hf-assisted",
+        "hf-lookup",
         "hf-beam",
         "hf-search",
         "spec-search",
@@ -175,7 +195,7 @@ def _build(family: str, rest: list[str], gamma: int, text: str) -> MethodSpec:
         match = _OPTION.match(part)
         if match:
             values[match.group(1)] = float(match.group(2))
-        elif part in ("fixed", "lean", "fk", "tf"):
+        elif part in ("fixed", "lean", "fk", "tf", "ng"):
             flags.add(part)
         else:
             raise MethodNameError(f"method={text!r}: unknown part {part!r}; allowed: {GRAMMAR}")
@@ -183,6 +203,7 @@ def _build(family: str, rest: list[str], gamma: int, text: str) -> MethodSpec:
         "sample": set(),
         "hf-sample": set(),
         "hf-assisted": set(),
+        "hf-lookup": {"g"},
         "sps": {"g"},
         "beam": {"w"},
         "hf-beam": {"w"},
@@ -196,6 +217,7 @@ def _build(family: str, rest: list[str], gamma: int, text: str) -> MethodSpec:
     own = {"dsbd": {"fixed", "lean", "fk", "tf"}, "beam": {"tf"}}.get(family, set()) | (
         {"fk"} if family in fk_ok else set()
     )
+    own |= {"ng"} if family in LOOKUP_FAMILIES else set()
     if extra or flags - own:
         bad = sorted(extra) or sorted(flags - own)
         raise MethodNameError(f"method={text!r}: {family} takes no {bad}; allowed: {GRAMMAR}")
@@ -207,13 +229,16 @@ def _build(family: str, rest: list[str], gamma: int, text: str) -> MethodSpec:
     spec = MethodSpec(
         family=family,  # type: ignore[arg-type]
         width=width,
-        gamma=int(values.get("g", gamma)) if family in ("sps", "dsbd", "spec-search") else None,
+        gamma=int(values.get("g", gamma))
+        if family in ("sps", "dsbd", "spec-search", "hf-lookup")
+        else None,
         threshold=values.get("t"),
         w_min=int(values.get("wmin", 1)),
         lean="lean" in flags,
         draft_width=int(values["ws"]) if "ws" in values else None,
         fixed_knobs="fk" in flags,
         transformers_law="tf" in flags,
+        lookup="ng" in flags,
     )
     try:  # the config model validates ranges (width 1..64, 0 <= t <= 1, w_min <= width, ...)
         spec.sampling_config(SamplingConfig())

@@ -5,7 +5,8 @@ the sample for sampling methods) and the number of decoding steps the time is di
 
 * ours: `DecodeStats.tokens_emitted`, the length of the longest generated sequence (for
   beam methods the steps taken, since every beam grows by one token per step);
-* transformers' sampling and assisted generation: the generated length of the one sequence;
+* transformers' sampling, assisted generation and prompt lookup: the generated length of the
+  one sequence;
 * transformers' beam sampling and beam search: its steps, i.e. its target forward calls (one
   per step, the first being the prefill), since the returned best beam can be shorter than the
   search ran.
@@ -26,6 +27,7 @@ from transformers import GenerationConfig
 from dsbd_core.algorithm.config import SamplingConfig
 from dsbd_core.algorithm.cost_model import Calibration, CostController
 from dsbd_core.algorithm.decoders import generate, method_config
+from dsbd_core.algorithm.ngram_draft import NGRAM_DEFAULT, NgramDraft
 from dsbd_core.models import LoadedModel
 from dsbd_core.models.decode_path import make_scorer
 from dsbd_core.models.transformer_scorer import TransformerScorer
@@ -43,6 +45,8 @@ class Pair:
     stop_ids: tuple[int, ...]
     calibration: Calibration | None = None  # the cost model's (None: fixed knobs only)
     decode_path: str = "dynamic"  # our methods' scorers (`decode_path.make_scorer`)
+    ngram_max: int = NGRAM_DEFAULT  # the prompt-lookup draft's bound (-ng, hf-lookup)
+    lookup_calibration: Calibration | None = None  # the cost model's with the prompt lookup
     scorers: dict = field(default_factory=dict)  # one per model for the run (see `scorer`)
     target_counter: ForwardCounter = field(init=False)
     draft_counter: ForwardCounter | None = field(init=False)
@@ -80,6 +84,7 @@ class Decoded:
     tokens: int  # decoding steps (see the module docstring)
     engine_stats: dict | None = None  # DecodeStats.as_dict() for our methods
     engine_loglik: float | None = None  # the engine's own log-likelihood of the answer
+    lookup_calls: int | None = None  # -ng: the prompt lookup's calls (it has no forward hook)
 
 
 def run_engine(
@@ -87,13 +92,18 @@ def run_engine(
 ) -> Decoded:
     """Decode with our engine (sample, sps, beam, dsbd)."""
     config = spec.sampling_config(base)
-    draft = pair.scorer("draft") if spec.uses_draft and pair.draft else None
+    draft: TransformerScorer | NgramDraft | None = None
+    if spec.lookup:  # the prompt lookup: a fresh one per decode (it holds only the iteration)
+        draft = NgramDraft(pair.target.vocab_size, pair.ngram_max)
+    elif spec.uses_draft and pair.draft:
+        draft = pair.scorer("draft")
     if spec.uses_draft and draft is None:
         raise ValueError(f"{spec.name} needs a draft model; the run has none")
     controller = None
-    if spec.uses_draft and not spec.fixed_knobs and pair.calibration is not None:
+    calibration = pair.lookup_calibration if spec.lookup else pair.calibration
+    if spec.uses_draft and not spec.fixed_knobs and calibration is not None:
         run_config = method_config(spec.engine_method(), config)
-        controller = CostController(run_config, pair.calibration)
+        controller = CostController(run_config, calibration)
     result = generate(
         spec.engine_method(), pair.scorer("target"), prompt_ids, config, draft, controller
     )
@@ -106,6 +116,7 @@ def run_engine(
         tokens=result.stats.tokens_emitted,
         engine_stats=stats,
         engine_loglik=best.log_likelihood,
+        lookup_calls=draft.forward_calls if isinstance(draft, NgramDraft) else None,
     )
 
 
@@ -133,11 +144,16 @@ def hf_generation_config(spec: MethodSpec, base: SamplingConfig, pair: Pair) -> 
 def run_hf(
     spec: MethodSpec, pair: Pair, prompt_ids: list[int], base: SamplingConfig, seed: int
 ) -> Decoded:
-    """Decode with transformers' `generate` (hf-sample, hf-beam, hf-assisted, hf-search)."""
+    """Decode with transformers' `generate` (hf-sample, hf-beam, hf-assisted, hf-lookup,
+    hf-search)."""
     if spec.family == "hf-assisted" and pair.draft is None:
         raise ValueError(f"{spec.name} needs a draft model; the run has none")
     ids = torch.tensor([prompt_ids], dtype=torch.long, device=pair.device)
-    kwargs = {"assistant_model": pair.draft.model} if spec.family == "hf-assisted" else {}
+    kwargs: dict[str, object] = {}
+    if spec.family == "hf-assisted":
+        kwargs = {"assistant_model": pair.draft.model}  # type: ignore[union-attr]
+    elif spec.family == "hf-lookup":
+        kwargs = {"prompt_lookup_num_tokens": spec.gamma, "max_matching_ngram_size": pair.ngram_max}
     torch.manual_seed(seed)
     with torch.inference_mode():
         out = pair.target.model.generate(

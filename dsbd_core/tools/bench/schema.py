@@ -44,6 +44,9 @@ class BenchConfig(BaseModel):
     draft_quantize: str = Field("none", description="the draft's linear layers: none/int8/auto")
     decode_path: str = Field("auto", description="our methods' decode path: auto/dynamic/static")
     draft_head_tokens: int | None = Field(0, description="restricted draft head (0: full)")
+    ngram_max: int = Field(
+        3, ge=1, le=16, description="the prompt-lookup draft's bound (-ng methods, hf-lookup)"
+    )
     threads: int = Field(ge=1)
     warmup_tokens: int = Field(ge=0, description="tokens of the unrecorded warm-up decodes")
     timing_rounds: int = Field(
