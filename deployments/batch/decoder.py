@@ -197,7 +197,9 @@ class BatchDecoder:
         stop = None
         if row.stop_strings:
             stop = StopStrings(tuple(row.stop_strings), self._stop_texts())
-        view = self.texts.with_stops(row.stop_strings, row.include_stop_str_in_output)
+        view = self.texts.with_stops(
+            row.stop_strings, row.include_stop_str_in_output, min_tokens=config.min_tokens
+        )
         return Request(prompt_ids, config, method, stop=stop), n, view
 
     def _stop_texts(self) -> LoadedTexts:

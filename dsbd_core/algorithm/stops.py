@@ -23,7 +23,7 @@ Nothing here runs without a stop string: the engine's default path is unchanged.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -152,17 +152,27 @@ class StopStrings:
         return hit
 
 
-def first_stop(text: str, stops: Sequence[str]) -> tuple[int, str] | None:
+def first_stop(text: str, stops: Sequence[str], after: int = 0) -> tuple[int, str] | None:
     """Where the earliest stop string starts in `text` and which one (the longest of those
-    starting there), or None: where a finished beam's returned text is cut."""
+    starting there), or None: where a finished beam's returned text is cut. `after`: only a
+    match ending past that many characters counts (the text of the first min_tokens - 1
+    tokens, where a match was ignored, `text_floor`)."""
     best: tuple[int, str] | None = None
     for stop in stops:
-        at = text.find(stop)
+        at = text.find(stop, max(0, after - len(stop) + 1))
         if at < 0:
             continue
         if best is None or at < best[0] or (at == best[0] and len(stop) > len(best[1])):
             best = (at, stop)
     return best
+
+
+def text_floor(decode: Callable[[list[int]], str], ids: list[int], min_tokens: int) -> int:
+    """How many characters of a beam's text no stop match may end within: those of its first
+    min_tokens - 1 tokens (a match ending there came before min_tokens and was ignored)."""
+    if min_tokens <= 1 or not ids:
+        return 0
+    return len(decode(ids[: min_tokens - 1]))
 
 
 def held_back(text: str, stops: Sequence[str]) -> int:
