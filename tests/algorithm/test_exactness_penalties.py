@@ -149,3 +149,60 @@ def test_transformers_law_with_penalties_is_exact(method: str, extra: dict) -> N
         penalised(target, normalise=False), PROMPT, 2, MAX_NEW, {EOS}
     )
     assert_matches(outcomes_of(results), _as_sets(exact), f"{method} transformers' law penalised")
+
+
+# min_tokens with stop strings: test_exactness_stops.py's case (tokens "", "a", "b", "ba",
+# token 0 the EOS; stops "aba" and "bb") with min_tokens = 3 and 4 new tokens: a stop that ends
+# at the first or second token ("a" "ba", "b" "b") is ignored and stays ignored, one ending at
+# the third or fourth finishes the beam, and the EOS is impossible at the first three steps.
+STOP_TEXTS = ("", "a", "b", "ba")
+STOP_STRINGS = ("aba", "bb")
+STOP_MIN, STOP_NEW = 3, 4
+
+
+def _stop_decode(method: str, target: np.ndarray, draft: np.ndarray, **config) -> list:
+    from dsbd_core.algorithm.stops import ExplicitTexts, StopStrings
+
+    cfg = SamplingConfig(
+        max_new_tokens=STOP_NEW,
+        eos_token_ids=(EOS,),
+        min_tokens=STOP_MIN,
+        frequency_penalty=0.3,
+        **config,
+    )
+    return generate_batch(
+        method,
+        TableScorer(torch.from_numpy(target)),
+        [PROMPT] * RUNS,
+        cfg,
+        TableScorer(torch.from_numpy(draft)),
+        stop=StopStrings(STOP_STRINGS, ExplicitTexts(STOP_TEXTS)),
+    )
+
+
+def _stop_law(target: np.ndarray) -> PenalisedLM:
+    return PenalisedLM(TableLM(target), len(PROMPT), eos=(EOS,), min_tokens=STOP_MIN, frequency=0.3)
+
+
+def _text(tokens: tuple[int, ...]) -> str:
+    return "".join(STOP_TEXTS[t] for t in tokens)
+
+
+@pytest.mark.slow
+def test_min_tokens_with_stop_strings_is_exact() -> None:
+    target, draft = tables(seed=11)
+    stops = (STOP_STRINGS, STOP_TEXTS, STOP_MIN)
+    exact = beam_sampling_outcomes(
+        _stop_law(target), PROMPT, 2, STOP_NEW, "distinct", {EOS}, stops=stops
+    )
+    beams = {b for o in exact for b in o}
+    # not vacuous: beams ran on past a stop that ended before min_tokens, and others
+    # finished at one from the third token on
+    assert any(len(b) == 4 and any(s in _text(b[:2]) for s in STOP_STRINGS) for b in beams)
+    assert any(len(b) == 3 and any(s in _text(b) for s in STOP_STRINGS) for b in beams)
+    for method, extra in (("dsbd", {"width": 2, "gamma": 2}), ("beam", {"width": 2})):
+        results = _stop_decode(method, target, draft, seed=12, **extra)
+        assert_matches(outcomes_of(results), exact, f"{method} min_tokens with stops")
+    single = multinomial_outcomes(_stop_law(target), PROMPT, STOP_NEW, {EOS}, stops=stops)
+    results = _stop_decode("sps", target, draft, seed=13, gamma=2)
+    assert_matches([tuple(r.best.token_ids) for r in results], single, "sps min_tokens stops")

@@ -300,3 +300,28 @@ def test_no_stop_string_before_min_tokens_and_none_from_before_it_later() -> Non
     assert StopStrings(("ab",), texts).finished(seq, torch.tensor([3]), prompt).tolist() == [
         [True, False]
     ]
+
+
+PROCESSORS = {
+    "min_tokens": 3,
+    "repetition_penalty": 1.5,
+    "frequency_penalty": 0.5,
+    "presence_penalty": 0.3,
+    "logit_bias": {2: 1.0, 4: -3.0},
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["dsbd", "beam_search", "spec_beam_search", "sps"])
+def test_processing_keeps_every_tensor_on_the_state_device(method: str) -> None:
+    """The processors make no tensor off the state's device (test_engine_device's check), with
+    a draft head restricted to K tokens (compact rows: the counts read at its support)."""
+    from dsbd_core.models.draft_variants import restrict_head
+    from dsbd_core.models.static_scorer import StaticScorer
+    from tests.algorithm.test_engine_device import _same_decodes
+    from tests.models.test_engine_transformers import tiny
+
+    draft = tiny("llama", 2).float()
+    restrict_head(draft, torch.tensor([0, 2, 3, 5, 7, 11, 13]))
+    width = 1 if method == "sps" else 3
+    _same_decodes(method, {"width": width, "gamma": 2, **PROCESSORS}, StaticScorer, draft)
