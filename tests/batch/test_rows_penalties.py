@@ -77,3 +77,27 @@ def test_lockstep_requests_decode_their_own_processors_as_alone() -> None:
     bad = Request([3], SamplingConfig(logit_bias={99: 1.0}), "beam")
     (failed,), _ = decode_lockstep([bad], SessionBatcher(TransformerScorer(target)))
     assert "logit_bias: token id 99 is outside the vocabulary; allowed: 0..23" in str(failed.error)
+
+
+def test_a_row_with_a_bias_key_outside_the_vocabulary_is_an_invalid_row(tmp_path) -> None:
+    """The actor refuses it before decoding, worded as the HTTP API's 400; a good row with
+    the processors becomes a request carrying them."""
+    from deployments.batch.decoder import BatchDecoder
+    from tests.tiny_models import build_pair
+
+    target_dir, draft_dir = build_pair(tmp_path)
+    decoder = BatchDecoder(
+        {
+            "target": str(target_dir),
+            "draft": str(draft_dir),
+            "dtype": "float32",
+            "fixed_knobs": True,
+        }
+    )
+    vocab = decoder.vocab_size
+    row = {"prompt_ids": [5, 6], "logit_bias": {str(vocab): 1.0}}
+    with pytest.raises(ValueError, match=rf"logit_bias: token id {vocab} is outside the"):
+        decoder._request(json.dumps(row))
+    request, _, _ = decoder._request(json.dumps(ROW))
+    assert request.config.logit_bias == ((2, -100.0), (4, 1.5))
+    assert request.config.min_tokens == 2 and request.config.repetition_penalty == 1.4
