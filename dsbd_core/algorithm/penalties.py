@@ -175,8 +175,9 @@ def process(
         if columns is not None:
             eos = eos[columns]
         x = x.masked_fill(early[:, :, None] & eos, float("-inf"))
-    if procs.normalise:
-        x = torch.log_softmax(x, dim=-1)
+    if procs.normalise:  # a row left without any token stays so (no NaN from -inf - -inf)
+        empty = torch.isneginf(x).all(dim=-1, keepdim=True)
+        x = torch.where(empty, x, torch.log_softmax(x, dim=-1))
     return x.to(logp.dtype)
 
 
