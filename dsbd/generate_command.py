@@ -28,7 +28,8 @@ from dsbd.sampling_flags import add_config_flags, config_from_args
 from dsbd_core.algorithm.config import SamplingConfig, config_error_message
 from dsbd_core.algorithm.decoders import generate
 from dsbd_core.algorithm.methods import METHODS, drafts
-from dsbd_core.algorithm.stops import first_stop, stop_problem
+from dsbd_core.algorithm.penalties import bias_problem
+from dsbd_core.algorithm.stops import first_stop, stop_problem, text_floor
 
 if TYPE_CHECKING:
     from dsbd_core.algorithm.result import DecodeResult
@@ -127,6 +128,9 @@ def _generate(args: argparse.Namespace, config: SamplingConfig, options: DraftOp
         calibration = pair.calibration(force=args.recalibrate, say=say)
         controller = CostController(config, calibration)
     target, draft = pair.scorers()
+    problem = bias_problem(config.logit_bias, target.vocab_size)
+    if problem is not None:
+        return fail(f"--logit-bias: {problem}")
     capture = capture_static(target, draft, config, len(prompt_ids), say)
     load_s = time.perf_counter() - start
     start = time.perf_counter()
@@ -171,7 +175,12 @@ def _report(
     def decode_text(ids: list[int], skip_special_tokens: bool) -> str:
         """A beam's text, cut before the first stop string in it (`--stop`)."""
         text = target.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
-        found = first_stop(text, args.stop) if args.stop else None
+        after = text_floor(
+            lambda head: target.tokenizer.decode(head, skip_special_tokens=skip_special_tokens),
+            ids,
+            config.min_tokens,
+        )
+        found = first_stop(text, args.stop, after) if args.stop else None
         return text[: found[0]] if found is not None else text
 
     return {

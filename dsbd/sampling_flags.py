@@ -45,6 +45,19 @@ def _early_stopping(text: str) -> bool | str:
     raise argparse.ArgumentTypeError(f"expected true, false or never, got {text!r}")
 
 
+def _bias_pair(text: str) -> tuple[int, float]:
+    """`--logit-bias ID=BIAS` (repeatable): one logit_bias entry."""
+    token, sep, bias = text.partition("=")
+    try:
+        if not sep:
+            raise ValueError
+        return int(token), float(bias)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected TOKEN_ID=BIAS (e.g. 42=-100), got {text!r}"
+        ) from None
+
+
 # How each SamplingConfig field is read from the command line (eos ids come from the tokenizer).
 _FIELD_TYPES: dict[str, Callable[[str], Any]] = {
     "temperature": float,
@@ -61,6 +74,10 @@ _FIELD_TYPES: dict[str, Callable[[str], Any]] = {
     "epsilon": float,
     "early_stopping": _early_stopping,
     "logprobs": _optional_int,
+    "min_tokens": int,
+    "frequency_penalty": float,
+    "presence_penalty": float,
+    "repetition_penalty": float,
 }
 _BOOL_FIELDS = ("lean_memory", "search")
 _NOT_FLAGS = ("eos_token_ids",)  # read from the target's tokenizer and generation config
@@ -80,6 +97,8 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
             kind = {"choices": get_args(Mode)}
         elif name == "selection":
             kind = {"choices": get_args(Selection)}
+        elif name == "logit_bias":
+            kind = {"type": _bias_pair, "action": "append", "metavar": "ID=BIAS"}
         else:
             parse = _FIELD_TYPES[name]
             metavar = {

@@ -52,6 +52,7 @@ RAY_MODULES = frozenset(
         "serving/test_serve_run",
         "serving/test_serving",
         "serving/test_serving_api",
+        "serving/test_serving_penalties",
         "serving/test_serving_guarded",
         "serving/test_tp_group",
     )

@@ -41,17 +41,25 @@ MODES = ("with_replacement", "distinct")
 Beam = tuple[int, ...]
 Outcome = tuple[Beam, ...]
 # Stop strings and the text of each token id: a beam whose text (its tokens' texts joined)
-# holds a stop string has finished, as one ending in an EOS token has.
-Stops = tuple[tuple[str, ...], tuple[str, ...]]
+# holds a stop string has finished, as one ending in an EOS token has. A third entry, vLLM's
+# min_tokens, ignores a match before that many generated tokens (for good: only a match that
+# ends in the last token then counts).
+Stops = tuple[tuple[str, ...], tuple[str, ...]] | tuple[tuple[str, ...], tuple[str, ...], int]
 
 
 def _stopped(beam: Beam, stops: Stops | None) -> bool:
-    """Whether the text of ``beam`` holds one of the stop strings."""
+    """Whether ``beam`` finishes at its last token by a stop string."""
     if stops is None:
         return False
-    strings, texts = stops
+    strings, texts, *rest = stops
+    min_tokens = int(rest[0]) if rest else 0
     text = "".join(texts[t] for t in beam)
-    return any(s in text for s in strings)
+    if not min_tokens:
+        return any(s in text for s in strings)
+    if len(beam) < min_tokens:
+        return False
+    before = len(text) - len(texts[beam[-1]])  # the match must end past this
+    return any(text.find(s, max(0, before - len(s) + 1)) >= 0 for s in strings)
 
 
 # --------------------------------------------------------------------------------------------

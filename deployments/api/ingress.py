@@ -193,7 +193,7 @@ class Ingress:
     @app.post("/v1/completions", response_model=None)
     async def completions(self, request: CompletionRequest) -> Any:
         self._check_model(request.model)
-        await self._check_stop_ids(request)
+        await self._check_token_fields(request)
         prompts = await self._prompt_ids(request.prompts)
         if request.echo:
             return await self._echo(request, prompts)
@@ -223,14 +223,14 @@ class Ingress:
                 f"model {request.model!r} has no chat template; use /v1/completions",
                 "messages",
             )
-        await self._check_stop_ids(request)
+        await self._check_token_fields(request)
         prompt_ids = self._chat_ids([m.model_dump() for m in request.messages])
         return await self._openai(request, prompt_ids, chat=True)
 
     @app.post("/v1/dsbd/generate")
     async def generate(self, request: GenerateRequest) -> dict[str, Any]:
         """One prompt; every beam with its log-likelihood, and the decode's statistics."""
-        await self._check_stop_ids(request)
+        await self._check_token_fields(request)
         if request.prompt_ids is not None:
             prompt_ids = list(request.prompt_ids)
         elif request.chat and getattr(self.tokenizer, "chat_template", None):
@@ -421,11 +421,14 @@ class Ingress:
     def _texts(self, request: Any) -> BeamText:
         """The request's view of its beams' texts: cut at its stop strings."""
         return self.texts.with_stops(
-            request.stop_strings, request.include_stop_str_in_output, request.stop_token_ids
+            request.stop_strings,
+            request.include_stop_str_in_output,
+            request.stop_token_ids,
+            request.min_tokens,
         )
 
-    async def _check_stop_ids(self, request: Any) -> None:
-        """A 400 naming `stop_token_ids` for an id outside the vocabulary."""
+    async def _check_token_fields(self, request: Any) -> None:
+        """A 400 naming `stop_token_ids` or `logit_bias` for an id outside the vocabulary."""
         vocab = int((await self._model_info())["vocab_size"])
         for i, token in enumerate(request.stop_token_ids or ()):
             if token >= vocab:
@@ -433,6 +436,13 @@ class Ingress:
                     400,
                     f"stop_token_ids[{i}]={token}: token id out of range; allowed 0..{vocab - 1}",
                     "stop_token_ids",
+                )
+        for key, token in zip(request.logit_bias or {}, request.logit_bias_ids, strict=True):
+            if token >= vocab:
+                raise APIError(
+                    400,
+                    f"logit_bias[{key!r}]: token id {token} out of range; allowed 0..{vocab - 1}",
+                    "logit_bias",
                 )
 
     async def _config(

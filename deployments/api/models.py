@@ -5,9 +5,11 @@ the `openai` client's `extra_body=` puts them. They are not declared twice: `Dec
 built from `SamplingConfig`'s own fields, so limits, defaults and descriptions stay in one place
 and the HTTP API rejects exactly what the CLI rejects. vLLM's beam-search extension fields are
 accepted as vLLM names them (`use_beam_search`, `length_penalty`, `early_stopping`; `n` is the
-beam width when `width` is not given), so a vLLM beam-search client works unchanged. OpenAI
-options dsbd cannot honour (penalties, tools, ...) are refused with a message naming the field,
-not ignored.
+beam width when `width` is not given), so a vLLM beam-search client works unchanged. OpenAI's
+and vLLM's per-beam processors (`frequency_penalty`, `presence_penalty`, `logit_bias`,
+`repetition_penalty`, `min_tokens`) are taken as they define them (dsbd_core/algorithm/
+penalties.py); OpenAI options dsbd cannot honour (tools, ...) are refused with a message naming
+the field, not ignored.
 
 logprobs follow OpenAI's documented ranges: chat `logprobs: true` with `top_logprobs` 0..20
 (`top_logprobs` needs `logprobs: true`), completions `logprobs` 0..5 (an integer: the number of
@@ -22,6 +24,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 
+from deployments.api.penalty_fields import LogitBiasField
 from deployments.api.stop_fields import EosFields, StopFields
 from dsbd_core.algorithm.config import SamplingConfig
 from dsbd_core.algorithm.methods import METHODS
@@ -37,6 +40,7 @@ _OPENAI_NAMED = {
     "eos_token_ids",
     "search",
     "logprobs",
+    "logit_bias",
 }
 Method = Literal["dsbd", "beam", "sps", "sample", "beam_search", "spec_beam_search"]
 assert set(Method.__args__) == set(METHODS)  # type: ignore[attr-defined]
@@ -88,9 +92,6 @@ DecodingKnobs.__doc__ = "DSBD knobs as extra body fields (see SamplingConfig for
 # OpenAI fields that are accepted only at their neutral value (anything else is refused).
 _NEUTRAL: dict[str, Any] = {
     "best_of": 1,
-    "frequency_penalty": 0.0,
-    "presence_penalty": 0.0,
-    "logit_bias": None,
     "suffix": None,
     "tools": None,
     "tool_choice": None,
@@ -100,7 +101,7 @@ _NEUTRAL: dict[str, Any] = {
 }
 
 
-class _OpenAIRequest(DecodingKnobs, StopFields, EosFields):  # type: ignore[misc, valid-type]
+class _OpenAIRequest(DecodingKnobs, StopFields, EosFields, LogitBiasField):  # type: ignore[misc, valid-type]
     """Fields shared by completions and chat."""
 
     model_config = ConfigDict(extra="forbid")
@@ -135,9 +136,6 @@ class _OpenAIRequest(DecodingKnobs, StopFields, EosFields):  # type: ignore[misc
             " tokens' log-probabilities too (the first token's null), from one target forward."
         ),
     )
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
     suffix: str | None = None
 
     @model_validator(mode="after")
@@ -302,7 +300,7 @@ class ChatCompletionRequest(_OpenAIRequest):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
-class GenerateRequest(DecodingKnobs, StopFields, EosFields):  # type: ignore[misc, valid-type]
+class GenerateRequest(DecodingKnobs, StopFields, EosFields, LogitBiasField):  # type: ignore[misc, valid-type]
     """POST /v1/dsbd/generate: one prompt, all beams and full statistics back."""
 
     model_config = ConfigDict(extra="forbid")
@@ -354,6 +352,7 @@ def _sampling_config(
         eos_token_ids=request.eos_ids(eos_token_ids),  # type: ignore[attr-defined]
         search=search,
         logprobs=logprobs,
+        logit_bias=request.logit_bias_ids,  # type: ignore[attr-defined]
     )
 
 

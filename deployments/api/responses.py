@@ -31,7 +31,7 @@ from deployments.api.models import (
 )
 from dsbd_core.algorithm.prompt_logprobs import PromptLogprobs
 from dsbd_core.algorithm.result import Beam
-from dsbd_core.algorithm.stops import first_stop
+from dsbd_core.algorithm.stops import first_stop, text_floor
 
 # OpenAI's stand-in for a log-probability of minus infinity (JSON has no infinity).
 FLOOR = -9999.0
@@ -46,23 +46,37 @@ class BeamText:
         stops: tuple[str, ...] = (),
         include_stop: bool = False,
         stop_ids: tuple[int, ...] = (),
+        min_tokens: int = 0,
     ) -> None:
         self.tokenizer = tokenizer
         self._pieces: dict[int, str] = {}
         self.stops = stops  # a request's stop strings (`with_stops`)
         self.include_stop = include_stop  # vLLM's include_stop_str_in_output
         self.stop_ids = stop_ids  # a request's stop_token_ids (vLLM's; stop_reason names one)
+        self.min_tokens = min_tokens  # vLLM's: no stop string counts before it
 
     def with_stops(
-        self, stops: list[str], include_stop: bool, stop_ids: list[int] | None = None
+        self,
+        stops: list[str],
+        include_stop: bool,
+        stop_ids: list[int] | None = None,
+        min_tokens: int = 0,
     ) -> BeamText:
         """This text view for a request with stop strings or stop token ids (shares the token
         pieces)."""
         if not stops and not stop_ids:
             return self
-        view = BeamText(self.tokenizer, tuple(stops), include_stop, tuple(stop_ids or ()))
+        view = BeamText(
+            self.tokenizer, tuple(stops), include_stop, tuple(stop_ids or ()), min_tokens
+        )
         view._pieces = self._pieces
         return view
+
+    def stop_floor(self, token_ids: list[int]) -> int:
+        """Characters of the text no stop match may end within (`stops.text_floor`)."""
+        if not self.stops:
+            return 0
+        return text_floor(self.decode, token_ids, self.min_tokens)
 
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
@@ -72,7 +86,7 @@ class BeamText:
         if not (beam.finished and self.stops):
             return None
         text = self.decode(beam.token_ids)
-        found = first_stop(text, self.stops)
+        found = first_stop(text, self.stops, self.stop_floor(beam.token_ids))
         if found is None:
             return None
         at, stop = found

@@ -137,7 +137,7 @@ async def sse_events(
             ids = committed.ids
             if ids and ids[-1] in stops:  # a stop token is never part of the text
                 ids = ids[:-1]
-            text = streamable(texts.decode(ids), texts)
+            text = streamable(texts.decode(ids), texts, texts.stop_floor(ids))
             if text.startswith(sent) and len(text) > len(sent) and not text.endswith("\ufffd"):
                 logprobs = committed.logprobs(texts, ids, sent_ids, chat)
                 yield chunk(0, text[len(sent) :], None, logprobs=logprobs)
@@ -172,13 +172,14 @@ async def sse_events(
     yield "data: [DONE]\n\n"
 
 
-def streamable(text: str, texts: BeamText) -> str:
+def streamable(text: str, texts: BeamText, after: int = 0) -> str:
     """What of a committed text may be sent: all of it without stop strings; else cut at a
-    stop string in it, less the end that begins one (unless the stop is kept in the text, then
-    a later match cuts nothing already there)."""
+    stop string in it (one ending past `after` characters: `BeamText.stop_floor`), less the
+    end that begins one (unless the stop is kept in the text, then a later match cuts nothing
+    already there)."""
     if not texts.stops:
         return text
-    found = first_stop(text, texts.stops)
+    found = first_stop(text, texts.stops, after)
     if found is not None:
         return texts.cut(text, *found)
     if texts.include_stop:

@@ -25,6 +25,7 @@ from deployments.batch.output import OUTPUT_SCHEMA, error_record
 from deployments.batch.rows import BatchRow, parse_row
 from dsbd_core.algorithm.config import SamplingConfig
 from dsbd_core.algorithm.methods import MethodConfig, method_config
+from dsbd_core.algorithm.penalties import bias_problem
 from dsbd_core.algorithm.stops import StopStrings
 from dsbd_core.models.pair import DraftOptions
 from dsbd_core.models.token_bytes import LoadedTexts, token_bytes
@@ -194,10 +195,15 @@ class BatchDecoder:
         check_n(n, method, method_config(method, config))
         prompt_ids = self._prompt_ids(row, defaults.chat)
         self._check_length(prompt_ids, method_config(method, config), method)
+        problem = bias_problem(config.logit_bias, self.vocab_size)
+        if problem is not None:  # an invalid row, as the HTTP API's 400
+            raise ValueError(f"logit_bias: {problem}")
         stop = None
         if row.stop_strings:
             stop = StopStrings(tuple(row.stop_strings), self._stop_texts())
-        view = self.texts.with_stops(row.stop_strings, row.include_stop_str_in_output)
+        view = self.texts.with_stops(
+            row.stop_strings, row.include_stop_str_in_output, min_tokens=config.min_tokens
+        )
         return Request(prompt_ids, config, method, stop=stop), n, view
 
     def _stop_texts(self) -> LoadedTexts:

@@ -28,6 +28,7 @@ import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 
 from deployments.api.models import ChatMessage, Method
+from deployments.api.penalty_fields import LogitBiasField
 from deployments.api.stop_fields import StopFields
 from dsbd_core.algorithm.config import SamplingConfig
 
@@ -47,7 +48,10 @@ ROWS_SCHEMA = pa.schema(
         ("problem", pa.string()),
     ]
 )
-KNOBS = tuple(name for name in SamplingConfig.model_fields if name != "eos_token_ids")
+# logit_bias is a JSON object on the wire (`LogitBiasField`, as on the HTTP routes)
+KNOBS = tuple(
+    name for name in SamplingConfig.model_fields if name not in ("eos_token_ids", "logit_bias")
+)
 
 _RowKnobs: type[BaseModel] = create_model(  # type: ignore[call-overload]
     "_RowKnobs",
@@ -59,7 +63,7 @@ _RowKnobs: type[BaseModel] = create_model(  # type: ignore[call-overload]
 )
 
 
-class BatchRow(_RowKnobs, StopFields):  # type: ignore[misc, valid-type]
+class BatchRow(_RowKnobs, StopFields, LogitBiasField):  # type: ignore[misc, valid-type]
     """One input row: a prompt in one of three forms, an optional id and per-row knobs.
 
     Knobs (SamplingConfig's fields, `method`, `n`, `chat`) override the command line's defaults
@@ -98,7 +102,10 @@ class BatchRow(_RowKnobs, StopFields):  # type: ignore[misc, valid-type]
 
     def knobs(self) -> dict[str, Any]:
         """The SamplingConfig fields this row sets (the others come from the command line)."""
-        return {name: getattr(self, name) for name in KNOBS if name in self.model_fields_set}
+        knobs = {name: getattr(self, name) for name in KNOBS if name in self.model_fields_set}
+        if self.logit_bias is not None:
+            knobs["logit_bias"] = self.logit_bias_ids
+        return knobs
 
 
 def parse_row(text: str) -> BatchRow:

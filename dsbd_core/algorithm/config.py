@@ -10,10 +10,19 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 Mode = Literal["with_replacement", "distinct"]
 Selection = Literal["paper", "transformers"]
+# OpenAI allows at most 300 logit_bias entries
+MAX_LOGIT_BIAS = 300
 
 
 class SamplingConfig(BaseModel):
@@ -110,6 +119,94 @@ class SamplingConfig(BaseModel):
             " None: track nothing."
         ),
     )
+
+    # Per-beam processors of the target's (and the draft's) next-token distribution, as
+    # OpenAI, vLLM and transformers define them (`penalties.py`, docs/SERVING.md).
+    min_tokens: int = Field(
+        0,
+        ge=0,
+        le=32768,
+        description=(
+            "vLLM's min_tokens: no EOS id (eos_token_ids) and no stop string finishes a beam"
+            " before it has generated this many tokens."
+        ),
+    )
+    frequency_penalty: float = Field(
+        0.0,
+        ge=-2.0,
+        le=2.0,
+        description=(
+            "OpenAI's frequency_penalty in [-2, 2]: subtracted from a token's log-weight once per"
+            " time the beam has generated it (generated tokens only)."
+        ),
+    )
+    presence_penalty: float = Field(
+        0.0,
+        ge=-2.0,
+        le=2.0,
+        description=(
+            "OpenAI's presence_penalty in [-2, 2]: subtracted from a token's log-weight if the"
+            " beam has generated it (generated tokens only)."
+        ),
+    )
+    repetition_penalty: float = Field(
+        1.0,
+        gt=0.0,
+        le=100.0,
+        description=(
+            "transformers' / vLLM's repetition_penalty (> 0, 1 = off): a token seen in the prompt"
+            " or the beam has its log-probability multiplied by it where negative, divided where"
+            " positive."
+        ),
+    )
+    logit_bias: tuple[tuple[int, float], ...] = Field(
+        (),
+        max_length=MAX_LOGIT_BIAS,
+        description=(
+            "OpenAI's logit_bias: (token id, bias in [-100, 100]) pairs, at most 300, added to"
+            " those tokens' log-weights (a dict {id: bias} is accepted)."
+        ),
+    )
+
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _bias_pairs(cls, value: object) -> object:
+        """A dict {token id: bias} (OpenAI's form, keys possibly strings) as sorted pairs."""
+        if isinstance(value, dict):
+            return tuple(sorted((int(k), float(v)) for k, v in value.items()))
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_values(cls, value: tuple[tuple[int, float], ...]) -> tuple[tuple[int, float], ...]:
+        for token, bias in value:
+            if token < 0:
+                raise ValueError(f"token id {token} is negative; allowed: ids of the vocabulary")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"bias {bias} for token {token}; allowed: -100 <= bias <= 100")
+        if len({token for token, _ in value}) != len(value):
+            raise ValueError("a token id appears twice; allowed: one bias per token id")
+        return value
+
+    @model_validator(mode="after")
+    def _min_tokens_within_budget(self) -> SamplingConfig:
+        if self.min_tokens > self.max_new_tokens:
+            raise ValueError(
+                f"min_tokens={self.min_tokens} is larger than max_new_tokens="
+                f"{self.max_new_tokens}; allowed: min_tokens <= max_new_tokens"
+            )
+        return self
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether any per-beam processor is on (`penalties.py`)."""
+        return bool(
+            self.min_tokens
+            or self.frequency_penalty
+            or self.presence_penalty
+            or self.repetition_penalty != 1.0
+            or self.logit_bias
+        )
 
     @model_validator(mode="after")
     def _selection_samples(self) -> SamplingConfig:

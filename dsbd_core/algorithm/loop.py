@@ -21,7 +21,7 @@ config), so the two sides may run in other processes; each draws from random str
 from __future__ import annotations
 
 from collections.abc import Generator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -29,6 +29,7 @@ import torch
 from dsbd_core.algorithm.control import Controller, FixedKnobs, Knobs
 from dsbd_core.algorithm.engine import Engine
 from dsbd_core.algorithm.methods import MethodConfig
+from dsbd_core.algorithm.penalties import processed_steps, processors_for
 from dsbd_core.algorithm.result import DecodeResult
 from dsbd_core.algorithm.scorer import ForestLayer, ForestLogprobs, ForestScorer, ScoreCall
 from dsbd_core.algorithm.search.engine import engine_for
@@ -58,14 +59,24 @@ class IterationCall:
         return engine_for(self.config, vocab_size, graph=self.graph, stop=self.stop)
 
     def propose_steps(self, vocab_size: int) -> Generator[ScoreCall, ForestLogprobs, Forest]:
-        """The draft side as a generator of draft-model calls."""
-        return self.engine(vocab_size).propose_steps(self.state)
+        """The draft side as a generator of draft-model calls (answers processed by the
+        decode's penalties, `penalties.py`: the draft proposes from the processed draft)."""
+        steps = self.engine(vocab_size).propose_steps(self.state)
+        return self._processed(steps, vocab_size)
 
     def verify_steps(
         self, vocab_size: int, forest: Forest
     ) -> Generator[ScoreCall, ForestLogprobs, Outcome]:
-        """The target side as a generator of its one target-model call."""
-        return self.engine(vocab_size).verify_steps(self.state, forest)
+        """The target side as a generator of its one target-model call (its answer processed:
+        the law kept is the processed target's)."""
+        steps = self.engine(vocab_size).verify_steps(self.state, forest)
+        return self._processed(steps, vocab_size)
+
+    def _processed(self, steps: Generator, vocab_size: int) -> Generator:
+        procs = processors_for(self.config, vocab_size)
+        if procs is None:
+            return steps
+        return processed_steps(steps, procs, self.state.prompt_len)
 
 
 @dataclass
@@ -120,6 +131,10 @@ class Decode:
     ) -> None:
         self.config = config
         self.graph = graph  # each side's engine work as one compiled graph, where it applies
+        # raises on a logit_bias key outside the vocabulary, before any step
+        processors_for(config, vocab_size)
+        if stop is not None and stop.min_tokens != config.min_tokens:
+            stop = replace(stop, min_tokens=config.min_tokens)  # no stop before min_tokens
         self.stop = stop  # stop strings, sent with every call to both sides
         self.engine = engine_for(config, vocab_size, stop=stop)
         self.controller = controller or FixedKnobs(config)

@@ -23,7 +23,7 @@ Nothing here runs without a stop string: the engine's default path is unchanged.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -82,8 +82,10 @@ class StopStrings:
 
     stops: tuple[str, ...]
     texts: TokenTexts
+    # vLLM's min_tokens: a match in a sequence of fewer generated tokens does not finish it
+    min_tokens: int = 0
     _table: Sequence[bytes] | None = field(default=None, repr=False, compare=False)
-    _memo: dict[tuple[int, ...], bool] = field(default_factory=dict, repr=False, compare=False)
+    _memo: dict[tuple, bool] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         problem = stop_problem(self.stops)
@@ -98,10 +100,10 @@ class StopStrings:
         return max(len(stop) for stop in self._encoded)
 
     def __getstate__(self) -> dict:
-        return {"stops": self.stops, "texts": self.texts}
+        return {"stops": self.stops, "texts": self.texts, "min_tokens": self.min_tokens}
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__(state["stops"], state["texts"])  # type: ignore[misc]
+        self.__init__(state["stops"], state["texts"], state.get("min_tokens", 0))  # type: ignore[misc]
 
     def finished(
         self, seq: torch.Tensor, seq_len: torch.Tensor, prompt_len: torch.Tensor
@@ -109,7 +111,8 @@ class StopStrings:
         """Which sequences' generated text holds a stop: `seq` [B, n, L] token ids, each
         session's sequences `seq_len` [B] long (prompt included) after `prompt_len` [B]
         prompt tokens. Returns [B, n] bool on `seq`'s device. Valid where a sequence's text
-        without its last token holds none (every sequence the engine asks about)."""
+        without its last token holds none, or held one before `min_tokens` generated tokens
+        (every sequence the engine asks about); none counts before `min_tokens`."""
         batch, n, capacity = seq.shape
         k = self.window
         pos = seq_len[:, None] - k + torch.arange(k, device=seq.device)  # [B, k]
@@ -119,34 +122,57 @@ class StopStrings:
         rows, inverse = torch.unique(window, dim=0, return_inverse=True)
         hits = [self._holds_stop(tuple(row)) for row in rows.tolist()]
         found = torch.tensor(hits, dtype=torch.bool, device=seq.device)
-        return found[inverse].view(batch, n)
+        found = found[inverse].view(batch, n)
+        if self.min_tokens:
+            found = found & (seq_len - prompt_len >= self.min_tokens)[:, None]
+        return found
 
     def _holds_stop(self, window: tuple[int, ...]) -> bool:
-        """Whether the text of these token ids (-1: none) holds a stop string (memoised)."""
-        hit = self._memo.get(window)
+        """Whether the text of these token ids (-1: none) holds a stop string (memoised). With
+        `min_tokens`, only a match that ends in the last token's bytes counts: a stop the
+        text held before min_tokens was ignored then, and stays ignored (vLLM)."""
+        ending = self.min_tokens > 0
+        key = (ending, *window)  # copies with another min_tokens share the memo
+        hit = self._memo.get(key)
         if hit is None:
             if self._table is None:
                 self._table = self.texts.table()
             table = self._table
             text = b"".join(table[t] for t in window if 0 <= t < len(table))
-            hit = any(stop in text for stop in self._encoded)
+            last = window[-1] if window else -1
+            tail = len(table[last]) if 0 <= last < len(table) else 0
+            # a match ending in the last token's bytes starts at or after len - tail - len + 1
+            hit = any(
+                stop in (text[max(0, len(text) - tail - len(stop) + 1) :] if ending else text)
+                for stop in self._encoded
+            )
             if len(self._memo) >= _MEMO_ENTRIES:
                 self._memo.clear()
-            self._memo[window] = hit
+            self._memo[key] = hit
         return hit
 
 
-def first_stop(text: str, stops: Sequence[str]) -> tuple[int, str] | None:
+def first_stop(text: str, stops: Sequence[str], after: int = 0) -> tuple[int, str] | None:
     """Where the earliest stop string starts in `text` and which one (the longest of those
-    starting there), or None: where a finished beam's returned text is cut."""
+    starting there), or None: where a finished beam's returned text is cut. `after`: only a
+    match ending past that many characters counts (the text of the first min_tokens - 1
+    tokens, where a match was ignored, `text_floor`)."""
     best: tuple[int, str] | None = None
     for stop in stops:
-        at = text.find(stop)
+        at = text.find(stop, max(0, after - len(stop) + 1))
         if at < 0:
             continue
         if best is None or at < best[0] or (at == best[0] and len(stop) > len(best[1])):
             best = (at, stop)
     return best
+
+
+def text_floor(decode: Callable[[list[int]], str], ids: list[int], min_tokens: int) -> int:
+    """How many characters of a beam's text no stop match may end within: those of its first
+    min_tokens - 1 tokens (a match ending there came before min_tokens and was ignored)."""
+    if min_tokens <= 1 or not ids:
+        return 0
+    return len(decode(ids[: min_tokens - 1]))
 
 
 def held_back(text: str, stops: Sequence[str]) -> int:

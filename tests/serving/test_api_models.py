@@ -113,17 +113,41 @@ def test_openai_chat_request_parses_and_response_is_understood() -> None:
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [
-        ("presence_penalty", 0.5),
-        ("frequency_penalty", 1.0),
-        ("best_of", 3),
-        ("logit_bias", {"5": 1.0}),
-    ],
+    [("best_of", 3), ("suffix", "s")],
 )
 def test_options_dsbd_cannot_honour_are_refused_by_name(field: str, value: object) -> None:
     with pytest.raises(ValidationError) as info:
         CompletionRequest(model="m", prompt="p", **{field: value})
     assert f"{field}={value!r} is not supported" in str(info.value)
+
+
+def test_the_processor_fields_reach_the_config_and_bad_ones_name_the_field() -> None:
+    """OpenAI's and vLLM's per-beam processors (dsbd_core/algorithm/penalties.py)."""
+    fields = {
+        "frequency_penalty": 0.5,
+        "presence_penalty": -1.0,
+        "repetition_penalty": 1.2,
+        "min_tokens": 3,
+        "logit_bias": {"5": 1.0, "7": -100},
+    }
+    config = CompletionRequest(model="m", prompt="p", **fields).sampling_config((0,), 16)
+    assert config.logit_bias == ((5, 1.0), (7, -100.0)) and config.min_tokens == 3
+    assert (config.frequency_penalty, config.presence_penalty) == (0.5, -1.0)
+    assert config.repetition_penalty == 1.2
+    for field, value, allowed in (
+        ("frequency_penalty", 2.5, "less than or equal to 2"),
+        ("presence_penalty", -2.5, "greater than or equal to -2"),
+        ("repetition_penalty", 0, "greater than 0"),
+        ("min_tokens", -1, "greater than or equal to 0"),
+        ("logit_bias", {"x": 1.0}, "key 'x' is not a token id"),
+        ("logit_bias", {"5": 100.5}, "allowed: -100 <= bias <= 100"),
+        ("logit_bias", {str(i): 1.0 for i in range(301)}, "301 entries; allowed: at most 300"),
+    ):
+        with pytest.raises(ValidationError) as info:
+            ChatCompletionRequest(
+                model="m", messages=[{"role": "user", "content": "x"}], **{field: value}
+            )
+        assert field in str(info.value) and allowed in str(info.value), str(info.value)
 
 
 def test_echo_scores_completions_only_and_max_tokens_zero_needs_it() -> None:

@@ -323,7 +323,10 @@ def test_fuzzing_the_served_openapi_finds_no_server_error(server, tmp_path: Path
         ({"stop": ["one", ""]}, "stop[1]='' is empty"),
         ({"stop": ["x"] * 17}, "17 stop strings; allowed: at most 16"),
         ({"stop": "y" * 257}, "stop[0] is 257 characters; allowed: at most 256"),
-        ({"frequency_penalty": 0.5}, "frequency_penalty=0.5"),
+        (
+            {"frequency_penalty": 2.5},
+            "frequency_penalty=2.5: Input should be less than or equal to 2",
+        ),
         ({"unknown_knob": 1}, "unknown_knob"),
         ({"temperature": -0.5}, "temperature=-0.5"),
     ],

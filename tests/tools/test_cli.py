@@ -241,3 +241,39 @@ def test_generate_stops_at_a_stop_string(
     beams = json.loads(out)["beams"]
     assert all(stop not in beam["text"] for beam in beams)
     assert any(beam["finished"] for beam in beams)
+
+
+def test_the_processor_flags_reach_the_config_and_bad_ones_exit_2(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["generate", "--prompt", "hi", "--min-tokens", "2", "--frequency-penalty", "0.5"]
+    argv += ["--presence-penalty", "-1", "--repetition-penalty", "1.3"]
+    argv += ["--logit-bias", "5=-100", "--logit-bias", "7=2.5"]
+    config = config_from_args(build_parser().parse_args(argv))
+    assert (config.min_tokens, config.frequency_penalty, config.presence_penalty) == (2, 0.5, -1)
+    assert config.repetition_penalty == 1.3 and config.logit_bias == ((5, -100.0), (7, 2.5))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", "--prompt", "hi", "--logit-bias", "5"])
+    assert exit_info.value.code == 2 and "expected TOKEN_ID=BIAS" in capsys.readouterr().err
+    code, _, err = run(["generate", "--prompt", "hi", "--frequency-penalty", "3"], capsys)
+    assert code == 2 and "frequency_penalty=3.0" in err and "less than or equal to 2" in err
+
+
+def test_generate_applies_the_processors(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--logit-bias` banning the free decode's first token moves it; a key outside the
+    vocabulary exits 2 naming the flag and the allowed ids."""
+    target = save_tiny_model(tmp_path / "t", tiny_tokens(32), seed=1)
+    argv = ["generate", "--method", "beam", "--prompt", "w1 w2 w3", "--target", str(target)]
+    argv += ["--max-new-tokens", "6", "--seed", "0", "--width", "2", "--json"]
+    code, out, _ = run(argv, capsys)
+    assert code == 0
+    first = json.loads(out)["beams"][0]["token_ids"][0]
+    code, out, _ = run(
+        [*argv, "--logit-bias", f"{first}=-100", "--repetition-penalty", "2"], capsys
+    )
+    assert code == 0
+    assert all(beam["token_ids"][0] != first for beam in json.loads(out)["beams"])
+    code, _, err = run([*argv, "--logit-bias", "99999=1"], capsys)
+    assert code == 2 and "--logit-bias: token id 99999 is outside the vocabulary" in err
