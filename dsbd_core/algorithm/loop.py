@@ -31,7 +31,7 @@ from dsbd_core.algorithm.engine import Engine
 from dsbd_core.algorithm.methods import MethodConfig
 from dsbd_core.algorithm.penalties import processed_steps, processors_for
 from dsbd_core.algorithm.result import DecodeResult
-from dsbd_core.algorithm.scorer import ForestLayer, ForestLogprobs, ForestScorer, ScoreCall
+from dsbd_core.algorithm.scorer import ForestLayer, ForestLogprobs, ForestScorer, ScoreCall, drive
 from dsbd_core.algorithm.search.engine import engine_for
 from dsbd_core.algorithm.state import NO_FOREST, DecodeState, Forest, Outcome, deepest_layer
 from dsbd_core.algorithm.stops import StopStrings
@@ -71,6 +71,20 @@ class IterationCall:
         the law kept is the processed target's)."""
         steps = self.engine(vocab_size).verify_steps(self.state, forest)
         return self._processed(steps, vocab_size)
+
+    def propose(self, scorer: ForestScorer, vocab_size: int) -> Forest:
+        """The draft side against a model in this process: one graph, the model inside, where
+        the engine fuses it (`Engine.propose`: never with processors, which sit between the
+        side and its model), else driven call by call."""
+        if processors_for(self.config, vocab_size) is None:
+            return self.engine(vocab_size).propose(self.state, scorer)
+        return drive(scorer, self.propose_steps(vocab_size))
+
+    def verify(self, scorer: ForestScorer, vocab_size: int, forest: Forest) -> Outcome:
+        """The target side against a model in this process (as `propose`)."""
+        if processors_for(self.config, vocab_size) is None:
+            return self.engine(vocab_size).verify(self.state, forest, scorer)
+        return drive(scorer, self.verify_steps(vocab_size, forest))
 
     def _processed(self, steps: Generator, vocab_size: int) -> Generator:
         procs = processors_for(self.config, vocab_size)
@@ -186,9 +200,9 @@ def run_decode(
             call = steps.send(answer)
             if isinstance(call, Propose):
                 assert draft is not None, "a drafting decode needs a draft scorer"
-                answer = call.call.engine(vocab).propose(call.call.state, draft)
+                answer = call.call.propose(draft, vocab)
             else:
-                answer = call.call.engine(vocab).verify(call.call.state, call.forest, target)
+                answer = call.call.verify(target, vocab, call.forest)
     except StopIteration as stop:
         return stop.value
     finally:

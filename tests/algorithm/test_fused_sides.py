@@ -159,9 +159,9 @@ def test_a_fused_decode_gives_the_eager_tokens_in_two_graph_calls_and_one_read(
                 iteration = run.state.iteration
                 full = drafts and run.state.planned is not None and run.state.planned[1] == 3
                 if isinstance(call, Propose):
-                    answer = call.call.engine(VOCAB).propose(call.call.state, draft)
+                    answer = call.call.propose(draft, VOCAB)
                     call = steps.send(answer)
-                answer = call.call.engine(VOCAB).verify(call.call.state, call.forest, target)
+                answer = call.call.verify(target, VOCAB, call.forest)
             if iteration <= 1 or (drafts and not full) or calls.pop("retired", 0):
                 # the prefill runs eagerly, and so is the next iteration planned; a shallower
                 # bucket (the budget's last tokens) is another shape; a session whose budget
