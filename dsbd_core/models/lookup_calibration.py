@@ -16,7 +16,7 @@ import functools
 import json
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from dsbd_core.algorithm.cost_model import Calibration, ForwardCosts
 from dsbd_core.algorithm.ngram_draft import NgramDraft
@@ -33,9 +33,24 @@ from dsbd_core.models.calibrate import (
     store_cached,
 )
 from dsbd_core.models.decode_path import make_scorer
+from dsbd_core.models.loading import LoadedModel
 
-if TYPE_CHECKING:
-    from dsbd_core.models.pair import LoadedPair
+
+class LookupPair(Protocol):
+    """What the calibration reads of a `pair.LoadedPair` with the look-up draft (a protocol:
+    `pair` calls this module, so importing it back would be a cycle)."""
+
+    target: LoadedModel
+    lookup: int | None
+    decode_path: str
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]: ...
+
+    def identity(self) -> dict[str, object]: ...
+
+    def describe(self) -> str: ...
+
 
 # A look-up is no model forward: zero seconds whatever it is fed.
 LOOKUP_COSTS = ForwardCosts(tokens=[1], seconds=[0.0])
@@ -45,7 +60,7 @@ LOOKUP_SUPPORT = 1024
 
 
 def calibrate_lookup(
-    pair: LoadedPair, *, force: bool = False, say: Callable[[str], None] = print
+    pair: LookupPair, *, force: bool = False, say: Callable[[str], None] = print
 ) -> Calibration:
     """The calibration of `pair` (a target with `lookup` set): from the cache, or measured now."""
     assert pair.lookup is not None, "a pair with the prompt-lookup draft"
