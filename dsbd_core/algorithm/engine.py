@@ -22,7 +22,8 @@ replica). `loop.py` is the one loop that runs the steps.
 
 from __future__ import annotations
 
-from collections.abc import Generator
+from collections.abc import Callable, Generator
+from typing import Any
 
 import torch
 
@@ -32,7 +33,15 @@ from dsbd_core.algorithm.host_reads import may_read, one_copy, unpacked
 from dsbd_core.algorithm.logprobs import TokenLogprobs, splice
 from dsbd_core.algorithm.methods import MethodConfig
 from dsbd_core.algorithm.result import DecodeResult, collect_results
-from dsbd_core.algorithm.scorer import ForestLogprobs, ForestScorer, Origin, Roots, ScoreCall, drive
+from dsbd_core.algorithm.scorer import (
+    ForestLogprobs,
+    ForestScorer,
+    Origin,
+    Roots,
+    ScoreCall,
+    drive,
+    returning,
+)
 from dsbd_core.algorithm.side_graphs import (
     GraphScorer,
     draft_side,
@@ -180,45 +189,48 @@ class Engine:
             return 0
         return self.config.gamma if gamma is None else gamma
 
-    def propose_steps(self, state: DecodeState) -> Generator[ScoreCall, ForestLogprobs, Forest]:
+    def propose_steps(
+        self, state: DecodeState, streams: Streams | None = None, *, fused: bool = False
+    ) -> Generator[ScoreCall, ForestLogprobs, Forest]:
         """Draft side: beam-sample the forest from the current input beams (ALGORITHM.md §3), as a
-        generator of draft-model calls (one per draft layer)."""
+        generator of draft-model calls (one per draft layer). `streams`: the side's (default
+        the state's iteration's); `fused`: it runs inside a side's graph
+        (`side_graphs.draft_side`), so no part of it is a graph of its own."""
         assert state.depth is not None, "call next_iteration first"
         if not self.uses_draft:
-            return NO_FOREST
+            return returning(NO_FOREST)
         eos = self._place(state)
-        streams = self.streams(state, DRAFT_STREAM)
+        streams = streams or self.streams(state, DRAFT_STREAM)
         layer_fn = None
-        if self._graphed(state):
+        if not fused and self._graphed(state):
             layer_fn = graph_for(state.alive.device, draft_layer)
-        return (
-            yield from draft_forest(
-                state, self.config, self.vocab, eos, streams, stop=self.stop, layer_fn=layer_fn
-            )
+        # the side's generator itself, not one delegating to it: Dynamo traces no `yield from`
+        return draft_forest(
+            state, self.config, self.vocab, eos, streams, stop=self.stop, layer_fn=layer_fn
         )
 
     def verify_steps(
-        self, state: DecodeState, forest: Forest
+        self,
+        state: DecodeState,
+        forest: Forest,
+        streams: Streams | None = None,
+        *,
+        fused: bool = False,
+        then: Callable[[Outcome], Outcome] | None = None,
     ) -> Generator[ScoreCall, ForestLogprobs, Outcome]:
         """Target side: one forward over the forest, layer-by-layer verification
-        (ALGORITHM.md §4), as a generator of its one target-model call."""
+        (ALGORITHM.md §4), as a generator of its one target-model call (`streams`, `fused`: as
+        `propose_steps`; `then`: applied to the outcome before the side returns it)."""
         assert state.depth is not None, "call next_iteration first"
         eos = self._place(state)
-        streams = self.streams(state, VERIFY_STREAM)
-        verify = verify_scored
-        if self._graphed(state):
+        streams = streams or self.streams(state, VERIFY_STREAM)
+        verify: Callable[..., Outcome] = verify_scored
+        if not fused and self._graphed(state):
             verify = graph_for(state.alive.device, verify_scored)
-        return (
-            yield from verify_forest(
-                state,
-                forest,
-                self.config,
-                self.vocab,
-                eos,
-                streams,
-                verify,
-                stop=self.stop,
-            )
+        if then is not None:
+            verify = _followed(verify, then)
+        return verify_forest(
+            state, forest, self.config, self.vocab, eos, streams, verify, stop=self.stop
         )
 
     def propose(self, state: DecodeState, scorer: ForestScorer) -> Forest:
@@ -230,8 +242,7 @@ class Engine:
             return NO_FOREST
         assert isinstance(scorer, GraphScorer)
         graph = graph_for(state.alive.device, draft_side)
-        streams = self.streams(state, DRAFT_STREAM)
-        forest, calls = graph(scorer, state, self.config, self.vocab, self._place(state), streams)
+        forest, calls = graph(scorer, self, state, self.streams(state, DRAFT_STREAM))
         scorer.forward_calls += calls
         return forest
 
@@ -244,8 +255,7 @@ class Engine:
         assert isinstance(scorer, GraphScorer)
         graph = graph_for(state.alive.device, verify_side)
         streams = self.streams(state, VERIFY_STREAM)
-        args = (state, forest, self.config, self.vocab, self._place(state), streams)
-        outcome, calls = graph(scorer, *args, self.gamma(self.config.gamma))
+        outcome, calls = graph(scorer, self, state, forest, streams, self.gamma(self.config.gamma))
         scorer.forward_calls += calls
         return outcome
 
@@ -333,6 +343,17 @@ def _planning_copy(state: DecodeState, ahead: Plan) -> tuple[int, int, int, Root
     any_retired, any_live, deepest = (int(x) for x in host_flags.tolist())
     roots = Roots(tokens, length, alive, Origin(*rest) if rest else None)
     return any_retired, any_live, deepest, roots
+
+
+def _followed(
+    verify: Callable[..., Outcome], then: Callable[[Outcome], Outcome]
+) -> Callable[..., Outcome]:
+    """`verify`, its outcome passed through `then`."""
+
+    def run(*args: Any, **kwargs: Any) -> Outcome:
+        return then(verify(*args, **kwargs))
+
+    return run
 
 
 def _fresh_seed() -> int:

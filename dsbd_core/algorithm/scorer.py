@@ -138,6 +138,12 @@ class ScoreCall:
 T = TypeVar("T")
 
 
+def returning(value: T) -> Generator[ScoreCall, ForestLogprobs, T]:
+    """A side that calls no model: a generator that returns `value` at once."""
+    return value
+    yield  # a generator function, never reached
+
+
 def drive(scorer: ForestScorer, steps: Generator[ScoreCall, ForestLogprobs, T]) -> T:
     """Run a decode step generator to its end against one scorer; returns its value."""
     try:

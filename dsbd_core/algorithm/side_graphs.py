@@ -15,6 +15,14 @@ capture serves every iteration and layer and draws inside the graph what the eag
 The tokens are those of the eager path (`tests/algorithm/test_iteration_graph.py` decodes
 through both with the `eager` backend on the CPU).
 
+Where the model itself reads nothing (a `GraphScorer`), a whole side is one graph, the model's
+forwards inside: `draft_side` (the gamma draft layers unrolled, the draft's forwards between
+them) and `verify_side` (the forest forward, verification, the next beams and the next
+iteration's plan packed into the one record the host copies), for both engines: the sampling
+engine and the search engine (beam search, its speculative form, beam sampling under
+transformers' law: fixed-shape top-K steps of the same tables). An iteration past the prefill
+is then two graph calls and one read (`tests/algorithm/test_fused_sides.py`).
+
 Graphs are per process, per function and per device (`graph_for`), as captured graphs are in
 every engine that keeps them; Dynamo compiles again where a shape or a config differs (a new
 gamma, batch or vocabulary).
@@ -29,7 +37,6 @@ from typing import Any, Protocol, TypeVar, runtime_checkable
 import torch
 
 from dsbd_core.algorithm.config import SamplingConfig
-from dsbd_core.algorithm.draft_forest import draft_forest
 from dsbd_core.algorithm.host_reads import packed
 from dsbd_core.algorithm.scorer import ForestLayer, ForestLogprobs, ScoreCall
 from dsbd_core.algorithm.state import (
@@ -40,9 +47,29 @@ from dsbd_core.algorithm.state import (
     planning_parts,
 )
 from dsbd_core.algorithm.streams import Draws, Streams
-from dsbd_core.algorithm.verify_forest import verify_forest, verify_scored
 
 T = TypeVar("T")
+
+
+class SideSteps(Protocol):
+    """An engine's two sides as generators of model calls (`engine.Engine`,
+    `search.engine.SearchEngine`), as the fused sides run them."""
+
+    config: SamplingConfig
+
+    def propose_steps(
+        self, state: DecodeState, streams: Streams | None = None, *, fused: bool = False
+    ) -> Generator[ScoreCall, ForestLogprobs, Forest]: ...
+
+    def verify_steps(
+        self,
+        state: DecodeState,
+        forest: Forest,
+        streams: Streams | None = None,
+        *,
+        fused: bool = False,
+        then: Callable[[Outcome], Outcome] | None = None,
+    ) -> Generator[ScoreCall, ForestLogprobs, Outcome]: ...
 
 
 @runtime_checkable
@@ -60,10 +87,11 @@ class GraphScorer(Protocol):
 
 
 def graph_applies(config: SamplingConfig) -> bool:
-    """The configs whose verify side reads nothing on a device: every width rule, without
-    log-probs (their rows are found by reading), on the sampling engine (the search engine's
-    walk is not compiled: docs/ARCHITECTURE.md "Where the engine runs")."""
-    return config.logprobs is None and not config.searching
+    """The configs whose sides read nothing on a device: every width rule and both engines
+    (beam search and transformers' law walk the search engine's fixed-shape steps), without
+    log-probs (their rows are found by reading). The search engine's sides are graphs only
+    whole, with their model (`draft_side`, `verify_side`)."""
+    return config.logprobs is None
 
 
 class SideGraph:
@@ -139,44 +167,33 @@ def drive_scored(
 
 
 def draft_side(
-    scorer: GraphScorer,
-    state: DecodeState,
-    config: SamplingConfig,
-    vocab: int,
-    eos: torch.Tensor,
-    streams: Streams,
+    scorer: GraphScorer, engine: SideSteps, state: DecodeState, streams: Streams
 ) -> tuple[Forest, int]:
-    """The whole draft side, the draft model's forwards included: one graph per bucket."""
-    return drive_scored(scorer, draft_forest(state, config, vocab, eos, streams))
+    """The whole draft side of `engine` (either engine: sampling or search), the draft model's
+    forwards included: one graph per bucket."""
+    return drive_scored(scorer, engine.propose_steps(state, streams, fused=True))
 
 
 def verify_side(
     scorer: GraphScorer,
+    engine: SideSteps,
     state: DecodeState,
     forest: Forest,
-    config: SamplingConfig,
-    vocab: int,
-    eos: torch.Tensor,
     streams: Streams,
     gamma: int,
 ) -> tuple[Outcome, int]:
-    """The whole verify side, the target's forest forward included, and the next iteration's
-    plan at depth `gamma` (`state.plan_iteration`: the host then reads it in the planning copy
-    without computing it): one graph per bucket."""
+    """The whole verify side of `engine`, the target's forest forward included, and the next
+    iteration's plan at depth `gamma` (`state.plan_iteration`, packed into the record the host
+    copies once when it plans: `planning_parts`): one graph per bucket."""
+    max_new_tokens, prompt_len = engine.config.max_new_tokens, state.prompt_len
 
-    def verified(*args: Any) -> Outcome:
-        outcome = verify_scored(*args)
+    def planned(outcome: Outcome) -> Outcome:
         ahead = plan_iteration(
-            outcome.length,
-            state.prompt_len,
-            outcome.remaining,
-            outcome.alive,
-            config.max_new_tokens,
-            gamma,
+            outcome.length, prompt_len, outcome.remaining, outcome.alive, max_new_tokens, gamma
         )
         ahead.record = packed(planning_parts(outcome.tokens, outcome.length, outcome.origin, ahead))
         outcome.plan = ahead
         return outcome
 
-    steps = verify_forest(state, forest, config, vocab, eos, streams, verified)
+    steps = engine.verify_steps(state, forest, streams, fused=True, then=planned)
     return drive_scored(scorer, steps)

@@ -7,7 +7,9 @@ iteration's draft side (the gamma draft layers unrolled, the draft's forwards be
 one compiled call and its verify side (the forest forward, verification, the next beams and the
 next iteration's plan, packed for the host) as another, with `torch.compile(fullgraph=True)`:
 a read of a value inside either is a graph break, and `fullgraph=True` makes it an error. The
-tokens and statistics are the eager decode's; per steady-state iteration the host makes at most
+tokens and statistics are the eager decode's, for both engines (sampling; beam search, its
+speculative form and beam sampling under transformers' law on the search engine's fixed-shape
+steps); per steady-state iteration the host makes at most
 2 compiled calls, at most 20 tensor operations outside them and exactly 1 read (an iteration
 where a session's budget runs out retires its beams eagerly: once a session).
 """
@@ -39,6 +41,10 @@ CASES = [
     ("dsbd-fixed", "dsbd", {"width": 3, "gamma": 3}),
     ("dsbd-dynamic", "dsbd", {"width": 3, "gamma": 3, "threshold": 0.7}),
     ("beam", "beam", {"width": 3}),
+    # the search engine's sides: beam search, its speculative form, transformers' law
+    ("beam-search", "beam_search", {"width": 3}),
+    ("spec-beam-search", "spec_beam_search", {"width": 3, "gamma": 3}),
+    ("beam-transformers-law", "beam", {"width": 3, "selection": "transformers"}),
 ]
 
 
@@ -126,7 +132,7 @@ def test_a_fused_decode_gives_the_eager_tokens_in_two_graph_calls_and_one_read(
     name: str, method: str, fields: dict
 ) -> None:
     target, draft = _pair()
-    drafts = method != "beam"
+    drafts = method not in ("beam", "beam_search")
     config = _config(method, fields, 16)
 
     def decode(graphed: bool) -> list:

@@ -14,18 +14,19 @@ sampling under transformers' law: the search's steps over a sampled candidate se
 
 from __future__ import annotations
 
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 
 import torch
 
 from dsbd_core.algorithm.engine import DRAFT_STREAM, VERIFY_STREAM, Engine
 from dsbd_core.algorithm.methods import MethodConfig
 from dsbd_core.algorithm.result import DecodeResult, collect_results
-from dsbd_core.algorithm.scorer import ForestLogprobs, ScoreCall
+from dsbd_core.algorithm.scorer import ForestLogprobs, ScoreCall, returning
 from dsbd_core.algorithm.search.sampled import draft_sampled_search
 from dsbd_core.algorithm.search.walk import draft_search, verify_search
 from dsbd_core.algorithm.state import NO_FOREST, DecodeState, Forest, Outcome
 from dsbd_core.algorithm.stops import StopStrings
+from dsbd_core.algorithm.streams import Streams
 
 
 def engine_for(
@@ -54,28 +55,36 @@ class SearchEngine(Engine):
         )
         return state
 
-    def propose_steps(self, state: DecodeState) -> Generator[ScoreCall, ForestLogprobs, Forest]:
-        """Draft side: the draft's own beam search for the planned depth."""
+    def propose_steps(
+        self, state: DecodeState, streams: Streams | None = None, *, fused: bool = False
+    ) -> Generator[ScoreCall, ForestLogprobs, Forest]:
+        """Draft side: the draft's own beam search for the planned depth (`streams`, `fused`:
+        as `Engine.propose_steps`; no part of it is a graph of its own either way)."""
         assert state.depth is not None, "call next_iteration first"
         if not self.uses_draft:
-            return NO_FOREST
+            return returning(NO_FOREST)
         eos = self._place(state)
         if self.config.selection == "transformers":  # sampled: DSBD under transformers' law
-            streams = self.streams(state, DRAFT_STREAM)
-            return (yield from draft_sampled_search(state, self.config, eos, streams))
-        return (yield from draft_search(state, self.config, eos))
+            streams = streams or self.streams(state, DRAFT_STREAM)
+            return draft_sampled_search(state, self.config, eos, streams)
+        return draft_search(state, self.config, eos)
 
     def verify_steps(
-        self, state: DecodeState, forest: Forest
+        self,
+        state: DecodeState,
+        forest: Forest,
+        streams: Streams | None = None,
+        *,
+        fused: bool = False,
+        then: Callable[[Outcome], Outcome] | None = None,
     ) -> Generator[ScoreCall, ForestLogprobs, Outcome]:
-        """Target side: one forward over the forest, the target's search steps through it."""
+        """Target side: one forward over the forest, the target's search steps through it
+        (`streams`, `fused`, `then`: as `Engine.verify_steps`)."""
         assert state.depth is not None, "call next_iteration first"
         eos = self._place(state)
-        streams = self.streams(state, VERIFY_STREAM)
-        return (
-            yield from verify_search(
-                state, forest, self.config, self.vocab, eos, streams, stop=self.stop
-            )
+        streams = streams or self.streams(state, VERIFY_STREAM)
+        return verify_search(
+            state, forest, self.config, self.vocab, eos, streams, stop=self.stop, then=then
         )
 
     def advance(self, state: DecodeState, outcome: Outcome) -> None:

@@ -95,10 +95,11 @@ def verify_search(
     eos: torch.Tensor,
     streams: Streams | None = None,
     stop: StopStrings | None = None,
+    then: Callable[[Outcome], Outcome] | None = None,
 ) -> Generator[ScoreCall, ForestLogprobs, Outcome]:
     """Score the forest in one target call; take the target's search steps through it
     (`streams`: where a sampled step draws, transformers' law; `stop`: stop strings end
-    hypotheses as EOS does)."""
+    hypotheses as EOS does; `then`: applied to the outcome before it is returned)."""
     assert state.depth is not None and state.finished_scores is not None
     scored = yield ScoreCall(roots_of(state), list(forest.layers))
     assert scored.roots is not None
@@ -115,7 +116,8 @@ def verify_search(
         if may_read(walk.pending) and not bool(walk.pending.any()):
             break  # on a device every level steps, under the mask (`host_reads`)
         walk.step(level, node_logp[level - 1])
-    return walk.outcome()
+    outcome = walk.outcome()
+    return then(outcome) if then is not None else outcome
 
 
 class _SearchWalk:
