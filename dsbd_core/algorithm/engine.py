@@ -93,7 +93,7 @@ class Engine:
         self.vocab = vocab_size
         self.uses_draft = config.uses_draft
         # run each side's engine work between model calls as one compiled graph where it can
-        # be (`side_graphs.py`: a device, no log-probs, the sampling engine, no stop strings)
+        # be (`side_graphs.py`: a device, no log-probs, no stop strings; either engine)
         self.graph = graph
         self.eos = torch.tensor(sorted(set(config.eos_token_ids)), dtype=torch.long, device="cpu")
 
@@ -255,7 +255,7 @@ class Engine:
         assert isinstance(scorer, GraphScorer)
         graph = graph_for(state.alive.device, verify_side)
         streams = self.streams(state, VERIFY_STREAM)
-        outcome, calls = graph(scorer, self, state, forest, streams, self.gamma(self.config.gamma))
+        outcome, calls = graph(scorer, self, state, forest, streams, self.gamma())
         scorer.forward_calls += calls
         return outcome
 
