@@ -95,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
         host = streams.at(1, 1).uniform((64, 257), dtype, torch.device("cpu"))
         there = streams.on(torch.device(device)).at(1, 1).uniform((64, 257), dtype, device)
         uniforms[str(dtype).removeprefix("torch.")] = bool(torch.equal(there.cpu(), host))
-    cases = []
+    cases: list[dict[str, Any]] = []
+    report: dict[str, Any] = {"all_same": False}
     for method, fields in CASES[: args.cases]:
         host = decode(method, fields, tables, "cpu")
         forced = computing_everywhere() if on_cpu else nullcontext()
@@ -112,17 +113,18 @@ def main(argv: list[str] | None = None) -> int:
             }
         )
         print(method, fields, {k: v for k, v in cases[-1].items() if k.startswith("same")})
-    report = {
-        "device": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
-        "torch": torch.__version__,
-        "uniforms_bitwise_equal": uniforms,
-        "cases": cases,
-        "all_same": all(uniforms.values())
-        and all(c["same_tokens"] and c["same_tokens_through_verify_graph"] for c in cases),
-    }
+        report = {  # written after every case: a run cut short keeps what it checked
+            "device": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
+            "torch": torch.__version__,
+            "uniforms_bitwise_equal": uniforms,
+            "cases": cases,
+            "cases_checked": f"{len(cases)} of {len(CASES)}",
+            "all_same": all(uniforms.values())
+            and all(c["same_tokens"] and c["same_tokens_through_verify_graph"] for c in cases),
+        }
+        if args.out:
+            args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps({k: v for k, v in report.items() if k != "cases"}))
-    if args.out:
-        args.out.write_text(json.dumps(report, indent=2) + "\n")
     return 0 if report["all_same"] else 1
 
 

@@ -11,6 +11,9 @@
 # embedded weights runs in the first call; the embedded pair's weights follow in two more calls
 # on the same warm machine (it goes back 30 s after a call), staged in $STAGE between them:
 #
+#   fused     .gpu/ holds the wheels: the fused sides (whole sides as CUDA graphs) on the
+#             device: draws and tokens against the host's, the engine per iteration, the
+#             static path's calls with the verify graph, the summary (~6 min; $OUT/fused.tgz)
 #   one       .gpu/ holds the wheels (the GGUF's first part may ride along): install, the
 #             device's draws and tokens against the host's (gpu_draws.py), then every
 #             random-weight figure and benchmarks/results/gpu/<device>/summary.json without the
@@ -61,7 +64,37 @@ summarize() {  # the summary of what $STAGE/out holds, the table and a tarball o
     tar czf "$OUT/$1.tgz" -C "$work" .
 }
 
-case "${1:?stage: one, stash, embedded, profile, costs or bench}" in
+case "${1:?stage: fused, one, stash, embedded, profile, costs or bench}" in
+fused)
+    # The fused sides on a device (issue 46; .gpu/ holds the wheels; ~6 min): the device's
+    # draws and tokens against the host's, eager and through the graphs (gpu_draws.py); the
+    # engine's own cost per iteration with whole sides as CUDA graphs, launches and waits
+    # (gpu_engine.py, order-1 tables at V = 151,936); the static path's model calls with the
+    # verify side as one graph at the Qwen and paper shapes; the summary
+    exec > >(tee "$OUT/log_fused.txt") 2>&1
+    stage_files
+    install_wheels
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+    python3 -c "import torch, transformers, pydantic; print(torch.__version__, transformers.__version__, pydantic.__version__, torch.cuda.get_device_name())"
+    uptime
+    work="$STAGE/out" && mkdir -p "$work/costs"
+    timeout 170 python3 benchmarks/gpu_draws.py --out "$work/draws.json" 2>&1 | grep -v Warn | tail -14
+    uptime
+    timeout 150 python3 benchmarks/gpu_engine.py --rounds 2 --out "$work/engine.json" 2>&1 |
+        grep -E '^\{|Error' | tail -20
+    uptime
+    for size in qwen paper; do
+        timeout 80 python3 benchmarks/gpu_costs.py --size "$size" --decode-path static \
+            --widths 1 3 --gammas 2 3 --contexts 256 --repeats 10 --no-progress --engine graph \
+            --out "$work/costs/gpu_costs_${size}_static-verifygraph.json" 2>&1 | tail -12
+    done
+    [ -n "${SKIP_SUMMARY:-}" ] || timeout 60 python3 benchmarks/gpu_summary.py \
+        --costs "$work/costs" --draws "$work/draws.json" --engine "$work/engine.json" \
+        --out "$work/summary" 2>&1 | tail -30
+    cp "$work/summary/summary.md" "$work/draws.json" "$work/engine.json" "$OUT/" 2>/dev/null
+    tar czf "$OUT/fused.tgz" -C "$work" .
+    uptime
+    ;;
 one)
     exec > >(tee "$OUT/log_one.txt") 2>&1
     stage_files

@@ -39,8 +39,12 @@ TARGETS = {
     "modelled_dsbd_vs_beam": (">=", 1.25, "modelled DSBD W=3 / beam sampling, Qwen shapes"),
     "beam_vs_transformers_beam": (">=", 3.0, "our beam sampling / transformers', end to end"),
     "tokens_same_as_cpu": ("==", 1.0, "seeded table-scorer decodes: the CPU's tokens"),
+    "engine_ms_per_iteration": ("<=", 0.2, "engine per fused DSBD iteration (gpu_engine.py)"),
+    "graph_launches_per_iteration": ("<=", 2.0, "graph launches per fused DSBD iteration"),
+    "waits_per_fused_iteration": ("<=", 1.0, "host waits per fused DSBD iteration"),
 }
-H200 = {"beam_step_ms": 1.1, "draft_step_ms": 0.4}
+H200 = {"beam_step_ms": 1.1, "draft_step_ms": 0.4, "engine_ms_per_iteration": 0.15}
+FUSED = "dsbd-w3-g3-fixed"  # the gpu_engine.py method the fused-side targets are read from
 
 
 def targets_for(device: str) -> dict[str, tuple[str, float, str]]:
@@ -165,6 +169,12 @@ def main() -> None:
         default=None,
         help="benchmarks/gpu_draws.py's JSON (the device's tokens against the host's)",
     )
+    parser.add_argument(
+        "--engine",
+        type=Path,
+        default=None,
+        help="benchmarks/gpu_engine.py's JSON (the engine per iteration, sides fused)",
+    )
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--sync-size", default="qwen", help="shapes of the sync count")
@@ -185,7 +195,12 @@ def main() -> None:
                 figures[f"{size}/{path}"] = costs(report, args.context)
     e2e = end_to_end(args.bench)
     main_size = "qwen" if "qwen/static" in figures else "tiny"
-    static = figures.get(f"{main_size}/static", {})
+    # the verify side as one graph where that run exists (what `Decode(graph=True)` runs)
+    static = figures.get(f"{main_size}/static-verifygraph") or figures.get(
+        f"{main_size}/static", {}
+    )
+    engine = _json(args.engine)
+    fused = next((m for m in engine.get("methods", []) if m["method"] == FUSED), {})
     ours, theirs = e2e.get("beam-w3"), e2e.get("hf-beam-w3")
     random_e2e = _json(args.e2e_beam)
     random_ms = random_e2e.get("ms_per_token", {})
@@ -234,6 +249,10 @@ def main() -> None:
         "tokens_same_as_cpu": _json(args.draws).get("all_same") if args.draws else None,
         "draws": _json(args.draws) if args.draws else {},
         "by_size_and_path": figures,
+        "engine_ms_per_iteration": fused.get("fused_ms"),
+        "graph_launches_per_iteration": fused.get("fused", {}).get("graph_launches"),
+        "waits_per_fused_iteration": fused.get("fused", {}).get("waits"),
+        "engine_on_device": engine,
     }
     summary["targets"] = {
         key: {"target": f"{op} {bound}", "what": what, "met": _met(summary.get(key), op, bound)}
