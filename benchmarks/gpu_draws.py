@@ -25,7 +25,7 @@ import torch
 
 from dsbd_core import SamplingConfig, TableScorer
 from dsbd_core.algorithm.host_reads import computing_everywhere
-from dsbd_core.algorithm.loop import Decode, run_decode
+from dsbd_core.algorithm.loop import Decode, engine_device, run_decode
 from dsbd_core.algorithm.methods import method_config
 from dsbd_core.algorithm.streams import VERIFY_SIDE, Streams
 
@@ -64,7 +64,9 @@ def decode(
         **{"max_new_tokens": 16, "seed": 21, "eos_token_ids": (EOS,), "threshold": None} | fields
     )
     target, draft = (TableScorer(torch.from_numpy(t), device=device) for t in tables)
-    run = Decode(method_config(method, config), VOCAB, PROMPTS, graph=graph)
+    run = Decode(
+        method_config(method, config), VOCAB, PROMPTS, device=engine_device(target), graph=graph
+    )
     results = run_decode(run, target, draft)
     return [[(b.token_ids, b.log_likelihood, b.finished) for b in r.beams] for r in results]
 

@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
                         seconds, iterations = decode(
                             method, fields, args.vocab, args.tokens, device, graph
                         )
-                        times[graph].extend(seconds[SKIPPED:])
+                        times[graph].extend(seconds[min(SKIPPED, len(seconds) - 1) :])
                         row["iterations"] = iterations
                 for graph, label in ((False, "eager"), (True, "fused")):
                     row[f"{label}_ms"] = round(1e3 * statistics.median(times[graph]), 4)

@@ -83,7 +83,8 @@ fused)
     timeout 150 python3 benchmarks/gpu_engine.py --rounds 2 --out "$work/engine.json" 2>&1 |
         grep -E '^\{|Error' | tail -20
     uptime
-    for size in qwen paper; do
+    for size in ${NO_COSTS:+none} qwen paper; do  # NO_COSTS=1: the draws and the engine only
+        [ "$size" = none ] && break
         timeout 80 python3 benchmarks/gpu_costs.py --size "$size" --decode-path static \
             --widths 1 3 --gammas 2 3 --contexts 256 --repeats 10 --no-progress --engine graph \
             --out "$work/costs/gpu_costs_${size}_static-verifygraph.json" 2>&1 | tail -12

@@ -194,7 +194,7 @@ def main() -> None:
             if report.is_file():
                 figures[f"{size}/{path}"] = costs(report, args.context)
     e2e = end_to_end(args.bench)
-    main_size = "qwen" if "qwen/static" in figures else "tiny"
+    main_size = "qwen" if any(key.startswith("qwen/") for key in figures) else "tiny"
     # the verify side as one graph where that run exists (what `Decode(graph=True)` runs)
     static = figures.get(f"{main_size}/static-verifygraph") or figures.get(
         f"{main_size}/static", {}

@@ -50,7 +50,7 @@ def draft_forest(
     """Draft beam sampling for up to `state.depth[b]` layers: one draft-model call per layer
     (`stop`: a node whose text holds a stop string finished, so it has no children;
     `layer_fn`: `draft_layer` run another way, `side_graphs.SideGraph`)."""
-    layer_fn = layer_fn or draft_layer
+    layer_fn = draft_layer if layer_fn is None else layer_fn  # no truth of a function: Dynamo
     assert state.depth is not None, "plan the iteration first (Engine.next_iteration)"
     depth, alive = state.depth, state.alive
     depth_max = deepest_layer(state)
@@ -61,7 +61,9 @@ def draft_forest(
     assert logq is not None
     parent_ok, sigma = alive, state.score
     layers, tables, probs = [], [], []
-    for level in range(1, depth_max + 1):
+    level = 0
+    while level < depth_max:  # no `for` iterator across a yield: Dynamo 2.11 loses it
+        level += 1
         ok = parent_ok & (depth >= level)[:, None]
         drawn = layer_fn(sigma, logq, ok, config, support, eos, streams.at(level, DRAFT))
         layer, table, prob, sigma, parent_ok = drawn

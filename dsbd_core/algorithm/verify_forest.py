@@ -78,7 +78,7 @@ def verify_forest(
     args = (state, forest, node_logp, config, vocab, eos, streams, deepest_layer(state))
     if stop is not None:  # never the graph (the engine asks for none): it reads on the host
         return verify_scored(*args, stop=stop)
-    return (verify or verify_scored)(*args)
+    return (verify_scored if verify is None else verify)(*args)  # no truth of a function
 
 
 def verify_scored(

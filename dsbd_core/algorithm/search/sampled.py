@@ -78,7 +78,9 @@ def draft_sampled_search(
     parent_ok, sigma = state.alive, state.score
     generated = state.length - state.prompt_len
     layers, tables, probs = [], [], []
-    for level in range(1, depth_max + 1):
+    level = 0
+    while level < depth_max:  # no `for` iterator across a yield: Dynamo 2.11 loses it
+        level += 1
         ok = parent_ok & (depth >= level)[:, None]
         _, table = law_table(sigma, logq, ok, config, n_eos)
         index, prob, exists = draw_distinct(table, drafts, streams.at(level, DRAFT))

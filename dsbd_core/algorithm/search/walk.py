@@ -71,7 +71,9 @@ def draft_search(
     is_eos = torch.isin(columns, eos)
     parent_ok, sigma = state.alive, state.score
     layers = []
-    for level in range(1, depth_max + 1):
+    level = 0
+    while level < depth_max:  # no `for` iterator across a yield: Dynamo 2.11 loses it
+        level += 1
         ok = parent_ok & (depth >= level)[:, None]
         weights = layer_candidates(sigma, logq, ok).view(ok.shape[0], -1, width)
         weights = weights.masked_fill_(is_eos, NEG_INF).view(ok.shape[0], -1)
