@@ -78,9 +78,9 @@ fused)
     python3 -c "import torch, transformers, pydantic; print(torch.__version__, transformers.__version__, pydantic.__version__, torch.cuda.get_device_name())"
     uptime
     work="$STAGE/out" && mkdir -p "$work/costs"
-    timeout 170 python3 benchmarks/gpu_draws.py --out "$work/draws.json" 2>&1 | grep -v Warn | tail -14
+    timeout "${DRAWS_TIMEOUT:-170}" python3 benchmarks/gpu_draws.py --out "$work/draws.json" 2>&1 | grep -v Warn | tail -14
     uptime
-    timeout 150 python3 benchmarks/gpu_engine.py --rounds 2 --out "$work/engine.json" 2>&1 |
+    timeout "${ENGINE_TIMEOUT:-150}" python3 benchmarks/gpu_engine.py --rounds 2 --out "$work/engine.json" 2>&1 |
         grep -E '^\{|Error' | tail -20
     uptime
     for size in ${NO_COSTS:+none} qwen paper; do  # NO_COSTS=1: the draws and the engine only
@@ -94,6 +94,10 @@ fused)
         --out "$work/summary" 2>&1 | tail -30
     cp "$work/summary/summary.md" "$work/draws.json" "$work/engine.json" "$OUT/" 2>/dev/null
     tar czf "$OUT/fused.tgz" -C "$work" .
+    # PROFILE=1: where a static beam step's time goes at the Qwen shapes (torch.profiler)
+    [ -n "${PROFILE:-}" ] && timeout 60 python3 benchmarks/gpu_forward_profile.py --size qwen \
+        --decode-path static --repeats 10 --out "$OUT/profile_qwen_static.json" 2>&1 |
+        grep -v Warning | tail -40
     uptime
     ;;
 one)
