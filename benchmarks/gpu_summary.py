@@ -175,6 +175,12 @@ def main() -> None:
         default=None,
         help="benchmarks/gpu_engine.py's JSON (the engine per iteration, sides fused)",
     )
+    parser.add_argument(
+        "--replay",
+        type=Path,
+        default=None,
+        help="benchmarks/gpu_graph_replay.py's JSON (a graph replay's host and wall time)",
+    )
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--sync-size", default="qwen", help="shapes of the sync count")
@@ -253,6 +259,7 @@ def main() -> None:
         "graph_launches_per_iteration": fused.get("fused", {}).get("graph_launches"),
         "waits_per_fused_iteration": fused.get("fused", {}).get("waits"),
         "engine_on_device": engine,
+        "graph_replay": _json(args.replay),
     }
     summary["targets"] = {
         key: {"target": f"{op} {bound}", "what": what, "met": _met(summary.get(key), op, bound)}

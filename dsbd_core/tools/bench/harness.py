@@ -441,5 +441,13 @@ def git_info() -> dict:
         except (OSError, subprocess.SubprocessError):
             return ""
 
-    status = git("status", "--porcelain", "--", "dsbd_core")
-    return {"commit": git("rev-parse", "HEAD"), "dirty_code": bool(status)}
+    # the whole tree's code, not only the package's: a benchmark script that differs from the
+    # commit is a dirty run too (a lent GPU's copy can carry newer files under an older HEAD)
+    changed = git("diff", "--name-only", "HEAD", "--", ":/*.py", ":/*.sh").splitlines()
+    info: dict = {"commit": git("rev-parse", "HEAD"), "dirty_code": bool(changed)}
+    if changed:
+        info["changed"] = changed[:20]
+    sent = os.environ.get("DSBD_SENT_COMMIT")  # the commit the sender says it copied
+    if sent:
+        info["sent_commit"] = sent
+    return info
