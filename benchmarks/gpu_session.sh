@@ -11,10 +11,11 @@
 # embedded weights runs in the first call; the embedded pair's weights follow in two more calls
 # on the same warm machine (it goes back 30 s after a call), staged in $STAGE between them:
 #
-#   fused     .gpu/ holds the wheels: a graph replay's cost (gpu_graph_replay.py), the fused
-#             sides (whole sides as CUDA graphs) on the device: draws and tokens against the
-#             host's, the engine per iteration, the static path's calls with the verify graph,
-#             the summary (~6 min; $OUT/fused.tgz). Send the commit along:
+#   fused     .gpu/ holds the wheels: a graph replay's cost (gpu_graph_replay.py), a DSBD
+#             iteration and a beam step at the Qwen shapes eager and fused (gpu_engine.py
+#             --size qwen), the fused sides on table scorers: draws and tokens against the
+#             host's, the engine per iteration; the static path's calls with the verify graph,
+#             the summary (~8 min; NO_COSTS=1 ~5; $OUT/fused.tgz). Send the commit along:
 #             `DSBD_SENT_COMMIT=<git rev-parse HEAD here> bash benchmarks/gpu_session.sh fused`
 #             (the device's copy may carry an older HEAD; results then say so: harness.git_info)
 #   one       .gpu/ holds the wheels (the GGUF's first part may ride along): install, the
@@ -83,6 +84,12 @@ fused)
     work="$STAGE/out" && mkdir -p "$work/costs"
     echo "sent as commit ${DSBD_SENT_COMMIT:-unknown} (DSBD_SENT_COMMIT=\$(git rev-parse HEAD) in the call)"
     timeout 30 python3 benchmarks/gpu_graph_replay.py --out "$work/graph_replay.json" 2>&1 | tail -2
+    # a whole DSBD iteration and a beam step at the Qwen shapes, eager and fused (the models'
+    # forwards inside the sides' graphs, models/static_side.py)
+    timeout "${QWEN_TIMEOUT:-240}" python3 benchmarks/gpu_engine.py --size qwen --tokens 32 \
+        --rounds 2 --methods dsbd-w3-g3-fixed beam-w3 --out "$work/engine_qwen.json" 2>&1 |
+        grep -E '^\{|Error' | tail -8
+    uptime
     timeout "${DRAWS_TIMEOUT:-170}" python3 benchmarks/gpu_draws.py --out "$work/draws.json" 2>&1 | grep -v Warn | tail -14
     uptime
     timeout "${ENGINE_TIMEOUT:-150}" python3 benchmarks/gpu_engine.py --rounds 2 --out "$work/engine.json" 2>&1 |
@@ -96,10 +103,10 @@ fused)
     done
     [ -n "${SKIP_SUMMARY:-}" ] || timeout 60 python3 benchmarks/gpu_summary.py \
         --costs "$work/costs" --draws "$work/draws.json" --engine "$work/engine.json" \
-        --replay "$work/graph_replay.json" \
+        --replay "$work/graph_replay.json" --engine-models "$work/engine_qwen.json" \
         --out "$work/summary" 2>&1 | tail -30
     cp "$work/summary/summary.md" "$work/draws.json" "$work/engine.json" "$work/graph_replay.json" \
-        "$OUT/" 2>/dev/null
+        "$work/engine_qwen.json" "$OUT/" 2>/dev/null
     tar czf "$OUT/fused.tgz" -C "$work" .
     # PROFILE=1: where a static beam step's time goes at the Qwen shapes (torch.profiler)
     [ -n "${PROFILE:-}" ] && timeout 60 python3 benchmarks/gpu_forward_profile.py --size qwen \

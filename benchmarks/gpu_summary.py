@@ -176,6 +176,12 @@ def main() -> None:
         help="benchmarks/gpu_engine.py's JSON (the engine per iteration, sides fused)",
     )
     parser.add_argument(
+        "--engine-models",
+        type=Path,
+        default=None,
+        help="gpu_engine.py --size qwen's JSON (model iterations, eager and fused)",
+    )
+    parser.add_argument(
         "--replay",
         type=Path,
         default=None,
@@ -260,6 +266,7 @@ def main() -> None:
         "waits_per_fused_iteration": fused.get("fused", {}).get("waits"),
         "engine_on_device": engine,
         "graph_replay": _json(args.replay),
+        "model_iterations": _json(args.engine_models),
     }
     summary["targets"] = {
         key: {"target": f"{op} {bound}", "what": what, "met": _met(summary.get(key), op, bound)}

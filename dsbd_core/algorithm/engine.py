@@ -45,8 +45,11 @@ from dsbd_core.algorithm.scorer import (
 from dsbd_core.algorithm.side_graphs import (
     GraphScorer,
     draft_side,
+    finish_side,
     graph_applies,
     graph_for,
+    prepared,
+    side_context,
     verify_side,
 )
 from dsbd_core.algorithm.state import (
@@ -56,8 +59,10 @@ from dsbd_core.algorithm.state import (
     Outcome,
     Plan,
     Pool,
+    deepest_layer,
     plan_iteration,
     planning_parts,
+    roots_of,
     zero_counters,
 )
 from dsbd_core.algorithm.stops import StopStrings
@@ -241,8 +246,12 @@ class Engine:
         if not self.uses_draft:
             return NO_FOREST
         assert isinstance(scorer, GraphScorer)
+        if not prepared(scorer, roots_of(state), deepest_layer(state)):
+            return drive(scorer, self.propose_steps(state))
         graph = graph_for(state.alive.device, draft_side)
-        forest, calls = graph(scorer, self, state, self.streams(state, DRAFT_STREAM))
+        with side_context(scorer):
+            forest, calls = graph(scorer, self, state, self.streams(state, DRAFT_STREAM))
+        finish_side(scorer)
         scorer.forward_calls += calls
         return forest
 
@@ -253,9 +262,13 @@ class Engine:
         if not self._fuses(state, scorer):
             return drive(scorer, self.verify_steps(state, forest))
         assert isinstance(scorer, GraphScorer)
+        if not prepared(scorer, roots_of(state), deepest_layer(state)):
+            return drive(scorer, self.verify_steps(state, forest))
         graph = graph_for(state.alive.device, verify_side)
         streams = self.streams(state, VERIFY_STREAM)
-        outcome, calls = graph(scorer, self, state, forest, streams, self.gamma())
+        with side_context(scorer):
+            outcome, calls = graph(scorer, self, state, forest, streams, self.gamma())
+        finish_side(scorer)
         scorer.forward_calls += calls
         return outcome
 

@@ -30,6 +30,7 @@ gamma, batch or vocabulary).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable, Generator, Sequence
 from typing import Any, Protocol, TypeVar, runtime_checkable
@@ -84,6 +85,37 @@ class GraphScorer(Protocol):
     def set_roots(self, roots: Any) -> None: ...
 
     def scored(self, layers: Sequence[ForestLayer]) -> ForestLogprobs: ...
+
+
+@runtime_checkable
+class PreparedScorer(Protocol):
+    """A `GraphScorer` whose forwards need host work around the side's graph: before it (after
+    the iteration's one read: its caches compacted, the side's metadata copied to the device;
+    False where this iteration cannot run inside a graph, and the side is driven eagerly),
+    a context the graph runs in, and the host's bookkeeping after it (the static path:
+    `models/static_side.py`)."""
+
+    def prepare_side(self, roots: Any, depth: int) -> bool: ...
+
+    def side_context(self) -> contextlib.AbstractContextManager[Any]: ...
+
+    def finish_side(self) -> None: ...
+
+
+def prepared(scorer: GraphScorer, roots: Any, depth: int) -> bool:
+    """Whether the side runs as one graph with `scorer` (`PreparedScorer.prepare_side`)."""
+    return scorer.prepare_side(roots, depth) if isinstance(scorer, PreparedScorer) else True
+
+
+def side_context(scorer: GraphScorer) -> contextlib.AbstractContextManager[Any]:
+    """The context a side's graph with `scorer` runs in (none for a scorer without one)."""
+    return scorer.side_context() if isinstance(scorer, PreparedScorer) else contextlib.nullcontext()
+
+
+def finish_side(scorer: GraphScorer) -> None:
+    """The host's bookkeeping after a side's graph with `scorer`."""
+    if isinstance(scorer, PreparedScorer):
+        scorer.finish_side()
 
 
 def graph_applies(config: SamplingConfig) -> bool:

@@ -32,17 +32,20 @@ What differs from the dynamic path (`TransformerScorer`), and what does not:
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 
 import torch
 from transformers import PreTrainedModel
 
 from dsbd_core.algorithm.host_reads import may_read
-from dsbd_core.algorithm.scorer import ForestLayer
+from dsbd_core.algorithm.scorer import ForestLayer, ForestLogprobs
+from dsbd_core.models.draft_variants import compact_logits, head_support
 from dsbd_core.models.forest_plan import ForestPlan, record_plan, scatter_outputs
 from dsbd_core.models.kv_cache import SessionCache, plan_compaction
 from dsbd_core.models.slot_layout import SlotPlan, gather_outputs, plan_slots, record_slots
 from dsbd_core.models.static_cache import SlotHandle, StaticKV, to_device
+from dsbd_core.models.static_side import SideSessions
 from dsbd_core.models.static_step import (
     SLOT_BUCKETS,
     CompileMode,
@@ -51,6 +54,7 @@ from dsbd_core.models.static_step import (
     bucket,
     idle_inputs,
     row_buckets,
+    static_attention_for,
 )
 from dsbd_core.models.transformer_scorer import (
     TransformerScorer,
@@ -93,6 +97,8 @@ class StaticScorer(TransformerScorer):
         self._pool: StaticKV | None = None
         self._step: StaticStep | None = None
         self._busy: set[int] = set()  # pool bases of the batch being started (never evicted)
+        self._side: SideSessions | None = None  # the side whose graph runs the forwards
+        self._rooted = False  # `prepare_side` started this iteration: `set_roots` is done
         if rows and length:
             self._ensure_pool(rows, length)
 
@@ -140,7 +146,12 @@ class StaticScorer(TransformerScorer):
     # ------------------------------------------------------------------ ForestScorer API
 
     def set_roots(self, roots) -> None:  # noqa: ANN001 (Roots, as the base class)
-        """Start an iteration (compacting in the pool); frees the rows of sessions that end."""
+        """Start an iteration (compacting in the pool); frees the rows of sessions that end.
+        After `prepare_side` it only says that the roots' log-probs are due: done there."""
+        if self._rooted:
+            self._rooted = False
+            self._roots_pending = True
+            return
         before = [s for s in self._sessions if s is not None]
         batch, root_count, capacity = roots.tokens.shape
         self._ensure_pool(batch * root_count, capacity + 1)
@@ -150,6 +161,64 @@ class StaticScorer(TransformerScorer):
         for session in before:
             if id(session.cache) not in kept:
                 self._free(session)
+
+    # ------------------------------------------------------------------ a side's graph
+
+    def prepare_side(self, roots, depth: int) -> bool:  # noqa: ANN001 (Roots)
+        """Before a side's graph (`side_graphs.PreparedScorer`): start the iteration
+        (`set_roots`: compaction in the pool), grow the pool to hold `depth` layers' slots
+        more, copy the side's metadata to the device (`static_side`). False where the side
+        cannot run inside a graph this iteration (the layout is the host's, or a session would
+        be a new shape): its calls are then driven as usual."""
+        self.set_roots(roots)
+        self._rooted, self._side = True, None
+        if self._step is None or self._result_device != self.model.device:
+            return False
+        live = [s for s in self._sessions if s is not None]
+        if any(s.cached_cols != s.prefix_cols for s in live):  # nodes cached before roots
+            return False
+        need = max((s.length for s in live), default=0) + (depth + 1) * SLOT_BUCKETS[-1]
+        self._ensure_pool(0, need)
+        self._step._refresh()
+        self._side = SideSessions.prepare(
+            self._pool, self._step._eager, self._sessions, self._root_count
+        )
+        return self._side is not None
+
+    def side_context(self) -> contextlib.AbstractContextManager:
+        """What a side's graph runs in: no autograd, the static attention, the restricted
+        head's logits (as `StaticStep` runs a step)."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch.no_grad())
+        stack.enter_context(static_attention_for(self.model))
+        stack.enter_context(compact_logits(self.model))
+        return stack
+
+    def scored(self, layers: Sequence[ForestLayer]) -> ForestLogprobs:
+        """A forward inside a prepared side's graph (`GraphScorer`): reads nothing, changes
+        no host counter (the engine counts the side's forwards)."""
+        side = self._side
+        if side is None:
+            raise RuntimeError("scored outside a prepared side (prepare_side)")
+        support = head_support(self.model)
+        vocab = self.vocab_size if support is None else support.numel()
+        batch, dtype, device = len(self._sessions), self._out_dtype, self.model.device
+        roots = None
+        if self._roots_pending:
+            roots = torch.zeros(batch, self._root_count, vocab, dtype=dtype, device=device)
+        outs = [
+            torch.zeros(batch, layer.token.shape[1], vocab, dtype=dtype, device=device)
+            for layer in layers
+        ]
+        side.forward(layers, roots, outs)
+        self._roots_pending = False
+        return ForestLogprobs(roots=roots, layers=outs, support=support)
+
+    def finish_side(self) -> None:
+        """After a side's graph: the host's record of what the forwards fed (`static_side`)."""
+        if self._side is not None:
+            self._side.finish(self._sessions)
+            self._side = None
 
     def release(self) -> None:
         for session in self._sessions:
