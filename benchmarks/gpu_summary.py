@@ -349,6 +349,29 @@ def table(summary: dict[str, Any]) -> str:
         rows.append(
             f"| {key} | " + " | ".join("" if v is None else f"{v:.3g}" for v in cells) + " |"
         )
+    for label, report in (
+        ("models behind StaticScorer", summary.get("model_iterations") or {}),
+        ("order-1 tables: the engine alone", summary.get("engine_on_device") or {}),
+    ):
+        if report.get("methods"):
+            rows += [
+                "",
+                f"Per steady-state iteration, {label} ({report.get('size', 'tables')}, "
+                "gpu_engine.py): eager sides vs fused (whole sides as graphs)",
+                "",
+                "| method | eager ms | fused ms | fused / eager | graph launches | kernel "
+                "launches | waits |",
+                "|---|---:|---:|---:|---:|---:|---:|",
+            ]
+            for m in report["methods"]:
+                if "error" in m:
+                    rows.append(f"| {m['method']} | failed: {m['error'].splitlines()[0][:70]} |")
+                    continue
+                fused = m.get("fused", {})
+                cells = [m.get(k) for k in ("eager_ms", "fused_ms", "fused_over_eager")]
+                cells += [fused.get(k) for k in ("graph_launches", "kernel_launches", "waits")]
+                shown = ["" if v is None else f"{v:.3g}" for v in cells]
+                rows.append(f"| {m['method']} | " + " | ".join(shown) + " |")
     rows += ["", "| method | ms / token |", "|---|---:|"]
     rows += [f"| {method} (embedded pair) | {ms:.1f} |" for method, ms in summary["e2e"].items()]
     rows += [
