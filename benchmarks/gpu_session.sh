@@ -68,19 +68,24 @@ summarize() {  # the summary of what $STAGE/out holds, the table and a tarball o
     tar czf "$OUT/$1.tgz" -C "$work" .
 }
 
-case "${1:?stage: fused, one, stash, embedded, profile, costs or bench}" in
-fused)
-    # The fused sides on a device (issue 46; .gpu/ holds the wheels; ~6 min): the device's
-    # draws and tokens against the host's, eager and through the graphs (gpu_draws.py); the
-    # engine's own cost per iteration with whole sides as CUDA graphs, launches and waits
-    # (gpu_engine.py, order-1 tables at V = 151,936); the static path's model calls with the
-    # verify side as one graph at the Qwen and paper shapes; the summary
-    exec > >(tee "$OUT/log_fused.txt") 2>&1
+start_stage() {  # the carried files staged, the wheels installed, what the machine is
     stage_files
     install_wheels
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
     python3 -c "import torch, transformers, pydantic; print(torch.__version__, transformers.__version__, pydantic.__version__, torch.cuda.get_device_name())"
     uptime
+}
+
+case "${1:?stage: fused, one, stash, embedded, profile, costs or bench}" in
+fused)
+    # The fused sides on a device (issue 46; .gpu/ holds the wheels; ~8 min): a graph
+    # replay's cost; a DSBD iteration and a beam step at the Qwen shapes, eager and fused; the
+    # device's draws and tokens against the host's, eager and through the graphs
+    # (gpu_draws.py); the engine's own cost per iteration with whole sides as CUDA graphs,
+    # launches and waits (gpu_engine.py, order-1 tables at V = 151,936); the static path's
+    # model calls with the verify side as one graph at the Qwen and paper shapes; the summary
+    exec > >(tee "$OUT/log_fused.txt") 2>&1
+    start_stage
     work="$STAGE/out" && mkdir -p "$work/costs"
     echo "sent as commit ${DSBD_SENT_COMMIT:-unknown} (DSBD_SENT_COMMIT=\$(git rev-parse HEAD) in the call)"
     timeout 30 python3 benchmarks/gpu_graph_replay.py --out "$work/graph_replay.json" 2>&1 | tail -2
@@ -116,11 +121,7 @@ fused)
     ;;
 one)
     exec > >(tee "$OUT/log_one.txt") 2>&1
-    stage_files
-    install_wheels
-    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
-    python3 -c "import torch, transformers, pydantic; print(torch.__version__, transformers.__version__, pydantic.__version__, torch.cuda.get_device_name())"
-    uptime
+    start_stage
     work="$STAGE/out" && mkdir -p "$work/costs"
     # the device draws the host's numbers and decodes its tokens (table scorers, every method,
     # eager and through the verify graph): benchmarks/gpu_draws.py
