@@ -15,13 +15,15 @@ capture serves every iteration and layer and draws inside the graph what the eag
 The tokens are those of the eager path (`tests/algorithm/test_iteration_graph.py` decodes
 through both with the `eager` backend on the CPU).
 
-Where the model itself reads nothing (a `GraphScorer`), a whole side is one graph, the model's
-forwards inside: `draft_side` (the gamma draft layers unrolled, the draft's forwards between
-them) and `verify_side` (the forest forward, verification, the next beams and the next
-iteration's plan packed into the one record the host copies), for both engines: the sampling
-engine and the search engine (beam search, its speculative form, beam sampling under
-transformers' law: fixed-shape top-K steps of the same tables). An iteration past the prefill
-is then two graph calls and one read (`tests/algorithm/test_fused_sides.py`).
+Where the model itself reads nothing (a `GraphScorer`: the exact n-gram table; the static
+scorer beside the engine, with its host work around the graph, `PreparedScorer`), a whole
+side is one graph, the model's forwards inside: `draft_side` (the gamma draft layers
+unrolled, the draft's forwards between them) and `verify_side` (the forest forward,
+verification, the next beams and the next iteration's plan packed into the one record the
+host copies), for both engines: the sampling engine and the search engine (beam search, its
+speculative form, beam sampling under transformers' law: fixed-shape top-K steps of the same
+tables). An iteration past the prefill is then two graph calls and one read
+(`tests/algorithm/test_fused_sides.py`, `tests/models/test_static_side.py`).
 
 Graphs are per process, per function and per device (`graph_for`), as captured graphs are in
 every engine that keeps them; Dynamo compiles again where a shape or a config differs (a new
