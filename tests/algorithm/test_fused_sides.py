@@ -180,3 +180,39 @@ def test_a_fused_decode_gives_the_eager_tokens_in_two_graph_calls_and_one_read(
             # the advance of the previous iteration runs inside `send`: counted above too
             assert sum(reads.values()) == 1, (name, iteration, dict(reads))
     assert counted >= 2, "no steady-state iteration was counted"
+
+
+def test_a_graphs_outputs_are_copied_whole_and_apart() -> None:
+    """What a captured side returns is copied before its next replay rewrites it
+    (`side_graphs._cloned`, one multi-tensor copy per dtype): every tensor of the tree has new
+    storage with the same values, dtype and shape; other leaves stay as they are."""
+    from dsbd_core.algorithm.scorer import ForestLayer
+    from dsbd_core.algorithm.side_graphs import _cloned
+    from dsbd_core.algorithm.state import Forest
+
+    ids = torch.arange(6).view(2, 3)
+    scores = torch.rand(2, dtype=torch.float64)
+    kept = torch.tensor([True, False])[None].expand(2, 2)  # not dense: copied all the same
+    forest = Forest([ForestLayer(ids, ids[:, :2], kept)], [scores], [scores.float()], None)
+    tree = (forest, {"x": ids, "y": [scores, 3]}, 7)
+    copied = _cloned(tree)
+
+    def tensors(t: Any) -> list[torch.Tensor]:
+        if isinstance(t, torch.Tensor):
+            return [t]
+        if isinstance(t, dict):
+            t = list(t.values())
+        if isinstance(t, Forest):
+            t = [t.layers, t.tables, t.probs]
+        if isinstance(t, ForestLayer):
+            t = [t.parent, t.token, t.exists]
+        if isinstance(t, list | tuple):
+            return [x for v in t for x in tensors(v)]
+        return []
+
+    before, after = tensors(tree), tensors(copied)
+    assert len(before) == len(after) == 7
+    for a, b in zip(before, after, strict=True):
+        assert torch.equal(a, b) and a.dtype == b.dtype and a.shape == b.shape
+        assert a.data_ptr() != b.data_ptr()
+    assert copied[1]["y"][1] == 3 and copied[2] == 7 and copied[0].support is None
