@@ -45,11 +45,9 @@ from dsbd_core.algorithm.scorer import (
 from dsbd_core.algorithm.side_graphs import (
     GraphScorer,
     draft_side,
-    finish_side,
     graph_applies,
     graph_for,
-    prepared,
-    side_context,
+    run_fused,
     verify_side,
 )
 from dsbd_core.algorithm.state import (
@@ -59,10 +57,8 @@ from dsbd_core.algorithm.state import (
     Outcome,
     Plan,
     Pool,
-    deepest_layer,
     plan_iteration,
     planning_parts,
-    roots_of,
     zero_counters,
 )
 from dsbd_core.algorithm.stops import StopStrings
@@ -246,14 +242,9 @@ class Engine:
         if not self.uses_draft:
             return NO_FOREST
         assert isinstance(scorer, GraphScorer)
-        if not prepared(scorer, roots_of(state), deepest_layer(state)):
-            return drive(scorer, self.propose_steps(state))
-        graph = graph_for(state.alive.device, draft_side)
-        with side_context(scorer):
-            forest, calls = graph(scorer, self, state, self.streams(state, DRAFT_STREAM))
-        finish_side(scorer)
-        scorer.forward_calls += calls
-        return forest
+        streams = self.streams(state, DRAFT_STREAM)
+        forest = run_fused(scorer, state, draft_side, self, state, streams)
+        return forest if forest is not None else drive(scorer, self.propose_steps(state))
 
     def verify(self, state: DecodeState, forest: Forest, scorer: ForestScorer) -> Outcome:
         """The target side against a model in this process: as one graph, the forest forward
@@ -262,15 +253,9 @@ class Engine:
         if not self._fuses(state, scorer):
             return drive(scorer, self.verify_steps(state, forest))
         assert isinstance(scorer, GraphScorer)
-        if not prepared(scorer, roots_of(state), deepest_layer(state)):
-            return drive(scorer, self.verify_steps(state, forest))
-        graph = graph_for(state.alive.device, verify_side)
         streams = self.streams(state, VERIFY_STREAM)
-        with side_context(scorer):
-            outcome, calls = graph(scorer, self, state, forest, streams, self.gamma())
-        finish_side(scorer)
-        scorer.forward_calls += calls
-        return outcome
+        outcome = run_fused(scorer, state, verify_side, self, state, forest, streams, self.gamma())
+        return outcome if outcome is not None else drive(scorer, self.verify_steps(state, forest))
 
     def advance(self, state: DecodeState, outcome: Outcome) -> None:
         """Take the verified outcome as the next iteration's input beams."""

@@ -46,8 +46,10 @@ from dsbd_core.algorithm.state import (
     DecodeState,
     Forest,
     Outcome,
+    deepest_layer,
     plan_iteration,
     planning_parts,
+    roots_of,
 )
 from dsbd_core.algorithm.streams import Draws, Streams
 
@@ -102,22 +104,6 @@ class PreparedScorer(Protocol):
     def side_context(self) -> contextlib.AbstractContextManager[Any]: ...
 
     def finish_side(self) -> None: ...
-
-
-def prepared(scorer: GraphScorer, roots: Any, depth: int) -> bool:
-    """Whether the side runs as one graph with `scorer` (`PreparedScorer.prepare_side`)."""
-    return scorer.prepare_side(roots, depth) if isinstance(scorer, PreparedScorer) else True
-
-
-def side_context(scorer: GraphScorer) -> contextlib.AbstractContextManager[Any]:
-    """The context a side's graph with `scorer` runs in (none for a scorer without one)."""
-    return scorer.side_context() if isinstance(scorer, PreparedScorer) else contextlib.nullcontext()
-
-
-def finish_side(scorer: GraphScorer) -> None:
-    """The host's bookkeeping after a side's graph with `scorer`."""
-    if isinstance(scorer, PreparedScorer):
-        scorer.finish_side()
 
 
 def graph_applies(config: SamplingConfig) -> bool:
@@ -200,6 +186,25 @@ def _mapped(tree: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
         fields = dataclasses.fields(tree)
         return type(tree)(**{f.name: _mapped(getattr(tree, f.name), fn) for f in fields})
     return tree
+
+
+def run_fused(
+    scorer: GraphScorer, state: DecodeState, side: Callable[..., tuple[T, int]], *args: Any
+) -> T | None:
+    """`side` (`draft_side` or `verify_side`, called with `scorer` and `args`) as one graph on
+    the state's device, with the scorer's host work around it (`PreparedScorer`) and its
+    forwards counted on the host; None where the scorer cannot run this iteration inside a
+    graph (`prepare_side`): the caller then drives the side's calls."""
+    hooks = scorer if isinstance(scorer, PreparedScorer) else None
+    if hooks is not None and not hooks.prepare_side(roots_of(state), deepest_layer(state)):
+        return None
+    graph = graph_for(state.alive.device, side)
+    with hooks.side_context() if hooks is not None else contextlib.nullcontext():
+        value, calls = graph(scorer, *args)
+    if hooks is not None:
+        hooks.finish_side()
+    scorer.forward_calls += calls
+    return value
 
 
 def drive_scored(

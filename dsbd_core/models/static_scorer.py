@@ -40,7 +40,7 @@ from transformers import PreTrainedModel
 
 from dsbd_core.algorithm.host_reads import may_read
 from dsbd_core.algorithm.scorer import ForestLayer, ForestLogprobs
-from dsbd_core.models.draft_variants import compact_logits, head_support
+from dsbd_core.models.draft_variants import compact_logits
 from dsbd_core.models.forest_plan import ForestPlan, record_plan, scatter_outputs
 from dsbd_core.models.kv_cache import SessionCache, plan_compaction
 from dsbd_core.models.slot_layout import SlotPlan, gather_outputs, plan_slots, record_slots
@@ -200,16 +200,7 @@ class StaticScorer(TransformerScorer):
         side = self._side
         if side is None:
             raise RuntimeError("scored outside a prepared side (prepare_side)")
-        support = head_support(self.model)
-        vocab = self.vocab_size if support is None else support.numel()
-        batch, dtype, device = len(self._sessions), self._out_dtype, self.model.device
-        roots = None
-        if self._roots_pending:
-            roots = torch.zeros(batch, self._root_count, vocab, dtype=dtype, device=device)
-        outs = [
-            torch.zeros(batch, layer.token.shape[1], vocab, dtype=dtype, device=device)
-            for layer in layers
-        ]
+        support, roots, outs = self._output_buffers(layers, self.model.device)
         side.forward(layers, roots, outs)
         self._roots_pending = False
         return ForestLogprobs(roots=roots, layers=outs, support=support)

@@ -152,21 +152,7 @@ class TransformerScorer:
         """One model forward per session over uncached root tokens and the given layers."""
         if not self._sessions:
             raise RuntimeError("forward called before set_roots")
-        batch = len(self._sessions)
-        support = head_support(self.model)  # a restricted draft head answers K-wide
-        vocab = self.vocab_size if support is None else support.numel()
-        dtype = self._out_dtype
-        want_roots = self._roots_pending
-        placed = self._result_device
-        roots = (
-            torch.zeros(batch, self._root_count, vocab, dtype=dtype, device=placed)
-            if want_roots
-            else None
-        )
-        outs = [
-            torch.zeros(batch, layer.token.shape[1], vocab, dtype=dtype, device=placed)
-            for layer in layers
-        ]
+        support, roots, outs = self._output_buffers(layers, self._result_device)
         with torch.inference_mode(), compact_logits(self.model):
             self._plan_and_run(layers, roots, outs)
         self._roots_pending = False
@@ -176,6 +162,24 @@ class TransformerScorer:
             layers=[x.to(to_out) for x in outs],
             support=support.to(to_out) if support is not None else None,
         )
+
+    def _output_buffers(
+        self, layers: Sequence[ForestLayer], device: torch.device
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, list[torch.Tensor]]:
+        """A call's answer to fill on `device`: the restricted head's tokens (None: the full
+        vocabulary, which then sizes the rows), the roots' log-probs where they are due, and
+        each layer's."""
+        support = head_support(self.model)  # a restricted draft head answers K-wide
+        vocab = self.vocab_size if support is None else support.numel()
+        batch, dtype = len(self._sessions), self._out_dtype
+        roots = None
+        if self._roots_pending:
+            roots = torch.zeros(batch, self._root_count, vocab, dtype=dtype, device=device)
+        outs = [
+            torch.zeros(batch, layer.token.shape[1], vocab, dtype=dtype, device=device)
+            for layer in layers
+        ]
+        return support, roots, outs
 
     def release(self) -> None:
         """Drop every cache."""

@@ -442,8 +442,12 @@ def git_info() -> dict:
             return ""
 
     # the whole tree's code, not only the package's: a benchmark script that differs from the
-    # commit is a dirty run too (a lent GPU's copy can carry newer files under an older HEAD)
-    changed = git("diff", "--name-only", "HEAD", "--", ":/*.py", ":/*.sh").splitlines()
+    # commit, or is not in it yet, makes a dirty run too (a lent GPU's copy can carry newer
+    # files under an older HEAD)
+    code = ("--", ":/*.py", ":/*.sh")
+    changed = git("diff", "--name-only", "HEAD", *code).splitlines()
+    new = git("ls-files", "--others", "--exclude-standard", "--full-name", *code)
+    changed += new.splitlines()
     info: dict = {"commit": git("rev-parse", "HEAD"), "dirty_code": bool(changed)}
     if changed:
         info["changed"] = changed[:20]
