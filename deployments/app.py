@@ -12,7 +12,7 @@ by name (Ingress, Router, Draft, Verifier, WidthController), as with any Serve a
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from ray.serve import Application
@@ -20,6 +20,7 @@ from ray.serve.config import RequestRouterConfig
 
 from deployments.api.ingress import Ingress, Limits, RouterOptions
 from deployments.autoscaling import POLICY_PATH as AUTOSCALING_POLICY
+from deployments.decode.pair import Pair
 from deployments.decode.router import Router
 from deployments.decode.width_controller import WidthController
 from deployments.replicas.affinity import ROUTER_CLASS
@@ -203,6 +204,16 @@ class AppArgs(BaseModel):
     )
     draft_resources: Resources = Resources(num_cpus=0.5)
     verifier_resources: Resources = Resources(num_cpus=1.0)
+    layout: Literal["auto", "split", "colocated"] = Field(
+        "auto",
+        description="split: a Router, a Draft and a Verifier deployment, two Serve calls per "
+        "iteration (the draft and the verifier scale, fail and sit on GPUs apart; a "
+        "tensor-parallel verifier); colocated: one Pair deployment whose replicas own both "
+        "models and run the decode loops, an iteration two calls inside one process "
+        "(deployments/decode/pair.py; its replicas take verifier_resources, router_resources "
+        "and draft_resources are unused); auto: colocated when the target runs on cuda "
+        "without tensor parallelism, else split.",
+    )
 
     @model_validator(mode="after")
     def _default_within_limits(self) -> AppArgs:
@@ -223,14 +234,22 @@ class AppArgs(BaseModel):
             )
         return self
 
+    @property
+    def colocated(self) -> bool:
+        """Whether one Pair deployment serves (the `layout` field, `auto` resolved)."""
+        if self.layout == "auto":
+            return self.target.device == "cuda" and self.target.tp_size == 1
+        return self.layout == "colocated"
+
     @model_validator(mode="after")
     def _devices_match_resources(self) -> AppArgs:
-        """A model's device and TP size must agree with its deployment's GPUs."""
-        for model, resources, side in (
-            (self.target, self.verifier_resources, "target"),
-            (self.draft, self.draft_resources, "draft"),
+        """A model's device and TP size must agree with its deployment's GPUs (co-located:
+        the Pair's, which are verifier_resources)."""
+        draft_where = "verifier_resources" if self.colocated else "draft_resources"
+        for model, resources, side, where in (
+            (self.target, self.verifier_resources, "target", "verifier_resources"),
+            (self.draft, getattr(self, draft_where), "draft", draft_where),
         ):
-            where = "verifier_resources" if side == "target" else "draft_resources"
             if model.tp_size > 1 and resources.num_gpus > 0:
                 raise ValueError(
                     f"{where}.num_gpus={resources.num_gpus} with {side}.tp_size="
@@ -261,12 +280,6 @@ def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
     if config.session_affinity:
         routing["request_router_config"] = RequestRouterConfig(request_router_class=ROUTER_CLASS)
     inherited = _application_runtime_env()
-    draft = Draft.options(
-        **config.draft_resources.options(config.draft, inherited), **routing
-    ).bind(config.draft.model_dump(), config.target.source)  # the look-up: the target's vocab
-    verifier = Verifier.options(
-        **config.verifier_resources.options(config.target, inherited), **routing
-    ).bind(config.target.model_dump())
     controller = WidthController.bind(config.cost_policy.model_dump(), config.target.session_ttl_s)
     router_options = RouterOptions(
         model_name=config.model_name,
@@ -275,11 +288,22 @@ def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
         limits=config.limits,
         api_key_file=config.api_key_file,
         router_replicas=config.ingress_resources.max_replicas,  # memory admission's share
+        colocated=config.colocated,
     )
     serving = {"inherited_env": inherited, "allocator": config.allocator}  # no model: HTTP, loops
+    ingress = Ingress.options(**config.ingress_resources.options(**serving))
+    if config.colocated:
+        pair = Pair.options(**config.verifier_resources.options(config.target, inherited)).bind(
+            config.target.model_dump(), config.draft.model_dump(), controller
+        )
+        return ingress.bind(pair, pair, pair, controller, router_options.model_dump())
+    draft = Draft.options(
+        **config.draft_resources.options(config.draft, inherited), **routing
+    ).bind(config.draft.model_dump(), config.target.source)  # the look-up: the target's vocab
+    verifier = Verifier.options(
+        **config.verifier_resources.options(config.target, inherited), **routing
+    ).bind(config.target.model_dump())
     router = Router.options(**config.router_resources.options(**serving)).bind(
         draft, verifier, controller
     )
-    return Ingress.options(**config.ingress_resources.options(**serving)).bind(
-        router, draft, verifier, controller, router_options.model_dump()
-    )
+    return ingress.bind(router, draft, verifier, controller, router_options.model_dump())

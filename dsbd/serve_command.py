@@ -89,6 +89,16 @@ def add_arguments(serve: argparse.ArgumentParser) -> None:
         "directory, .gguf file or hub id, or 'ngram': the prompt-lookup draft (no weights)",
     )
     serve.add_argument(
+        "--layout",
+        choices=("auto", "split", "colocated"),
+        default=None,
+        help="every application's layout (overrides layout of the config): split, a Router, a "
+        "Draft and a Verifier deployment; colocated, one Pair deployment owning both models and "
+        "the decode loops; auto (the default): colocated when the target is on cuda without "
+        "tensor parallelism. Without --config, the embedded models run on cuda when a GPU is "
+        "visible",
+    )
+    serve.add_argument(
         "--ngram-max",
         type=int,
         default=None,
@@ -120,9 +130,10 @@ def load_config(
     *,
     draft: str | None = None,
     ngram_max: int | None = None,
+    layout: str | None = None,
 ) -> Any:
     """The validated Serve config (ServeDeploySchema); exits with a clear message if bad.
-    `tp_size`, `draft` and `ngram_max` (the flags) override every application's."""
+    `tp_size`, `draft`, `ngram_max` and `layout` (the flags) override every application's."""
     from ray.serve.schema import ServeDeploySchema
 
     if path is None:
@@ -132,7 +143,7 @@ def load_config(
                     "name": "dsbd",
                     "route_prefix": "/",
                     "import_path": DEFAULT_IMPORT_PATH,
-                    "args": {},
+                    "args": embedded_args(),
                 }
             ]
         }
@@ -157,12 +168,32 @@ def load_config(
                 app.args = args | {"target": target | {"tp_size": tp_size}}
             if draft is not None or ngram_max is not None:
                 app.args = _with_draft(dict(app.args or {}), draft, ngram_max)
+            if layout is not None:
+                app.args = dict(app.args or {}) | {"layout": layout}
             try:
                 AppArgs.model_validate(app.args or {})
             except ValidationError as error:
                 message = config_error_message(error).replace("\n", f"\n  {app.name}.args.")
                 raise SystemExit(fail(f"--config: {app.name}.args.{message}")) from None
     return schema
+
+
+def embedded_args() -> dict[str, Any]:
+    """The embedded application's args: both models on the GPU when one is visible (one Pair
+    replica owns them: `layout: auto`), else the defaults (CPU, the split layout)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return {}
+    from deployments.app import AppArgs
+
+    defaults = AppArgs()
+    cuda = {"device": "cuda"}
+    return {
+        "target": defaults.target.model_dump() | cuda,
+        "draft": defaults.draft.model_dump() | cuda,
+        "verifier_resources": defaults.verifier_resources.model_dump() | {"num_gpus": 1.0},
+    }
 
 
 def _with_draft(args: dict[str, Any], source: str | None, ngram_max: int | None) -> dict:
@@ -198,6 +229,7 @@ def run(args: argparse.Namespace) -> int:
         args.tp_size,
         draft=args.draft,
         ngram_max=args.ngram_max,
+        layout=args.layout,
     )
     try:
         prepare_models(schema)

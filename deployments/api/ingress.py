@@ -64,6 +64,7 @@ from deployments.api.responses import (
 from deployments.api.streaming import DecodeStream, sse_events
 from deployments.decode import client as router_client
 from deployments.decode.limits import Limits, RouterOptions, check_config
+from deployments.decode.local_handles import SideHandle
 from deployments.decode.session import accepted_per_position
 from deployments.decode.state import Handles
 from deployments.messages import DecodeCall, DecodeEnd
@@ -143,6 +144,8 @@ class Ingress:
         self.options = RouterOptions.model_validate(options)
         self.router = router
         self.router_stream = router.options(stream=True)
+        if self.options.colocated:  # one Pair replica answers for both models
+            draft, verifier = SideHandle(draft, "draft"), SideHandle(verifier, "verifier")
         self.handles = Handles(draft=draft, verifier=verifier, controller=controller)
         self.tokenizer, self.stop_ids = load_tokenizer(self.options.tokenizer)
         self.texts = BeamText(self.tokenizer)

@@ -53,6 +53,11 @@ class RouterOptions(BaseModel):
         description="The ingress deployment's max_replicas: each ingress replica admits decodes "
         "against this share of the replicas' session memory (deployments/api/admission.py).",
     )
+    colocated: bool = Field(
+        False,
+        description="The router, draft and verifier handles are one Pair deployment's "
+        "(deployments/decode/pair.py): the models' info is read through it.",
+    )
 
 
 def check_config(

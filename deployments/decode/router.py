@@ -73,6 +73,7 @@ class Router:
         return {
             "replica": tracing.replica_id(),
             "pid": os.getpid(),
+            "layout": "split",  # the draft and the verifier are deployments of their own
             "running": self._running,
             "allocator": active_allocator(),
             "allocator_stats": allocator_stats(),

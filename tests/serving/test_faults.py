@@ -8,6 +8,8 @@ checks that nothing but loopback was contacted. Applications:
   tensor-parallel verifier (2 ranks) that exit inside a chosen call (deployments/faults.py,
   enabled per application through `runtime_env.env_vars`, once per run through a claim
   folder). A SIGKILL from outside may land between calls and lose none; this cannot.
+* `/fpair`: the co-located layout (deployments/decode/pair.py), its verifier exiting inside a
+  call: the pair replica's decode loops die with it and the ingress hands them over.
 * `/memory`: a pair with large KV caches per token (16 layers) and a small session-memory
   budget, so long prompts exhaust it (deployments/api/admission.py).
 """
@@ -46,6 +48,7 @@ FAULTS = {
     "fverifier": "verifier:verify:15",
     "ftp": "tp-rank1:forward:6",
     "frouter": "router:decode:5",
+    "fpair": "verifier:verify:15",  # inside a co-located pair: the loops die with the models
 }
 WIDE = {
     "num_hidden_layers": 16,
@@ -101,7 +104,13 @@ def write_config(root: Path, target: Path, draft: Path, wide: Path) -> Path:
                 "route_prefix": f"/{name}",
                 "import_path": "deployments.app:build_app",
                 "runtime_env": {"env_vars": env},
-                "args": {"model_name": "tiny", **models, "target": target_options, **resources},
+                "args": {
+                    "model_name": "tiny",
+                    **models,
+                    "target": target_options,
+                    **resources,
+                    "layout": "colocated" if name == "fpair" else "split",
+                },
             }
         )
     budget = {"source": str(wide), "dtype": "float64", "session_memory_bytes": BUDGET}
@@ -159,7 +168,8 @@ def test_a_replica_that_dies_inside_a_call_costs_a_retry_not_the_request(server,
     for body, got in zip(bodies, results, strict=True):
         knobs = {k: v for k, v in body.items() if k not in ("prompt_ids", "adaptive")}
         assert_same(got, reference("dsbd", body["prompt_ids"], **knobs))
-    what = "handovers" if app == "frouter" else "retries"
+    handed = app in ("frouter", "fpair")  # the loop died: the ingress hands the decode over
+    what = "handovers" if handed else "retries"
     retries = [r for got in results for r in got["stats"]["serving"][what]]
     print(f"{FAULTS[app]}: {len(retries)} {what}: {sorted({r.split(': ')[1] for r in retries})}")
     assert retries, f"no {what}: the injected fault did not cost a call"
@@ -168,13 +178,13 @@ def test_a_replica_that_dies_inside_a_call_costs_a_retry_not_the_request(server,
     claims = os.listdir(server["root"] / f"claims-{app}")
     assert claims == ["-".join(FAULTS[app].split(":"))], claims  # the fault fired, once
     after = status(server, prefix)
-    side = {"fdraft": "draft", "frouter": "router"}.get(app, "verifier")
+    side = {"fdraft": "draft", "frouter": "router", "fpair": "router"}.get(app, "verifier")
     assert after[side]["replica"] != before[side]["replica"], "the replica was not replaced"
     # seeded decodes: the caches lost with the replica were rebuilt by replaying the sessions'
     # iterations (dsbd_core/algorithm/replay.py), never re-prefilled
     replays = [r for got in results for r in got["stats"]["serving"]["replays"]]
     print(f"{len(replays)} replays: {replays[:4]}")
-    if app == "frouter":  # the new router starts the decodes over: nothing to rebuild
+    if handed:  # the new router (pair) starts the decodes over: nothing to rebuild
         assert not replays, replays
     else:
         replayed = "draft replayed" if app == "fdraft" else "verifier replayed"

@@ -1,7 +1,8 @@
 """The prompt-lookup draft served (issue 48): the Draft deployment hosts `NgramDraft` when its
 source is 'ngram' (no weights), so the app keeps its structure: the router's decode loop, the
 verifier and the calibration see a draft replica like any other. In this process, without Ray
-(tests/inprocess_handles.py): served decodes are the in-process decodes, token for token, and
+(deployments/decode/local_handles.py): served decodes are the in-process decodes, token for
+token, and
 the router calibrates the pair through it, pricing the look-up at no forward cost."""
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 from pydantic import ValidationError
 
 from deployments.app import AppArgs
+from deployments.decode.local_handles import LocalHandle as Handle
 from deployments.decode.session import DecodeSession, pair_calibration
 from deployments.decode.state import Handles, RouterState
 from deployments.decode.width_controller import WidthController
@@ -28,7 +30,6 @@ from dsbd_core.algorithm.ngram_draft import NgramDraft
 from dsbd_core.models import load_causal_lm
 from dsbd_core.models.lookup_calibration import LOOKUP_COSTS
 from dsbd_core.models.transformer_scorer import TransformerScorer
-from tests.inprocess_handles import Handle
 from tests.tiny_models import build_pair
 
 PROMPT = [5, 17, 42, 5, 17, 42, 5, 17]

@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 import torch
 
+from deployments.decode.local_handles import LocalHandle as Handle
 from deployments.decode.session import DecodeSession
 from deployments.decode.state import Handles, RouterState
 from deployments.decode.width_controller import WidthController
@@ -28,7 +29,6 @@ from deployments.replicas.draft import Draft
 from deployments.replicas.verifier import Verifier
 from dsbd_core import SamplingConfig
 from dsbd_core.algorithm.methods import method_config
-from tests.inprocess_handles import Handle
 from tests.tiny_models import build_pair
 
 ROUND = 48  # decodes per round

@@ -1,5 +1,6 @@
 """A router replica's calibration (deployments/decode/calibration.py, kept on its `RouterState`)
-with the serving path's real classes in this process, without Ray (tests/inprocess_handles.py):
+with the serving path's real classes in this process, without Ray
+(deployments/decode/local_handles.py):
 the pair's pass rates and whole-iteration timings it measures through the draft and verifier
 replicas, once per machine, and the priors it gives the cost model."""
 
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from deployments.decode.local_handles import LocalHandle as Handle
 from deployments.decode.session import pair_calibration
 from deployments.decode.state import Handles, RouterState
 from deployments.decode.width_controller import WidthController
@@ -21,7 +23,6 @@ from dsbd_core.algorithm.decoders import generate
 from dsbd_core.models import load_causal_lm
 from dsbd_core.models.calibrate import PassCounter, pass_rate_config
 from dsbd_core.models.transformer_scorer import TransformerScorer
-from tests.inprocess_handles import Handle
 from tests.tiny_models import build_pair
 
 
