@@ -25,6 +25,7 @@ from deployments.batch.job import (
     UsageError,
     check_models,
     check_output,
+    interruptible,
     run_job,
 )
 from deployments.batch.output import EXTENSIONS, OutputDir, OutputFormat
@@ -121,12 +122,17 @@ def _add_ray_arguments(ray: argparse._ArgumentGroup) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """`dsbd batch`: check everything, then run the job; returns the exit status."""
-    try:
-        job = _plan(args)
-        return run_job(job, address=args.address, progress=not args.no_progress)
-    except UsageError as error:
-        return fail(str(error))
+    """`dsbd batch`: check everything, then run the job; returns the exit status (130 for
+    Ctrl-C, also during the checks, e.g. while a preset is converted)."""
+    with interruptible():
+        try:
+            job = _plan(args)
+            return run_job(job, address=args.address, progress=not args.no_progress)
+        except UsageError as error:
+            return fail(str(error))
+        except KeyboardInterrupt:  # during the checks; run_job answers for the job itself
+            print("dsbd batch: interrupted before the job started", file=sys.stderr)
+            return 130
 
 
 def _plan(args: argparse.Namespace) -> BatchJob:

@@ -27,10 +27,14 @@ RayJob: the entrypoint is `dsbd batch`), which is then only connected to, and di
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import sys
+import threading
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,6 +82,37 @@ def run_job(job: BatchJob, *, address: str | None = None, progress: bool = True)
     130: interrupted; rerunning resumes). Raises UsageError (before Ray starts) for input it
     cannot read. `address`: a Ray cluster, else $RAY_ADDRESS, else a local loopback-only Ray
     started (and shut down) for this job."""
+    with interruptible():
+        try:
+            return _run(job, address, progress)
+        except KeyboardInterrupt:  # whenever it lands: planning, the pipeline, the summary
+            print("dsbd batch: interrupted; rerun the same command to resume", file=sys.stderr)
+            return 130
+
+
+@contextlib.contextmanager
+def interruptible() -> Iterator[None]:
+    """SIGINT raises KeyboardInterrupt inside, also in a process that started with SIGINT
+    ignored. A shell without job control starts a background command (`cmd &` in a script, and
+    everything that command starts) with SIGINT ignored; Python then installs no handler, the
+    kernel drops Ctrl-C and `kill -INT`, and a job would decode everything and exit 0 instead of
+    stopping with 130. SIG_DFL (which would kill the driver before it stops Ray) is replaced as
+    well; a handler a caller installed is left as it is; what was found is put back at the end.
+    Outside the main thread Python sets no handler and raises no KeyboardInterrupt: no change."""
+    found = signal.getsignal(signal.SIGINT)
+    main = threading.current_thread() is threading.main_thread()
+    if not main or found not in (signal.SIG_IGN, signal.SIG_DFL):
+        yield
+        return
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, found)
+
+
+def _run(job: BatchJob, address: str | None, progress: bool) -> int:
+    """`run_job` less the interrupt handling: KeyboardInterrupt passes through."""
     out, settings, options = job.out, job.settings, job.options
     state = out.scan()
     started = time.perf_counter()
@@ -124,9 +159,6 @@ def run_job(job: BatchJob, *, address: str | None = None, progress: bool = True)
         start = time.perf_counter()
         _execute(plan, out, run, settings, options, progress=progress)
         seconds = time.perf_counter() - start
-    except KeyboardInterrupt:
-        print("dsbd batch: interrupted; rerun the same command to resume", file=sys.stderr)
-        return 130
     except Exception as error:
         print(
             f"dsbd batch: the job failed: {type(error).__name__}: {error}\n"
@@ -224,7 +256,11 @@ def _start_ray(address: str | None, options: JobOptions) -> bool:
         return True
     from deployments.local_ray import start_local_ray
 
-    start_local_ray(num_cpus=options.ray_num_cpus, namespace="dsbd-batch")
+    try:
+        start_local_ray(num_cpus=options.ray_num_cpus, namespace="dsbd-batch")
+    except BaseException:  # Ctrl-C or a failure midway: no Ray processes left behind
+        ray.shutdown()
+        raise
     return True
 
 
@@ -289,4 +325,12 @@ def _execute(
         decoded.write_datasink(JsonLinesDatasink(out.uri, run), ray_remote_args=light)
 
 
-__all__ = ["BatchJob", "JobOptions", "UsageError", "check_models", "check_output", "run_job"]
+__all__ = [
+    "BatchJob",
+    "JobOptions",
+    "UsageError",
+    "check_models",
+    "check_output",
+    "interruptible",
+    "run_job",
+]

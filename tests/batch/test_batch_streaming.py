@@ -5,10 +5,13 @@ Without Ray: which files a directory holds and in which order; that the planned 
 back the rows of the files concatenated, with the same ids as one JSONL file of those rows
 (the index is the global position); duplicates across files; resume marks; a file changed
 after planning. With Ray (one test, the real `dsbd batch` in subprocesses, its local Ray
-included): the driver's peak RSS for an input and for one 10x larger, an interrupted run
-(SIGINT, as Ctrl-C) resumed, and every row exactly once in the output. The input's size comes
-from long prompts that are refused after tokenization (`--max-prompt-tokens`), so the decoding
-stays small.
+included): the driver's peak RSS for an input and for one 10x larger, a run interrupted
+(SIGINT, as Ctrl-C, once a record is on disk), its resume interrupted too while started with
+SIGINT ignored (as a shell without job control starts `dsbd batch &`), and the last run
+completing it with every row exactly once in the output. The input's size comes from long
+prompts that are refused after tokenization (`--max-prompt-tokens`), so the decoding stays
+small. Without Ray: `interruptible` (SIGINT raised however the process started) and Ctrl-C
+during planning.
 """
 
 from __future__ import annotations
@@ -233,9 +236,10 @@ FILLER = "The quick brown fox jumps over the lazy dog. "
 # pass, the pipeline): Linux resets the peak on writing 5 to /proc/self/clear_refs. Ray is
 # started and the job's modules imported first (as `dsbd batch` itself would, loopback only),
 # so that neither counts; `dsbd batch` then uses that Ray. Ray's processes are other
-# processes: not counted.
+# processes: not counted. It also says whether it started with SIGINT ignored.
 DRIVER = """
-import sys
+import signal, sys
+print(f"driver SIGINT ignored at start: {signal.getsignal(signal.SIGINT) is signal.SIG_IGN}")
 import pyarrow.parquet, ray.data  # imported by the job anyway: not what is measured
 import deployments.batch.job as job, deployments.batch.decoder, deployments.batch.source
 from deployments.local_ray import start_local_ray
@@ -303,13 +307,34 @@ def write_job_input(
     return given
 
 
+def written_rows(out: Path) -> int:
+    """Rows in the output's complete Parquet files: a file Ray Data is still writing has no
+    footer yet and is not counted."""
+    rows = 0
+    for path in out.glob("*.parquet"):
+        try:
+            rows += pq.read_metadata(path).num_rows
+        except Exception:
+            continue
+    return rows
+
+
 def run_driver(
-    argv: list[str], interrupt_when: Path | None = None
+    argv: list[str],
+    interrupt_when: Path | None = None,
+    *,
+    beyond: int = 0,
+    sigint_ignored: bool = False,
 ) -> tuple[int, str, tuple[int, int]]:
-    """`dsbd batch` in its own session; SIGINT (Ctrl-C) once `interrupt_when` holds a data
-    file. Returns the exit status, stdout + stderr, and the driver's RSS in KiB when planning
+    """`dsbd batch` in its own session; SIGINT (Ctrl-C) once the complete data files in
+    `interrupt_when` hold more than `beyond` rows: this run has written records and its
+    pipeline runs. `sigint_ignored`: started as a shell without job control starts a
+    background command, SIGINT ignored (`trap "" INT`, then `exec`: the same process).
+    Returns the exit status, stdout + stderr, and the driver's RSS in KiB when planning
     started and its peak from then on."""
     command = [sys.executable, "-c", DRIVER, "batch", *argv]
+    if sigint_ignored:
+        command = ["sh", "-c", 'trap "" INT; exec "$@"', "sh", *command]
     process = subprocess.Popen(
         command,
         stdout=subprocess.PIPE,
@@ -318,10 +343,11 @@ def run_driver(
         cwd=REPO,
         start_new_session=True,
     )
-    started, sent = time.monotonic(), None
+    started, sent, rows = time.monotonic(), None, 0
     try:
         while interrupt_when is not None and process.poll() is None:
-            if [p for p in interrupt_when.glob("*.parquet") if p.stat().st_size]:
+            rows = written_rows(interrupt_when)
+            if rows > beyond:
                 process.send_signal(signal.SIGINT)
                 sent = time.monotonic() - started
                 break
@@ -330,7 +356,8 @@ def run_driver(
         if interrupt_when is not None:  # what a failed interrupt's message shows
             output += (
                 f"\n[test] SIGINT sent {'never' if sent is None else f'{sent:.1f} s'}"
-                f" after start; the job ran {time.monotonic() - started:.1f} s"
+                f" after start, {rows} rows written then; the job ran"
+                f" {time.monotonic() - started:.1f} s"
             )
     finally:
         if process.poll() is None:
@@ -392,10 +419,8 @@ def test_a_directory_streams_past_the_driver_and_resumes_exactly(tmp_path: Path)
     small, large = tmp_path / "small", tmp_path / "large"
     small.mkdir(), large.mkdir()
     given_small = write_job_input(small, long_rows=10, long_chars=150_000)
-    # Rows to decode in every file of the large input, so that decoding still runs when the
-    # first output file lands and the interrupt below cuts the job short: with 3 per file, the
-    # whole job's decoding took well under a second and, under a loaded suite, every file was
-    # written in the job's last moments, so it ended (status 0) before the interrupt reached it.
+    # Rows to decode in every file of the large input: the output's files land over the whole
+    # run, a burst per input file, so the first complete one lands with most of the job to do.
     given_large = write_job_input(large, long_rows=100, long_chars=150_000, decoded_rows=24)
     text_small, text_large = (
         sum(len(json.dumps(r)) for r in g) for g in (given_small, given_large)
@@ -411,31 +436,51 @@ def test_a_directory_streams_past_the_driver_and_resumes_exactly(tmp_path: Path)
 
     out = tmp_path / "large.parquet"
     argv = ["--input", str(large), "--output", str(out), *flags]
+    interrupted = "dsbd batch: interrupted; rerun the same command to resume"
+    # Ctrl-C once records are on disk: the job stops (130), what it wrote stays.
     status, log, rss_cut = run_driver(argv, interrupt_when=out)
-    assert status == 130, f"{log[-3000:]}\nerrors in the output: {error_census(out)}"
+    assert "driver SIGINT ignored at start: False" in log, log[-3000:]
+    assert status == 130 and interrupted in log, f"{log[-3000:]}\nerrors: {error_census(out)}"
     before = records_of(out)
     assert 0 < len(before) < len(given_large), len(before)
+    # The resume, started with SIGINT ignored (`dsbd batch ... &` in a script): it skips what
+    # the first run wrote, and SIGINT once it has written more stops it all the same.
+    status, log, rss_cut_again = run_driver(
+        argv, interrupt_when=out, beyond=len(before), sigint_ignored=True
+    )
+    assert "driver SIGINT ignored at start: True" in log, log[-3000:]
+    assert f"{len(before)} done before" in log, log[-3000:]
+    assert status == 130 and interrupted in log, f"{log[-3000:]}\nerrors: {error_census(out)}"
+    between = records_of(out)
+    assert len(before) < len(between) < len(given_large), (len(before), len(between))
     status, log, rss_resumed = run_driver(argv)
     assert status == 0, log[-3000:]
     summary = [line for line in log.splitlines() if line.startswith("dsbd batch: ")][-1]
-    assert f"{len(before)} skipped" in summary, summary
+    assert f"{len(between)} skipped" in summary, summary
     records = records_of(out)
     check_exactly_once(records, given_large)
-    first_run = {(r["id"], r["row_hash"]) for r in before}
-    again = [r for r in records if (r["id"], r["row_hash"]) not in first_run]
-    assert len(again) == len(given_large) - len(before)  # only the rest was decoded
+    earlier = {(r["id"], r["row_hash"]) for r in between}
+    assert {(r["id"], r["row_hash"]) for r in before} <= earlier
+    again = [r for r in records if (r["id"], r["row_hash"]) not in earlier]
+    assert len(again) == len(given_large) - len(between)  # only the rest was decoded
 
     # What the job added to the driver's memory (peak - RSS when planning began), for the
     # input and for the 10x input: the same, give or take noise far below the input's size.
-    runs = {"small": rss_small, "interrupted": rss_cut, "resumed": rss_resumed}
+    runs = {
+        "small": rss_small,
+        "interrupted": rss_cut,
+        "interrupted again": rss_cut_again,
+        "resumed": rss_resumed,
+    }
     rise = {name: (peak - start) * 1024 for name, (start, peak) in runs.items()}
     report = (
         f"input {size_small / 1e6:.1f} -> {size_large / 1e6:.1f} MB on disk ({text_small / 1e6:.1f}"
         f" -> {text_large / 1e6:.1f} MB of row text); driver RSS when planning began "
-        f"{rss_small[0] / 1024:.0f} / {rss_cut[0] / 1024:.0f} / {rss_resumed[0] / 1024:.0f} MiB, "
+        + " / ".join(f"{start / 1024:.0f}" for start, _ in runs.values())
+        + " MiB, "
         "rise to the peak from then on: "
         + ", ".join(f"{name} {value / 2**20:.1f} MiB" for name, value in rise.items())
     )
     print(report)
-    growth = max(rise["interrupted"], rise["resumed"]) - rise["small"]
+    growth = max(rise["interrupted"], rise["interrupted again"], rise["resumed"]) - rise["small"]
     assert growth < 0.25 * (text_large - text_small), report  # a reader holding rows: > 1x
