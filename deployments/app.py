@@ -204,6 +204,12 @@ class AppArgs(BaseModel):
     )
     draft_resources: Resources = Resources(num_cpus=0.5)
     verifier_resources: Resources = Resources(num_cpus=1.0)
+    request_defaults: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Request fields a request gets when it does not set them, by the HTTP "
+        "API's names (method, width, gamma, threshold, adaptive, draft_width, ...), e.g. "
+        "{method: beam, width: 4}; checked as a request would be.",
+    )
     layout: Literal["auto", "split", "colocated"] = Field(
         "auto",
         description="split: a Router, a Draft and a Verifier deployment, two Serve calls per "
@@ -223,6 +229,29 @@ class AppArgs(BaseModel):
                 f"{self.limits.max_new_tokens}"
             )
         return self
+
+    @field_validator("request_defaults")
+    @classmethod
+    def _defaults_are_request_fields(cls, value: dict[str, Any]) -> dict[str, Any]:
+        """Each default is a decoding field of the HTTP API, with a value a request may give."""
+        from deployments.api.models import DecodingKnobs, GenerateRequest
+
+        allowed = sorted(DecodingKnobs.model_fields)
+        for name in value:
+            if name not in allowed:
+                raise ValueError(
+                    f"request_defaults.{name}: not a request field dsbd takes a default for; "
+                    f"allowed: {', '.join(allowed)}"
+                )
+        try:
+            GenerateRequest.model_validate({"prompt_ids": [0], **value})
+        except ValidationError as error:
+            first = error.errors()[0]
+            where = ".".join(str(part) for part in first["loc"]) or "request_defaults"
+            raise ValueError(
+                f"request_defaults.{where}={first.get('input')!r}: {first['msg']}"
+            ) from None
+        return value
 
     @model_validator(mode="after")
     def _lookup_drafts_only(self) -> AppArgs:
@@ -273,14 +302,18 @@ def _application_runtime_env() -> dict[str, Any]:
     return dict(ray.get_runtime_context().runtime_env or {})
 
 
-def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
-    """The Serve application for `args` (a dict as given in a Serve config file)."""
-    config = AppArgs.model_validate(args or {})
+def model_deployments(
+    config: AppArgs, inherited: dict[str, Any], suffix: str = ""
+) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
+    """One model's deployments, bound: router (or co-located pair), draft, verifier, width
+    controller, and the ingress's options for it (`Ingress`'s `ModelHandles`). `suffix` tells
+    apart the deployments of several models in one application (Serve names are unique)."""
     routing: dict[str, Any] = {}
     if config.session_affinity:
         routing["request_router_config"] = RequestRouterConfig(request_router_class=ROUTER_CLASS)
-    inherited = _application_runtime_env()
-    controller = WidthController.bind(config.cost_policy.model_dump(), config.target.session_ttl_s)
+    controller = WidthController.options(name=f"WidthController{suffix}").bind(
+        config.cost_policy.model_dump(), config.target.session_ttl_s
+    )
     router_options = RouterOptions(
         model_name=config.model_name,
         tokenizer=config.target.source,
@@ -288,22 +321,33 @@ def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
         limits=config.limits,
         api_key_file=config.api_key_file,
         router_replicas=config.ingress_resources.max_replicas,  # memory admission's share
+        request_defaults=config.request_defaults,
         colocated=config.colocated,
-    )
-    serving = {"inherited_env": inherited, "allocator": config.allocator}  # no model: HTTP, loops
-    ingress = Ingress.options(**config.ingress_resources.options(**serving))
+    ).model_dump()
     if config.colocated:
-        pair = Pair.options(**config.verifier_resources.options(config.target, inherited)).bind(
-            config.target.model_dump(), config.draft.model_dump(), controller
-        )
-        return ingress.bind(pair, pair, pair, controller, router_options.model_dump())
+        pair = Pair.options(
+            name=f"Pair{suffix}", **config.verifier_resources.options(config.target, inherited)
+        ).bind(config.target.model_dump(), config.draft.model_dump(), controller)
+        return pair, pair, pair, controller, router_options
     draft = Draft.options(
-        **config.draft_resources.options(config.draft, inherited), **routing
+        name=f"Draft{suffix}", **config.draft_resources.options(config.draft, inherited), **routing
     ).bind(config.draft.model_dump(), config.target.source)  # the look-up: the target's vocab
     verifier = Verifier.options(
-        **config.verifier_resources.options(config.target, inherited), **routing
+        name=f"Verifier{suffix}",
+        **config.verifier_resources.options(config.target, inherited),
+        **routing,
     ).bind(config.target.model_dump())
-    router = Router.options(**config.router_resources.options(**serving)).bind(
-        draft, verifier, controller
-    )
-    return ingress.bind(router, draft, verifier, controller, router_options.model_dump())
+    serving = {"inherited_env": inherited, "allocator": config.allocator}  # no model: loops
+    router = Router.options(
+        name=f"Router{suffix}", **config.router_resources.options(**serving)
+    ).bind(draft, verifier, controller)
+    return router, draft, verifier, controller, router_options
+
+
+def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
+    """The Serve application for `args` (a dict as given in a Serve config file)."""
+    config = AppArgs.model_validate(args or {})
+    inherited = _application_runtime_env()
+    serving = {"inherited_env": inherited, "allocator": config.allocator}  # no model: HTTP
+    ingress = Ingress.options(**config.ingress_resources.options(**serving))
+    return ingress.bind([model_deployments(config, inherited)])

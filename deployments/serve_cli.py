@@ -2,7 +2,8 @@
 
 The command line (flags, reading and validating the Serve config file) is dsbd/serve_command.py;
 it hands this module an already validated Serve config (ServeDeploySchema: one or more
-applications, each `import_path: deployments.app:build_app` with `args` = `AppArgs`, optional
+applications, each `import_path: deployments.app:build_app` with `args` = `AppArgs`, or
+`deployments.llm_serving:build_openai_app` with Ray Serve LLM's `llm_configs`, optional
 per-deployment overrides) and `ServeOptions`. Ray is started only through
 `deployments.local_ray` (see there for why), models are prepared once here before the replicas
 load them, and Ctrl-C / SIGTERM shut Serve and Ray down, leaving nothing behind.
@@ -20,6 +21,21 @@ from pathlib import Path
 from typing import Any
 
 DEFAULT_IMPORT_PATH = "deployments.app:build_app"
+LLM_IMPORT_PATH = "deployments.llm_serving:build_openai_app"  # Ray Serve LLM's shape
+
+
+def application_models(app: Any) -> list[Any]:
+    """The `AppArgs` of each model a Serve config application deploys (its own shape, or Ray
+    Serve LLM's `llm_configs`); [] for an application of another import path."""
+    if app.import_path == DEFAULT_IMPORT_PATH:
+        from deployments.app import AppArgs
+
+        return [AppArgs.model_validate(app.args or {})]
+    if app.import_path == LLM_IMPORT_PATH:
+        from deployments.llm_serving import serving_args
+
+        return serving_args(app.args or {})
+    return []
 
 
 class ServeSetupError(Exception):
@@ -50,29 +66,31 @@ def prepare_models(schema: Any) -> None:
 
     Raises ServeSetupError naming the application (and the field for tensor parallelism).
     """
-    from deployments.app import AppArgs
+    for app in schema.applications:
+        for args in application_models(app):
+            _prepare(app.name, args)
+
+
+def _prepare(name: str, args: Any) -> None:
+    """One model's pair, converted and checked (ServeSetupError naming the field)."""
     from dsbd_core.algorithm.ngram_draft import LOOKUP_DRAFT
     from dsbd_core.models import ModelSourceError, resolve_source
     from dsbd_core.models.tensor_parallel import TensorParallelError, check_split, model_config
 
-    for app in schema.applications:
-        if app.import_path != DEFAULT_IMPORT_PATH:
-            continue
-        args = AppArgs.model_validate(app.args or {})
-        for side, model in (("target", args.target), ("draft", args.draft)):
-            if side == "draft" and model.source == LOOKUP_DRAFT:
-                continue  # the prompt-lookup draft: no weights to prepare
-            try:
-                resolve_source(model.source)
-                if model.tp_size > 1:  # refused here, before any replica starts
-                    check_split(model_config(model.source), model.tp_size)
-            except ModelSourceError as error:
-                allowed = f"; or {LOOKUP_DRAFT!r} (the prompt-lookup draft)" * (side == "draft")
-                where = f"{app.name}.args.{side}.source={model.source!r}"
-                raise ServeSetupError(f"{where}: {error}{allowed}") from None
-            except TensorParallelError as error:
-                where = f"{app.name}.args.{side}.tp_size={model.tp_size}"
-                raise ServeSetupError(f"{where}: {error}") from None
+    for side, model in (("target", args.target), ("draft", args.draft)):
+        if side == "draft" and model.source == LOOKUP_DRAFT:
+            continue  # the prompt-lookup draft: no weights to prepare
+        try:
+            resolve_source(model.source)
+            if model.tp_size > 1:  # refused here, before any replica starts
+                check_split(model_config(model.source), model.tp_size)
+        except ModelSourceError as error:
+            allowed = f"; or {LOOKUP_DRAFT!r} (the prompt-lookup draft)" * (side == "draft")
+            where = f"{name}.args.{side}.source={model.source!r}"
+            raise ServeSetupError(f"{where}: {error}{allowed}") from None
+        except TensorParallelError as error:
+            where = f"{name}.args.{side}.tp_size={model.tp_size}"
+            raise ServeSetupError(f"{where}: {error}") from None
 
 
 def serve(schema: Any, options: ServeOptions) -> int:

@@ -18,7 +18,7 @@ import yaml
 from pydantic import ValidationError
 
 from deployments.local_ray import OBJECT_STORE_MINIMUM_MIB
-from deployments.serve_cli import DEFAULT_IMPORT_PATH
+from deployments.serve_cli import DEFAULT_IMPORT_PATH, LLM_IMPORT_PATH
 from dsbd.common import fail
 from dsbd_core.algorithm.config import config_error_message
 
@@ -161,6 +161,8 @@ def load_config(
     from deployments.app import AppArgs
 
     for app in schema.applications:
+        if app.import_path == LLM_IMPORT_PATH:
+            _check_llm_configs(app, tp_size, draft, ngram_max, layout)
         if app.import_path == DEFAULT_IMPORT_PATH:
             if tp_size is not None:  # the flag wins over the file
                 args = dict(app.args or {})
@@ -176,6 +178,38 @@ def load_config(
                 message = config_error_message(error).replace("\n", f"\n  {app.name}.args.")
                 raise SystemExit(fail(f"--config: {app.name}.args.{message}")) from None
     return schema
+
+
+def _check_llm_configs(
+    app: Any, tp_size: int | None, draft: str | None, ngram_max: int | None, layout: str | None
+) -> None:
+    """An application in Ray Serve LLM's shape, the flags written into every model's
+    engine_kwargs, validated (exit 2 naming the field)."""
+    from deployments.llm_serving import serving_args
+
+    args = dict(app.args or {})
+    flags: dict[str, Any] = {"tensor_parallel_size": tp_size, "layout": layout}
+    speculative = {"model": draft, "prompt_lookup_max": ngram_max}
+    if any(v is not None for v in (*flags.values(), *speculative.values())):
+        configs = []
+        for entry in args.get("llm_configs") or []:
+            if isinstance(entry, str):  # a path: its mapping, to write the flags into
+                try:
+                    entry = yaml.safe_load(Path(entry).read_text()) or {}
+                except (OSError, yaml.YAMLError) as error:
+                    message = f"--config: {app.name}.args.llm_configs: {entry!r}: {error}"
+                    raise SystemExit(fail(message)) from None
+            kwargs = dict(entry.get("engine_kwargs") or {})
+            kwargs |= {k: v for k, v in flags.items() if v is not None}
+            given = {k: v for k, v in speculative.items() if v is not None}
+            if given:
+                kwargs["speculative_config"] = dict(kwargs.get("speculative_config") or {}) | given
+            configs.append({**entry, "engine_kwargs": kwargs})
+        app.args = args | {"llm_configs": configs}
+    try:
+        serving_args(app.args or {})
+    except ValueError as error:
+        raise SystemExit(fail(f"--config: {app.name}.args.{error}")) from None
 
 
 def embedded_args() -> dict[str, Any]:

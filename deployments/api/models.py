@@ -305,6 +305,9 @@ class GenerateRequest(DecodingKnobs, StopFields, EosFields, LogitBiasField):  # 
 
     model_config = ConfigDict(extra="forbid")
 
+    model: str | None = Field(
+        None, description="A name from /v1/models; default: the first model served."
+    )
     prompt: str | None = Field(None, min_length=1, description="Prompt text (or prompt_ids).")
     prompt_ids: list[int] | None = Field(None, min_length=1, description="Prompt token ids.")
     chat: bool = Field(True, description="Wrap `prompt` in the model's chat template.")

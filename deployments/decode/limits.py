@@ -5,6 +5,8 @@
 server's configured limit, so a client can fix the request without reading the server config.
 """
 
+from typing import Any
+
 from pydantic import BaseModel, ConfigDict, Field
 
 from deployments.api.admission import check_fits
@@ -52,6 +54,12 @@ class RouterOptions(BaseModel):
         ge=1,
         description="The ingress deployment's max_replicas: each ingress replica admits decodes "
         "against this share of the replicas' session memory (deployments/api/admission.py).",
+    )
+    request_defaults: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Request fields (the HTTP API's names: method, width, gamma, threshold, "
+        "adaptive, ...) a request gets when it does not set them: an `llm_configs` entry's "
+        "dsbd knobs (deployments/llm_serving.py).",
     )
     colocated: bool = Field(
         False,

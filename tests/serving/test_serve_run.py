@@ -1,6 +1,7 @@
-"""Serving as users start it: Ray's own `serve run`, given the settings `dsbd ray-env` prints,
-serves the app while contacting nothing but loopback (traced like test_serving), and the
-README's main command (`dsbd serve`, no options) serves the embedded models."""
+"""Serving as users start it: Ray's own `serve run` of a config in Ray Serve LLM's shape, given
+the settings `dsbd ray-env` prints, serves its models while contacting nothing but loopback
+(traced like test_serving), and the README's main command (`dsbd serve`, no options) serves
+the embedded models."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+import openai
 import pytest
 import requests
 import yaml
@@ -27,24 +29,52 @@ DSBD = [sys.executable, "-m", "dsbd"]
 
 
 @pytest.mark.skipif(shutil.which("strace") is None, reason="strace not installed")
-def test_serve_run_with_dsbd_ray_env_serves_on_loopback_only(tmp_path: Path) -> None:
+def test_serve_run_of_ray_serve_llms_shape_serves_two_models_on_loopback_only(
+    tmp_path: Path,
+) -> None:
+    """A Serve config in Ray Serve LLM's shape (`llm_configs`, deployments/llm_serving.py), two
+    models behind one OpenAI ingress: the tiny pair as `tiny` (DSBD, split layout) and the same
+    target as `tiny-beam` (the prompt-lookup draft, beam sampling by default, co-located)."""
     target, draft = build_pair(tmp_path / "models")
     port = free_port()
-    small = {"num_cpus": 0.1}
+    small = {"ray_actor_options": {"num_cpus": 0.1}}
     config = {
         "http_options": {"host": "127.0.0.1", "port": port},
         "applications": [
             {
-                "name": "dsbd",
+                "name": "llm",
                 "route_prefix": "/",
-                "import_path": "deployments.app:build_app",
+                "import_path": "deployments.llm_serving:build_openai_app",
                 "args": {
-                    "model_name": "tiny",
-                    "target": {"source": str(target)},
-                    "draft": {"source": str(draft)},
-                    "router_resources": small,
-                    "draft_resources": small,
-                    "verifier_resources": small,
+                    "llm_configs": [
+                        {
+                            "model_loading_config": {
+                                "model_id": "tiny",
+                                "model_source": str(target),
+                            },
+                            "engine_kwargs": {
+                                "speculative_config": {
+                                    "model": str(draft),
+                                    "num_speculative_tokens": 2,
+                                }
+                            },
+                            "deployment_config": small,
+                        },
+                        {
+                            "model_loading_config": {
+                                "model_id": "tiny-beam",
+                                "model_source": str(target),
+                            },
+                            "engine_kwargs": {
+                                "speculative_config": {"method": "ngram"},
+                                "method": "beam",
+                                "width": 2,
+                                "layout": "colocated",
+                            },
+                            "deployment_config": small,
+                        },
+                    ],
+                    "ingress_deployment_config": small,
                 },
             }
         ],
@@ -75,9 +105,29 @@ def test_serve_run_with_dsbd_ray_env_serves_on_loopback_only(tmp_path: Path) -> 
             if process.poll() is not None or time.monotonic() > deadline:
                 pytest.fail((tmp_path / "log").read_text()[-3000:])
             time.sleep(2)
-        body = {"model": "tiny", "prompt": "one two", "max_tokens": 6}
-        response = requests.post(f"{url}/v1/completions", json=body, timeout=120)
-        assert response.status_code == 200 and response.json()["choices"]
+        listed = requests.get(f"{url}/v1/models", timeout=30).json()["data"]
+        assert [card["id"] for card in listed] == ["tiny", "tiny-beam"]
+        api = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        for model in ("tiny", "tiny-beam"):
+            reply = api.completions.create(model=model, prompt="one two", max_tokens=6, seed=1)
+            assert reply.model == model and reply.choices
+        methods = {}
+        for model in ("tiny", "tiny-beam"):  # each model's own request defaults
+            body = {"model": model, "prompt_ids": [5, 17, 42], "max_new_tokens": 6, "seed": 2}
+            got = requests.post(f"{url}/v1/dsbd/generate", json=body, timeout=120).json()
+            methods[model] = (got["method"], len(got["beams"]))
+        assert methods == {"tiny": ("dsbd", 3), "tiny-beam": ("beam", 2)}
+        layouts = {
+            model: requests.get(f"{url}/v1/dsbd/status?model={model}", timeout=30).json()
+            for model in ("tiny", "tiny-beam")
+        }
+        assert layouts["tiny"]["router"]["layout"] == "split"
+        assert layouts["tiny-beam"]["router"]["layout"] == "colocated"
+        assert layouts["tiny"]["verifier"]["pid"] != layouts["tiny-beam"]["verifier"]["pid"]
+        body = {"model": "nope", "prompt": "one two", "max_tokens": 6}
+        response = requests.post(f"{url}/v1/completions", json=body, timeout=30)
+        assert response.status_code == 404
+        assert "'nope' does not exist; available: 'tiny', 'tiny-beam'" in response.text
     finally:
         stop(process, lambda: os.killpg(process.pid, signal.SIGINT))
     outside = sorted(a for a in peers(trace) if not is_loopback(a))
