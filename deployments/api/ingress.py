@@ -44,7 +44,7 @@ from deployments.api.models import (
 )
 from deployments.api.served_model import ServedModel
 from deployments.decode.limits import Limits, RouterOptions
-from deployments.observability.observers import RequestObserver
+from deployments.observability.observers import RequestObserver, note_model
 
 app = FastAPI(
     title="dsbd",
@@ -83,12 +83,11 @@ class Ingress:
 
     def _model(self, name: str | None) -> ServedModel:
         """The served model `name` names (None: the first); 404 listing the served ones."""
-        if name is None:
-            return self.first
-        model = self.served.get(name)
+        model = self.first if name is None else self.served.get(name)
         if model is None:
             available = ", ".join(repr(n) for n in self.served)
             raise APIError(404, f"model={name!r} does not exist; available: {available}", "model")
+        note_model(model.options.model_name)  # its own request metrics and span attribute
         return model
 
     @app.get("/healthz")

@@ -154,7 +154,9 @@ class ServingMetrics:
         )
         self.generated = counter(GENERATED_TOKENS, "Decoding steps the beams advanced.")
         self.requests = counter(
-            REQUESTS, "Decode requests by decoding method and HTTP status.", ("method", "status")
+            REQUESTS,
+            "Decode requests by decoding method, HTTP status and served model.",
+            ("method", "status", "model"),
         )
         self.width = histogram(WIDTH, "Verified width K of each verified layer.", WIDTH_BUCKETS)
         self.request_latency = histogram(
@@ -193,8 +195,8 @@ class ServingMetrics:
             self.width.observe(width)
         self.iteration_latency.observe(seconds)
 
-    def request(self, method: str, status: int, seconds: float) -> None:
-        self.requests.inc(1, tags={"method": method, "status": str(status)})
+    def request(self, method: str, status: int, seconds: float, model: str = "none") -> None:
+        self.requests.inc(1, tags={"method": method, "status": str(status), "model": model})
         if status < 400:
             self.request_latency.observe(seconds)
 

@@ -4,7 +4,8 @@ deployments/observability/tracing.py, metrics.py.
 * `RequestObserver` is an ASGI middleware around the ingress's FastAPI app. For the decode routes
   it opens the `dsbd.request` span (a child of the client's span when the request carries a W3C
   `traceparent` header) and counts the request (`dsbd_requests{method,status}`, latency) when
-  the last byte is sent, so a streamed response is measured to its end. It is pure ASGI rather
+  the last byte is sent (`dsbd_requests{method,status,model}`), so a streamed response is
+  measured to its end. It is pure ASGI rather
   than Starlette's `BaseHTTPMiddleware`, which would end at the response headers of a stream.
 * `SessionObserver` follows one `DecodeSession`: an `dsbd.iteration` span per iteration, whose
   W3C context goes to the draft and the verifier in the `IterationCall`, and the metrics of the
@@ -42,6 +43,7 @@ class RequestInfo:
 
     start: float = field(default_factory=time.perf_counter)
     method: str = "none"  # the decoding method; "none": refused before the body was read
+    model: str = "none"  # the served model it named; "none": refused before that
 
 
 _REQUEST: contextvars.ContextVar[RequestInfo | None] = contextvars.ContextVar(
@@ -55,6 +57,15 @@ def note_method(method: str) -> None:
     if info is not None:
         info.method = method
     trace.get_current_span().set_attribute("dsbd.method", method)
+
+
+def note_model(model: str) -> None:
+    """Record the served model a request names (for `dsbd_requests{model}`: an ingress may
+    serve several, deployments/llm_serving.py)."""
+    info = _REQUEST.get()
+    if info is not None:
+        info.model = model
+    trace.get_current_span().set_attribute("dsbd.model", model)
 
 
 def is_decode_route(path: str) -> bool:
@@ -119,7 +130,7 @@ class RequestObserver:
                 elif final >= 500:
                     span.set_status(Status(StatusCode.ERROR, f"HTTP {final}"))
                 span.end()
-            serving_metrics().request(info.method, final, seconds)
+            serving_metrics().request(info.method, final, seconds, info.model)
 
 
 class SessionObserver:

@@ -38,7 +38,7 @@ sys.path.insert(0, str(CLUSTER))  # cluster/*.py are scripts, not an installed p
 import crd_schema  # noqa: E402
 import serve_sync  # noqa: E402
 
-MANIFESTS = ["rayservice.yaml", "rayjob-batch.yaml"]
+MANIFESTS = ["rayservice.yaml", "rayservice-llm.yaml", "rayjob-batch.yaml"]
 VM_CONFIG = CLUSTER / "ray-cluster.aws.yaml"
 IMAGE = "dsbd:0.1.0-gpu"
 
@@ -228,6 +228,41 @@ def test_serve_config_v2_is_serve_config_yaml_plus_the_cluster_overrides() -> No
         timeout=60,
     )
     assert done.returncode == 0, done.stdout
+
+
+def test_the_llm_manifest_carries_ray_serve_llms_block_and_gpus_for_its_models() -> None:
+    """cluster/rayservice-llm.yaml: serveConfigV2 is serve_config.llm.yaml (Ray Serve LLM's
+    `llm_configs`) plus its overrides, valid for Serve and for deployments.llm_serving; every
+    model runs co-located on one A10G, and the `gpu` pods hold every pair replica at the
+    models' autoscaling maxima, one per pod."""
+    from ray.serve.schema import ServeDeploySchema
+
+    from deployments.llm_serving import serving_args
+
+    manifest = CLUSTER / "rayservice-llm.yaml"
+    text = manifest.read_text()
+    drift = serve_sync.differences(
+        serve_sync.embedded(text), serve_sync.cluster_serve_config(manifest)
+    )
+    assert drift == [], "run: python cluster/serve_sync.py write\n" + "\n".join(drift)
+    assert serve_sync.replace_block(text, serve_sync.render(manifest)) == text
+    config = serve_sync.embedded(text)
+    ServeDeploySchema.model_validate(config)
+    (app,) = config["applications"]
+    models = serving_args(app["args"])
+    assert [m.model_name for m in models] == ["smollm2", "smollm2-lookup"]
+    pairs = 0
+    for model in models:
+        assert model.colocated and model.target.device == model.draft.device == "cuda"
+        options = model.verifier_resources.options(model.target)
+        assert options["ray_actor_options"]["accelerator_type"] == "A10G"
+        assert options["ray_actor_options"]["num_gpus"] == 1
+        pairs += options["autoscaling_config"]["max_replicas"]
+    (group,) = cluster_spec(load("rayservice-llm.yaml"))["workerGroupSpecs"]
+    node = group_resources(group)
+    pair = {"CPU": models[0].verifier_resources.num_cpus, "GPU": 1}
+    assert replicas_fitting(node, [pair] * 4) == 1, "one pair replica per GPU pod"
+    assert group["maxReplicas"] >= pairs
 
 
 def test_drift_is_reported_with_its_path() -> None:
