@@ -66,7 +66,7 @@ async def pair_calibration(router: RouterState, run: RunSession) -> Calibration 
         update: dict[str, Any] = {}
         try:
             update["pass_rates"] = await pair_pass_rates(verifier, draft, run) or None
-            update.update(await pair_iteration_seconds(verifier, draft, run))
+            update.update(await pair_iteration_seconds(verifier, draft, run, router.layout))
         except Exception as error:  # what was measured stands; the rest is left unset
             print(f"router: the pair's calibration decodes failed ({error!r})", flush=True)
         return calibration.model_copy(update=update)
@@ -74,13 +74,17 @@ async def pair_calibration(router: RouterState, run: RunSession) -> Calibration 
     return await router.calibration(build)
 
 
-def _parts(verifier: dict[str, Any], draft: dict[str, Any], tokens: int) -> dict[str, Any] | None:
+def _parts(
+    verifier: dict[str, Any], draft: dict[str, Any], tokens: int, layout: str | None = None
+) -> dict[str, Any] | None:
     """What a served measurement depends on (its cache key), None where the replicas do not
-    report their identity or the prompts."""
+    report their identity or the prompts. `layout`: a served iteration's seconds depend on it
+    (a split iteration pays two Serve calls, a co-located one none); pass rates do not."""
     inputs = verifier.get("pass_rate_inputs")
     if inputs is None or verifier.get("identity") is None or draft.get("identity") is None:
         return None
     return {
+        **({"layout": layout} if layout is not None else {}),
         "target": verifier["identity"],
         "draft": draft["identity"],
         "prompts": inputs["prompts"],
@@ -110,13 +114,13 @@ async def pair_pass_rates(
 
 
 async def pair_iteration_seconds(
-    verifier: dict[str, Any], draft: dict[str, Any], run: RunSession
+    verifier: dict[str, Any], draft: dict[str, Any], run: RunSession, layout: str = "split"
 ) -> dict[str, Any]:
     """The `Calibration` fields of whole served iterations (`calibrate.iteration_fields`):
     each depth and a probe decoded one session at a time through the deployments, as
     `calibrate.measure_iteration_seconds` does in one process; measured once per machine and
     pair. Empty where the replicas do not report what it needs."""
-    parts = _parts(verifier, draft, ITERATION_TOKENS)
+    parts = _parts(verifier, draft, ITERATION_TOKENS, layout)
     if parts is None:
         return {}
 

@@ -36,15 +36,13 @@ from dsbd_core.algorithm.prompt_logprobs import PromptLogprobs
 class Pair(Router.func_or_class):  # type: ignore[misc]  # Serve's Deployment wraps the class
     """The target, the draft and the decode loops of one replica (see the module docstring)."""
 
+    LAYOUT = "colocated"  # its served iterations (the calibration's) cost no Serve calls
+
     def __init__(self, target: dict[str, Any], draft: dict[str, Any], controller: Any) -> None:
         source = ModelOptions.model_validate(target).source  # the look-up draft's vocabulary
         self.draft = Draft.func_or_class(draft, source)
         self.verifier = Verifier.func_or_class(target)  # last: its torch threads hold
         super().__init__(LocalHandle(self.draft), LocalHandle(self.verifier), controller)
-
-    async def info(self) -> dict[str, Any]:
-        """The loop's info (`Router.info`), saying which layout runs it."""
-        return {**await super().info(), "layout": "colocated"}
 
     async def draft_info(self) -> dict[str, Any]:
         return await self.draft.info()

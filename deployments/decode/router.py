@@ -64,16 +64,20 @@ def committed_logprobs(
 class Router:
     """Autoscaled; one decode loop per call, all calls concurrent."""
 
+    # split: the draft and the verifier are deployments of their own (the Pair: "colocated")
+    LAYOUT = "split"
+
     def __init__(self, draft: Any, verifier: Any, controller: Any) -> None:
         # the calibration, cost policy, open sessions and heartbeat this replica keeps
-        self.state = RouterState(Handles(draft=draft, verifier=verifier, controller=controller))
+        handles = Handles(draft=draft, verifier=verifier, controller=controller)
+        self.state = RouterState(handles, layout=self.LAYOUT)
         self._running = 0  # decode loops in progress here
 
     async def info(self) -> dict[str, Any]:
         return {
             "replica": tracing.replica_id(),
             "pid": os.getpid(),
-            "layout": "split",  # the draft and the verifier are deployments of their own
+            "layout": self.LAYOUT,
             "running": self._running,
             "allocator": active_allocator(),
             "allocator_stats": allocator_stats(),

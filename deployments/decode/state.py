@@ -36,8 +36,11 @@ class Handles:
 class RouterState:
     """One router process's state (see the module docstring)."""
 
-    def __init__(self, handles: Handles) -> None:
+    def __init__(self, handles: Handles, layout: str = "split") -> None:
         self.handles = handles
+        # how the draft and the verifier are reached: what a served iteration costs depends
+        # on it, so the calibration's cache tells the layouts apart
+        self.layout = layout
         # the name the width controller knows this process's sessions by
         self.name = f"{socket.gethostname()}:{os.getpid()}"
         self.open: set[str] = set()  # sessions decoding here, reported every heartbeat

@@ -144,3 +144,17 @@ def test_the_layout_is_colocated_on_one_cuda_device_by_default(tmp_path: Path) -
     assert not AppArgs.model_validate(tp).colocated  # a tensor-parallel verifier stays split
     with pytest.raises(ValueError, match="draft.device='cuda' needs draft_resources.num_gpus"):
         AppArgs.model_validate({**args, "layout": "split"})
+
+
+def test_a_pairs_served_iterations_are_calibrated_apart_from_the_split_layouts(pair) -> None:
+    """A co-located iteration pays no Serve call: the calibration caches its iteration seconds
+    under the layout, so a split router on the same machine never reads them (nor the
+    reverse); pass rates do not depend on the layout and are shared."""
+    from deployments.decode.calibration import _parts
+
+    replica = pair["replica"]
+    assert replica.state.layout == "colocated"
+    verifier, draft = pair["run"](replica.verifier_info()), pair["run"](replica.draft_info())
+    split, colocated = (_parts(verifier, draft, 8, layout) for layout in ("split", "colocated"))
+    assert split is not None and colocated is not None and split != colocated
+    assert _parts(verifier, draft, 8) == {k: v for k, v in split.items() if k != "layout"}
