@@ -42,10 +42,12 @@ import torch
 REPO = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(REPO))  # the repository, for tests/
 from dsbd.bench.served import launch  # noqa: E402
+from dsbd_core.tools.bench.harness import git_info  # noqa: E402
 from tests.tiny_models import build_tokenizer  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "results" / "served_iteration_cost"
 VOCABS = (320, 49_152)
+LAYOUTS = ("split", "colocated")  # deployments/app.py `layout`
 KNOBS = {
     "beam": {"method": "beam", "width": 3},
     "dsbd": {"method": "dsbd", "width": 3, "gamma": 2, "threshold": None},
@@ -101,26 +103,28 @@ def instant_pair(root: Path, vocab: int) -> tuple[Path, Path]:
 
 
 def serve(workdir: Path, port: int) -> tuple[subprocess.Popen, str, int]:
-    """`dsbd serve` with one application per vocabulary (prefix /v320, /v49152)."""
+    """`dsbd serve` with one application per layout and vocabulary (/split-v320, ...)."""
     apps = []
     for vocab in VOCABS:
         target, draft = instant_pair(workdir / f"v{vocab}", vocab)
         model = {"dtype": "float32", "threads": 1, "batch_wait_s": 0.01}
-        apps.append(
-            {
-                "name": f"v{vocab}",
-                "route_prefix": f"/v{vocab}",
-                "import_path": "deployments.app:build_app",
-                "args": {
-                    "model_name": f"instant-{vocab}",
-                    "target": {"source": str(target), **model},
-                    "draft": {"source": str(draft), **model},
-                    "router_resources": {"num_cpus": 0.1},
-                    "draft_resources": {"num_cpus": 0.5},
-                    "verifier_resources": {"num_cpus": 1},
-                },
-            }
-        )
+        for layout in LAYOUTS:
+            apps.append(
+                {
+                    "name": f"{layout}-v{vocab}",
+                    "route_prefix": f"/{layout}-v{vocab}",
+                    "import_path": "deployments.app:build_app",
+                    "args": {
+                        "model_name": f"instant-{vocab}",
+                        "layout": layout,
+                        "target": {"source": str(target), **model},
+                        "draft": {"source": str(draft), **model},
+                        "router_resources": {"num_cpus": 0.1},
+                        "draft_resources": {"num_cpus": 0.5},
+                        "verifier_resources": {"num_cpus": 1},
+                    },
+                }
+            )
     process, info = launch(workdir, port, apps)
     return process, info["url"], info["pid"]
 
@@ -129,14 +133,15 @@ def served(rounds: int, max_new: int, port: int) -> dict[str, Any]:
     workdir = Path(tempfile.mkdtemp(prefix="dsbd-iteration-cost-"))
     process, url, pid = serve(workdir, port)
     cells = {
-        f"{m} V={v}": {"calls": [], "wall": [], "compute": [], "bytes": 0}
+        f"{layout} {m} V={v}": {"calls": [], "wall": [], "compute": [], "bytes": 0}
         for v in VOCABS
         for m in KNOBS
+        for layout in LAYOUTS
     }
     load = {"before": loadavg()}
     try:
 
-        def decode(vocab: int, method: str, seed: int, tokens: int) -> dict[str, Any]:
+        def decode(layout: str, vocab: int, method: str, seed: int, tokens: int) -> dict[str, Any]:
             body = {
                 "prompt_ids": [5, 17, 42, 99, 7],
                 "seed": seed,
@@ -144,31 +149,29 @@ def served(rounds: int, max_new: int, port: int) -> dict[str, Any]:
                 "adaptive": False,
                 **KNOBS[method],
             }
-            reply = requests.post(f"{url}/v{vocab}/v1/dsbd/generate", json=body, timeout=600)
+            route = f"{url}/{layout}-v{vocab}/v1/dsbd/generate"
+            reply = requests.post(route, json=body, timeout=600)
             reply.raise_for_status()
             return reply.json()["stats"]
 
-        for vocab in VOCABS:  # warm up: sessions, Serve's handles, the object store
-            for method in KNOBS:
-                decode(vocab, method, 0, 8)
+        order = [(layout, v, m) for v in VOCABS for m in KNOBS for layout in LAYOUTS]
+        for layout, vocab, method in order:  # warm up: sessions, handles, the object store
+            decode(layout, vocab, method, 0, 8)
         for rep in range(rounds):
-            for vocab in VOCABS if rep % 2 == 0 else VOCABS[::-1]:
-                for method in KNOBS if rep % 2 == 0 else list(KNOBS)[::-1]:
-                    stats = decode(vocab, method, rep + 1, max_new)
-                    s, cell = stats["serving"], cells[f"{method} V={vocab}"]
-                    # fixed knobs: every iteration drafts but the last ones (budget left: 1)
-                    n = len(s["draft_seconds"]) or len(s["verify_seconds"])
-                    drafts = s["draft_seconds"] or [0.0] * n
-                    rows = zip(
-                        s["iteration_seconds"][:n], s["verify_seconds"][:n], drafts, strict=True
-                    )
-                    for i, (total, verify, draft) in enumerate(rows):
-                        if i > 0:  # the first iteration prefills and opens the caches
-                            cell["calls"].append(1e3 * (total - verify - draft))
-                            cell["compute"].append(1e3 * (verify + draft))
-                    compute = sum(s["verify_seconds"]) + sum(s["draft_seconds"])
-                    cell["wall"].append(1e3 * (s["wall_seconds"] - compute) / stats["iterations"])
-                    cell["bytes"] = 2 * 3 * vocab * 4 if method == "dsbd" else 0
+            for layout, vocab, method in order if rep % 2 == 0 else order[::-1]:
+                stats = decode(layout, vocab, method, rep + 1, max_new)
+                s, cell = stats["serving"], cells[f"{layout} {method} V={vocab}"]
+                # fixed knobs: every iteration drafts but the last ones (budget left: 1)
+                n = len(s["draft_seconds"]) or len(s["verify_seconds"])
+                drafts = s["draft_seconds"] or [0.0] * n
+                rows = zip(s["iteration_seconds"][:n], s["verify_seconds"][:n], drafts, strict=True)
+                for i, (total, verify, draft) in enumerate(rows):
+                    if i > 0:  # the first iteration prefills and opens the caches
+                        cell["calls"].append(1e3 * (total - verify - draft))
+                        cell["compute"].append(1e3 * (verify + draft))
+                compute = sum(s["verify_seconds"]) + sum(s["draft_seconds"])
+                cell["wall"].append(1e3 * (s["wall_seconds"] - compute) / stats["iterations"])
+                cell["bytes"] = 2 * 3 * vocab * 4 if method == "dsbd" else 0
     finally:
         load["after"] = loadavg()
         os.kill(pid, signal.SIGINT)
@@ -341,6 +344,7 @@ def main() -> None:
     path = OUT.with_suffix(".json")
     results: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {}
     results.update({"cpu": f"{cpu}, {os.cpu_count()} cores", "command": " ".join(sys.argv)})
+    results["git"] = git_info()  # the commit whose code ran (dirty: which files differ)
     if args.part in ("served", "both"):
         results["served"] = served(args.rounds, args.max_new_tokens, args.port)
     if args.part in ("mechanisms", "both"):
