@@ -120,8 +120,10 @@ def serve(workdir: Path, port: int) -> tuple[subprocess.Popen, str, int]:
                         "target": {"source": str(target), **model},
                         "draft": {"source": str(draft), **model},
                         "router_resources": {"num_cpus": 0.1},
-                        "draft_resources": {"num_cpus": 0.5},
-                        "verifier_resources": {"num_cpus": 1},
+                        # scheduling labels only (every model runs 1 torch thread): four
+                        # applications within the 4 CPUs `launch` gives Ray
+                        "draft_resources": {"num_cpus": 0.25},
+                        "verifier_resources": {"num_cpus": 0.5},
                     },
                 }
             )
