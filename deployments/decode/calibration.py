@@ -44,7 +44,8 @@ async def pair_calibration(router: RouterState, run: RunSession) -> Calibration 
     """The deployed pair's calibration, built once per router replica (the first adaptive
     request waits for it). None where a replica reports no costs (a tensor-parallel target):
     the requests then run fixed knobs. A measurement that fails leaves its fields unset (the
-    policy's priors, the parts' sum), with a line in the router's log."""
+    policy's priors, the parts' sum) until it is retried (`RouterState.calibration`), and the
+    router's status says why (`/v1/dsbd/status`: router.calibration)."""
 
     async def build() -> Calibration | None:
         verifier = await router.handles.verifier.info.remote()
@@ -67,8 +68,8 @@ async def pair_calibration(router: RouterState, run: RunSession) -> Calibration 
         try:
             update["pass_rates"] = await pair_pass_rates(verifier, draft, run) or None
             update.update(await pair_iteration_seconds(verifier, draft, run, router.layout))
-        except Exception as error:  # what was measured stands; the rest is left unset
-            print(f"router: the pair's calibration decodes failed ({error!r})", flush=True)
+        except Exception as error:  # what was measured stands; retried later (state.py)
+            router.failed_calibration(error)
         return calibration.model_copy(update=update)
 
     return await router.calibration(build)

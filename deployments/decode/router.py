@@ -78,6 +78,7 @@ class Router:
             "replica": tracing.replica_id(),
             "pid": os.getpid(),
             "layout": self.LAYOUT,
+            "calibration": self.state.calibration_status(),  # a failure shows here
             "running": self._running,
             "allocator": active_allocator(),
             "allocator_stats": allocator_stats(),

@@ -16,12 +16,16 @@ import contextlib
 import contextvars
 import os
 import socket
+import time
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
 from deployments.decode import width_controller
 from dsbd_core.algorithm.cost_model import Calibration, CostPolicy
+
+# How long after a failed calibration the next adaptive request measures the pair again.
+CALIBRATION_RETRY_S = 60.0
 
 
 @dataclass
@@ -46,6 +50,9 @@ class RouterState:
         self.open: set[str] = set()  # sessions decoding here, reported every heartbeat
         self._calibration: Calibration | None = None
         self._calibrated = False
+        # why the last calibration's decodes failed (None: they did not), and when to retry
+        self.calibration_error: str | None = None
+        self._retry_at = 0.0
         self._calibrating = asyncio.Lock()  # concurrent first requests wait for one calibration
         self._policy: CostPolicy | None = None
         self._heartbeat: asyncio.Task | None = None
@@ -57,10 +64,35 @@ class RouterState:
         """The pair's calibration, built once by `build` (the first adaptive request waits for
         it; `decode.session.pair_calibration` builds it). None: the pair has none."""
         async with self._calibrating:
-            if not self._calibrated:
+            failed = self.calibration_error is not None
+            if not self._calibrated or (failed and time.monotonic() >= self._retry_at):
+                self.calibration_error = None  # `build` records a new failure here
                 self._calibration = await build()
                 self._calibrated = True
+                self._retry_at = time.monotonic() + CALIBRATION_RETRY_S
         return self._calibration
+
+    def failed_calibration(self, error: BaseException) -> None:
+        """The calibration's decodes failed: what they measured stands, the rest is the
+        policy's priors until the retry (the first adaptive request `CALIBRATION_RETRY_S`
+        later); `/v1/dsbd/status` shows why (`calibration_status`)."""
+        self.calibration_error = f"{type(error).__name__}: {error}"[:500]
+        print(f"router: the pair's calibration decodes failed ({error!r})", flush=True)
+
+    def calibration_status(self) -> dict[str, Any]:
+        """What the router's status reports of its calibration."""
+        state = "pending" if not self._calibrated else "measured"
+        if self._calibrated and self._calibration is None:
+            state = "none"  # a pair without costs (a tensor-parallel target): fixed knobs
+        if self.calibration_error is not None:
+            state = "failed"
+        return {
+            "state": state,
+            "error": self.calibration_error,
+            "retry_in_s": max(0.0, round(self._retry_at - time.monotonic(), 1))
+            if self.calibration_error is not None
+            else None,
+        }
 
     async def policy(self) -> CostPolicy:
         """The application's cost policy (the width controller holds it), read once."""

@@ -74,3 +74,39 @@ def test_a_router_measures_the_pairs_pass_rates_once_per_machine(
     measured = first.pass_rates
     priors = CostController(config, second, CostPolicy()).priors()
     assert priors == [measured[min(k, len(measured) - 1)] for k in range(config.gamma)]
+
+
+def test_a_failed_calibration_shows_in_the_status_and_is_retried(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The calibration's decodes fail (a replica lost meanwhile): the router keeps what was
+    measured (the forward costs), says why in its status, and the next adaptive request after
+    CALIBRATION_RETRY_S measures the pair again, clearing the error."""
+    from deployments.decode import calibration as served_calibration
+    from deployments.decode import state as router_state
+    from deployments.decode.router import Router
+
+    monkeypatch.setenv("DSBD_CALIBRATION_DIR", str(tmp_path / "calibration"))
+    monkeypatch.setattr(router_state, "CALIBRATION_RETRY_S", 0.0)
+    target, draft = build_pair(tmp_path / "models")
+    options = {"dtype": "float64", "batch_wait_s": 0.0}
+    router = Router.func_or_class(
+        Handle(Draft.func_or_class({"source": str(draft), **options})),
+        Handle(Verifier.func_or_class({"source": str(target), **options})),
+        Handle(WidthController.func_or_class(None, 60.0)),
+    )
+
+    async def lost(*_: object) -> None:
+        raise RuntimeError("the draft replica died (a test's stand-in)")
+
+    async def scenario() -> tuple[dict, object, dict, object]:
+        failed = await served_calibration.pair_calibration(router.state, lost)
+        during = (await router.info())["calibration"]
+        retried = await pair_calibration(router.state)
+        return during, failed, (await router.info())["calibration"], retried
+
+    during, failed, after, retried = asyncio.run(scenario())
+    assert during["state"] == "failed" and "the draft replica died" in during["error"]
+    assert failed is not None and failed.pass_rates is None  # the costs stand, rates unset
+    assert after == {"state": "measured", "error": None, "retry_in_s": None}
+    assert retried is not None and retried.pass_rates
