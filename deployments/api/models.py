@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
 from deployments.api.penalty_fields import LogitBiasField
 from deployments.api.stop_fields import EosFields, StopFields
 from dsbd_core.algorithm.config import SamplingConfig
-from dsbd_core.algorithm.methods import METHODS
+from dsbd_core.algorithm.methods import BEAM_METHODS, SEARCH_METHODS, Method
 
 # SamplingConfig fields that OpenAI requests carry under their own names, that the server fills,
 # or that other fields decide (`search`: `method` or `use_beam_search`; `logprobs`: the routes'
@@ -42,10 +42,6 @@ _OPENAI_NAMED = {
     "logprobs",
     "logit_bias",
 }
-Method = Literal["dsbd", "beam", "sps", "sample", "beam_search", "spec_beam_search"]
-assert set(Method.__args__) == set(METHODS)  # type: ignore[attr-defined]
-BEAM_METHODS = ("dsbd", "beam", "beam_search", "spec_beam_search")  # methods with W beams
-SEARCH_METHODS = ("beam_search", "spec_beam_search")
 
 DecodingKnobs: type[BaseModel] = create_model(  # type: ignore[call-overload]
     "DecodingKnobs",

@@ -19,12 +19,11 @@ from typing import Any, Literal
 import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from deployments.api.models import BEAM_METHODS
 from deployments.api.responses import BeamText
 from deployments.batch.output import OUTPUT_SCHEMA, error_record
 from deployments.batch.rows import BatchRow, parse_row
 from dsbd_core.algorithm.config import SamplingConfig
-from dsbd_core.algorithm.methods import MethodConfig, method_config
+from dsbd_core.algorithm.methods import BEAM_METHODS, MethodConfig, method_config
 from dsbd_core.algorithm.penalties import bias_problem
 from dsbd_core.algorithm.stops import StopStrings
 from dsbd_core.models.pair import DraftOptions

@@ -27,10 +27,11 @@ from typing import Any, Literal
 import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 
-from deployments.api.models import ChatMessage, Method
+from deployments.api.models import ChatMessage
 from deployments.api.penalty_fields import LogitBiasField
 from deployments.api.stop_fields import StopFields
 from dsbd_core.algorithm.config import SamplingConfig
+from dsbd_core.algorithm.methods import Method
 
 InputFormat = Literal["jsonl", "parquet"]
 INPUT_SUFFIXES: dict[str, InputFormat] = {

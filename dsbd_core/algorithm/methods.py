@@ -28,6 +28,8 @@ from dsbd_core.algorithm.config import SamplingConfig
 Method = Literal["dsbd", "beam", "sps", "sample", "beam_search", "spec_beam_search"]
 METHODS: tuple[str, ...] = get_args(Method)
 METHODS_WITH_DRAFT: tuple[str, ...] = ("sps", "dsbd", "spec_beam_search")
+BEAM_METHODS: tuple[str, ...] = ("dsbd", "beam", "beam_search", "spec_beam_search")  # W beams
+SEARCH_METHODS: tuple[str, ...] = ("beam_search", "spec_beam_search")  # deterministic search
 
 
 def drafts(method: str) -> bool:
