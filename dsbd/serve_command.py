@@ -143,7 +143,7 @@ def load_config(
                     "name": "dsbd",
                     "route_prefix": "/",
                     "import_path": DEFAULT_IMPORT_PATH,
-                    "args": embedded_args(),
+                    "args": embedded_args(layout),
                 }
             ]
         }
@@ -212,9 +212,10 @@ def _check_llm_configs(
         raise SystemExit(fail(f"--config: {app.name}.args.{error}")) from None
 
 
-def embedded_args() -> dict[str, Any]:
+def embedded_args(layout: str | None = None) -> dict[str, Any]:
     """The embedded application's args: both models on the GPU when one is visible (one Pair
-    replica owns them: `layout: auto`), else the defaults (CPU, the split layout)."""
+    replica owns them: `layout: auto`; `--layout split`: the draft and the verifier share the
+    GPU, half each), else the defaults (CPU, the split layout)."""
     import torch
 
     if not torch.cuda.is_available():
@@ -223,10 +224,12 @@ def embedded_args() -> dict[str, Any]:
 
     defaults = AppArgs()
     cuda = {"device": "cuda"}
+    share = 0.5 if layout == "split" else 1.0
     return {
         "target": defaults.target.model_dump() | cuda,
         "draft": defaults.draft.model_dump() | cuda,
-        "verifier_resources": defaults.verifier_resources.model_dump() | {"num_gpus": 1.0},
+        "verifier_resources": defaults.verifier_resources.model_dump() | {"num_gpus": share},
+        "draft_resources": defaults.draft_resources.model_dump() | {"num_gpus": 0.5},
     }
 
 

@@ -158,3 +158,22 @@ def test_a_pairs_served_iterations_are_calibrated_apart_from_the_split_layouts(p
     split, colocated = (_parts(verifier, draft, 8, layout) for layout in ("split", "colocated"))
     assert split is not None and colocated is not None and split != colocated
     assert _parts(verifier, draft, 8) == {k: v for k, v in split.items() if k != "layout"}
+
+
+def test_dsbd_serve_puts_the_embedded_pair_in_one_replica_on_a_gpu(monkeypatch) -> None:
+    """Without --config, `dsbd serve` on a machine with a visible GPU serves the embedded pair
+    on cuda in one Pair replica (layout auto); without one, as before (CPU, split)."""
+    import torch
+
+    from dsbd.serve_command import embedded_args, load_config
+
+    assert embedded_args() == {} or torch.cuda.is_available()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    schema = load_config(None, "127.0.0.1", 8000)
+    args = AppArgs.model_validate(schema.applications[0].args)
+    assert args.target.device == args.draft.device == "cuda"
+    assert args.colocated and args.verifier_resources.num_gpus == 1
+    forced = load_config(None, "127.0.0.1", 8000, layout="split")
+    split = AppArgs.model_validate(forced.applications[0].args)
+    assert not split.colocated  # the draft and the verifier share the GPU, half each
+    assert split.verifier_resources.num_gpus == split.draft_resources.num_gpus == 0.5
