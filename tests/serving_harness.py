@@ -78,7 +78,7 @@ CASES = [
 
 
 def write_config(root: Path, target: Path, draft: Path) -> Path:
-    """The module's Serve config (five applications) and API key file, written under `root`;
+    """The module's Serve config (four applications) and API key file, written under `root`;
     also used to start the same server by hand (`DSBD_TEST_SERVER`)."""
     models = {
         "target": {"source": str(target), "dtype": "float64"},
@@ -127,17 +127,6 @@ def write_config(root: Path, target: Path, draft: Path) -> Path:
                         "health_check_period_s": 1,
                         "health_check_timeout_s": 20,
                     },
-                },
-            },
-            {
-                "name": "pair",
-                "route_prefix": "/pair",
-                "import_path": "deployments.app:build_app",
-                "args": {
-                    "model_name": MODEL,
-                    **models,
-                    "layout": "colocated",
-                    "verifier_resources": small,
                 },
             },
             {

@@ -8,7 +8,6 @@ contacted; this process's own sockets are watched by an audit hook. Two applicat
 * `/spread`  affinity off, two draft and two verifier replicas: sessions land on replicas
              without their cache and must re-prefill;
 * `/tp`      the verifier tensor-parallel over 2 ranks (gloo), health-checked every second;
-* `/pair`    the co-located layout: one replica owns both models and the decode loops;
 * `/guarded` an API key and tight limits (width, tokens, concurrency, a 1.5 s deadline):
              its tests are in tests/serving/test_serving_guarded.py.
 
@@ -176,28 +175,6 @@ def test_concurrent_requests_share_the_verifier_forward_and_stay_exact(server, r
     for body, got in zip(bodies, results, strict=True):
         knobs = {k: v for k, v in body.items() if k not in ("prompt_ids", "adaptive")}
         assert_same(got, reference("dsbd", body["prompt_ids"], **knobs))
-
-
-@pytest.mark.parametrize(("method", "knobs"), CASES[:1] + CASES[3:4])
-def test_a_colocated_pair_serves_the_in_process_decode(server, reference, method, knobs) -> None:
-    """`/pair`: one replica owns both models and the decode loop (deployments/decode/pair.py);
-    decoded and streamed, the tokens are the in-process engine's, and the status says so."""
-    prompt_ids = [5, 17, 42, 99, 7]
-    body = {"prompt_ids": prompt_ids, "method": method, "seed": 13, "max_new_tokens": 14}
-    body |= {"adaptive": False, **knobs}
-    want = reference(method, prompt_ids, seed=13, max_new_tokens=14, **knobs)
-    got = native(server, body, "/pair")
-    assert_same(got, want)
-    now = status(server, "/pair")
-    assert now["router"]["layout"] == "colocated"
-    assert now["router"]["pid"] == now["verifier"]["pid"] == now["draft"]["pid"]
-    assert set(got["stats"]["serving"]["verify_replica"]) == {now["verifier"]["replica"]}
-    api = client(server, "/pair")
-    extra = {"adaptive": False, "method": method, **knobs}
-    asked = {"model": MODEL, "prompt": "one two", "max_tokens": 12, "seed": 5, "extra_body": extra}
-    whole = api.completions.create(**asked).choices[0].text
-    streamed = "".join(c.choices[0].text for c in api.completions.create(stream=True, **asked))
-    assert streamed == whole
 
 
 def test_sessions_on_replicas_without_their_cache_rebuild_it_and_stay_exact(server, reference):
