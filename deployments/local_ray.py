@@ -52,7 +52,10 @@ from __future__ import annotations
 import os
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from deployments.gcs_ft import GcsRedis
 
 LOOPBACK = "127.0.0.1"
 BOOTSTRAP_CONFIG = "provider: {type: local}\n"
@@ -131,6 +134,7 @@ def start_local_ray(
     home: Path | None = None,
     metrics_export_port: int | None = None,
     object_store_mib: int | None = None,
+    gcs_redis: GcsRedis | None = None,
     **init: Any,
 ) -> Any:
     """`ray.init` on this machine with loopback-only networking; returns Ray's context.
@@ -142,8 +146,14 @@ def start_local_ray(
     raylet starts (Ray's `preallocate_plasma_memory`), so the raylet's memory does not grow as
     objects land on pages not used before; None or 0: Ray's default (30 % of the machine's
     memory, touched as used), which batch jobs keep for Ray Data's blocks.
+    `gcs_redis`: the GCS keeps its tables in that Redis and can be started again without losing
+    the cluster (deployments/gcs_ft.py; `GcsWatch` does the restarting).
     """
     os.environ.update(loopback_environment(home))
+    if gcs_redis is not None:
+        os.environ.update(gcs_redis.environment())
+        if gcs_redis.password:
+            init["_redis_password"] = gcs_redis.password
     os.environ.update(ray_process_settings())  # a user's own values win
     # Read by the raylet from its environment; set either way, so that a later Ray started by
     # this process without a size does not pre-touch 30 % of the machine's memory.

@@ -59,6 +59,8 @@ class ServeOptions:
     # ~20 MiB at once under 32 clients on the embedded pair. A larger need is still served
     # (Ray then allocates the rest from files in its session folder), only slower.
     object_store_mib: int = 512
+    # Redis for the GCS's tables, and the GCS started again when it dies (deployments/gcs_ft.py)
+    gcs_redis: Any = None
 
 
 def prepare_models(schema: Any) -> None:
@@ -115,7 +117,15 @@ def serve(schema: Any, options: ServeOptions) -> int:
         namespace="serve",
         metrics_export_port=options.metrics_port,
         object_store_mib=options.object_store_mib,
+        gcs_redis=options.gcs_redis,
     )
+    watch = None
+    if options.gcs_redis is not None:
+        from deployments.gcs_ft import GcsWatch
+
+        watch = GcsWatch().start()
+        where = options.gcs_redis.address
+        print(f"dsbd: Ray's GCS keeps its tables in Redis at {where}", flush=True)
     # ray.init installs Ray's own SIGTERM handler (log a stack, abort): a SIGTERM (Kubernetes,
     # systemd, kill) then killed this process mid-way and left Ray's agents running. Ours again.
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
@@ -150,7 +160,11 @@ def serve(schema: Any, options: ServeOptions) -> int:
         return 0
     finally:
         print("dsbd: shutting down", flush=True)
+        if watch is not None:
+            watch.stop()
         stop_local_ray()
+        if watch is not None and (ended := watch.end_leftovers()):
+            print(f"dsbd: stopped what outlived Ray's shutdown: {', '.join(ended)}", flush=True)
 
 
 def _wait_running(serve: Any, names: list[str], timeout: float, stopping: list) -> bool:

@@ -10,6 +10,7 @@ deployments.serve_cli then prepares the models, starts Ray and serves.
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 from pathlib import Path
 from typing import Any
@@ -105,6 +106,21 @@ def add_arguments(serve: argparse.ArgumentParser) -> None:
         metavar="N",
         help="the prompt-lookup draft's longest matched suffix, 1..16 (overrides "
         "draft.variant.ngram_max of the config)",
+    )
+
+    serve.add_argument(
+        "--gcs-redis",
+        default=os.environ.get("DSBD_GCS_REDIS"),
+        metavar="HOST:PORT",
+        help="keep Ray's GCS tables in this Redis and start the GCS again when it dies, without "
+        "losing the replicas or a request (password from $DSBD_GCS_REDIS_PASSWORD; default "
+        "$DSBD_GCS_REDIS; unset: the GCS keeps them in memory, and its loss is the cluster's)",
+    )
+    serve.add_argument(
+        "--gcs-namespace",
+        default=None,
+        metavar="NAME",
+        help="this cluster's keys in that Redis (default: dsbd)",
     )
 
 
@@ -259,6 +275,17 @@ def run(args: argparse.Namespace) -> int:
             f"or >= {OBJECT_STORE_MINIMUM_MIB} (Ray's minimum)"
         )
         raise SystemExit(fail(message))
+    gcs_redis = None
+    if args.gcs_redis:
+        from deployments.gcs_ft import GcsRedis, GcsRedisError
+
+        try:
+            gcs_redis = GcsRedis.parse(args.gcs_redis, args.gcs_namespace)
+            gcs_redis.check()
+        except GcsRedisError as error:
+            raise SystemExit(fail(str(error))) from None
+    elif args.gcs_namespace:
+        raise SystemExit(fail(f"--gcs-namespace={args.gcs_namespace!r}: needs --gcs-redis"))
     schema = load_config(
         args.config,
         args.host,
@@ -280,5 +307,6 @@ def run(args: argparse.Namespace) -> int:
         ready_file=args.ready_file,
         timeout=args.timeout,
         object_store_mib=args.object_store_mib,
+        gcs_redis=gcs_redis,
     )
     return serve(schema, options)

@@ -46,6 +46,7 @@ RAY_MODULES = frozenset(
         "batch/test_batch_streaming",
         "serving/test_chaos",
         "serving/test_faults",
+        "serving/test_gcs_ft",
         "serving/test_lm_eval",
         "serving/test_local_ray",
         "serving/test_observability",

@@ -92,6 +92,30 @@ def requested_config(build: Callable[[], SamplingConfig]) -> SamplingConfig:
         ) from None
 
 
+# How long a client should wait before it sends again a request that found no replica.
+RETRY_AFTER_S = 5
+
+
+async def unhandled_error_handler(request: Request, error: Exception) -> JSONResponse:
+    """Any error no route turned into a response: 503, retryable, when a replica the decode
+    needed was gone and none took its place within the router's retry window (a replacement
+    needs Ray's control plane: while the GCS restarts none can start, docs/RELIABILITY.md
+    section 12); else 500, both in the OpenAI shape."""
+    from deployments.decode.session import lost_replica
+
+    lost = lost_replica(error)
+    if lost is None:
+        return error_response(500, f"internal error: {type(error).__name__}", None)
+    message = (
+        f"a replica this decode needed was lost ({type(lost).__name__}) and none took its "
+        "place within the retry window (replicas are being replaced, or Ray's control plane "
+        f"is recovering); retry the request in {RETRY_AFTER_S} s"
+    )
+    response = error_response(503, message, None, kind="replica_unavailable")
+    response.headers["Retry-After"] = str(RETRY_AFTER_S)
+    return response
+
+
 def replica_lost_body(why: str) -> dict[str, Any]:
     """The error event of a stream whose decode was lost with its router and could not be
     replayed to the tokens already sent (deployments/decode/client.py)."""

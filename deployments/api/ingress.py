@@ -35,7 +35,12 @@ from fastapi.exceptions import RequestValidationError
 from ray import serve
 
 from deployments.api.auth import APIKeyGuard, guard_with, read_api_key
-from deployments.api.errors import APIError, api_error_handler, validation_error_handler
+from deployments.api.errors import (
+    APIError,
+    api_error_handler,
+    unhandled_error_handler,
+    validation_error_handler,
+)
 from deployments.api.models import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -60,6 +65,7 @@ app.add_middleware(
 # Every client error answers one OpenAI-style shape (deployments/api/errors.py).
 app.add_exception_handler(APIError, api_error_handler)
 app.add_exception_handler(RequestValidationError, validation_error_handler)
+app.add_exception_handler(Exception, unhandled_error_handler)  # a replica lost for good: 503
 
 # One served model's handles and options: router (or pair), draft, verifier, width controller,
 # `RouterOptions` as a dict.

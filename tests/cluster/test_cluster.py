@@ -435,6 +435,40 @@ def test_the_head_gives_rays_gcs_the_memory_settings_dsbd_serve_gives_it() -> No
     assert ray_process_environment().items() <= env.items()
 
 
+def test_the_gcs_keeps_its_tables_in_the_redis_beside_it() -> None:
+    """GCS fault tolerance (issue 50): each RayService's GCS uses the Redis of
+    cluster/redis.yaml (its Service's name and port, its Secret's key), with Redis's
+    append-only file on a volume and a password; no namespace (KubeRay then takes the
+    RayCluster's UID: a NewCluster upgrade never reads the old cluster's tables); the head
+    retries Redis as `dsbd serve --gcs-redis` does."""
+    from deployments.gcs_ft import REDIS_RETRIES
+
+    pvc, deployment, service = yaml.safe_load_all((CLUSTER / "redis.yaml").read_text())
+    assert [pvc["kind"], deployment["kind"], service["kind"]] == [
+        "PersistentVolumeClaim",
+        "Deployment",
+        "Service",
+    ]
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    (secret,) = [e["valueFrom"]["secretKeyRef"] for e in container["env"]]
+    command = " ".join(container["args"])
+    assert "--appendonly yes" in command and '--requirepass "$REDIS_PASSWORD"' in command
+    (volume,) = deployment["spec"]["template"]["spec"]["volumes"]
+    assert volume["persistentVolumeClaim"]["claimName"] == pvc["metadata"]["name"]
+    assert container["volumeMounts"][0]["mountPath"] in command
+    labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"] == labels == deployment["spec"]["selector"]["matchLabels"]
+    (port,) = service["spec"]["ports"]
+    for name in ("rayservice.yaml", "rayservice-llm.yaml"):
+        options = cluster_spec(load(name))["gcsFaultToleranceOptions"]
+        assert options["redisAddress"] == f"{service['metadata']['name']}:{port['port']}", name
+        assert options["redisPassword"]["valueFrom"]["secretKeyRef"] == secret, name
+        assert "externalStorageNamespace" not in options, name
+        (head,) = cluster_spec(load(name))["headGroupSpec"]["template"]["spec"]["containers"]
+        env = {item["name"]: item.get("value") for item in head["env"]}
+        assert REDIS_RETRIES.items() <= env.items(), name
+
+
 # --------------------------------------------------------------------------- VM cluster config
 def test_vm_cluster_config_matches_rays_cluster_schema() -> None:
     from ray.autoscaler._private.util import prepare_config, validate_config

@@ -1,10 +1,10 @@
 """The co-located layout's replica (deployments/decode/pair.py) in this process, without Ray:
-its decode loops drive the draft and the verifier of the same process through local handles,
-and every served decode is the in-process decode draw for draw (float64), alone and with
-concurrent requests batched into one forward per layer; the ingress reads both models' info
-through the pair. The served path is in tests/serving/test_serve_run.py (a co-located model over HTTP with the
-openai client) and tests/serving/test_faults.py (`/fpair`: a pair replica killed mid-decode,
-every decode exact)."""
+its decode loops drive the draft and the verifier of the same process through local handles, and
+every served decode is the in-process decode draw for draw (float64), alone and with concurrent
+requests batched into one forward per layer; the ingress reads both models' info through the pair.
+The served path is in tests/serving/test_serve_run.py (a co-located model over HTTP with the openai
+client) and tests/serving/test_faults.py (`/fpair`: a pair replica killed mid-decode, every decode
+exact)."""
 
 from __future__ import annotations
 
