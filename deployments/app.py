@@ -311,9 +311,8 @@ def model_deployments(
     routing: dict[str, Any] = {}
     if config.session_affinity:
         routing["request_router_config"] = RequestRouterConfig(request_router_class=ROUTER_CLASS)
-    controller = WidthController.options(name=f"WidthController{suffix}").bind(
-        config.cost_policy.model_dump(), config.target.session_ttl_s
-    )
+    controller_name = f"WidthController{suffix}"
+    policy, ttl = config.cost_policy.model_dump(), config.target.session_ttl_s
     router_options = RouterOptions(
         model_name=config.model_name,
         tokenizer=config.target.source,
@@ -324,7 +323,8 @@ def model_deployments(
         request_defaults=config.request_defaults,
         colocated=config.colocated,
     ).model_dump()
-    if config.colocated:
+    if config.colocated:  # the pair's caches die with its loops: nothing to release from outside
+        controller = WidthController.options(name=controller_name).bind(policy, ttl)
         pair = Pair.options(
             name=f"Pair{suffix}", **config.verifier_resources.options(config.target, inherited)
         ).bind(config.target.model_dump(), config.draft.model_dump(), controller)
@@ -337,6 +337,8 @@ def model_deployments(
         **config.verifier_resources.options(config.target, inherited),
         **routing,
     ).bind(config.target.model_dump())
+    # the controller frees a dead router's sessions on the draft and the verifier
+    controller = WidthController.options(name=controller_name).bind(policy, ttl, draft, verifier)
     serving = {"inherited_env": inherited, "allocator": config.allocator}  # no model: loops
     router = Router.options(
         name=f"Router{suffix}", **config.router_resources.options(**serving)

@@ -15,10 +15,16 @@ process that has decodes sends a heartbeat every `HEARTBEAT_S` with the sessions
 that router it no longer lists (a close that was lost), and a router not heard from for
 `ROUTER_SILENT_S` loses its sessions here. Found by `dsbd bench chaos`: 9 sessions of killed
 routers stayed open for the 600 s session TTL (and a decode running longer than that TTL would
-have been dropped from the count while it ran)."""
+have been dropped from the count while it ran). The draft and verifier replicas held those
+sessions' caches just as long (the dead router never released them; its decodes go on under new
+session ids on another router): so the sessions of a silent router are also released on the
+draft and the verifier from here (`dsbd bench chaos` with four kills, a router's among them:
+5 verifier and 2 draft caches still held 60 s after the load ended, until this)."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -46,9 +52,19 @@ class _SessionKnobs:
 class WidthController:
     """One replica: it is a small dict of sessions and a few arithmetic operations per call."""
 
-    def __init__(self, policy: dict[str, Any] | None = None, session_ttl_s: float = 600.0) -> None:
+    def __init__(
+        self,
+        policy: dict[str, Any] | None = None,
+        session_ttl_s: float = 600.0,
+        draft: Any = None,
+        verifier: Any = None,
+    ) -> None:
+        """`draft`, `verifier`: the handles of the model replicas that cache the sessions (None
+        in the co-located layout: a pair's caches die with its decode loops)."""
         self.policy = CostPolicy.model_validate(policy or {})
         self.session_ttl_s = session_ttl_s
+        self._models = [h for h in (verifier, draft) if h is not None]
+        self._releasing: set[asyncio.Task] = set()
         self._sessions: dict[str, _SessionKnobs] = {}
         self._closed: dict[str, float] = {}  # session -> when closed (see `close`)
         self._routers: dict[str, float] = {}  # router process -> when last heard from
@@ -97,13 +113,27 @@ class WidthController:
         adaptive = sum(1 for s in self._sessions.values() if s.adaptive)
         return {"open_sessions": len(self._sessions), "adaptive_sessions": adaptive}
 
+    async def _release(self, sessions: list[str]) -> None:
+        """Free the caches of a dead router's sessions on the draft and the verifier (a replica
+        that is gone, or holds none of them, has nothing to free)."""
+        for session in sessions:
+            for model in self._models:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(model.release.remote(session), timeout=30)
+
     def _expire(self) -> None:
         """Forget the sessions of routers silent for ROUTER_SILENT_S (a crashed router
         replica), and closes older than the session TTL."""
         now = time.monotonic()
         silent = {r for r, seen in self._routers.items() if seen < now - ROUTER_SILENT_S}
-        for key in [k for k, s in self._sessions.items() if s.router in silent]:
+        orphans = [k for k, s in self._sessions.items() if s.router in silent]
+        for key in orphans:
             del self._sessions[key]
+            self._closed[key] = now  # a late open of it registers nothing
+        if orphans and self._models:
+            task = asyncio.get_running_loop().create_task(self._release(orphans))
+            self._releasing.add(task)
+            task.add_done_callback(self._releasing.discard)
         for router in silent:
             del self._routers[router]
         limit = now - self.session_ttl_s

@@ -49,7 +49,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dsbd.bench import load
-from dsbd.bench.chaos_report import SIDES, ChaosConfig, Kill, Run, compare_seeded, plot, summarise
+from dsbd.bench.chaos_report import (
+    KILLABLE,
+    SIDES,
+    ChaosConfig,
+    Kill,
+    Run,
+    compare_seeded,
+    plot,
+    summarise,
+)
 from dsbd.bench.load import MIX, LoadConfig, Record, body_for, send
 from dsbd.common import fail
 
@@ -185,34 +194,73 @@ def pid_of(state: dict[str, Any], side: str) -> int:
     return int(state[side]["pid"])
 
 
-async def kill_one(http: aiohttp.ClientSession, run: Run, side: str) -> Kill | None:
-    """SIGKILL the `side` replica the status names (a descendant of our server only)."""
+def gcs_pid(server_pid: int) -> int | None:
+    """Ray's GCS process among the server's descendants (None while there is none)."""
     from dsbd import server_process
 
-    state = await status(http, run.url)
-    if state is None:
-        return None
-    pid = pid_of(state, side)
-    if pid not in server_process.descendants(run.server_pid):
-        raise RuntimeError(f"{side} pid {pid} is not a process of the server we started")
+    found = [
+        pid
+        for pid, title in server_process.descendants(server_pid).items()
+        if title.split()[0].endswith("/gcs_server")
+    ]
+    return found[0] if len(found) == 1 else None
+
+
+def gcs_listening(pid: int) -> bool:
+    """Whether the GCS process listens (it binds its port once its tables are read back)."""
+    import psutil
+
+    with contextlib.suppress(psutil.Error):
+        return any(c.status == "LISTEN" for c in psutil.Process(pid).net_connections())
+    return False
+
+
+async def kill_one(http: aiohttp.ClientSession, run: Run, side: str) -> Kill | None:
+    """SIGKILL the `side` replica the status names, or the GCS (a descendant of our server
+    only)."""
+    from dsbd import server_process
+
+    if side == "gcs":
+        pid = gcs_pid(run.server_pid)
+        if pid is None:
+            return None
+    else:
+        state = await status(http, run.url)
+        if state is None:
+            return None
+        pid = pid_of(state, side)
+        if pid not in server_process.descendants(run.server_pid):
+            raise RuntimeError(f"{side} pid {pid} is not a process of the server we started")
     os.kill(pid, signal.SIGKILL)
     return Kill(side, pid, round(run.now(), 2))
 
 
-async def recover(http: aiohttp.ClientSession, run: Run, kill: Kill, timeout_s: float) -> None:
-    """Wait until a live replica of the killed deployment (not the killed pid) answers in the
-    status and a probe request through draft and verifier succeeds."""
+def replacement(run: Run, kill: Kill, state: dict[str, Any] | None) -> int | None:
+    """The live process that took the killed one's place, if any yet: a replica the status
+    names, or a GCS that listens again (then `kill.outage_s` is set)."""
     from dsbd import server_process
 
+    if kill.side == "gcs":
+        pid = gcs_pid(run.server_pid)
+        if pid is None or pid == kill.pid or not gcs_listening(pid):
+            return None
+        kill.outage_s = round(run.now() - kill.at_s, 2)
+        return pid
+    pid = pid_of(state, kill.side) if state else None
+    alive = set(server_process.descendants(run.server_pid))
+    return pid if pid is not None and pid != kill.pid and pid in alive else None
+
+
+async def recover(http: aiohttp.ClientSession, run: Run, kill: Kill, timeout_s: float) -> None:
+    """Wait until a live replica of the killed deployment (not the killed pid) answers in the
+    status, or a new GCS listens, and a probe request through draft and verifier succeeds."""
     deadline = time.monotonic() + timeout_s
     replaced = False
     while time.monotonic() < deadline:
         if not replaced:
-            state = await status(http, run.url)
-            pid = pid_of(state, kill.side) if state else None
-            alive = set(server_process.descendants(run.server_pid))
-            replaced = pid is not None and pid != kill.pid and pid in alive
-            kill.new_pid = pid if replaced else None
+            state = None if kill.side == "gcs" else await status(http, run.url)
+            kill.new_pid = replacement(run, kill, state)
+            replaced = kill.new_pid is not None
         if replaced:
             with contextlib.suppress(Exception):
                 async with asyncio.timeout(max(1.0, deadline - time.monotonic())):
@@ -300,7 +348,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--first-kill", type=float, help="seconds to the first kill")
     parser.add_argument("--quiet-tail", type=float, default=60.0, help="load after the last kill")
     parser.add_argument("--kills", type=int, help="this many kills (the run lasts for them)")
-    parser.add_argument("--targets", default=",".join(SIDES), help="sides that may be killed")
+    parser.add_argument(
+        "--targets",
+        "--kill",
+        dest="targets",
+        default=",".join(SIDES),
+        help=f"what may be killed, in turn: a comma list of {', '.join(KILLABLE)} (default: the "
+        "three replica sides); with gcs the server keeps Ray's GCS tables in a Redis this "
+        "bench starts on loopback (dsbd serve --gcs-redis), which needs redis-server",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--seeded-share", type=float, default=0.25)
@@ -322,8 +378,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def chaos_config(args: argparse.Namespace) -> ChaosConfig:
     """The run's settings from the flags (ValueError naming the flag for a value out of range)."""
     targets = tuple(args.targets.split(","))
-    if not set(targets) <= set(SIDES) or not targets:
-        raise ValueError(f"--targets={args.targets}: allowed a comma list of {', '.join(SIDES)}")
+    if not set(targets) <= set(KILLABLE) or not targets:
+        raise ValueError(f"--targets={args.targets}: allowed a comma list of {', '.join(KILLABLE)}")
     if args.clients < 1 or args.duration <= 0 or not 0 < args.kill_every[0] <= args.kill_every[1]:
         raise ValueError("--clients >= 1, --duration > 0 and 0 < --kill-every MIN <= MAX")
     if args.client_retries < 0:
@@ -356,15 +412,28 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as error:
         return fail(str(error))
     workdir = args.workdir or Path(os.environ.get("TMPDIR", "/tmp")) / f"dsbd-chaos-{os.getpid()}"
-    server = server_process.start(
-        workdir, args.config, app_name=args.app, num_cpus=args.num_cpus, strace_dir=args.strace
-    )
-    print(f"dsbd serve at {server.url} (pid {server.pid}, log {server.log})", flush=True)
-    chaos = Run(server.url, server.model, server.pid)
-    try:
-        extra = asyncio.run(drive(chaos, config))
-    finally:
-        extra_left = server_process.stop(server)
+    with contextlib.ExitStack() as stack:
+        env = None
+        if "gcs" in config.targets:  # the GCS's tables in a Redis, so that it can come back
+            from deployments.gcs_ft import PASSWORD_ENV
+            from dsbd.bench.local_redis import local_redis
+
+            redis = stack.enter_context(local_redis(workdir / "redis"))
+            env = {"DSBD_GCS_REDIS": redis.address, PASSWORD_ENV: redis.password}
+        server = server_process.start(
+            workdir,
+            args.config,
+            app_name=args.app,
+            num_cpus=args.num_cpus,
+            strace_dir=args.strace,
+            env=env,
+        )
+        print(f"dsbd serve at {server.url} (pid {server.pid}, log {server.log})", flush=True)
+        chaos = Run(server.url, server.model, server.pid)
+        try:
+            extra = asyncio.run(drive(chaos, config))
+        finally:
+            extra_left = server_process.stop(server)
     extra["server_leftover_processes"] = extra_left
     extra["seeded"] = (
         {"compared": 0, "why": "--no-compare"}

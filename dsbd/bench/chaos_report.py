@@ -15,6 +15,8 @@ from typing import Any
 from dsbd.bench.load import ABANDONED, Record, percentiles
 
 SIDES = ("router", "draft", "verifier")  # the deployments whose replicas may be killed
+# and Ray's GCS (`--kill gcs`: the server then keeps the GCS's tables in a Redis the bench starts)
+KILLABLE = (*SIDES, "gcs")
 
 
 @dataclass
@@ -44,6 +46,7 @@ class Kill:
     pid: int
     at_s: float
     recovered_s: float | None = None  # seconds from the kill to recovery (None: not in time)
+    outage_s: float | None = None  # the GCS: seconds until a new GCS process listened again
     new_pid: int | None = None
     probe_status: int | None = None
 
@@ -224,7 +227,9 @@ def plot(results: dict[str, Any], path: Path) -> None:
             color=None if status else "red",
         )
     for kill in results["kill_log"]:
-        colour = {"router": "purple", "draft": "tab:orange", "verifier": "tab:green"}[kill["side"]]
+        colour = {"router": "purple", "draft": "tab:orange", "verifier": "tab:green"}.get(
+            kill["side"], "tab:red"
+        )
         ax.axvline(kill["at_s"], color=colour, linestyle="--")
         if kill["recovered_s"] is not None:
             ax.axvspan(kill["at_s"], kill["at_s"] + kill["recovered_s"], color=colour, alpha=0.1)

@@ -1,13 +1,14 @@
-"""The short chaos run (issue 21): `dsbd bench chaos`, 8 clients, 3 replicas SIGKILLed.
+"""The short chaos run (issues 21, 50): `dsbd bench chaos`, 8 clients, 3 replicas and Ray's GCS
+SIGKILLed.
 
 The benchmark starts its own `dsbd serve` (tiny float64 models, so the served seeded decodes equal
-the in-process ones draw for draw), under `strace -f` when strace exists, runs the clients
-(the request mix of `dsbd bench load`, clients that go away on purpose, seeded requests),
-kills a router, a draft and a verifier replica while they run (each 10-14 s after the
-previous recovery; load for at least 60 s and until 12 s past the last recovery), and
-compares the seeded requests with the in-process engine afterwards. The long run (32 clients
-x 10 min) is `dsbd bench chaos` with its defaults; docs/RELIABILITY.md has its command and
-figures.
+the in-process ones draw for draw), under `strace -f` when strace exists, runs the clients (the
+request mix of `dsbd bench load`, clients that go away on purpose, seeded requests), kills a router,
+a draft and a verifier replica and the GCS (its tables in a Redis the bench starts: `dsbd serve
+--gcs-redis`) while they run (each 10-14 s after the previous recovery; load for at least 60 s and
+until 12 s past the last recovery), and compares the seeded requests with the in-process engine
+afterwards. The long run (32 clients x 10 min) is `dsbd bench chaos` with its defaults;
+docs/RELIABILITY.md has its command and figures.
 
 `dsbd bench soak`'s arithmetic (growth per process over the last window) is checked here on
 made-up samples: its real run takes 30 minutes.
@@ -64,7 +65,7 @@ def test_replicas_killed_under_load_lose_no_request(tmp_path: Path) -> None:
         "--duration",
         "60",
         "--kills",
-        "3",
+        "4",
         "--first-kill",
         "8",
         "--kill-every",
@@ -73,7 +74,7 @@ def test_replicas_killed_under_load_lose_no_request(tmp_path: Path) -> None:
         "--quiet-tail",
         "12",
         "--targets",
-        "router,draft,verifier",
+        "router,draft,verifier,gcs",
         "--seed",
         "3",
         "--num-cpus",
@@ -90,7 +91,10 @@ def test_replicas_killed_under_load_lose_no_request(tmp_path: Path) -> None:
     shown = {k: v for k, v in results.items() if k not in ("requests", "config")}
     print(json.dumps(shown, indent=1))
     sides = sorted(k["side"] for k in results["kill_log"])
-    assert results["kills"] == 3 and sides == ["draft", "router", "verifier"], results["kill_log"]
+    assert results["kills"] == 4, results["kill_log"]
+    assert sides == ["draft", "gcs", "router", "verifier"], results["kill_log"]
+    (gcs,) = [k for k in results["kill_log"] if k["side"] == "gcs"]
+    assert gcs["outage_s"] is not None and gcs["outage_s"] <= gcs["recovered_s"], gcs
     assert results["failed"] == 0, (results["failed_by_status"], results["failed_causes"])
     assert results["status_5xx"] == 0
     # a draft or verifier kill costs the server a retried iteration, a router kill a hand-over

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from deployments.decode import width_controller
+from deployments.decode.local_handles import LocalHandle
 from deployments.decode.state import Handles, RouterState
 from deployments.decode.width_controller import WidthController
 from deployments.messages import IterationCall
@@ -124,10 +125,22 @@ def test_the_sessions_of_a_router_that_stops_reporting_are_forgotten(monkeypatch
     """A SIGKILLed router never closes its sessions (`dsbd bench chaos` found 9 left open for
     the 600 s TTL). Routers report theirs every HEARTBEAT_S; a silent one loses them after
     ROUTER_SILENT_S, a reporting one keeps them past any TTL, and a session missing from its
-    router's report (a lost close) goes unless it was opened within the last heartbeat."""
+    router's report (a lost close) goes unless it was opened within the last heartbeat. A silent
+    router's sessions are also released on the draft and the verifier (their caches)."""
     clock = [1000.0]
     monkeypatch.setattr(width_controller.time, "monotonic", lambda: clock[0])
-    controller = WidthController.func_or_class(None, 600.0)
+    released: list[tuple[str, str]] = []
+
+    class Model:  # the draft's or the verifier's replica: what it is asked to free
+        def __init__(self, side: str) -> None:
+            self.side = side
+
+        async def release(self, session: str) -> bool:
+            released.append((self.side, session))
+            return True
+
+    draft, verifier = LocalHandle(Model("draft")), LocalHandle(Model("verifier"))
+    controller = WidthController.func_or_class(None, 600.0, draft, verifier)
     knobs = Knobs(gamma=2, draft_width=2)
 
     async def scenario() -> dict[str, int]:
@@ -149,10 +162,18 @@ def test_the_sessions_of_a_router_that_stops_reporting_are_forgotten(monkeypatch
         clock[0] += width_controller.HEARTBEAT_S + 1.0
         await controller.heartbeat("alive", ["long"])
         open_now["lost close pruned"] = (await controller.load())["open_sessions"]
+        await asyncio.gather(*controller._releasing)  # the releases it sent off
         return open_now
 
     seen = asyncio.run(scenario())
     assert seen == {"before": 3, "after": 1, "fresh kept": 3, "lost close pruned": 1}
+    # the dead router's sessions, and only those, were freed on the draft and the verifier
+    assert sorted(released) == [
+        ("draft", "dead-1"),
+        ("draft", "dead-2"),
+        ("verifier", "dead-1"),
+        ("verifier", "dead-2"),
+    ]
 
 
 def test_a_router_reports_its_open_sessions_until_none_is_left(monkeypatch) -> None:
