@@ -174,8 +174,10 @@ class GcsWatch:
 
         Only after a GCS restart: the raylet's agents, which normally exit with the raylet,
         then wait for a GCS to reconnect to (`gcs_rpc_server_reconnect_timeout_s`, 60 s)
-        before they do (and Serve's controller's exit is not heard: Serve's shutdown waits its
-        30 s). Nothing of the cluster is left to wait for: they are stopped here."""
+        before they do, and Serve's replicas outlive Ray's shutdown (`dsbd serve` skips Serve's
+        own shutdown then: the driver's GCS subscriptions are not renewed, it would wait 30 s
+        for a controller exit it cannot hear). Nothing of the cluster is left to wait for:
+        they are stopped here."""
         if not self.outages:
             return []
         import psutil

@@ -187,13 +187,18 @@ def metrics_url() -> str | None:
     return None
 
 
-def stop_local_ray() -> None:
-    """Shut Serve (if running) and Ray down; leaves no Ray process behind."""
+def stop_local_ray(*, shut_serve_down: bool = True) -> None:
+    """Shut Serve (if running) and Ray down; leaves no Ray process behind.
+
+    `shut_serve_down=False` skips Serve's own shutdown, for a driver that would wait its full
+    30 s for a controller exit it cannot hear (after a GCS restart: deployments/gcs_ft.py);
+    Ray's shutdown then stops the replicas with everything else."""
     import ray
     from ray import serve
 
     if ray.is_initialized():
         try:
-            serve.shutdown()
+            if shut_serve_down:
+                serve.shutdown()
         finally:
             ray.shutdown()

@@ -162,7 +162,7 @@ def serve(schema: Any, options: ServeOptions) -> int:
         print("dsbd: shutting down", flush=True)
         if watch is not None:
             watch.stop()
-        stop_local_ray()
+        stop_local_ray(shut_serve_down=watch is None or not watch.outages)
         if watch is not None and (ended := watch.end_leftovers()):
             print(f"dsbd: stopped what outlived Ray's shutdown: {', '.join(ended)}", flush=True)
 
