@@ -6,6 +6,7 @@ tests/serving/test_gcs_ft.py."""
 from __future__ import annotations
 
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ from dsbd.bench.local_redis import local_redis
 from dsbd.server_process import free_port
 from tests.serving_harness import REPO
 
-DSBD = [str(REPO / ".venv/bin/python"), "-m", "dsbd"]
+DSBD = [sys.executable, "-m", "dsbd"]
 
 
 @pytest.mark.parametrize(
