@@ -30,7 +30,6 @@ replica the history goes with the retry at once.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 import uuid
 from collections import Counter
@@ -279,15 +278,16 @@ class DecodeSession:
         self.router.closed(session)
 
         async def release() -> None:
-            calls = [
-                handles.controller.close.remote(session),
-                handles.verifier.release.remote(session),
-            ]
+            # the caches first, the controller's registry last: a router that dies in between
+            # leaves the session registered, and the controller frees it once the router is
+            # silent (width_controller); the other order could lose the caches with it
+            models = [handles.verifier.release.remote(session)]
             if uses_draft:
-                calls.append(handles.draft.release.remote(session))
-            for call in calls:
-                with contextlib.suppress(Exception):
-                    await asyncio.wait_for(call, timeout=30)
+                models.append(handles.draft.release.remote(session))
+            for calls in (models, [handles.controller.close.remote(session)]):
+                await asyncio.gather(
+                    *(asyncio.wait_for(call, timeout=30) for call in calls), return_exceptions=True
+                )
 
         self.router.run_detached(release())
 

@@ -9,17 +9,19 @@ temperature, ...) are the request's. This deployment keeps what no single router
 sessions of every router replica (`/v1/dsbd/status`), and hands routers the `CostPolicy` of the
 application (its priors), so that every router chooses alike.
 
-A router replica that dies (SIGKILL, a lost node) never closes its sessions. So every router
-process that has decodes sends a heartbeat every `HEARTBEAT_S` with the sessions it runs
-(`deployments.decode.state.RouterState.keep_reporting`): the heartbeat prunes the sessions of
-that router it no longer lists (a close that was lost), and a router not heard from for
-`ROUTER_SILENT_S` loses its sessions here. Found by `dsbd bench chaos`: 9 sessions of killed
-routers stayed open for the 600 s session TTL (and a decode running longer than that TTL would
-have been dropped from the count while it ran). The draft and verifier replicas held those
-sessions' caches just as long (the dead router never released them; its decodes go on under new
-session ids on another router): so the sessions of a silent router are also released on the
-draft and the verifier from here (`dsbd bench chaos` with four kills, a router's among them:
-5 verifier and 2 draft caches still held 60 s after the load ended, until this)."""
+A router replica that dies (SIGKILL, a lost node) never closes its sessions. So every router process
+that has decodes sends a heartbeat every `HEARTBEAT_S` with the sessions it runs
+(`deployments.decode.state.RouterState.keep_reporting`): the heartbeat prunes the sessions of that
+router it no longer lists (a close that was lost), and a router not heard from for `ROUTER_SILENT_S`
+loses its sessions here. Found by `dsbd bench chaos`: 9 sessions of killed routers stayed open for
+the 600 s session TTL (and a decode running longer than that TTL would have been dropped from the
+count while it ran). The draft and verifier replicas held those sessions' caches just as long (the
+dead router never released them; its decodes go on under new session ids on another router): so the
+sessions of a silent router, and those a heartbeat no longer lists (a close lost), are also released
+on the draft and the verifier from here (a router releases the caches before it closes the session
+here, so one that dies in between leaves the session registered) (`dsbd bench chaos` with four
+kills, a router's among them: 5 verifier and 2 draft caches still held 60 s after the load ended,
+until this)."""
 
 from __future__ import annotations
 
@@ -93,8 +95,10 @@ class WidthController:
         running = set(sessions)
         recent = now - HEARTBEAT_S
         mine = [(key, s) for key, s in self._sessions.items() if s.router == router]
-        for key in [key for key, s in mine if key not in running and s.opened < recent]:
+        lost = [key for key, s in mine if key not in running and s.opened < recent]
+        for key in lost:
             del self._sessions[key]
+        self._send_releases(lost)  # a close lost with its caches' releases
         self._expire()
 
     async def close(self, session: str) -> None:
@@ -113,6 +117,13 @@ class WidthController:
         adaptive = sum(1 for s in self._sessions.values() if s.adaptive)
         return {"open_sessions": len(self._sessions), "adaptive_sessions": adaptive}
 
+    def _send_releases(self, sessions: list[str]) -> None:
+        """Free `sessions`' caches on the draft and the verifier, in the background."""
+        if sessions and self._models:
+            task = asyncio.get_running_loop().create_task(self._release(sessions))
+            self._releasing.add(task)
+            task.add_done_callback(self._releasing.discard)
+
     async def _release(self, sessions: list[str]) -> None:
         """Free the caches of a dead router's sessions on the draft and the verifier (a replica
         that is gone, or holds none of them, has nothing to free)."""
@@ -130,10 +141,7 @@ class WidthController:
         for key in orphans:
             del self._sessions[key]
             self._closed[key] = now  # a late open of it registers nothing
-        if orphans and self._models:
-            task = asyncio.get_running_loop().create_task(self._release(orphans))
-            self._releasing.add(task)
-            task.add_done_callback(self._releasing.discard)
+        self._send_releases(orphans)
         for router in silent:
             del self._routers[router]
         limit = now - self.session_ttl_s
