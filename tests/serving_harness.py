@@ -151,6 +151,30 @@ def write_config(root: Path, target: Path, draft: Path) -> Path:
     return root / "serve.yaml"
 
 
+# A replica of the tiny pair's applications: a tenth of a CPU, health-checked every second (a
+# killed one is noticed at once).
+SMALL_REPLICA = {"num_cpus": 0.1, "health_check_period_s": 1, "health_check_timeout_s": 20}
+
+
+def tiny_app(target: Path, draft: Path, **args: Any) -> dict[str, Any]:
+    """One application of the tiny float64 pair at `/`, its replicas `SMALL_REPLICA`; `args`
+    added to (or replacing) its args."""
+    return {
+        "name": "dsbd",
+        "route_prefix": "/",
+        "import_path": "deployments.app:build_app",
+        "args": {
+            "model_name": MODEL,
+            "target": {"source": str(target), "dtype": "float64"},
+            "draft": {"source": str(draft), "dtype": "float64"},
+            "router_resources": SMALL_REPLICA,
+            "draft_resources": SMALL_REPLICA,
+            "verifier_resources": SMALL_REPLICA,
+            **args,
+        },
+    }
+
+
 @contextlib.contextmanager
 def running_server(root: Path) -> Iterator[dict[str, Any]]:
     """The module's server, started under `root`: url, model dirs, strace dir, log and pid."""
@@ -174,11 +198,13 @@ def running_server(root: Path) -> Iterator[dict[str, Any]]:
 
 
 @contextlib.contextmanager
-def serving(root: Path, config: Path, start_s: float = 600) -> Iterator[dict[str, Any]]:
+def serving(
+    root: Path, config: Path, start_s: float = 600, env: dict[str, str] | None = None
+) -> Iterator[dict[str, Any]]:
     """`dsbd serve --config config` on a free loopback port (dsbd/server_process.py), under
     strace where it is installed (every connect/send its processes make, for
     `assert_loopback_only`), stopped with SIGINT and checked to leave nothing running: url, pid,
-    root, trace dir (or None) and log.
+    root, trace dir (or None) and log. `env`: added to the server's environment.
 
     `start_s` (how long to wait for it) catches a server that never starts: the 22 replicas
     of `write_config` took 239 s to start on two quiet cores, 349 s under pytest and strace, and
@@ -192,6 +218,7 @@ def serving(root: Path, config: Path, start_s: float = 600) -> Iterator[dict[str
             config,
             num_cpus=8,
             strace_dir=trace if traced else None,
+            env=env,
             timeout_s=start_s,
             exit_on_sigterm=False,
         )

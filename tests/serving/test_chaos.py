@@ -28,27 +28,13 @@ import yaml
 from dsbd.bench import soak, soak_trends
 from dsbd.cli import main as dsbd_main
 from tests.serving.test_local_ray import is_loopback, peers
-from tests.serving_harness import REPO
+from tests.serving_harness import REPO, tiny_app
 from tests.tiny_models import build_pair
 
 
 def test_replicas_killed_under_load_lose_no_request(tmp_path: Path) -> None:
     target, draft = build_pair(tmp_path / "models")
-    models = {"source": str(target), "dtype": "float64"}
-    small = {"num_cpus": 0.1, "health_check_period_s": 1, "health_check_timeout_s": 20}
-    app = {
-        "name": "dsbd",
-        "route_prefix": "/",
-        "import_path": "deployments.app:build_app",
-        "args": {
-            "model_name": "tiny",
-            "target": models,
-            "draft": {**models, "source": str(draft)},
-            "router_resources": small,
-            "draft_resources": small,
-            "verifier_resources": small,
-        },
-    }
+    app = tiny_app(target, draft)
     config = tmp_path / "serve.yaml"
     config.write_text(yaml.safe_dump({"applications": [app]}))
     out, trace = tmp_path / "chaos.json", tmp_path / "trace"

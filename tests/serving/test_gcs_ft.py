@@ -15,6 +15,7 @@ layout: ingress, router, draft and verifier replicas), 12 clients decoding seede
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -30,8 +31,9 @@ import requests
 import yaml
 
 from deployments.gcs_ft import PASSWORD_ENV
+from dsbd.bench.chaos import gcs_pid
 from dsbd.bench.local_redis import LocalRedis, local_redis
-from tests.serving_harness import MODEL, free_port, status, wait_drained
+from tests.serving_harness import MODEL, SMALL_REPLICA, serving, status, tiny_app, wait_drained
 from tests.tiny_models import build_pair
 
 CLIENTS = 12
@@ -133,32 +135,24 @@ class Load:
         return [r for r in self.records if r[0] <= until and r[1] >= since]
 
 
-def _gcs_pid(server_pid: int) -> int:
-    names = [
-        p for p in psutil.Process(server_pid).children(recursive=True) if p.name() == "gcs_server"
-    ]
-    assert len(names) == 1, names
-    return names[0].pid
-
-
 def _kill_gcs(server: dict[str, Any]) -> tuple[float, float]:
-    """SIGKILL the GCS; the time it was killed and the seconds until a new one listens."""
-    old = _gcs_pid(server["pid"])
+    """SIGKILL the GCS; the time it was killed and the seconds until a new one listens on the
+    old one's port."""
+    old = gcs_pid(server["pid"])
+    assert old is not None, "no single GCS process under the server"
     port = next(c.laddr.port for c in psutil.Process(old).net_connections() if c.status == "LISTEN")
     killed = time.monotonic()
     os.kill(old, signal.SIGKILL)
     deadline = killed + RECOVERY_S
     while True:
         assert time.monotonic() < deadline, f"no GCS listening on {port} {RECOVERY_S} s after"
-        try:
-            new = _gcs_pid(server["pid"])
-        except (AssertionError, psutil.Error):
-            new = old
-        if new != old and any(
-            c.laddr.port == port and c.status == "LISTEN"
-            for c in psutil.Process(new).net_connections()
-        ):
-            return killed, time.monotonic() - killed
+        new = gcs_pid(server["pid"])
+        with contextlib.suppress(psutil.Error):
+            if new not in (None, old) and any(
+                c.laddr.port == port and c.status == "LISTEN"
+                for c in psutil.Process(new).net_connections()
+            ):
+                return killed, time.monotonic() - killed
         time.sleep(0.05)
 
 
@@ -170,42 +164,15 @@ def redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalRedis]:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, redis: LocalRedis) -> Iterator[dict]:
-    from dsbd import server_process
-
     root = tmp_path_factory.mktemp("gcs")
     target, draft = build_pair(root / "models")
-    small = {"num_cpus": 0.1, "health_check_period_s": 1, "health_check_timeout_s": 20}
-    app = {
-        "name": "dsbd",
-        "route_prefix": "/",
-        "import_path": "deployments.app:build_app",
-        "args": {
-            "model_name": MODEL,
-            "target": {"source": str(target), "dtype": "float64"},
-            "draft": {"source": str(draft), "dtype": "float64"},
-            "layout": "split",
-            "router_resources": {**small, "max_replicas": 1},
-            "ingress_resources": {**small, "max_replicas": 1},
-            "draft_resources": small,
-            "verifier_resources": small,
-        },
-    }
+    one = {**SMALL_REPLICA, "max_replicas": 1}
+    app = tiny_app(target, draft, layout="split", router_resources=one, ingress_resources=one)
     config = root / "serve.yaml"
     config.write_text(yaml.safe_dump({"applications": [app]}))
     env = {"DSBD_GCS_REDIS": redis.address, PASSWORD_ENV: redis.password}
-    process = server_process.start(
-        root,
-        config,
-        num_cpus=8,
-        env=env,
-        timeout_s=SERVER_START_S,
-        port=free_port(),
-        exit_on_sigterm=False,
-    )
-    try:
-        yield {"url": process.base_url, "pid": process.pid, "log": process.log}
-    finally:
-        assert not server_process.stop(process), "the server left processes behind"
+    with serving(root, config, SERVER_START_S, env) as info:
+        yield info
 
 
 @pytest.fixture(scope="module")
