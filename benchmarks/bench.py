@@ -1,4 +1,4 @@
-"""The benchmark harness, as a script: exactly `dsbd bench` (see dsbd_core/tools/bench/ and
+"""The benchmark harness, as a script: exactly `dsbd bench` (see dsbd/bench/decode/ and
 benchmarks/README.md for what it measures and how to read the results).
 
     .venv/bin/python benchmarks/bench.py --pair smollm2 --quick

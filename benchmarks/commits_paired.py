@@ -29,7 +29,7 @@ import json, sys, time, torch
 torch.set_num_threads(1)
 from dsbd_core import SamplingConfig, generate
 from dsbd_core.models.pair import load_pair
-from dsbd_core.tools.bench.prompts import prompt_set
+from dsbd.prompts import prompt_set
 methods, prompts, tokens = sys.argv[1].split(","), int(sys.argv[2]), int(sys.argv[3])
 pair = load_pair("smollm2", "smollm2-draft")
 target, draft = pair.scorers()

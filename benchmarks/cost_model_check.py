@@ -1,6 +1,7 @@
 """Does the cost model price an iteration as it costs on this machine?
 
-The cost model (dsbd_core/algorithm/cost_model.py) picks each iteration's draft depth gamma by
+The cost model (dsbd_core/algorithm/policy/cost_model.py) picks each iteration's draft depth gamma
+by
 expected tokens per predicted second, the seconds being `CostController.iteration_seconds`:
 the target's forward over W + gamma x W_S tokens, the draft's passes and the engine's work, from
 this machine's calibration, scaled at each depth to the whole iterations the calibration timed
@@ -26,14 +27,14 @@ from pathlib import Path
 
 import torch
 
+from dsbd.bench.decode.pairs import PAIRS
+from dsbd.prompts import prompt_set
 from dsbd_core import SamplingConfig, generate
-from dsbd_core.algorithm.control import FixedKnobs, Knobs
-from dsbd_core.algorithm.cost_model import CostController
-from dsbd_core.algorithm.state import DecodeState
+from dsbd_core.algorithm.policy.control import FixedKnobs, Knobs
+from dsbd_core.algorithm.policy.cost_model import CostController
+from dsbd_core.algorithm.sequences.state import DecodeState
 from dsbd_core.models.calibrate import PassCounter
 from dsbd_core.models.pair import load_pair
-from dsbd_core.tools.bench.pairs import PAIRS
-from dsbd_core.tools.bench.prompts import prompt_set
 
 
 class _DepthZero(FixedKnobs):

@@ -1,6 +1,6 @@
 """Learning curve of a `dsbd distill` run: held-out acceptance and training loss vs. time.
 
-Reads the run's `log.jsonl` (written by `dsbd_core.tools.distill.train`) and writes the numbers
+Reads the run's `log.jsonl` (written by `dsbd.distill.train`) and writes the numbers
 (`--json`) and a plot (`--png`): held-out acceptance `Σ min(p, q)` at T = 1 per prompt kind and
 overall vs. training step (top axis: CPU hours of training), and the KL training loss.
 

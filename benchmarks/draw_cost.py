@@ -32,8 +32,8 @@ from pathlib import Path
 
 import torch
 
-from dsbd_core.algorithm.distributions import draw_distinct
-from dsbd_core.algorithm.streams import Draws, counter_uniforms
+from dsbd_core.algorithm.draws.distributions import draw_distinct
+from dsbd_core.algorithm.draws.streams import Draws, counter_uniforms
 
 
 def gumbel_distinct(probs: torch.Tensor, n: int, generator: torch.Generator) -> torch.Tensor:

@@ -9,7 +9,7 @@ Qwen2.5-Coder 0.5B/1.5B pair), with random weights: a forward's time depends on 
 weight values.
 
 What is timed is the engine's own path, not an approximation: the decode loop
-(dsbd_core/algorithm/loop.py) decodes a random prompt of the given context length with
+(dsbd_core/algorithm/drivers/loop.py) decodes a random prompt of the given context length with
 `TransformerScorer`s over the two models, and a thin wrapper times every `ScoreCall` it makes
 (`set_roots` + `forward`, the KV compaction included), with a device synchronisation on both sides:
 
@@ -62,9 +62,9 @@ from pathlib import Path
 
 import torch
 
+from dsbd.bench.decode.harness import git_info, machine_info, versions
 from dsbd_core.models.dtypes import DTYPES
 from dsbd_core.models.static_step import COMPILE_MODES
-from dsbd_core.tools.bench.harness import git_info, machine_info, versions
 
 # The sibling modules are top-level modules when this file runs as a script (benchmarks/ is then
 # on sys.path) and modules of the `benchmarks` namespace package when it is imported from the

@@ -12,8 +12,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from dsbd_core.tools.bench.methods import MethodNameError, parse_method
-from dsbd_core.tools.theory.predictor import tokens_per_iteration
+from dsbd.bench.decode.methods import MethodNameError, parse_method
+from dsbd.theory.predictor import tokens_per_iteration
 
 try:  # `python benchmarks/gpu_costs.py`: benchmarks/ is on sys.path
     from gpu_costs_timing import BeamCost, DsbdCost

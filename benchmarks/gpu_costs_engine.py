@@ -1,6 +1,7 @@
 """The engine runs that benchmarks/gpu_costs.py times: every decode it times is here.
 
-The project's one decode loop (`dsbd_core.algorithm.loop.Decode`) decodes a random prompt of the
+The project's one decode loop (`dsbd_core.algorithm.drivers.loop.Decode`) decodes a random prompt
+of the
 given context length with `TimedScorer`s (gpu_costs_timing.py) over the two models, one
 iteration at a time as `run_decode` drives it, so what is timed is the engine's own path, not
 an approximation.
@@ -14,7 +15,7 @@ from collections.abc import Sequence
 import torch
 
 from dsbd_core.algorithm.config import SamplingConfig
-from dsbd_core.algorithm.loop import Decode, Propose, Verify
+from dsbd_core.algorithm.drivers.loop import Decode, Propose, Verify
 from dsbd_core.algorithm.methods import method_config
 from dsbd_core.algorithm.scorer import drive
 

@@ -39,7 +39,7 @@ class Call:
 class TimedScorer:
     """A ForestScorer that times each engine `ScoreCall` (set_roots + forward) of another.
 
-    Why a wrapper and not `dsbd_core.tools.bench.measure.measured`: that context samples RSS on a
+    Why a wrapper and not `dsbd.bench.decode.measure.measured`: that context samples RSS on a
     thread every 10 ms, which competes for the GIL inside millisecond, launch-bound GPU calls;
     here only a synchronisation and a clock read sit around each call. A pre-hook on the model
     records the input shape of each call, so the report shows what was timed (a beam step must

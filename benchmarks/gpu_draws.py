@@ -2,7 +2,7 @@
 
     python3 benchmarks/gpu_draws.py [--device cuda] [--out draws.json]
 
-Every random number of a decode is a hash of its counters (`dsbd_core/algorithm/streams.py`),
+Every random number of a decode is a hash of its counters (`dsbd_core/algorithm/draws/streams.py`),
 so a seeded decode must give the same tokens on every device wherever the log-probs are the
 same. This checks it where they are (exact n-gram table scorers, float64, the same table on
 both devices): every method and width rule, decoded on the host and on `--device` with the
@@ -24,10 +24,10 @@ import numpy as np
 import torch
 
 from dsbd_core import SamplingConfig, TableScorer
-from dsbd_core.algorithm.host_reads import computing_everywhere
-from dsbd_core.algorithm.loop import Decode, engine_device, run_decode
+from dsbd_core.algorithm.draws.host_reads import computing_everywhere
+from dsbd_core.algorithm.draws.streams import VERIFY_SIDE, Streams
+from dsbd_core.algorithm.drivers.loop import Decode, engine_device, run_decode
 from dsbd_core.algorithm.methods import method_config
-from dsbd_core.algorithm.streams import VERIFY_SIDE, Streams
 
 VOCAB, EOS = 16, 0
 PROMPTS = [[3, 5, 7], [1, 2], [9, 4, 4, 8]]

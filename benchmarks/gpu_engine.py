@@ -41,8 +41,8 @@ from typing import Any
 import torch
 
 from dsbd_core import SamplingConfig, TableScorer
-from dsbd_core.algorithm.host_reads import computing_everywhere
-from dsbd_core.algorithm.loop import Decode, Propose
+from dsbd_core.algorithm.draws.host_reads import computing_everywhere
+from dsbd_core.algorithm.drivers.loop import Decode, Propose
 from dsbd_core.algorithm.methods import method_config
 from dsbd_core.algorithm.scorer import ForestScorer
 from dsbd_core.models.static_scorer import StaticScorer

@@ -15,8 +15,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from dsbd_core.tools.bench.harness import read_records
-from dsbd_core.tools.bench.report import compare
+from dsbd.bench.decode.harness import read_records
+from dsbd.bench.decode.report import compare
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,7 +2,7 @@
 
 On the embedded SmolLM2 pair (target `smollm2`, draft `smollm2-draft`), two families of
 requests — one beam (speculative sampling) and W = 3 beams (DSBD, dynamic width t = 0.7) — are
-decoded with fixed settings and with the rule of `dsbd_core.tools.theory.predictor`: a `PairTracker`
+decoded with fixed settings and with the rule of `dsbd.theory.predictor`: a `PairTracker`
 per family starts from a prior (alpha = 0.5), folds each request's per-layer first-draft
 acceptance `alpha_1` into its running estimate, and picks gamma (0 = no draft) and the draft
 width for the next request. Reported side by side, from one run with the methods interleaved
@@ -29,10 +29,7 @@ from pathlib import Path
 
 import torch
 
-from dsbd_core import SamplingConfig, generate
-from dsbd_core.models import encode_prompt, load_causal_lm, stop_token_ids
-from dsbd_core.models.transformer_scorer import TransformerScorer
-from dsbd_core.tools.theory.predictor import (
+from dsbd.theory.predictor import (
     AcceptanceEstimate,
     CostModel,
     PairTracker,
@@ -42,6 +39,9 @@ from dsbd_core.tools.theory.predictor import (
     plan_config,
     predicted_rejections,
 )
+from dsbd_core import SamplingConfig, generate
+from dsbd_core.models import encode_prompt, load_causal_lm, stop_token_ids
+from dsbd_core.models.transformer_scorer import TransformerScorer
 
 PROMPTS = [
     "Explain why the sky is blue in two sentences.",

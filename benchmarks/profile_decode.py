@@ -27,12 +27,12 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from dsbd_core.algorithm.decoders import generate
+from dsbd.bench.decode.methods import parse_methods
+from dsbd.bench.decode.pairs import PAIRS
+from dsbd.prompts import prompt_set
+from dsbd_core.algorithm.drivers.decoders import generate
 from dsbd_core.models.pair import DraftOptions, load_pair
 from dsbd_core.models.transformer_scorer import TransformerScorer
-from dsbd_core.tools.bench.methods import parse_methods
-from dsbd_core.tools.bench.pairs import PAIRS
-from dsbd_core.tools.bench.prompts import prompt_set
 
 
 @dataclass

@@ -1,5 +1,13 @@
-"""Ray Serve deployments (router, draft, verifier, width controller).
+"""Ray Serve deployments: the application that serves `dsbd_core`'s decoders over HTTP.
 
-Nothing here yet: they arrive with issue 4. Until then decode in-process with `dsbd_core`
-(`dsbd generate`, or `dsbd_core.generate` from Python).
+By floor, each importing only its own floor and those below (tests/tools/test_layers.py checks):
+
+    app, llm_serving, serve_cli   the application built from a config; `dsbd serve`'s start-up
+    batch                         `dsbd batch`: the Ray Data job (uses the API's request fields)
+    api                           the HTTP ingress: OpenAI models, limits, admission, streaming
+    decode                        the Router / Pair decode loop, sessions, the session registry
+    replicas                      the Draft and Verifier model replicas, their memory and batching
+    messages, faults, observability, gcs_ft, local_ray, autoscaling   what every floor shares
+
+Decode in-process without Ray with `dsbd_core` (`dsbd generate`, `dsbd_core.generate`).
 """

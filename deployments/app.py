@@ -1,4 +1,4 @@
-"""The application: ingress, router, draft, verifier and width controller, from one pydantic
+"""The application: ingress, router, draft, verifier and session registry, from one pydantic
 config.
 
 `build_app(args)` is the Ray Serve application builder that `serve_config.yaml` names
@@ -7,7 +7,7 @@ deployment gets its own resources and autoscaling from `AppArgs` (`Resources`: t
 dsbd gives them meaning: CPUs and GPUs, the tensor-parallel placement group, the allocator, the
 autoscaling policy), any other Serve deployment option through `serve_options`, checked by
 Serve's own schema, and a `deployments:` section of a Serve config file can still override them
-by name (Ingress, Router, Draft, Verifier, WidthController), as with any Serve application.
+by name (Ingress, Router, Draft, Verifier, SessionRegistry), as with any Serve application.
 """
 
 from __future__ import annotations
@@ -22,15 +22,15 @@ from deployments.api.ingress import Ingress, Limits, RouterOptions
 from deployments.autoscaling import POLICY_PATH as AUTOSCALING_POLICY
 from deployments.decode.pair import Pair
 from deployments.decode.router import Router
-from deployments.decode.width_controller import WidthController
+from deployments.decode.session_registry import SessionRegistry
 from deployments.replicas.affinity import ROUTER_CLASS
 from deployments.replicas.allocator import Allocator, replica_runtime_env
 from deployments.replicas.draft import Draft
 from deployments.replicas.model_replica import ModelOptions
 from deployments.replicas.tp_group import worker_bundle
 from deployments.replicas.verifier import Verifier
-from dsbd_core.algorithm.cost_model import CostPolicy
-from dsbd_core.algorithm.ngram_draft import LOOKUP_DRAFT
+from dsbd_core.algorithm.policy.cost_model import CostPolicy
+from dsbd_core.algorithm.scorers.ngram_draft import LOOKUP_DRAFT
 
 # Resources Ray schedules by name that `Resources` sets through its own fields.
 BUILTIN_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
@@ -311,7 +311,7 @@ def model_deployments(
     routing: dict[str, Any] = {}
     if config.session_affinity:
         routing["request_router_config"] = RequestRouterConfig(request_router_class=ROUTER_CLASS)
-    controller_name = f"WidthController{suffix}"
+    controller_name = f"SessionRegistry{suffix}"
     policy, ttl = config.cost_policy.model_dump(), config.target.session_ttl_s
     router_options = RouterOptions(
         model_name=config.model_name,
@@ -324,7 +324,7 @@ def model_deployments(
         colocated=config.colocated,
     ).model_dump()
     if config.colocated:  # the pair's caches die with its loops: nothing to release from outside
-        controller = WidthController.options(name=controller_name).bind(policy, ttl)
+        controller = SessionRegistry.options(name=controller_name).bind(policy, ttl)
         pair = Pair.options(
             name=f"Pair{suffix}", **config.verifier_resources.options(config.target, inherited)
         ).bind(config.target.model_dump(), config.draft.model_dump(), controller)
@@ -338,7 +338,7 @@ def model_deployments(
         **routing,
     ).bind(config.target.model_dump())
     # the controller frees a dead router's sessions on the draft and the verifier
-    controller = WidthController.options(name=controller_name).bind(policy, ttl, draft, verifier)
+    controller = SessionRegistry.options(name=controller_name).bind(policy, ttl, draft, verifier)
     serving = {"inherited_env": inherited, "allocator": config.allocator}  # no model: loops
     router = Router.options(
         name=f"Router{suffix}", **config.router_resources.options(**serving)

@@ -32,7 +32,7 @@ Everything else Ray Serve LLM or vLLM accepts is an error that names the field a
 "not supported by dsbd" (a vLLM engine option such as `max_model_len`, LoRA, a server class, a
 per-model `runtime_env`: give that on the application), or, misspelled, what is allowed: a file
 is never served with a part of it silently ignored. Each model gets its own router, draft,
-verifier and width controller (its deployments' names end in `:<model_id>`), admission, metrics
+verifier and session registry (its deployments' names end in `:<model_id>`), admission, metrics
 labels and traces; one ingress routes by `model` (deployments/api/ingress.py).
 """
 
@@ -49,7 +49,7 @@ from ray.serve import Application
 from deployments.api.ingress import Ingress
 from deployments.api.models import DecodingKnobs
 from deployments.app import AppArgs, Resources, _application_runtime_env, model_deployments
-from dsbd_core.algorithm.ngram_draft import LOOKUP_DRAFT
+from dsbd_core.algorithm.scorers.ngram_draft import LOOKUP_DRAFT
 
 NOT_SUPPORTED = "not supported by dsbd"
 # AppArgs' names of what an LLMConfig names otherwise (its errors are given in the file's terms)

@@ -1,13 +1,13 @@
 """What crosses between the deployments each iteration (all small except the forest).
 
-router -> draft      `IterationCall` (dsbd_core.algorithm.loop: state for the models + this
+router -> draft      `IterationCall` (dsbd_core.algorithm.drivers.loop: state for the models + this
                      iteration's config + the router's trace context)
 draft -> verifier    `DraftReply` (the forest), as an object-store reference the router only
                      forwards: the router passes the draft's `DeploymentResponse` into the
                      verifier call and never awaits it
 verifier -> router   `VerifyReply` (the next beams and their `Origin`: accepted-beam indices;
                      for a seeded decode also the forest's parents and tokens, which the
-                     router keeps to rebuild a lost cache: dsbd_core/algorithm/replay.py)
+                     router keeps to rebuild a lost cache: dsbd_core/algorithm/drivers/replay.py)
 router -> draft      the next `IterationCall` carries that `Origin`, which is how the accepted
                      paths reach the draft for its cache compaction
 
@@ -22,13 +22,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from dsbd_core.algorithm.loop import IterationCall
+from dsbd_core.algorithm.drivers.loop import IterationCall
+from dsbd_core.algorithm.drivers.session_batch import BatchReport
 from dsbd_core.algorithm.methods import MethodConfig
-from dsbd_core.algorithm.result import DecodeResult
 from dsbd_core.algorithm.scorer import ForestLayer
-from dsbd_core.algorithm.session_batch import BatchReport
-from dsbd_core.algorithm.state import Forest, Outcome
-from dsbd_core.algorithm.stops import StopStrings
+from dsbd_core.algorithm.sequences.result import DecodeResult
+from dsbd_core.algorithm.sequences.state import Forest, Outcome
+from dsbd_core.algorithm.sequences.stops import StopStrings
 
 __all__ = [
     "Committed",

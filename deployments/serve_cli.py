@@ -75,7 +75,7 @@ def prepare_models(schema: Any) -> None:
 
 def _prepare(name: str, args: Any) -> None:
     """One model's pair, converted and checked (ServeSetupError naming the field)."""
-    from dsbd_core.algorithm.ngram_draft import LOOKUP_DRAFT
+    from dsbd_core.algorithm.scorers.ngram_draft import LOOKUP_DRAFT
     from dsbd_core.models import ModelSourceError, resolve_source
     from dsbd_core.models.tensor_parallel import TensorParallelError, check_split, model_config
 

@@ -2,7 +2,7 @@
 
     dsbd eval-acceptance --target smollm2 --draft smollm2-draft
 
-The measurement is dsbd_core.tools.acceptance; here the flags, their checks (exit 2 before any
+The measurement is dsbd.acceptance; here the flags, their checks (exit 2 before any
 model loads), loading the pair on the chosen device and the printed table or JSON.
 """
 
@@ -26,7 +26,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         help="how often a draft's tokens are accepted: mean sum_x min(p, q), greedy agreement",
         description=(
             "Sample continuations from the target on held-out prompts (English and code, "
-            "dsbd_core.tools.prompts.EVAL_PROMPTS unless --prompts), teacher-force them through "
+            "dsbd.prompts.EVAL_PROMPTS unless --prompts), teacher-force them through "
             "both "
             "models and report, per prompt kind and overall, the mean over positions of "
             "sum_x min(p(x), q(x)) (the probability that speculative sampling accepts a draft "
@@ -72,9 +72,9 @@ def run(args: argparse.Namespace) -> int:
     """`dsbd eval-acceptance`: check the flags, load the pair, sample, score, print."""
     import torch
 
+    from dsbd.acceptance import measure_acceptance, sample_prompt_continuations
+    from dsbd.prompts import EVAL_PROMPTS, load_prompts
     from dsbd_core.models import ModelSourceError, VocabularyMismatchError
-    from dsbd_core.tools.acceptance import measure_acceptance, sample_prompt_continuations
-    from dsbd_core.tools.prompts import EVAL_PROMPTS, load_prompts
 
     if args.temperature <= 0 or args.new_tokens < 1 or args.batch_size < 1:
         return fail("need --temperature > 0, --new-tokens >= 1, --batch-size >= 1")

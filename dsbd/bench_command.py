@@ -1,5 +1,5 @@
 """`dsbd bench`: the benchmarks' entry points, and the flags and entry of the decode benchmark
-(its harness is dsbd_core.tools.bench).
+(its harness is dsbd.bench.decode).
 
     dsbd bench                                  # = dsbd bench decode: smollm2 pair, quick mode
     dsbd bench --pair qwen-coder --full         # HumanEval subset, long run (resumable)
@@ -28,21 +28,21 @@ from typing import TYPE_CHECKING
 from pydantic import ValidationError
 
 from dsbd.bench import batch, chaos, load, serve, soak
-from dsbd.common import add_pair_flags
-from dsbd_core.algorithm.config import config_error_message
-from dsbd_core.algorithm.ngram_draft import LOOKUP_DRAFT
-from dsbd_core.tools.bench.methods import (
+from dsbd.bench.decode.methods import (
     GRAMMAR,
     LOOKUP_FAMILIES,
     MethodNameError,
     parse_methods,
     with_references,
 )
-from dsbd_core.tools.bench.pairs import PAIRS
-from dsbd_core.tools.bench.prompts import PROMPT_SETS
+from dsbd.bench.decode.pairs import PAIRS
+from dsbd.common import add_pair_flags
+from dsbd.prompts import PROMPT_SETS
+from dsbd_core.algorithm.config import config_error_message
+from dsbd_core.algorithm.scorers.ngram_draft import LOOKUP_DRAFT
 
 if TYPE_CHECKING:
-    from dsbd_core.tools.bench.schema import BenchConfig
+    from dsbd.bench.decode.schema import BenchConfig
 
 DEFAULT_OUT = "benchmarks/results/bench_{pair}_{mode}"
 DECODE_DESCRIPTION = (
@@ -167,9 +167,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def build_config(args: argparse.Namespace) -> BenchConfig:
     """BenchConfig from the flags (raises ValueError / ValidationError naming the flag)."""
-    from dsbd_core.tools.bench.prompts import HUMANEVAL_SUBSET
-    from dsbd_core.tools.bench.schema import BenchConfig
-    from dsbd_core.tools.prompts import EVAL_PROMPTS
+    from dsbd.bench.decode.schema import BenchConfig
+    from dsbd.prompts import EVAL_PROMPTS, HUMANEVAL_SUBSET
 
     preset = PAIRS.get(args.pair)
     if preset is None and not (args.target and args.methods):
@@ -226,7 +225,7 @@ def build_config(args: argparse.Namespace) -> BenchConfig:
 
 def main(args: argparse.Namespace) -> int:
     """Run `dsbd bench decode`; exit status 2 for invalid flags."""
-    from dsbd_core.tools.bench import harness
+    from dsbd.bench.decode import harness
 
     out = Path(args.out or DEFAULT_OUT.format(pair=args.pair, mode=args.mode))
     try:

@@ -2,7 +2,7 @@
 
     dsbd distill --target smollm2 --out drafts/mine
 
-The training is dsbd_core.tools.distill (teacher cache, then KL training, both resumable);
+The training is dsbd.distill (teacher cache, then KL training, both resumable);
 here the flags (their defaults are the tool's own config defaults), their checks (exit 2) and
 the progress lines.
 """
@@ -17,13 +17,13 @@ from typing import TYPE_CHECKING, Any
 from dsbd.common import DEFAULT_TARGET, add_device_flag, fail, resolve_device
 
 if TYPE_CHECKING:
+    from dsbd.distill import CacheConfig, DraftSpec, TrainConfig
     from dsbd_core.models import LoadedModel
-    from dsbd_core.tools.distill import CacheConfig, DraftSpec, TrainConfig
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
     """Register `dsbd distill` and its flags."""
-    from dsbd_core.tools.distill import CacheConfig, CachePlan, DraftSpec, TrainConfig
+    from dsbd.distill import CacheConfig, CachePlan, DraftSpec, TrainConfig
 
     cache, plan, spec, train = CacheConfig(), CachePlan(), DraftSpec(), TrainConfig()
     distill = commands.add_parser(
@@ -99,7 +99,7 @@ def _add_training_flags(group: argparse._ArgumentGroup, train: TrainConfig) -> N
 
 def _configs(args: argparse.Namespace) -> tuple[DraftSpec, CacheConfig, TrainConfig]:
     """The tool's configs from the flags (their own checks raise ValueError)."""
-    from dsbd_core.tools.distill import CacheConfig, DraftSpec, TrainConfig
+    from dsbd.distill import CacheConfig, DraftSpec, TrainConfig
 
     spec = DraftSpec(args.arch, args.layers, args.hidden)
     cache = CacheConfig(
@@ -131,9 +131,9 @@ def run(args: argparse.Namespace) -> int:
     import torch
     from transformers.utils import logging as hf_logging
 
+    from dsbd.distill import default_work_dir
+    from dsbd.prompts import load_prompts
     from dsbd_core.models import ModelSourceError, load_causal_lm
-    from dsbd_core.tools.distill import default_work_dir
-    from dsbd_core.tools.prompts import load_prompts
 
     torch.set_num_threads(args.threads)
     hf_logging.set_verbosity_error()
@@ -163,10 +163,10 @@ def _cache_and_train(
     prompts: Any,
 ) -> int:
     """The phases the flags ask for; raises ValueError / FileNotFoundError on bad state."""
-    from dsbd_core.tools.distill import CachePlan, build_cache, train
+    from dsbd.distill import CachePlan, build_cache, train
 
     if args.export_checkpoint:
-        from dsbd_core.tools.distill import export_checkpoint
+        from dsbd.distill import export_checkpoint
 
         done = export_checkpoint(target, work / "run", Path(args.out))
         print(f"wrote the draft of step {done['step']} to {args.out}")

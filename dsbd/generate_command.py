@@ -26,13 +26,13 @@ from dsbd.common import (
 )
 from dsbd.sampling_flags import add_config_flags, config_from_args
 from dsbd_core.algorithm.config import SamplingConfig, config_error_message
-from dsbd_core.algorithm.decoders import generate
+from dsbd_core.algorithm.drivers.decoders import generate
 from dsbd_core.algorithm.methods import METHODS, drafts
-from dsbd_core.algorithm.penalties import bias_problem
-from dsbd_core.algorithm.stops import first_stop, stop_problem, text_floor
+from dsbd_core.algorithm.sequences.penalties import bias_problem
+from dsbd_core.algorithm.sequences.stops import first_stop, stop_problem, text_floor
 
 if TYPE_CHECKING:
-    from dsbd_core.algorithm.result import DecodeResult
+    from dsbd_core.algorithm.sequences.result import DecodeResult
     from dsbd_core.models import LoadedModel
     from dsbd_core.models.pair import DraftOptions
 
@@ -96,7 +96,7 @@ def _generate(args: argparse.Namespace, config: SamplingConfig, options: DraftOp
     import torch
     from transformers.utils import logging as hf_logging
 
-    from dsbd_core.algorithm.cost_model import CostController
+    from dsbd_core.algorithm.policy.cost_model import CostController
     from dsbd_core.models import ModelSourceError, VocabularyMismatchError
     from dsbd_core.models.pair import load_pair
 
@@ -136,7 +136,7 @@ def _generate(args: argparse.Namespace, config: SamplingConfig, options: DraftOp
     start = time.perf_counter()
     stop = None
     if args.stop:
-        from dsbd_core.algorithm.stops import StopStrings
+        from dsbd_core.algorithm.sequences.stops import StopStrings
         from dsbd_core.models.token_bytes import LoadedTexts, token_bytes
 
         texts = LoadedTexts(token_bytes(pair.target.tokenizer))

@@ -29,7 +29,7 @@ def add_serve_parser(commands: argparse._SubParsersAction) -> None:
     serve = commands.add_parser(
         "serve",
         help="serve the HTTP API (OpenAI-compatible + native) on a local, loopback-only Ray",
-        description="Start Ray on loopback, deploy router, draft, verifier and width controller "
+        description="Start Ray on loopback, deploy router, draft, verifier and session registry "
         "(Ray Serve), print the URL and serve until Ctrl-C.",
     )
     add_arguments(serve)

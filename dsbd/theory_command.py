@@ -2,7 +2,7 @@
 
     dsbd theory simulate --out theory-out
 
-The simulation itself is dsbd_core.tools.theory.simulate; here only the flags, their checks
+The simulation itself is dsbd.theory.simulate; here only the flags, their checks
 (exit 2 naming the flag) and the printed summary.
 """
 
@@ -39,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
     """`dsbd theory simulate`: check the flags, run the simulations, print the summary."""
     from pathlib import Path
 
-    from dsbd_core.tools.theory.simulate import SimulationSettings, run_simulation
+    from dsbd.theory.simulate import SimulationSettings, run_simulation
 
     for name in ("states", "horizon", "runs"):
         if getattr(args, name) < 2:

@@ -4,12 +4,12 @@ Pure torch (+ transformers for real models); knows nothing of Ray.
 """
 
 from dsbd_core.algorithm.config import SamplingConfig, config_error_message
-from dsbd_core.algorithm.decoders import generate, generate_batch
+from dsbd_core.algorithm.drivers.decoders import generate, generate_batch
 from dsbd_core.algorithm.methods import METHODS
-from dsbd_core.algorithm.ngram_draft import NgramDraft
-from dsbd_core.algorithm.result import Beam, DecodeResult, DecodeStats
 from dsbd_core.algorithm.scorer import ForestLayer, ForestLogprobs, ForestScorer, Origin
-from dsbd_core.algorithm.table_scorer import TableScorer
+from dsbd_core.algorithm.scorers.ngram_draft import NgramDraft
+from dsbd_core.algorithm.scorers.table_scorer import TableScorer
+from dsbd_core.algorithm.sequences.result import Beam, DecodeResult, DecodeStats
 
 __all__ = [
     "METHODS",

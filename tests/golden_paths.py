@@ -13,8 +13,8 @@ def lockstep_decode(
     make_models: Callable[[], tuple[torch.nn.Module, torch.nn.Module]],
     requests: list[tuple[str, str, Any, list[int]]],
 ) -> list[Any]:
-    from dsbd_core.algorithm.lockstep import Request, decode_lockstep
-    from dsbd_core.algorithm.session_batch import SessionBatcher
+    from dsbd_core.algorithm.drivers.lockstep import Request, decode_lockstep
+    from dsbd_core.algorithm.drivers.session_batch import SessionBatcher
     from dsbd_core.models.transformer_scorer import TransformerScorer
 
     target, draft = make_models()

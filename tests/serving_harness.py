@@ -31,7 +31,7 @@ import yaml
 
 from dsbd import server_process
 from dsbd_core import SamplingConfig
-from dsbd_core.algorithm.decoders import generate
+from dsbd_core.algorithm.drivers.decoders import generate
 from dsbd_core.algorithm.methods import METHODS_WITH_DRAFT
 from dsbd_core.models import load_causal_lm, load_tokenizer
 from dsbd_core.models.transformer_scorer import TransformerScorer

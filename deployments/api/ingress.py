@@ -17,7 +17,7 @@ Bad input is answered with HTTP 400 and an OpenAI-style error naming the field, 
 and what is allowed (including this server's configured `Limits`); an unknown model with 404;
 a missing or wrong API key (when one is configured) with 401; more concurrent decodes than
 `max_concurrent_sessions` with 429; a decode past `request_timeout_s` with 504, its sessions
-freed (deployments/api/errors.py; `Limits`: deployments/decode/limits.py).
+freed (deployments/api/errors.py; `Limits`: deployments/api/limits.py).
 
 
 This module holds the ingress app and the `Ingress` class: the routes. Behind them, each served
@@ -41,6 +41,7 @@ from deployments.api.errors import (
     unhandled_error_handler,
     validation_error_handler,
 )
+from deployments.api.limits import Limits, RouterOptions
 from deployments.api.models import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -48,7 +49,6 @@ from deployments.api.models import (
     ModelList,
 )
 from deployments.api.served_model import ServedModel
-from deployments.decode.limits import Limits, RouterOptions
 from deployments.observability.observers import RequestObserver, note_model
 
 app = FastAPI(
@@ -67,7 +67,7 @@ app.add_exception_handler(APIError, api_error_handler)
 app.add_exception_handler(RequestValidationError, validation_error_handler)
 app.add_exception_handler(Exception, unhandled_error_handler)  # a replica lost for good: 503
 
-# One served model's handles and options: router (or pair), draft, verifier, width controller,
+# One served model's handles and options: router (or pair), draft, verifier, session registry,
 # `RouterOptions` as a dict.
 ModelHandles = tuple[Any, Any, Any, Any, dict[str, Any]]
 
@@ -105,7 +105,7 @@ class Ingress:
 
     @app.get("/v1/dsbd/status")
     async def status(self, model: str | None = None) -> dict[str, Any]:
-        """Load as the width controller sees it, and one verifier, one draft and one router
+        """Load as the session registry sees it, and one verifier, one draft and one router
         replica of `model` (default: the first): id, pid, cached sessions and, when
         tensor-parallel, its ranks (pids, device); the ingress replica that answers (id, pid,
         decodes and session memory it admitted for that model). `dsbd bench chaos` kills

@@ -70,7 +70,7 @@ DecodingKnobs: type[BaseModel] = create_model(  # type: ignore[call-overload]
         Field(
             True,
             description=(
-                "Let the width controller pick the draft depth and draft width per iteration "
+                "Let the session registry pick the draft depth and draft width per iteration "
                 "(request values are maxima; output law unchanged). false: use them as given, "
                 "which with a seed makes the decode reproducible (whatever the batch in float32 "
                 "and float64; in bfloat16 or with the int8 draft only when it runs alone)."

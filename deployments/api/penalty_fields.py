@@ -17,7 +17,7 @@ from dsbd_core.algorithm.config import MAX_LOGIT_BIAS
 
 
 class LogitBiasField(BaseModel):
-    """`logit_bias` on the OpenAI and native routes (dsbd_core.algorithm.penalties)."""
+    """`logit_bias` on the OpenAI and native routes (dsbd_core.algorithm.sequences.penalties)."""
 
     logit_bias: dict[str, float] | None = Field(
         None,

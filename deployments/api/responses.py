@@ -29,9 +29,9 @@ from deployments.api.models import (
     TopLogprob,
     Usage,
 )
-from dsbd_core.algorithm.prompt_logprobs import PromptLogprobs
-from dsbd_core.algorithm.result import Beam
-from dsbd_core.algorithm.stops import first_stop, text_floor
+from dsbd_core.algorithm.sequences.prompt_logprobs import PromptLogprobs
+from dsbd_core.algorithm.sequences.result import Beam
+from dsbd_core.algorithm.sequences.stops import first_stop, text_floor
 
 # OpenAI's stand-in for a log-probability of minus infinity (JSON has no infinity).
 FLOOR = -9999.0

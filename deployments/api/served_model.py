@@ -22,6 +22,7 @@ from opentelemetry import trace
 
 from deployments.api.admission import MemoryLedger, router_view, session_charge
 from deployments.api.errors import APIError, requested_config, timeout_body
+from deployments.api.limits import RouterOptions, check_config
 from deployments.api.models import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -37,7 +38,6 @@ from deployments.api.responses import (
 )
 from deployments.api.streaming import DecodeStream, sse_events
 from deployments.decode import client as router_client
-from deployments.decode.limits import RouterOptions, check_config
 from deployments.decode.local_handles import SideHandle
 from deployments.decode.session import accepted_per_position
 from deployments.decode.state import Handles
@@ -48,7 +48,7 @@ from deployments.observability.tracing import replica_id
 from deployments.replicas.allocator import active_allocator, allocator_stats
 from dsbd_core.algorithm.config import SamplingConfig
 from dsbd_core.algorithm.methods import MethodConfig
-from dsbd_core.algorithm.stops import StopStrings
+from dsbd_core.algorithm.sequences.stops import StopStrings
 from dsbd_core.models import load_tokenizer
 from dsbd_core.models.token_bytes import TokenizerTexts
 
@@ -132,7 +132,7 @@ class ServedModel:
         return {"status": "ok", "model": self.options.model_name, "vocab_size": info["vocab_size"]}
 
     async def status(self) -> dict[str, Any]:
-        """Load as the width controller sees it, and one verifier, one draft and one router
+        """Load as the session registry sees it, and one verifier, one draft and one router
         replica: id, pid, cached sessions and, when tensor-parallel, its ranks (pids, device);
         the ingress replica that answers (id, pid, decodes and session memory it admitted).
         `dsbd bench chaos` kills replicas by these pids."""

@@ -2,7 +2,8 @@
 route and (`StopFields` only) `dsbd batch` rows: stop strings matched on the text, and vLLM's
 `stop_token_ids` and `ignore_eos`, which change the set of tokens that finish a beam.
 
-Each is the EOS rule with another set or on the text (dsbd_core/algorithm/stops.py), so every
+Each is the EOS rule with another set or on the text (dsbd_core/algorithm/sequences/stops.py), so
+every
 method's law stays exact; bad values are refused naming the field, the value and what is
 allowed (HTTP 400, or a batch row's error).
 """
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, Field, field_validator
 
-from dsbd_core.algorithm.stops import MAX_STOPS, stop_problem
+from dsbd_core.algorithm.sequences.stops import MAX_STOPS, stop_problem
 
 
 class StopFields(BaseModel):

@@ -23,12 +23,12 @@ from typing import Any
 from fastapi.responses import StreamingResponse
 
 from deployments.api.errors import replica_lost_body, timeout_body
+from deployments.api.limits import Limits
 from deployments.api.models import ChatLogprobs, CompletionLogprobs
 from deployments.api.responses import BeamText, finish_reason, usage
 from deployments.decode.client import ReplayDiverged
-from deployments.decode.limits import Limits
 from deployments.messages import Committed, DecodeEnd
-from dsbd_core.algorithm.stops import first_stop, held_back
+from dsbd_core.algorithm.sequences.stops import first_stop, held_back
 
 
 class DecodeStream(StreamingResponse):

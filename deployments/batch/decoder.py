@@ -2,7 +2,7 @@
 
 Ray Data's actor pool (`map_batches(BatchDecoder, compute=ActorPoolStrategy(...))`) builds one
 `BatchDecoder` per actor; each call gets a batch of input rows (Arrow) and returns one output
-record per row. The rows of a batch are decoded together by `dsbd_core.algorithm.lockstep`:
+record per row. The rows of a batch are decoded together by `dsbd_core.algorithm.drivers.lockstep`:
 every row keeps its own method, knobs and seed, and all rows share each iteration's draft and
 target forwards, so a row's result is exactly what `dsbd generate` decodes for it alone with
 its seed.
@@ -24,8 +24,8 @@ from deployments.batch.output import OUTPUT_SCHEMA, error_record
 from deployments.batch.rows import BatchRow, parse_row
 from dsbd_core.algorithm.config import SamplingConfig
 from dsbd_core.algorithm.methods import BEAM_METHODS, MethodConfig, method_config
-from dsbd_core.algorithm.penalties import bias_problem
-from dsbd_core.algorithm.stops import StopStrings
+from dsbd_core.algorithm.sequences.penalties import bias_problem
+from dsbd_core.algorithm.sequences.stops import StopStrings
 from dsbd_core.models.pair import DraftOptions
 from dsbd_core.models.token_bytes import LoadedTexts, token_bytes
 
@@ -100,7 +100,7 @@ class BatchDecoder:
         import torch
         from transformers.utils import logging as hf_logging
 
-        from dsbd_core.algorithm.session_batch import SessionBatcher
+        from dsbd_core.algorithm.drivers.session_batch import SessionBatcher
         from dsbd_core.models.pair import load_pair
 
         self.settings = DecoderSettings.model_validate(settings)
@@ -136,7 +136,7 @@ class BatchDecoder:
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         """Decode a batch of `ROWS_SCHEMA` rows; one `OUTPUT_SCHEMA` record each."""
-        from dsbd_core.algorithm.lockstep import decode_lockstep
+        from dsbd_core.algorithm.drivers.lockstep import decode_lockstep
 
         rows = batch.to_pylist()
         records: list[dict[str, Any] | None] = [None] * len(rows)
@@ -172,7 +172,7 @@ class BatchDecoder:
 
     def _controller(self, request: Any, config: MethodConfig) -> Any:
         """A row's knob controller: the cost model (None: the row's own gamma every time)."""
-        from dsbd_core.algorithm.cost_model import CostController
+        from dsbd_core.algorithm.policy.cost_model import CostController
 
         if self.calibration is None or not config.uses_draft:
             return None
@@ -182,7 +182,7 @@ class BatchDecoder:
     def _request(self, text: str) -> tuple[Any, int | None, BeamText]:
         """The validated decode request of a row's JSON, how many beams it wants, and its view
         of the beams' texts (cut at its stop strings, as the HTTP API cuts them)."""
-        from dsbd_core.algorithm.lockstep import Request
+        from dsbd_core.algorithm.drivers.lockstep import Request
 
         row = parse_row(text)
         defaults = self.settings.defaults

@@ -5,7 +5,7 @@ here through the deployments, since a served iteration pays what an in-process o
 (the calls between router, draft and verifier): the forward costs the replicas measured at
 start-up, the engine's work (measured in the router's process), the pair's pass rate per drafted
 layer, and the seconds of a whole served iteration at each fixed depth with the draft's catch-up
-(`dsbd_core.algorithm.iteration_timer`). The decodes run through `run`, which the router's
+(`dsbd_core.algorithm.policy.iteration_timer`). The decodes run through `run`, which the router's
 session module supplies (one served session per prompt, fixed knobs); their results are cached
 per machine and pair like the in-process ones, so that every router on the machine starts from
 the same figures and a seeded request's knobs do not depend on which router runs it. The
@@ -21,9 +21,9 @@ from typing import Any
 
 from deployments.decode.state import RouterState
 from dsbd_core.algorithm.config import SamplingConfig
-from dsbd_core.algorithm.control import Controller
-from dsbd_core.algorithm.cost_model import Calibration, ForwardCosts
-from dsbd_core.algorithm.iteration_timer import summarise, timing_plan
+from dsbd_core.algorithm.policy.control import Controller
+from dsbd_core.algorithm.policy.cost_model import Calibration, ForwardCosts
+from dsbd_core.algorithm.policy.iteration_timer import summarise, timing_plan
 from dsbd_core.models.calibrate import (
     ITERATION_TOKENS,
     PASS_RATE_TOKENS,

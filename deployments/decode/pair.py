@@ -29,7 +29,7 @@ from deployments.decode.router import Router
 from deployments.replicas.draft import Draft
 from deployments.replicas.model_replica import ModelOptions
 from deployments.replicas.verifier import Verifier
-from dsbd_core.algorithm.prompt_logprobs import PromptLogprobs
+from dsbd_core.algorithm.sequences.prompt_logprobs import PromptLogprobs
 
 
 @serve.deployment(name="Pair", max_ongoing_requests=256)

@@ -7,7 +7,7 @@ those requests with Serve's HTTP 500. Here it is a replica the ingress calls thr
 with a self-contained `DecodeCall`, so the ingress hands a request whose router died to another
 one (deployments/decode/client.py): the client sees no error. A router holds nothing that
 outlives a call: sessions live in the draft and verifier replicas (freed by `DecodeSession` and
-their TTLs) and in the width controller (which forgets a silent router's sessions).
+their TTLs) and in the session registry (which forgets a silent router's sessions).
 
 `decode` returns the whole result; `stream` yields the tokens each iteration commits
 (`Committed`), then the result (`DecodeEnd`).
@@ -29,8 +29,8 @@ from deployments.faults import fault_point
 from deployments.messages import Committed, DecodeCall, DecodeEnd
 from deployments.observability import tracing
 from deployments.replicas.allocator import active_allocator, allocator_stats
-from dsbd_core.algorithm.logprobs import beam_lists, prefix_logprobs
-from dsbd_core.algorithm.state import DecodeState
+from dsbd_core.algorithm.sequences.logprobs import beam_lists, prefix_logprobs
+from dsbd_core.algorithm.sequences.state import DecodeState
 
 
 @contextlib.contextmanager

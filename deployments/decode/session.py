@@ -1,6 +1,7 @@
 """One request's decode, driven from the router: the decode loop's side calls go to deployments.
 
-The loop is `dsbd_core.algorithm.loop.Decode` (the same loop `generate` and `dsbd batch` run);
+The loop is `dsbd_core.algorithm.drivers.loop.Decode` (the same loop `generate` and `dsbd batch`
+run);
 this module is its serving driver. Per iteration the loop asks for the draft side
 (`Draft.propose`) and the target side (`Verifier.verify`). The router holds only the small
 `DecodeState`; the forest goes from the draft to the verifier as the draft's
@@ -10,7 +11,7 @@ beams and their `Origin` (the accepted paths), which the next `IterationCall` br
 draft for its cache compaction.
 
 Each iteration's draft depth is chosen by the cost model in this process
-(`dsbd_core.algorithm.cost_model.CostController`, from the pair's calibration, which the
+(`dsbd_core.algorithm.policy.cost_model.CostController`, from the pair's calibration, which the
 replicas and the router replica measured once (`decode.state.RouterState`), and this request's
 own history): no call per iteration, and knobs that do not depend on the load (`adaptive:
 false`: the request's knobs as given).
@@ -45,14 +46,14 @@ from deployments.decode.state import RouterState
 from deployments.messages import IterationCall, TensorParallelBroken, VerifyReply
 from deployments.observability.observers import SessionObserver
 from dsbd_core.algorithm.config import SamplingConfig
-from dsbd_core.algorithm.control import Controller, FixedKnobs, Knobs
-from dsbd_core.algorithm.cost_model import Calibration, CostController
-from dsbd_core.algorithm.loop import Decode, Propose, Verify
+from dsbd_core.algorithm.drivers.loop import Decode, Propose, Verify
+from dsbd_core.algorithm.drivers.replay import Lineage, ReplayNeeded
 from dsbd_core.algorithm.methods import MethodConfig, method_config
-from dsbd_core.algorithm.replay import Lineage, ReplayNeeded
-from dsbd_core.algorithm.result import DecodeResult
-from dsbd_core.algorithm.state import DecodeState, Outcome
-from dsbd_core.algorithm.stops import StopStrings
+from dsbd_core.algorithm.policy.control import Controller, FixedKnobs, Knobs
+from dsbd_core.algorithm.policy.cost_model import Calibration, CostController
+from dsbd_core.algorithm.sequences.result import DecodeResult
+from dsbd_core.algorithm.sequences.state import DecodeState, Outcome
+from dsbd_core.algorithm.sequences.stops import StopStrings
 
 # How long one iteration is retried while Serve replaces a lost replica (a health check
 # failing, a fresh replica's imports and, for a tensor-parallel verifier, its ranks' start).
@@ -280,7 +281,7 @@ class DecodeSession:
         async def release() -> None:
             # the caches first, the controller's registry last: a router that dies in between
             # leaves the session registered, and the controller frees it once the router is
-            # silent (width_controller); the other order could lose the caches with it
+            # silent (session_registry); the other order could lose the caches with it
             models = [handles.verifier.release.remote(session)]
             if uses_draft:
                 models.append(handles.draft.release.remote(session))

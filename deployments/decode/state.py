@@ -5,8 +5,8 @@ still running.
 
 The Router deployment owns one `RouterState` (deployments/decode/router.py); each `DecodeSession` it
 starts is given it. The state lives as long as the replica: a replica that dies takes it along,
-and the width controller forgets its sessions once its heartbeat stops
-(deployments/decode/width_controller.py).
+and the session registry forgets its sessions once its heartbeat stops
+(deployments/decode/session_registry.py).
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
-from deployments.decode import width_controller
-from dsbd_core.algorithm.cost_model import Calibration, CostPolicy
+from deployments.decode import session_registry
+from dsbd_core.algorithm.policy.cost_model import Calibration, CostPolicy
 
 # How long after a failed calibration the next adaptive request measures the pair again.
 CALIBRATION_RETRY_S = 60.0
@@ -45,7 +45,7 @@ class RouterState:
         # how the draft and the verifier are reached: what a served iteration costs depends
         # on it, so the calibration's cache tells the layouts apart
         self.layout = layout
-        # the name the width controller knows this process's sessions by
+        # the name the session registry knows this process's sessions by
         self.name = f"{socket.gethostname()}:{os.getpid()}"
         self.open: set[str] = set()  # sessions decoding here, reported every heartbeat
         self._calibration: Calibration | None = None
@@ -95,7 +95,7 @@ class RouterState:
         }
 
     async def policy(self) -> CostPolicy:
-        """The application's cost policy (the width controller holds it), read once."""
+        """The application's cost policy (the session registry holds it), read once."""
         if self._policy is None:
             self._policy = await self.handles.controller.cost_policy.remote()
         return self._policy
@@ -112,7 +112,7 @@ class RouterState:
             self.stop_reporting()
 
     def keep_reporting(self) -> None:
-        """Start the heartbeat to the width controller unless it runs in this event loop; it
+        """Start the heartbeat to the session registry unless it runs in this event loop; it
         ends by itself once no session is open (the next session starts it again)."""
         running, loop = self._heartbeat, asyncio.get_running_loop()
         if running is not None and not running.done() and running.get_loop() is loop:
@@ -124,9 +124,9 @@ class RouterState:
                 with contextlib.suppress(Exception):  # a controller restarting: the next beat
                     await asyncio.wait_for(
                         controller.heartbeat.remote(self.name, sorted(self.open)),
-                        width_controller.HEARTBEAT_S,
+                        session_registry.HEARTBEAT_S,
                     )
-                await asyncio.sleep(width_controller.HEARTBEAT_S)
+                await asyncio.sleep(session_registry.HEARTBEAT_S)
 
         self._heartbeat = loop.create_task(beat(), context=contextvars.Context())
 

@@ -15,8 +15,8 @@ from ray import serve
 from deployments.messages import DraftReply, IterationCall
 from deployments.observability.tracing import DRAFT, forest_attributes
 from deployments.replicas.model_replica import ModelReplica
-from dsbd_core.algorithm.replay import draft_job
-from dsbd_core.algorithm.state import Forest
+from dsbd_core.algorithm.drivers.replay import draft_job
+from dsbd_core.algorithm.sequences.state import Forest
 
 
 @serve.deployment(name="Draft", max_ongoing_requests=64)

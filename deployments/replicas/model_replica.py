@@ -23,7 +23,6 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from deployments.api.admission import device_free_bytes, kv_bytes_per_token, replica_memory
 from deployments.faults import fault_point
 from deployments.messages import IterationCall, SideReport
 from deployments.observability.tracing import BatchSpans, replica_id
@@ -34,9 +33,10 @@ from deployments.replicas.allocator import (
     primitive_cache_capacity,
 )
 from deployments.replicas.continuous_batch import ContinuousBatcher
-from dsbd_core.algorithm.cost_model import ForwardCosts
-from dsbd_core.algorithm.ngram_draft import LOOKUP_DRAFT, NgramDraft, describe_lookup
-from dsbd_core.algorithm.session_batch import Job, SessionBatcher
+from deployments.replicas.memory import device_free_bytes, kv_bytes_per_token, replica_memory
+from dsbd_core.algorithm.drivers.session_batch import Job, SessionBatcher
+from dsbd_core.algorithm.policy.cost_model import ForwardCosts
+from dsbd_core.algorithm.scorers.ngram_draft import LOOKUP_DRAFT, NgramDraft, describe_lookup
 from dsbd_core.models import load_causal_lm, stop_token_ids
 from dsbd_core.models.calibrate import model_costs, pass_rate_inputs
 from dsbd_core.models.decode_path import make_scorer, resolve_decode_path

@@ -45,9 +45,9 @@ from ray.util.placement_group import (
 )
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from deployments.api.admission import device_free_bytes
 from deployments.faults import fault_point
 from deployments.messages import TensorParallelBroken
+from deployments.replicas.memory import device_free_bytes
 from dsbd_core.models.tensor_parallel import (
     INIT_TIMEOUT_S,
     ShardedScorer,

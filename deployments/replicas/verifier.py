@@ -17,11 +17,11 @@ from deployments.messages import DraftReply, IterationCall, VerifyReply
 from deployments.observability.metrics import IterationSample
 from deployments.observability.tracing import VERIFIER
 from deployments.replicas.model_replica import ModelReplica
-from dsbd_core.algorithm.prompt_logprobs import PromptLogprobs, prompt_logprob_steps
-from dsbd_core.algorithm.replay import verify_job
+from dsbd_core.algorithm.drivers.replay import verify_job
+from dsbd_core.algorithm.drivers.session_batch import Job
 from dsbd_core.algorithm.scorer import ForestLayer
-from dsbd_core.algorithm.session_batch import Job
-from dsbd_core.algorithm.state import NO_FOREST, Outcome
+from dsbd_core.algorithm.sequences.prompt_logprobs import PromptLogprobs, prompt_logprob_steps
+from dsbd_core.algorithm.sequences.state import NO_FOREST, Outcome
 
 
 @serve.deployment(name="Verifier", max_ongoing_requests=64)

@@ -1,7 +1,7 @@
 """The `dsbd bench` benchmarks beside the decode harness, one module per subcommand.
 
     dsbd bench decode ...   every decoder side by side in one process (dsbd/bench_command.py,
-                            the harness dsbd_core/tools/bench); `dsbd bench ...` is the same
+                            the harness dsbd/bench/decode); `dsbd bench ...` is the same
     dsbd bench serve        the served path: against the in-process engine, DSBD against beam
     dsbd bench batch        batched decodes against one at a time (the `dsbd batch` job or the
                             engine's lockstep batching)

@@ -1,7 +1,7 @@
 """Batched decodes against one at a time on the embedded pair: the `dsbd batch` job, or
 (`--in-process`) the engine's lockstep batching itself.
 
-**The job** (default): the same 16 chat prompts (dsbd_core.tools.prompts: the English and code
+**The job** (default): the same 16 chat prompts (dsbd.prompts: the English and code
 evaluation prompts, seed = row index) go through the real `dsbd batch` job twice per round,
 `--batch-size 16` (one actor call decodes all rows, sharing every forward) and `--batch-size 1`
 (one row per call), one actor with one torch thread, on one local Ray started once; the order
@@ -12,9 +12,10 @@ benchmarks/results/batch_smollm2.json.
 
 **In-process** (`--in-process`): the engine decodes a batch of sessions in lockstep and
 `TransformerScorer` runs every session's forest in ONE model forward per iteration, so N
-concurrent requests cost far less than N times one. `--prompts` prompts (dsbd/bench/prompts.py)
-decoded by `generate_batch` at once against `generate` one by one, beam sampling and DSBD, in
-this process on one torch thread. Writes benchmarks/results/batching_smollm2.json.
+concurrent requests cost far less than N times one. `--prompts` prompts (dsbd/prompts.py, the
+`everyday` set) decoded by `generate_batch` at once against `generate` one by one, beam
+sampling and DSBD, in this process on one torch thread. Writes
+benchmarks/results/batching_smollm2.json.
 
     dsbd bench batch [--rounds 2] [--max-new-tokens 32]
     dsbd bench batch --in-process [--prompts 8] [--max-new-tokens 32]
@@ -33,8 +34,8 @@ from pathlib import Path
 from typing import Any
 
 from dsbd import batch_command
-from dsbd.bench.prompts import PROMPTS
 from dsbd.common import fail
+from dsbd.prompts import EVERYDAY_PROMPTS as PROMPTS
 
 DEFAULT_OUT = {
     "job": "benchmarks/results/batch_smollm2.json",
@@ -110,7 +111,7 @@ def job(args: argparse.Namespace) -> dict[str, Any]:
     import ray
 
     from deployments.local_ray import start_local_ray
-    from dsbd_core.tools.prompts import EVAL_PROMPTS
+    from dsbd.prompts import EVAL_PROMPTS
 
     prompts = [p.text for p in EVAL_PROMPTS if p.kind in ("english", "code")]
     work = Path(tempfile.mkdtemp(prefix="dsbd-batch-bench-"))

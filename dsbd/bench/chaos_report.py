@@ -147,7 +147,7 @@ def compare_seeded(app: Any, seeded: list[dict[str, Any]]) -> dict[str, Any]:
     import torch
 
     from dsbd_core import SamplingConfig
-    from dsbd_core.algorithm.decoders import generate
+    from dsbd_core.algorithm.drivers.decoders import generate
     from dsbd_core.models import load_tokenizer
     from dsbd_core.models.dtypes import resolve_dtype
     from dsbd_core.models.pair import load_pair

@@ -47,9 +47,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dsbd.bench.prompts import PROMPTS
 from dsbd.bench.served import chat_ids, http_decode, start_server, stop_server, throughput
 from dsbd.common import fail
+from dsbd.prompts import EVERYDAY_PROMPTS as PROMPTS
 
 
 @dataclass(frozen=True)
@@ -185,7 +185,7 @@ def measure_latency(
     HTTP side makes both sides decode the very same tokens, which `same_tokens` checks.
     """
     from dsbd_core import SamplingConfig
-    from dsbd_core.algorithm.decoders import generate
+    from dsbd_core.algorithm.drivers.decoders import generate
     from dsbd_core.models.transformer_scorer import TransformerScorer
 
     target, draft = pair

@@ -27,12 +27,20 @@ from typing import Any
 
 import torch
 
-from dsbd_core.algorithm.beams import finds_rows, pool_add
-from dsbd_core.algorithm.draft_forest import draft_forest, draft_layer
-from dsbd_core.algorithm.host_reads import may_read, one_copy, unpacked
-from dsbd_core.algorithm.logprobs import TokenLogprobs, splice
+from dsbd_core.algorithm.draws.host_reads import may_read, one_copy, unpacked
+from dsbd_core.algorithm.draws.streams import DRAFT_SIDE, VERIFY_SIDE, Streams
+from dsbd_core.algorithm.iteration.beams import finds_rows, pool_add
+from dsbd_core.algorithm.iteration.draft_forest import draft_forest, draft_layer
+from dsbd_core.algorithm.iteration.side_graphs import (
+    GraphScorer,
+    draft_side,
+    graph_applies,
+    graph_for,
+    run_fused,
+    verify_side,
+)
+from dsbd_core.algorithm.iteration.verify_forest import verify_forest, verify_scored
 from dsbd_core.algorithm.methods import MethodConfig
-from dsbd_core.algorithm.result import DecodeResult, collect_results
 from dsbd_core.algorithm.scorer import (
     ForestLogprobs,
     ForestScorer,
@@ -42,15 +50,9 @@ from dsbd_core.algorithm.scorer import (
     drive,
     returning,
 )
-from dsbd_core.algorithm.side_graphs import (
-    GraphScorer,
-    draft_side,
-    graph_applies,
-    graph_for,
-    run_fused,
-    verify_side,
-)
-from dsbd_core.algorithm.state import (
+from dsbd_core.algorithm.sequences.logprobs import TokenLogprobs, splice
+from dsbd_core.algorithm.sequences.result import DecodeResult, collect_results
+from dsbd_core.algorithm.sequences.state import (
     NO_FOREST,
     DecodeState,
     Forest,
@@ -61,9 +63,7 @@ from dsbd_core.algorithm.state import (
     planning_parts,
     zero_counters,
 )
-from dsbd_core.algorithm.stops import StopStrings
-from dsbd_core.algorithm.streams import DRAFT_SIDE, VERIFY_SIDE, Streams
-from dsbd_core.algorithm.verify_forest import verify_forest, verify_scored
+from dsbd_core.algorithm.sequences.stops import StopStrings
 
 # The random streams of an iteration's two sides (`streams.py`).
 DRAFT_STREAM, VERIFY_STREAM = DRAFT_SIDE, VERIFY_SIDE

@@ -34,17 +34,26 @@ import torch
 from torch import Tensor
 
 from dsbd_core.algorithm.config import SamplingConfig
-from dsbd_core.algorithm.distributions import (
+from dsbd_core.algorithm.draws.distributions import (
     draw_distinct,
     draw_with_replacement,
     joint_filter,
     normalise,
     residual,
 )
+from dsbd_core.algorithm.draws.streams import (
+    ACCEPT,
+    BONUS,
+    DRAFT,
+    FILL,
+    REFILL,
+    WIDTH,
+    Draws,
+    Streams,
+)
 from dsbd_core.algorithm.engine import DRAFT_STREAM, VERIFY_STREAM
-from dsbd_core.algorithm.streams import ACCEPT, BONUS, DRAFT, FILL, REFILL, WIDTH, Draws, Streams
-from dsbd_core.algorithm.width import layer_width
-from dsbd_core.algorithm.width_distinct import distinct_layer_width
+from dsbd_core.algorithm.iteration.width import layer_width
+from dsbd_core.algorithm.iteration.width_distinct import distinct_layer_width
 
 Model = Callable[[list[int]], Tensor]
 """A model as the reference sees it: a token sequence -> next-token log-probabilities [V]."""

@@ -127,7 +127,7 @@ class ScoreCall:
     The engine's iterations are written as generators that yield `ScoreCall`s and receive the
     `ForestLogprobs`. In-process, `drive` answers them from one scorer; a serving replica answers
     the calls of many concurrent requests with ONE batched forward
-    (dsbd_core/algorithm/session_batch.py)
+    (dsbd_core/algorithm/drivers/session_batch.py)
     without a second implementation of the algorithm.
     """
 

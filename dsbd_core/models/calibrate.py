@@ -1,6 +1,7 @@
 """Measure what a target/draft pair costs here, once: the cost model's calibration.
 
-The cost model (`dsbd_core.algorithm.cost_model`) needs three things of the machine it runs on:
+The cost model (`dsbd_core.algorithm.policy.cost_model`) needs three things of the machine it runs
+on:
 a target forward's time by the tokens it feeds, a draft forward's, and the engine's own work per
 vocabulary-wide table. They depend on the models, their dtype, the device, the thread count and
 the CPU; they are measured once and kept in `<cache>/calibration/<key>.json`, so every process
@@ -32,14 +33,14 @@ from typing import Any
 import torch
 
 from dsbd_core.algorithm.config import SamplingConfig
-from dsbd_core.algorithm.control import FixedKnobs, Knobs
-from dsbd_core.algorithm.cost_model import Calibration, ForwardCosts, layer_passes
-from dsbd_core.algorithm.decoders import generate_batch
-from dsbd_core.algorithm.iteration_timer import summarise, timing_plan
-from dsbd_core.algorithm.loop import Decode, run_decode
+from dsbd_core.algorithm.drivers.decoders import generate_batch
+from dsbd_core.algorithm.drivers.loop import Decode, run_decode
 from dsbd_core.algorithm.methods import method_config
+from dsbd_core.algorithm.policy.control import FixedKnobs, Knobs
+from dsbd_core.algorithm.policy.cost_model import Calibration, ForwardCosts, layer_passes
+from dsbd_core.algorithm.policy.iteration_timer import summarise, timing_plan
 from dsbd_core.algorithm.scorer import ForestLayer, ForestLogprobs, ForestScorer, Roots
-from dsbd_core.algorithm.state import DecodeState, Outcome
+from dsbd_core.algorithm.sequences.state import DecodeState, Outcome
 from dsbd_core.models.loading import LoadedModel
 from dsbd_core.models.presets import cache_root
 from dsbd_core.models.tokens import encode_prompt, has_chat_template, stop_token_ids

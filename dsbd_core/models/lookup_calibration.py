@@ -18,8 +18,8 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from dsbd_core.algorithm.cost_model import Calibration, ForwardCosts
-from dsbd_core.algorithm.ngram_draft import NgramDraft
+from dsbd_core.algorithm.policy.cost_model import Calibration, ForwardCosts
+from dsbd_core.algorithm.scorers.ngram_draft import NgramDraft
 from dsbd_core.models.calibrate import (
     ITERATION_TOKENS,
     PASS_RATE_TOKENS,

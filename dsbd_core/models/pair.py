@@ -22,8 +22,8 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from dsbd_core.algorithm.config import SamplingConfig
-from dsbd_core.algorithm.cost_model import Calibration
-from dsbd_core.algorithm.ngram_draft import (
+from dsbd_core.algorithm.policy.cost_model import Calibration
+from dsbd_core.algorithm.scorers.ngram_draft import (
     LOOKUP_DRAFT,
     NGRAM_DEFAULT,
     NGRAM_MAX,

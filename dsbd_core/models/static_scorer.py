@@ -38,7 +38,7 @@ from collections.abc import Sequence
 import torch
 from transformers import PreTrainedModel
 
-from dsbd_core.algorithm.host_reads import may_read
+from dsbd_core.algorithm.draws.host_reads import may_read
 from dsbd_core.algorithm.scorer import ForestLayer, ForestLogprobs
 from dsbd_core.models.draft_variants import compact_logits
 from dsbd_core.models.forest_plan import ForestPlan, record_plan, scatter_outputs

@@ -38,7 +38,7 @@ from collections.abc import Sequence
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from dsbd_core.algorithm.host_reads import one_copy
+from dsbd_core.algorithm.draws.host_reads import one_copy
 from dsbd_core.algorithm.scorer import ForestLayer, ForestLogprobs, Origin, Roots
 from dsbd_core.models.draft_variants import compact_logits, head_support, output_size
 from dsbd_core.models.forest_plan import (

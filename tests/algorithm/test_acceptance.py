@@ -8,14 +8,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from dsbd.cli import main
-from dsbd_core.tools.acceptance import (
+from dsbd.acceptance import (
     ScoredSequence,
     agreement,
     measure_acceptance,
     next_token_probs,
     sample_continuations,
 )
+from dsbd.cli import main
 from tests.models.test_models import save_tiny_model, tiny_tokens
 
 torch.set_num_threads(1)

@@ -18,9 +18,9 @@ import torch
 from transformers import GenerationConfig, LlamaForCausalLM
 
 from dsbd_core import SamplingConfig, generate
-from dsbd_core.algorithm.lockstep import Request, decode_lockstep
-from dsbd_core.algorithm.ngram_draft import NgramDraft
-from dsbd_core.algorithm.session_batch import SessionBatcher
+from dsbd_core.algorithm.drivers.lockstep import Request, decode_lockstep
+from dsbd_core.algorithm.drivers.session_batch import SessionBatcher
+from dsbd_core.algorithm.scorers.ngram_draft import NgramDraft
 from dsbd_core.models import load_causal_lm, load_tokenizer
 from dsbd_core.models.transformer_scorer import TransformerScorer
 from tests.tiny_models import build_pair, tiny_model

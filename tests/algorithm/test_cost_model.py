@@ -15,11 +15,16 @@ import pytest
 import torch
 
 from dsbd_core import SamplingConfig, TableScorer
-from dsbd_core.algorithm.cost_model import Calibration, CostController, CostPolicy, ForwardCosts
-from dsbd_core.algorithm.decoders import generate
-from dsbd_core.algorithm.iteration_timer import IterationTimer
+from dsbd_core.algorithm.drivers.decoders import generate
 from dsbd_core.algorithm.methods import method_config
-from dsbd_core.algorithm.ngram_draft import NgramDraft
+from dsbd_core.algorithm.policy.cost_model import (
+    Calibration,
+    CostController,
+    CostPolicy,
+    ForwardCosts,
+)
+from dsbd_core.algorithm.policy.iteration_timer import IterationTimer
+from dsbd_core.algorithm.scorers.ngram_draft import NgramDraft
 from dsbd_core.models.calibrate import calibrate, measure_iteration_seconds, measure_pass_rates
 from dsbd_core.models.lookup_calibration import LOOKUP_COSTS
 from dsbd_core.models.transformer_scorer import TransformerScorer

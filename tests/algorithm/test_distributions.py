@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from dsbd_core.algorithm.distributions import draw_distinct, joint_filter, residual
-from dsbd_core.algorithm.streams import Draws
+from dsbd_core.algorithm.draws.distributions import draw_distinct, joint_filter, residual
+from dsbd_core.algorithm.draws.streams import Draws
 from tests.exact_reference import assert_matches
 
 

@@ -104,7 +104,7 @@ def _same_decodes(
 
 def test_an_in_process_decode_keeps_its_state_beside_the_model() -> None:
     """`generate` puts the state on the target scorer's `engine_device` (its model's device)."""
-    from dsbd_core.algorithm.loop import engine_device
+    from dsbd_core.algorithm.drivers.loop import engine_device
 
     model = tiny("llama", 1)
     assert engine_device(TransformerScorer(model)) == model.device
@@ -119,7 +119,7 @@ def test_the_branches_a_device_takes_decode_the_hosts_tokens(method: str, fields
     (`host_reads`); forced on the CPU, those branches give the same tokens, scores and
     statistics for the same seeds (no draw is added or moved), in float64 and alone or
     batched."""
-    from dsbd_core.algorithm.host_reads import computing_everywhere
+    from dsbd_core.algorithm.draws.host_reads import computing_everywhere
 
     target, draft = tiny("llama", 1), tiny("llama", 2)
     for seed in (0, 1, 2):
@@ -150,7 +150,7 @@ def test_the_branches_a_device_takes_decode_the_hosts_tokens(method: str, fields
 def test_the_device_branches_match_the_host_over_many_sessions(method: str, fields: dict) -> None:
     """The same on an exact n-gram table with 300 sessions in one batch: rejections, refills,
     EOS in accepted drafts and every width rule meet both branch sets many times over."""
-    from dsbd_core.algorithm.host_reads import computing_everywhere
+    from dsbd_core.algorithm.draws.host_reads import computing_everywhere
     from tests.algorithm.test_engine_behaviour import scorers
 
     prompts = [[1 + i % 5, 2 + i % 3] for i in range(300)]
@@ -167,7 +167,7 @@ def test_the_device_branches_match_the_host_over_many_sessions(method: str, fiel
 def test_results_cross_to_the_host_in_one_copy_with_their_values_and_dtypes() -> None:
     """`collect_results` moves the pool, counters and per-iteration records from a device in
     one copy, through float64: token ids, flags, counts and float32 alphas come back exact."""
-    from dsbd_core.algorithm.host_reads import _collect, _rebuild, packed, unpacked
+    from dsbd_core.algorithm.draws.host_reads import _collect, _rebuild, packed, unpacked
 
     tree = (
         [torch.tensor([151_935, 0, 2**40]), torch.tensor([True, False])],

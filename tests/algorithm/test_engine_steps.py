@@ -18,7 +18,7 @@ from dsbd_core import SamplingConfig, TableScorer, generate_batch
 from dsbd_core.algorithm.engine import Engine
 from dsbd_core.algorithm.methods import method_config
 from dsbd_core.algorithm.scorer import drive
-from dsbd_core.algorithm.state import Forest, Outcome
+from dsbd_core.algorithm.sequences.state import Forest, Outcome
 from tests.exact_reference import random_table
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from dsbd_core import ForestScorer, SamplingConfig, TableScorer, generate_batch
-from dsbd_core.algorithm.ngram_draft import NgramDraft
+from dsbd_core.algorithm.scorers.ngram_draft import NgramDraft
 from tests.exact_reference import (
     TableLM,
     assert_matches,

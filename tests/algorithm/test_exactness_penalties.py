@@ -161,7 +161,7 @@ STOP_MIN, STOP_NEW = 3, 4
 
 
 def _stop_decode(method: str, target: np.ndarray, draft: np.ndarray, **config) -> list:
-    from dsbd_core.algorithm.stops import ExplicitTexts, StopStrings
+    from dsbd_core.algorithm.sequences.stops import ExplicitTexts, StopStrings
 
     cfg = SamplingConfig(
         max_new_tokens=STOP_NEW,

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from dsbd_core import SamplingConfig, TableScorer, generate_batch
-from dsbd_core.algorithm.stops import ExplicitTexts, StopStrings
+from dsbd_core.algorithm.sequences.stops import ExplicitTexts, StopStrings
 from tests.exact_reference import (
     TableLM,
     assert_matches,

@@ -28,10 +28,10 @@ from torch.utils._python_dispatch import TorchDispatchMode, _pop_mode_temporaril
 
 from dsbd_core import SamplingConfig, TableScorer
 from dsbd_core.algorithm import engine as engine_module
-from dsbd_core.algorithm.host_reads import computing_everywhere
-from dsbd_core.algorithm.loop import Decode, Propose, run_decode
+from dsbd_core.algorithm.draws.host_reads import computing_everywhere
+from dsbd_core.algorithm.drivers.loop import Decode, Propose, run_decode
+from dsbd_core.algorithm.iteration.side_graphs import SideGraph
 from dsbd_core.algorithm.methods import method_config
-from dsbd_core.algorithm.side_graphs import SideGraph
 from tests.exact_reference import random_table
 
 VOCAB, EOS = 12, 0
@@ -186,9 +186,9 @@ def test_a_graphs_outputs_are_copied_whole_and_apart() -> None:
     """What a captured side returns is copied before its next replay rewrites it
     (`side_graphs._cloned`, one multi-tensor copy per dtype): every tensor of the tree has new
     storage with the same values, dtype and shape; other leaves stay as they are."""
+    from dsbd_core.algorithm.iteration.side_graphs import _cloned
     from dsbd_core.algorithm.scorer import ForestLayer
-    from dsbd_core.algorithm.side_graphs import _cloned
-    from dsbd_core.algorithm.state import Forest
+    from dsbd_core.algorithm.sequences.state import Forest
 
     ids = torch.arange(6).view(2, 3)
     scores = torch.rand(2, dtype=torch.float64)

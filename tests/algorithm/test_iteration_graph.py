@@ -25,16 +25,16 @@ import torch
 from torch._dynamo.testing import CompileCounter
 
 from dsbd_core import SamplingConfig, TableScorer
-from dsbd_core.algorithm.draft_forest import draft_layer
+from dsbd_core.algorithm.draws.host_reads import computing_everywhere
+from dsbd_core.algorithm.draws.streams import DRAFT, VERIFY_SIDE, Streams
+from dsbd_core.algorithm.drivers.loop import Decode, run_decode
 from dsbd_core.algorithm.engine import Engine
-from dsbd_core.algorithm.host_reads import computing_everywhere
-from dsbd_core.algorithm.loop import Decode, run_decode
+from dsbd_core.algorithm.iteration.draft_forest import draft_layer
+from dsbd_core.algorithm.iteration.side_graphs import graph_for
+from dsbd_core.algorithm.iteration.verify_forest import verify_scored
 from dsbd_core.algorithm.methods import method_config
 from dsbd_core.algorithm.scorer import Roots, drive
-from dsbd_core.algorithm.side_graphs import graph_for
-from dsbd_core.algorithm.state import NO_FOREST, Outcome, deepest_layer
-from dsbd_core.algorithm.streams import DRAFT, VERIFY_SIDE, Streams
-from dsbd_core.algorithm.verify_forest import verify_scored
+from dsbd_core.algorithm.sequences.state import NO_FOREST, Outcome, deepest_layer
 from dsbd_core.models.static_scorer import StaticScorer
 from dsbd_core.models.transformer_scorer import TransformerScorer
 from tests.exact_reference import random_table

@@ -15,9 +15,9 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from dsbd_core import SamplingConfig, generate, generate_batch
-from dsbd_core.algorithm.lockstep import Request, decode_lockstep
+from dsbd_core.algorithm.drivers.lockstep import Request, decode_lockstep
+from dsbd_core.algorithm.drivers.session_batch import SessionBatcher
 from dsbd_core.algorithm.methods import METHODS_WITH_DRAFT
-from dsbd_core.algorithm.session_batch import SessionBatcher
 from dsbd_core.models.transformer_scorer import TransformerScorer
 from tests.tiny_models import tiny_model
 

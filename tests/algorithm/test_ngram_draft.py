@@ -1,4 +1,5 @@
-"""The prompt-lookup draft's distributions (issue 48, dsbd_core/algorithm/ngram_draft.py): the
+"""The prompt-lookup draft's distributions (issue 48, dsbd_core/algorithm/scorers/ngram_draft.py):
+the
 followers of the longest earlier suffix, counted; no match, no children; a compact support of
 the context's tokens padded with tokens of no mass."""
 
@@ -7,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsbd_core.algorithm.ngram_draft import NgramDraft, check_ngram_max
 from dsbd_core.algorithm.scorer import ForestLayer, Roots
+from dsbd_core.algorithm.scorers.ngram_draft import NgramDraft, check_ngram_max
 
 
 def _roots(rows: list[list[int]], length: int) -> Roots:

@@ -31,8 +31,8 @@ from transformers.generation.logits_process import (
 
 from dsbd_core import SamplingConfig
 from dsbd_core.algorithm.config import config_error_message
-from dsbd_core.algorithm.penalties import Processors, processors_for
-from dsbd_core.algorithm.stops import ExplicitTexts, StopStrings
+from dsbd_core.algorithm.sequences.penalties import Processors, processors_for
+from dsbd_core.algorithm.sequences.stops import ExplicitTexts, StopStrings
 from tests.algorithm.test_beam_search import assert_same_hypotheses, noisy_copy, ours, random_llama
 from tests.algorithm.test_transformers_law import _as_sets, _ModelLM, _until_eos
 from tests.exact_penalties import PenalisedLM
@@ -91,8 +91,8 @@ FIELDS = [
 def test_rows_are_transformers_processed_rows(fields: dict) -> None:
     """On random log_softmax rows and contexts: transformers' processors = PenalisedLM
     (normalise=False) = the engine's processing, beam (search) path; renormalised likewise."""
-    from dsbd_core.algorithm.penalties import _root_counts, process
     from dsbd_core.algorithm.scorer import Roots
+    from dsbd_core.algorithm.sequences.penalties import _root_counts, process
 
     vocab, eos, prompt = 9, (0, 4), [3, 5, 3, 8]
     gen = torch.Generator().manual_seed(0)

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsbd_core.algorithm.prompt_logprobs import prompt_logprob_steps
+from dsbd_core.algorithm.drivers.session_batch import Job, SessionBatcher
 from dsbd_core.algorithm.scorer import drive
-from dsbd_core.algorithm.session_batch import Job, SessionBatcher
+from dsbd_core.algorithm.sequences.prompt_logprobs import prompt_logprob_steps
 from dsbd_core.models.static_scorer import StaticScorer
 from dsbd_core.models.transformer_scorer import TransformerScorer
 from tests.models.test_engine_transformers import tiny

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from dsbd_core import SamplingConfig, TableScorer, generate
-from dsbd_core.algorithm.ngram_draft import NgramDraft
 from dsbd_core.algorithm.reference import Model, reference_decode
+from dsbd_core.algorithm.scorers.ngram_draft import NgramDraft
 from tests.exact_reference import random_table
 
 EOS = 0

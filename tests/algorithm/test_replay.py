@@ -3,7 +3,7 @@
 A seeded decode whose draft or target cache is lost (its replica died, a retried iteration
 found the cache one iteration ahead) must still decode what it decodes in-process. A re-prefill
 builds the cache in one forward of other shapes, so its last bits differ; the replay
-(`dsbd_core.algorithm.replay`) re-runs the session's own iterations. The driver below is the
+(`dsbd_core.algorithm.drivers.replay`) re-runs the session's own iterations. The driver below is the
 serving router's logic in one process (`Lineage.tag`, `ReplayNeeded` -> send the history,
 `Lineage.record`) over two `SessionBatcher`s, the replicas' batchers, with caches dropped or
 iterations redone on purpose. Asserted: the caches after every iteration equal, bit for bit,
@@ -20,12 +20,12 @@ import pytest
 import torch
 
 from dsbd_core import SamplingConfig
-from dsbd_core.algorithm.decoders import generate
-from dsbd_core.algorithm.loop import Decode, Propose, Verify
+from dsbd_core.algorithm.drivers.decoders import generate
+from dsbd_core.algorithm.drivers.loop import Decode, Propose, Verify
+from dsbd_core.algorithm.drivers.replay import Lineage, ReplayNeeded, draft_job, verify_job
+from dsbd_core.algorithm.drivers.session_batch import Job, SessionBatcher
 from dsbd_core.algorithm.methods import method_config
-from dsbd_core.algorithm.replay import Lineage, ReplayNeeded, draft_job, verify_job
-from dsbd_core.algorithm.session_batch import Job, SessionBatcher
-from dsbd_core.algorithm.state import NO_FOREST
+from dsbd_core.algorithm.sequences.state import NO_FOREST
 from dsbd_core.models.loading import load_causal_lm
 from dsbd_core.models.transformer_scorer import TransformerScorer
 from tests.models.test_row_chunks import needs_amx

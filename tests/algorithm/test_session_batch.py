@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from dsbd_core import SamplingConfig, generate
+from dsbd_core.algorithm.drivers.session_batch import Job, SessionBatcher
 from dsbd_core.algorithm.engine import Engine
 from dsbd_core.algorithm.methods import method_config
-from dsbd_core.algorithm.session_batch import Job, SessionBatcher
-from dsbd_core.algorithm.state import NO_FOREST
+from dsbd_core.algorithm.sequences.state import NO_FOREST
 from dsbd_core.models.transformer_scorer import TransformerScorer
 from tests.models.test_engine_transformers import VOCAB, tiny
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from dsbd_core import SamplingConfig, TableScorer, generate_batch
-from dsbd_core.algorithm.stops import (
+from dsbd_core.algorithm.sequences.stops import (
     MAX_STOP_CHARS,
     MAX_STOPS,
     ExplicitTexts,

@@ -14,8 +14,8 @@ import mmh3
 import pytest
 import torch
 
-from dsbd_core.algorithm.murmur import MASK, absorb, finish, hash_words
-from dsbd_core.algorithm.streams import (
+from dsbd_core.algorithm.draws.murmur import MASK, absorb, finish, hash_words
+from dsbd_core.algorithm.draws.streams import (
     ACCEPT,
     BONUS,
     DRAFT,

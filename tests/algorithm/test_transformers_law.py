@@ -17,7 +17,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from dsbd_core import SamplingConfig, TableScorer, generate_batch
 from dsbd_core.algorithm.methods import MethodConfigError, method_config
-from dsbd_core.algorithm.ngram_draft import NgramDraft
+from dsbd_core.algorithm.scorers.ngram_draft import NgramDraft
 from tests.exact_reference import TableLM, assert_matches, random_table
 from tests.exact_transformers import transformers_beam_outcomes
 

@@ -3,7 +3,7 @@ items 8-9)."""
 
 import torch
 
-from dsbd_core.algorithm.width import (
+from dsbd_core.algorithm.iteration.width import (
     acceptance_alphas,
     acceptance_count_distribution,
     layer_width,

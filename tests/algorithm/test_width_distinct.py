@@ -2,7 +2,8 @@
 
 Reference: the distinct rule itself, simulated on the full layer (every candidate, 20k layers:
 drafts by `draw_distinct`, verification by `verify_layer`), against which both the i.i.d. DP
-and the estimate of `dsbd_core.algorithm.width_distinct` (a reduced layer, few simulations) are
+and the estimate of `dsbd_core.algorithm.iteration.width_distinct` (a reduced layer, few
+simulations) are
 judged.
 """
 
@@ -13,11 +14,11 @@ from functools import cache
 import pytest
 import torch
 
-from dsbd_core.algorithm.distributions import draw_distinct
-from dsbd_core.algorithm.streams import Draws
-from dsbd_core.algorithm.verify import verify_layer
-from dsbd_core.algorithm.width import acceptance_alphas, acceptance_count_distribution
-from dsbd_core.algorithm.width_distinct import (
+from dsbd_core.algorithm.draws.distributions import draw_distinct
+from dsbd_core.algorithm.draws.streams import Draws
+from dsbd_core.algorithm.iteration.verify import verify_layer
+from dsbd_core.algorithm.iteration.width import acceptance_alphas, acceptance_count_distribution
+from dsbd_core.algorithm.iteration.width_distinct import (
     distinct_count_tails,
     distinct_layer_width,
     small_layer,

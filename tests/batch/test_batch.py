@@ -28,9 +28,9 @@ import torch
 from deployments.api.responses import BeamText
 from dsbd.cli import main
 from dsbd_core import SamplingConfig
-from dsbd_core.algorithm.decoders import generate
+from dsbd_core.algorithm.drivers.decoders import generate
 from dsbd_core.algorithm.methods import METHODS_WITH_DRAFT
-from dsbd_core.algorithm.stops import StopStrings
+from dsbd_core.algorithm.sequences.stops import StopStrings
 from dsbd_core.models import encode_prompt, load_causal_lm, stop_token_ids
 from dsbd_core.models.token_bytes import LoadedTexts, token_bytes
 from dsbd_core.models.transformer_scorer import TransformerScorer
@@ -219,10 +219,11 @@ def check_records(
 
 
 def test_lockstep_requests_decode_as_alone_and_fail_alone(pair) -> None:
-    """dsbd_core.algorithm.lockstep without Ray: own method, knobs and seed per request, shared
+    """dsbd_core.algorithm.drivers.lockstep without Ray: own method, knobs and seed per request,
+    shared
     forwards."""
-    from dsbd_core.algorithm.lockstep import Request, decode_lockstep
-    from dsbd_core.algorithm.session_batch import SessionBatcher
+    from dsbd_core.algorithm.drivers.lockstep import Request, decode_lockstep
+    from dsbd_core.algorithm.drivers.session_batch import SessionBatcher
 
     target, draft = pair["target"], pair["draft"]
     eos = stop_token_ids(target)

@@ -15,9 +15,9 @@ from deployments.batch.decoder import BatchDecoder
 from deployments.batch.rows import ROWS_SCHEMA
 from dsbd.cli import main
 from dsbd_core import SamplingConfig
-from dsbd_core.algorithm.decoders import generate
+from dsbd_core.algorithm.drivers.decoders import generate
 from dsbd_core.algorithm.methods import METHODS_WITH_DRAFT
-from dsbd_core.algorithm.ngram_draft import NgramDraft
+from dsbd_core.algorithm.scorers.ngram_draft import NgramDraft
 from dsbd_core.models import encode_prompt, load_causal_lm, stop_token_ids
 from dsbd_core.models.transformer_scorer import TransformerScorer
 from tests.tiny_models import build_pair

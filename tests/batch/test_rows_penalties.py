@@ -12,8 +12,8 @@ from pydantic import ValidationError
 
 from deployments.batch.rows import parse_row
 from dsbd_core import SamplingConfig, generate
-from dsbd_core.algorithm.lockstep import Request, decode_lockstep
-from dsbd_core.algorithm.session_batch import SessionBatcher
+from dsbd_core.algorithm.drivers.lockstep import Request, decode_lockstep
+from dsbd_core.algorithm.drivers.session_batch import SessionBatcher
 from dsbd_core.models.transformer_scorer import TransformerScorer
 from tests.algorithm.test_beam_search import noisy_copy, random_llama
 

@@ -18,8 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from dsbd.cli import main
-from dsbd_core.models import LoadedModel, load_causal_lm
-from dsbd_core.tools.distill import (
+from dsbd.distill import (
     CacheConfig,
     CachePlan,
     DraftSpec,
@@ -31,7 +30,8 @@ from dsbd_core.tools.distill import (
     load_heldout,
     train,
 )
-from dsbd_core.tools.prompts import Prompt
+from dsbd.prompts import Prompt
+from dsbd_core.models import LoadedModel, load_causal_lm
 from tests.models.test_models import save_tiny_model, tiny_tokens
 
 torch.set_num_threads(1)

@@ -24,8 +24,8 @@ from dsbd_core import (
     generate,
     generate_batch,
 )
+from dsbd_core.algorithm.draws.streams import Draws
 from dsbd_core.algorithm.scorer import Roots
-from dsbd_core.algorithm.streams import Draws
 from dsbd_core.models.draft_variants import (
     RestrictedHead,
     compact_logits,
@@ -139,8 +139,8 @@ def _lumped(target: torch.Tensor, table: torch.Tensor, support: torch.Tensor, vo
 def test_width_rules_on_the_support_equal_the_full_layer() -> None:
     """One column for the target mass outside the draft's support changes nothing the width
     rules compute: the i.i.d. DP is identical, the distinct estimate agrees within its noise."""
-    from dsbd_core.algorithm.width import acceptance_alphas, layer_width
-    from dsbd_core.algorithm.width_distinct import distinct_count_tails
+    from dsbd_core.algorithm.iteration.width import acceptance_alphas, layer_width
+    from dsbd_core.algorithm.iteration.width_distinct import distinct_count_tails
 
     gen = torch.Generator().manual_seed(3)
     vocab, parents = 50, 3

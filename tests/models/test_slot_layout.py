@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from dsbd_core import SamplingConfig, generate_batch
-from dsbd_core.algorithm.host_reads import computing_everywhere
-from dsbd_core.algorithm.lockstep import Request, decode_lockstep
-from dsbd_core.algorithm.session_batch import SessionBatcher
+from dsbd_core.algorithm.draws.host_reads import computing_everywhere
+from dsbd_core.algorithm.drivers.lockstep import Request, decode_lockstep
+from dsbd_core.algorithm.drivers.session_batch import SessionBatcher
 from dsbd_core.models import static_scorer
 from dsbd_core.models.static_scorer import StaticScorer
 from tests.models.test_engine_transformers import tiny

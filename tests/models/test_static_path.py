@@ -12,9 +12,10 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
+from dsbd.bench.decode.measure import ForwardCounter
 from dsbd_core import SamplingConfig, generate, generate_batch
-from dsbd_core.algorithm.lockstep import Request, decode_lockstep
-from dsbd_core.algorithm.session_batch import SessionBatcher
+from dsbd_core.algorithm.drivers.lockstep import Request, decode_lockstep
+from dsbd_core.algorithm.drivers.session_batch import SessionBatcher
 from dsbd_core.models.draft_variants import restrict_head
 from dsbd_core.models.static_scorer import StaticScorer
 from dsbd_core.models.static_step import (
@@ -26,7 +27,6 @@ from dsbd_core.models.static_step import (
     step_function,
 )
 from dsbd_core.models.transformer_scorer import TransformerScorer
-from dsbd_core.tools.bench.measure import ForwardCounter
 from tests import golden_tokens as golden
 from tests.models.test_engine_transformers import tiny
 from tests.tiny_models import tiny_model

@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 
 from dsbd_core import SamplingConfig
-from dsbd_core.algorithm.host_reads import computing_everywhere
-from dsbd_core.algorithm.loop import Decode, Propose, run_decode
+from dsbd_core.algorithm.draws.host_reads import computing_everywhere
+from dsbd_core.algorithm.drivers.loop import Decode, Propose, run_decode
 from dsbd_core.algorithm.methods import method_config
 from dsbd_core.models.static_scorer import StaticScorer
 from tests.algorithm.test_fused_sides import _counting, _Ops

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from deployments.api.responses import BeamText
-from dsbd_core.algorithm.stops import StopStrings
+from dsbd_core.algorithm.sequences.stops import StopStrings
 from dsbd_core.models.token_bytes import TokenizerTexts
 
 

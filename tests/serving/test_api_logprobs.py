@@ -15,7 +15,7 @@ from pydantic import ValidationError
 from deployments.api.errors import requested_config
 from deployments.api.models import ChatCompletionRequest, CompletionRequest, GenerateRequest
 from deployments.api.responses import BeamText, completion_response
-from dsbd_core.algorithm.result import Beam
+from dsbd_core.algorithm.sequences.result import Beam
 from dsbd_core.models import load_tokenizer
 from tests.tiny_models import build_tokenizer
 

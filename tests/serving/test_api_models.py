@@ -122,7 +122,7 @@ def test_options_dsbd_cannot_honour_are_refused_by_name(field: str, value: objec
 
 
 def test_the_processor_fields_reach_the_config_and_bad_ones_name_the_field() -> None:
-    """OpenAI's and vLLM's per-beam processors (dsbd_core/algorithm/penalties.py)."""
+    """OpenAI's and vLLM's per-beam processors (dsbd_core/algorithm/sequences/penalties.py)."""
     fields = {
         "frequency_penalty": 0.5,
         "presence_penalty": -1.0,

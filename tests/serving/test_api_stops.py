@@ -12,7 +12,7 @@ from pydantic import ValidationError
 from deployments.api.models import ChatCompletionRequest, CompletionRequest, GenerateRequest
 from deployments.api.responses import BeamText, completion_response
 from deployments.api.streaming import streamable
-from dsbd_core.algorithm.result import Beam
+from dsbd_core.algorithm.sequences.result import Beam
 from dsbd_core.models import load_tokenizer
 
 TEXT = "The capital is Berlin.\n\nQuestion: and France?"

@@ -31,8 +31,8 @@ import yaml
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from deployments import faults
-from deployments.api.admission import WORKING_COPIES, kv_bytes_per_token
 from deployments.decode.session import RETRY_WINDOW_S
+from deployments.replicas.memory import WORKING_COPIES, kv_bytes_per_token
 from tests.serving_harness import (
     assert_loopback_only,
     assert_same,
@@ -181,7 +181,7 @@ def test_a_replica_that_dies_inside_a_call_costs_a_retry_not_the_request(server,
     side = {"fdraft": "draft", "frouter": "router", "fpair": "router"}.get(app, "verifier")
     assert after[side]["replica"] != before[side]["replica"], "the replica was not replaced"
     # seeded decodes: the caches lost with the replica were rebuilt by replaying the sessions'
-    # iterations (dsbd_core/algorithm/replay.py), never re-prefilled
+    # iterations (dsbd_core/algorithm/drivers/replay.py), never re-prefilled
     replays = [r for got in results for r in got["stats"]["serving"]["replays"]]
     print(f"{len(replays)} replays: {replays[:4]}")
     if handed:  # the new router (pair) starts the decodes over: nothing to rebuild

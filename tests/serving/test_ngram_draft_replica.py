@@ -18,15 +18,15 @@ from pydantic import ValidationError
 from deployments.app import AppArgs
 from deployments.decode.local_handles import LocalHandle as Handle
 from deployments.decode.session import DecodeSession, pair_calibration
+from deployments.decode.session_registry import SessionRegistry
 from deployments.decode.state import Handles, RouterState
-from deployments.decode.width_controller import WidthController
 from deployments.replicas.draft import Draft
 from deployments.replicas.verifier import Verifier
 from dsbd.serve_command import load_config
 from dsbd_core import SamplingConfig
-from dsbd_core.algorithm.decoders import generate
+from dsbd_core.algorithm.drivers.decoders import generate
 from dsbd_core.algorithm.methods import method_config
-from dsbd_core.algorithm.ngram_draft import NgramDraft
+from dsbd_core.algorithm.scorers.ngram_draft import NgramDraft
 from dsbd_core.models import load_causal_lm
 from dsbd_core.models.lookup_calibration import LOOKUP_COSTS
 from dsbd_core.models.transformer_scorer import TransformerScorer
@@ -46,7 +46,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     handles = Handles(
         draft=Handle(draft),
         verifier=Handle(verifier),
-        controller=Handle(WidthController.func_or_class(None, 60.0)),
+        controller=Handle(SessionRegistry.func_or_class(None, 60.0)),
     )
     return {"target": target, "draft": draft, "verifier": verifier, "handles": handles}
 

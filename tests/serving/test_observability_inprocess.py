@@ -25,10 +25,10 @@ from deployments.messages import IterationCall, SideReport
 from deployments.observability import tracing
 from deployments.observability.metrics import IterationSample
 from dsbd_core import SamplingConfig
+from dsbd_core.algorithm.drivers.session_batch import BatchReport
 from dsbd_core.algorithm.engine import Engine
 from dsbd_core.algorithm.methods import method_config
 from dsbd_core.algorithm.scorer import drive
-from dsbd_core.algorithm.session_batch import BatchReport
 from dsbd_core.models import load_causal_lm, load_tokenizer
 from dsbd_core.models.transformer_scorer import TransformerScorer
 from tests.observability_harness import PROMPT

@@ -19,10 +19,10 @@ import torch
 from deployments.app import AppArgs
 from deployments.decode.local_handles import LocalHandle, SideHandle
 from deployments.decode.pair import Pair
-from deployments.decode.width_controller import WidthController
+from deployments.decode.session_registry import SessionRegistry
 from deployments.messages import DecodeCall
 from dsbd_core import SamplingConfig
-from dsbd_core.algorithm.decoders import generate
+from dsbd_core.algorithm.drivers.decoders import generate
 from dsbd_core.algorithm.methods import method_config
 from dsbd_core.models import load_causal_lm, load_tokenizer
 from dsbd_core.models.transformer_scorer import TransformerScorer
@@ -34,7 +34,7 @@ from tests.tiny_models import build_pair
 def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     target, draft = build_pair(tmp_path_factory.mktemp("pair") / "models")
     options = {"dtype": "float64", "batch_wait_s": 0.01}
-    controller = WidthController.func_or_class(None, 60.0)
+    controller = SessionRegistry.func_or_class(None, 60.0)
     replica = Pair.func_or_class(
         {"source": str(target), **options},
         {"source": str(draft), **options},

@@ -4,7 +4,7 @@
 never freed, a tensor kept per request, a dict that only grows) takes long to tell from an
 allocator's high-water mark. Here the real classes of the serving path run in this process,
 without Ray: `DecodeSession` (the router's decode loop) drives a real `Draft` and `Verifier`
-replica and a `WidthController` through handles that call them directly, as Serve would, for
+replica and a `SessionRegistry` through handles that call them directly, as Serve would, for
 rounds of concurrent decodes. After warm-up, a round must leave nothing behind: no cached or
 open session, no tensor, no container object more than the round before (a leak of one object
 per request would show as a growth of at least the round's request count), and the replicas'
@@ -23,8 +23,8 @@ import torch
 
 from deployments.decode.local_handles import LocalHandle as Handle
 from deployments.decode.session import DecodeSession
+from deployments.decode.session_registry import SessionRegistry
 from deployments.decode.state import Handles, RouterState
-from deployments.decode.width_controller import WidthController
 from deployments.replicas.draft import Draft
 from deployments.replicas.verifier import Verifier
 from dsbd_core import SamplingConfig
@@ -43,7 +43,7 @@ def replicas(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any, Any]:
     return (
         Draft.func_or_class({"source": str(draft), **options}),
         Verifier.func_or_class({"source": str(target), **options}),
-        WidthController.func_or_class(None, TTL_S),
+        SessionRegistry.func_or_class(None, TTL_S),
     )
 
 

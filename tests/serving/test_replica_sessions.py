@@ -2,7 +2,7 @@
 
 Found by `dsbd bench load` (clients that go away mid-decode,
 docs/history/RELIABILITY-chronicle.md): after a
-run, sessions stayed open on the width controller and cached on the draft until their TTL.
+run, sessions stayed open on the session registry and cached on the draft until their TTL.
 Each test below replays one race deterministically on the real classes (a real tiny model in
 the draft replica; no Serve: the classes are called as Serve would call them).
 """
@@ -15,18 +15,18 @@ from pathlib import Path
 
 import pytest
 
-from deployments.decode import width_controller
+from deployments.decode import session_registry
 from deployments.decode.local_handles import LocalHandle
+from deployments.decode.session_registry import SessionRegistry
 from deployments.decode.state import Handles, RouterState
-from deployments.decode.width_controller import WidthController
 from deployments.messages import IterationCall
 from deployments.replicas.continuous_batch import ContinuousBatcher
 from deployments.replicas.draft import Draft
 from deployments.replicas.model_replica import SessionReleased
 from dsbd_core import SamplingConfig
-from dsbd_core.algorithm.control import Knobs
 from dsbd_core.algorithm.engine import Engine
 from dsbd_core.algorithm.methods import method_config
+from dsbd_core.algorithm.policy.control import Knobs
 from tests.tiny_models import build_pair
 
 
@@ -108,7 +108,7 @@ def test_a_release_that_overtakes_a_queued_call_leaves_no_cache(draft_source: Pa
 def test_an_open_that_arrives_after_its_close_registers_nothing() -> None:
     """A request cancelled while its `open` call is on the way closes its session; the open
     may still arrive afterwards and must not leave an open session (until the TTL)."""
-    controller = WidthController.func_or_class()
+    controller = SessionRegistry.func_or_class()
 
     async def scenario() -> None:
         await controller.close("gone")
@@ -128,7 +128,7 @@ def test_the_sessions_of_a_router_that_stops_reporting_are_forgotten(monkeypatch
     router's report (a lost close) goes unless it was opened within the last heartbeat. A silent
     router's sessions are also released on the draft and the verifier (their caches)."""
     clock = [1000.0]
-    monkeypatch.setattr(width_controller.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(session_registry.time, "monotonic", lambda: clock[0])
     released: list[tuple[str, str]] = []
 
     class Model:  # the draft's or the verifier's replica: what it is asked to free
@@ -140,7 +140,7 @@ def test_the_sessions_of_a_router_that_stops_reporting_are_forgotten(monkeypatch
             return True
 
     draft, verifier = LocalHandle(Model("draft")), LocalHandle(Model("verifier"))
-    controller = WidthController.func_or_class(None, 600.0, draft, verifier)
+    controller = SessionRegistry.func_or_class(None, 600.0, draft, verifier)
     knobs = Knobs(gamma=2, draft_width=2)
 
     async def scenario() -> dict[str, int]:
@@ -149,9 +149,9 @@ def test_the_sessions_of_a_router_that_stops_reporting_are_forgotten(monkeypatch
         await controller.open("dead-2", knobs, router="killed")
         await controller.open("long", knobs, router="alive")
         while clock[0] < 1000.0 + 700:  # "alive" reports every heartbeat for 700 s
-            clock[0] += width_controller.HEARTBEAT_S
+            clock[0] += session_registry.HEARTBEAT_S
             await controller.heartbeat("alive", ["long"])
-            if clock[0] == 1000.0 + 2 * width_controller.HEARTBEAT_S:
+            if clock[0] == 1000.0 + 2 * session_registry.HEARTBEAT_S:
                 open_now["before"] = (await controller.load())["open_sessions"]
         open_now["after"] = (await controller.load())["open_sessions"]
         await controller.open("fresh", knobs, router="alive")
@@ -159,7 +159,7 @@ def test_the_sessions_of_a_router_that_stops_reporting_are_forgotten(monkeypatch
         clock[0] += 1.0  # a heartbeat whose list predates "fresh" keeps it
         await controller.heartbeat("alive", ["long", "lost-close"])
         open_now["fresh kept"] = (await controller.load())["open_sessions"]
-        clock[0] += width_controller.HEARTBEAT_S + 1.0
+        clock[0] += session_registry.HEARTBEAT_S + 1.0
         await controller.heartbeat("alive", ["long"])
         open_now["lost close pruned"] = (await controller.load())["open_sessions"]
         await asyncio.gather(*controller._releasing)  # the releases it sent off
@@ -177,7 +177,7 @@ def test_a_router_reports_its_open_sessions_until_none_is_left(monkeypatch) -> N
     """RouterState.keep_reporting: one heartbeat task per router process and event loop,
     sending what is open there; it ends by itself once nothing is, and at once on the last
     session's close, so an idle router holds no pending task."""
-    monkeypatch.setattr(width_controller, "HEARTBEAT_S", 0.01)
+    monkeypatch.setattr(session_registry, "HEARTBEAT_S", 0.01)
     beats: list[list[str]] = []
 
     class Remote:
@@ -197,7 +197,7 @@ def test_a_router_reports_its_open_sessions_until_none_is_left(monkeypatch) -> N
         await asyncio.sleep(0.05)
         state.open.clear()
         await asyncio.wait_for(first, 1.0)  # ends by itself within a heartbeat
-        monkeypatch.setattr(width_controller, "HEARTBEAT_S", 60.0)
+        monkeypatch.setattr(session_registry, "HEARTBEAT_S", 60.0)
         state.opened("c")
         second = state._heartbeat
         assert second is not first and second is not None

@@ -14,12 +14,12 @@ import torch
 
 from deployments.decode.local_handles import LocalHandle as Handle
 from deployments.decode.session import pair_calibration
+from deployments.decode.session_registry import SessionRegistry
 from deployments.decode.state import Handles, RouterState
-from deployments.decode.width_controller import WidthController
 from deployments.replicas.draft import Draft
 from deployments.replicas.verifier import Verifier
-from dsbd_core.algorithm.cost_model import CostController, CostPolicy
-from dsbd_core.algorithm.decoders import generate
+from dsbd_core.algorithm.drivers.decoders import generate
+from dsbd_core.algorithm.policy.cost_model import CostController, CostPolicy
 from dsbd_core.models import load_causal_lm
 from dsbd_core.models.calibrate import PassCounter, pass_rate_config
 from dsbd_core.models.transformer_scorer import TransformerScorer
@@ -37,7 +37,7 @@ def test_a_router_measures_the_pairs_pass_rates_once_per_machine(
     options = {"dtype": "float64", "batch_wait_s": 0.0}
     draft_replica = Draft.func_or_class({"source": str(draft), **options})
     verifier = Verifier.func_or_class({"source": str(target), **options})
-    controller = WidthController.func_or_class(None, 60.0)
+    controller = SessionRegistry.func_or_class(None, 60.0)
     handles = Handles(
         draft=Handle(draft_replica), verifier=Handle(verifier), controller=Handle(controller)
     )
@@ -93,7 +93,7 @@ def test_a_failed_calibration_shows_in_the_status_and_is_retried(
     router = Router.func_or_class(
         Handle(Draft.func_or_class({"source": str(draft), **options})),
         Handle(Verifier.func_or_class({"source": str(target), **options})),
-        Handle(WidthController.func_or_class(None, 60.0)),
+        Handle(SessionRegistry.func_or_class(None, 60.0)),
     )
 
     async def lost(*_: object) -> None:

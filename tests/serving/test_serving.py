@@ -180,7 +180,8 @@ def test_concurrent_requests_share_the_verifier_forward_and_stay_exact(server, r
 def test_sessions_on_replicas_without_their_cache_rebuild_it_and_stay_exact(server, reference):
     """No affinity, two replicas a side: calls land where the session's cache is not. These
     decodes are seeded, so the cache is rebuilt by replaying the session's iterations
-    (dsbd_core/algorithm/replay.py), and each decode equals the in-process one draw for draw."""
+    (dsbd_core/algorithm/drivers/replay.py), and each decode equals the in-process one draw for
+    draw."""
     bodies = [
         {
             "prompt_ids": [20 + i, 21, 22, 23],
@@ -206,7 +207,7 @@ def test_sessions_on_replicas_without_their_cache_rebuild_it_and_stay_exact(serv
     assert any("verifier replayed" in r for r in replays), replays
 
 
-def test_the_width_controller_adapts_the_depth_within_the_limits(server) -> None:
+def test_the_session_registry_adapts_the_depth_within_the_limits(server) -> None:
     """The cost model chooses each iteration's depth up to the request's gamma (from the pair's
     measured costs and pass rates: on these two equal-sized models drafting may never pay, so
     every depth may be 0); with fixed knobs every iteration drafts and the per-position

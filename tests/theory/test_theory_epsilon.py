@@ -1,7 +1,8 @@
 """The ε over-acceptance knob in the product (THEORY.md §5.4, §9.3 item 6).
 
-Measured through the real verifier (`dsbd_core.algorithm.verify.verify_layer`, one beam) and
-compared with the closed forms of `dsbd_core.tools.theory.overaccept`: rejection `Σ (Q - P - ε)_+`,
+Measured through the real verifier (`dsbd_core.algorithm.iteration.verify.verify_layer`, one beam)
+and
+compared with the closed forms of `dsbd.theory.overaccept`: rejection `Σ (Q - P - ε)_+`,
 least bias `Σ min(ε, (Q - P)_+)` and Decoding-OPT's output law (target P, draft Q). Then the engine:
 ε = 0 reports no bias, ε > 0 accepts more, reports a bias bound, and the bias it really introduces
 stays below that bound. (ε = 0 exactness itself is the unchanged tests/algorithm/test_exactness.py.)
@@ -15,12 +16,12 @@ import torch
 from pydantic import ValidationError
 
 from dsbd.cli import build_parser, config_from_args
+from dsbd.theory import overaccept_bias, overaccept_layer, overaccept_rejection
+from dsbd.theory.overaccept import overaccept_step_law
 from dsbd_core import SamplingConfig, TableScorer, config_error_message, generate_batch
-from dsbd_core.algorithm.distributions import draw_distinct, draw_with_replacement
-from dsbd_core.algorithm.streams import Draws
-from dsbd_core.algorithm.verify import fill_failed_layer, verify_layer
-from dsbd_core.tools.theory import overaccept_bias, overaccept_layer, overaccept_rejection
-from dsbd_core.tools.theory.overaccept import overaccept_step_law
+from dsbd_core.algorithm.draws.distributions import draw_distinct, draw_with_replacement
+from dsbd_core.algorithm.draws.streams import Draws
+from dsbd_core.algorithm.iteration.verify import fill_failed_layer, verify_layer
 from tests.exact_reference import TableLM, assert_matches, multinomial_outcomes, null_tv_quantile
 from tests.exact_reference import tv as dict_tv
 

@@ -1,4 +1,4 @@
-"""Deterministic checks of dsbd_core.tools.theory: THEORY.md §8.1 golden values, single-step
+"""Deterministic checks of dsbd.theory: THEORY.md §8.1 golden values, single-step
 exactness (P1, P7), closed forms of the batch improvement (P10, P12), Theorems 4-5 (P13-P15)
 and the ε rule's closed forms (P16-P19)."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dsbd_core.tools.theory import (
+from dsbd.theory import (
     batch_improvement,
     batch_root_law,
     expected_rejections_batch,
@@ -27,17 +27,17 @@ from dsbd_core.tools.theory import (
     sd_step_law,
     tv,
 )
-from dsbd_core.tools.theory.distributions import (
+from dsbd.theory.distributions import (
     bernoulli_batch_improvement,
     uniform_batch_improvement,
 )
-from dsbd_core.tools.theory.pareto import (
+from dsbd.theory.pareto import (
     least_bias_paper_form,
     optimal_resample_bound,
     output_law,
     pareto_front,
 )
-from dsbd_core.tools.theory.sd import expected_calls_sd
+from dsbd.theory.sd import expected_calls_sd
 
 EXACT = 1e-12
 

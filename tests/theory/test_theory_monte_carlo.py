@@ -4,7 +4,7 @@ P8, P9).
 Monte Carlo: fixed seeds, pass if |mean - theory| <= 4 standard errors (false alarm ~6e-5).
 Enumeration: the exact output law of SD and batch SD is computed by enumerating every draft
 token and every accept/reject event of the algorithm, with code that shares nothing with
-`dsbd_core.tools.theory`, and compared with the target's sequence law to 1e-12 — unbiasedness with
+`dsbd.theory`, and compared with the target's sequence law to 1e-12 — unbiasedness with
 no statistics at all, and an independent check of the Theorem-3 recursion.
 """
 
@@ -16,7 +16,7 @@ from collections import Counter, defaultdict
 import numpy as np
 import pytest
 
-from dsbd_core.tools.theory import (
+from dsbd.theory import (
     MarkovChain,
     expected_rejections_batch,
     expected_rejections_sd,
@@ -25,7 +25,7 @@ from dsbd_core.tools.theory import (
     sample_sd,
     tv,
 )
-from dsbd_core.tools.theory.sd import mean_and_standard_error
+from dsbd.theory.sd import mean_and_standard_error
 from tests.exact_reference import assert_matches
 
 RUNS = 20_000

@@ -1,5 +1,5 @@
 """The online acceptance predictor and the (gamma, draft width) rule
-(dsbd_core/tools/theory/predictor).
+(dsbd/theory/predictor).
 
 Checks the formulas, the rule's behaviour at the extremes and its monotonicity, the running
 estimate and the probing, and — on the real engine — Theorem 1's per-layer identity that the
@@ -15,10 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from dsbd_core import SamplingConfig, TableScorer, generate_batch
-from dsbd_core.algorithm.result import DecodeStats
-from dsbd_core.algorithm.width import acceptance_count_distribution
-from dsbd_core.tools.theory.predictor import (
+from dsbd.theory.predictor import (
     AcceptanceEstimate,
     CostModel,
     PairTracker,
@@ -32,6 +29,9 @@ from dsbd_core.tools.theory.predictor import (
     tokens_per_iteration,
     update_estimate,
 )
+from dsbd_core import SamplingConfig, TableScorer, generate_batch
+from dsbd_core.algorithm.iteration.width import acceptance_count_distribution
+from dsbd_core.algorithm.sequences.result import DecodeStats
 
 
 def test_tokens_and_accepted_length() -> None:

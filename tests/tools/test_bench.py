@@ -10,18 +10,18 @@ from pathlib import Path
 
 import pytest
 
-from dsbd.cli import main as dsbd_main
-from dsbd_core.tools.bench.harness import ResumeMismatchError, rebuild_report, run_bench
-from dsbd_core.tools.bench.humaneval import (
+from dsbd.bench.decode.harness import ResumeMismatchError, rebuild_report, run_bench
+from dsbd.bench.decode.humaneval import (
     check_completion,
     namespaces_available,
     run_program,
     truncate_completion,
 )
-from dsbd_core.tools.bench.methods import MethodNameError, parse_method, parse_methods
-from dsbd_core.tools.bench.quality import paired_bootstrap, ratio_bootstrap
-from dsbd_core.tools.bench.report import compare
-from dsbd_core.tools.bench.schema import BenchConfig, BenchResult, MethodRecord
+from dsbd.bench.decode.methods import MethodNameError, parse_method, parse_methods
+from dsbd.bench.decode.quality import paired_bootstrap, ratio_bootstrap
+from dsbd.bench.decode.report import compare
+from dsbd.bench.decode.schema import BenchConfig, BenchResult, MethodRecord
+from dsbd.cli import main as dsbd_main
 from tests.tiny_models import build_pair
 
 METHODS = [

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from dsbd.bench.decode.harness import run_bench
+from dsbd.bench.decode.methods import MethodNameError, parse_method, with_references
 from dsbd_core import SamplingConfig
-from dsbd_core.tools.bench.harness import run_bench
-from dsbd_core.tools.bench.methods import MethodNameError, parse_method, with_references
 from tests.tiny_models import build_pair
 from tests.tools.test_bench import bench_config
 

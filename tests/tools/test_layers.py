@@ -4,8 +4,12 @@ Layers, imports pointing down only:
 
     dsbd_core.algorithm   pure torch: config, distributions, verify, width, engine, loop, scorers
     dsbd_core.models      transformers models behind the scorer protocol
-    dsbd_core.tools       distill, acceptance, bench, theory        deployments (Ray Serve)
-    dsbd                  the CLI: every `dsbd` subcommand
+    tools                 dsbd.bench.decode, dsbd.theory, dsbd.distill,     deployments (Ray Serve)
+                          dsbd.acceptance, dsbd.prompts
+    dsbd                  the CLI: every `dsbd` subcommand, the served benchmarks
+
+Inside `dsbd_core.algorithm` and `deployments` the groups have floors of their own (GROUPS; the
+packages' docstrings draw them): a module imports its own group, or groups on lower floors.
 
 Every import in every module counts, also the ones inside functions (a lazy import is still a
 dependency), so a cycle cannot hide behind one. The size rules keep files and functions small
@@ -24,22 +28,54 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 PACKAGES = ("dsbd_core", "deployments", "dsbd")
-# (layer, rank): a module may import project modules of its own rank or lower, never higher,
-# and never a sibling layer of the same rank (tools and deployments know nothing of each other).
+TOOLS = ("dsbd.bench.decode", "dsbd.theory", "dsbd.distill", "dsbd.acceptance", "dsbd.prompts")
+# (layer, its packages, rank): a module may import project modules of its own rank or lower,
+# never higher, and never a sibling layer of the same rank (tools and deployments know nothing
+# of each other). The first layer whose package holds a module is its layer.
 LAYERS = [
-    ("dsbd_core.algorithm", 0),
-    ("dsbd_core.models", 1),
-    ("dsbd_core.tools", 2),
-    ("deployments", 2),
-    ("dsbd", 3),
-    ("dsbd_core", 0),  # the package itself: a facade over the algorithm
+    ("dsbd_core.algorithm", ("dsbd_core.algorithm",), 0),
+    ("dsbd_core.models", ("dsbd_core.models",), 1),
+    ("tools", TOOLS, 2),
+    ("deployments", ("deployments",), 2),
+    ("dsbd", ("dsbd",), 3),
+    ("dsbd_core", ("dsbd_core",), 0),  # the package itself: a facade over the algorithm
 ]
 # Third-party packages a layer must not import (what makes it usable on its own).
 FORBIDDEN = {
     "dsbd_core.algorithm": ("transformers", "ray", "accelerate", "gguf"),
     "dsbd_core": ("transformers", "ray"),
     "dsbd_core.models": ("ray",),
-    "dsbd_core.tools": ("ray",),
+    "tools": ("ray",),
+}
+# Floors inside a layer: (group, the modules it holds, floor). A module of a group may import
+# its own group and groups on lower floors, never a higher one nor another group of its floor.
+GROUPS: dict[str, list[tuple[str, tuple[str, ...], int]]] = {
+    "dsbd_core.algorithm": [
+        ("door: config, scorer", ("config", "scorer"), 0),
+        ("draws", ("draws",), 0),
+        ("door: methods", ("methods",), 1),
+        ("sequences", ("sequences",), 1),
+        ("scorers", ("scorers",), 1),
+        ("policy", ("policy",), 2),
+        ("iteration", ("iteration",), 2),
+        ("door: engine", ("engine",), 3),
+        ("search", ("search",), 4),
+        ("door: reference", ("reference",), 4),
+        ("drivers", ("drivers",), 5),
+        ("the package", ("",), 6),
+    ],
+    "deployments": [
+        (
+            "foundation",
+            ("messages", "faults", "observability", "gcs_ft", "local_ray", "autoscaling"),
+            0,
+        ),
+        ("replicas", ("replicas",), 1),
+        ("decode", ("decode",), 2),
+        ("api", ("api",), 3),
+        ("batch", ("batch",), 4),
+        ("the application", ("app", "llm_serving", "serve_cli", ""), 4),
+    ],
 }
 MAX_LINES = 500
 MAX_STATEMENTS = 60
@@ -57,8 +93,8 @@ def _modules() -> dict[str, Path]:
 
 
 def _layer(module: str) -> tuple[str, int]:
-    for name, rank in LAYERS:
-        if module == name or module.startswith(name + "."):
+    for name, packages, rank in LAYERS:
+        if any(module == p or module.startswith(p + ".") for p in packages):
             return name, rank
     raise AssertionError(f"{module} belongs to no layer")
 
@@ -104,6 +140,33 @@ def test_imports_point_down(graph: dict[str, set[str]]) -> None:
                     wrong.append(f"{module} ({layer}) imports {other} ({other_layer})")
             elif other in FORBIDDEN.get(layer, ()):
                 wrong.append(f"{module} ({layer}) imports {other}")
+    assert not wrong, "\n".join(sorted(wrong))
+
+
+def _group(package: str, module: str) -> tuple[str, int]:
+    rest = module[len(package) + 1 :] if module != package else ""
+    for name, members, floor in GROUPS[package]:
+        for member in members:
+            if rest == member or (member and rest.startswith(member + ".")):
+                return name, floor
+    raise AssertionError(f"{module} belongs to no group of {package}")
+
+
+@pytest.mark.parametrize("package", sorted(GROUPS))
+def test_groups_inside_a_layer_point_down(graph: dict[str, set[str]], package: str) -> None:
+    """No upward or sideways import between the groups of `dsbd_core.algorithm` (the door, draws,
+    sequences, scorers, policy, iteration, search, drivers) or of `deployments` (foundation,
+    replicas, decode, api, batch, the application)."""
+    inside = [m for m in graph if m == package or m.startswith(package + ".")]
+    wrong = []
+    for module in inside:
+        group, floor = _group(package, module)
+        for other in graph[module]:
+            if other not in inside:
+                continue
+            other_group, other_floor = _group(package, other)
+            if other_floor > floor or (other_floor == floor and other_group != group):
+                wrong.append(f"{module} ({group}) imports {other} ({other_group})")
     assert not wrong, "\n".join(sorted(wrong))
 
 
@@ -196,7 +259,8 @@ def test_files_and_functions_are_small() -> None:
 def test_the_algorithm_imports_nothing_heavy() -> None:
     """Importing the algorithm (and the dsbd_core facade) loads neither transformers nor Ray."""
     code = (
-        "import sys, dsbd_core, dsbd_core.algorithm.loop, dsbd_core.algorithm.lockstep; "
+        "import sys, dsbd_core, dsbd_core.algorithm.drivers.loop, "
+        "dsbd_core.algorithm.drivers.lockstep; "
         "bad = [m for m in ('transformers', 'ray', 'deployments', 'dsbd') if m in sys.modules]; "
         "print(','.join(bad))"
     )
@@ -210,4 +274,4 @@ def test_every_layer_is_a_known_package(graph: dict[str, set[str]]) -> None:
     by_layer: dict[str, int] = defaultdict(int)
     for module in graph:
         by_layer[_layer(module)[0]] += 1
-    assert set(by_layer) == {name for name, _ in LAYERS}
+    assert set(by_layer) == {name for name, _, _ in LAYERS}

@@ -39,8 +39,8 @@ import json, sys, time, torch
 torch.set_num_threads(1)
 from dsbd.common import DEFAULT_DRAFT, DEFAULT_TARGET
 from dsbd_core import SamplingConfig
-from dsbd_core.algorithm.lockstep import Request, decode_lockstep
-from dsbd_core.algorithm.session_batch import SessionBatcher
+from dsbd_core.algorithm.drivers.lockstep import Request, decode_lockstep
+from dsbd_core.algorithm.drivers.session_batch import SessionBatcher
 from dsbd_core.models import load_tokenizer
 from dsbd_core.models.pair import DraftOptions, load_pair
 from dsbd_core.models.transformer_scorer import TransformerScorer

@@ -1,6 +1,6 @@
 """Does a seeded decode's output depend on the requests it shares forwards with?
 
-Decodes the seeded DSBD requests of PROMPTS together (`dsbd_core.algorithm.lockstep`: each
+Decodes the seeded DSBD requests of PROMPTS together (`dsbd_core.algorithm.drivers.lockstep`: each
 its own seed and random streams, one shared draft and one shared target forward per round, as
 the serving replicas batch them) and each alone with `generate`, for `--rounds` rounds of seeds
 and every numerics variant of `--variants` (dtype x draft quantisation), and counts the
@@ -24,9 +24,9 @@ import torch
 
 from dsbd.common import DEFAULT_DRAFT, DEFAULT_TARGET
 from dsbd_core import SamplingConfig
-from dsbd_core.algorithm.decoders import generate
-from dsbd_core.algorithm.lockstep import Request, decode_lockstep
-from dsbd_core.algorithm.session_batch import SessionBatcher
+from dsbd_core.algorithm.drivers.decoders import generate
+from dsbd_core.algorithm.drivers.lockstep import Request, decode_lockstep
+from dsbd_core.algorithm.drivers.session_batch import SessionBatcher
 from dsbd_core.models import load_tokenizer
 from dsbd_core.models.pair import DraftOptions, load_pair
 from dsbd_core.models.transformer_scorer import TransformerScorer

@@ -7,7 +7,7 @@ this script measures, on English chat prompts with continuations sampled from th
 (temperature 1) and then teacher-forced through both models:
 
 - acceptance `alpha = mean over positions of sum_x min(p(x), q(x))` (target p, draft q, T = 1):
-  the probability that one speculative-sampling draw is accepted (`dsbd_core.tools.acceptance`, the
+  the probability that one speculative-sampling draw is accepted (`dsbd.acceptance`, the
   same measure as `dsbd eval-acceptance`);
 - decode cost: the median time of one cached forward step (batch 1 and batch 3, the default
   width) relative to the target's, timed interleaved with the target; and the share of the
@@ -32,8 +32,8 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
+from dsbd.acceptance import measure_acceptance, next_token_probs, sample_continuations
 from dsbd_core.models import encode_prompt, keep_first_layers, load_causal_lm, stop_token_ids
-from dsbd_core.tools.acceptance import measure_acceptance, next_token_probs, sample_continuations
 
 PROMPTS = (
     "Explain why the sky is blue in a few sentences.",

@@ -14,7 +14,7 @@ reads host copies of the results, and the table scorer are counted apart), by ki
 engine file and line that made them (the places to move onto the device first), and the
 engine's own tensor operations per iteration (views left out): on a GPU each is a kernel
 launch unless the step runs as a captured graph (`side_graphs.py`). `--device-branches`
-takes the branches a GPU takes (`dsbd_core.algorithm.host_reads`). Not a timing: the
+takes the branches a GPU takes (`dsbd_core.algorithm.draws.host_reads`). Not a timing: the
 machine's load does not matter.
 """
 
@@ -34,13 +34,13 @@ import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _pop_mode_temporarily
 
+from dsbd.bench.decode.harness import git_info, machine_info
 from dsbd_core import SamplingConfig, TableScorer
 from dsbd_core.algorithm import engine as engine_module
-from dsbd_core.algorithm.host_reads import computing_everywhere
-from dsbd_core.algorithm.loop import Decode, run_decode
+from dsbd_core.algorithm.draws.host_reads import computing_everywhere
+from dsbd_core.algorithm.drivers.loop import Decode, run_decode
+from dsbd_core.algorithm.iteration.side_graphs import SideGraph
 from dsbd_core.algorithm.methods import method_config
-from dsbd_core.algorithm.side_graphs import SideGraph
-from dsbd_core.tools.bench.harness import git_info, machine_info
 
 _PHASES = {"algorithm/result.py": "end", "algorithm/table_scorer.py": "scorer"}
 READS = ("item", "__bool__", "__int__", "__float__", "__index__", "tolist", "nonzero")

@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 
 from dsbd_core import generate_batch
-from dsbd_core.algorithm.host_reads import computing_everywhere
+from dsbd_core.algorithm.draws.host_reads import computing_everywhere
 from dsbd_core.models.pair import load_pair
 
 METHODS = {

@@ -78,8 +78,8 @@ def child(seconds: float, seed: int) -> dict:
     from deployments.replicas.allocator import allocator_stats
     from dsbd.common import DEFAULT_DRAFT, DEFAULT_TARGET
     from dsbd_core import SamplingConfig
-    from dsbd_core.algorithm.lockstep import Request, decode_lockstep
-    from dsbd_core.algorithm.session_batch import SessionBatcher
+    from dsbd_core.algorithm.drivers.lockstep import Request, decode_lockstep
+    from dsbd_core.algorithm.drivers.session_batch import SessionBatcher
     from dsbd_core.models import load_tokenizer
     from dsbd_core.models.pair import load_pair
     from dsbd_core.models.transformer_scorer import TransformerScorer

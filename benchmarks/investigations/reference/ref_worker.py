@@ -105,7 +105,7 @@ def load_reference_model(source: Path, workdir: Path) -> torch.nn.Module:
 
 class CallCounter:
     """Forward calls of a module and the peak KV-cache bytes its outputs hold (a forward hook,
-    no edit of the counted code; the same figures dsbd_core.tools.bench.measure takes for ours)."""
+    no edit of the counted code; the same figures dsbd.bench.decode.measure takes for ours)."""
 
     def __init__(self, module: torch.nn.Module) -> None:
         self.calls = 0

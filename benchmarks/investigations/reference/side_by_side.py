@@ -2,7 +2,7 @@
 
 The reference runs in its own venv (transformers 4.35.2) inside a long-lived worker process
 (`ref_worker.py`); ours runs in this process (our venv) through the `dsbd bench` harness's own
-pieces (`dsbd_core.tools.bench`: prompt sets, method names, runners, measurement, quality), so our
+pieces (`dsbd.bench.decode`: prompt sets, method names, runners, measurement, quality), so our
 figures here are measured exactly as `dsbd bench` measures them. For every prompt and method the
 two sides run back to back and alternate which goes first, so slow phases of the shared, noisy
 CPU hit both alike; both use one torch thread, the same seed and the same stop token.
@@ -35,10 +35,10 @@ from pathlib import Path
 
 import torch
 
-from dsbd_core.tools.bench.humaneval import default_sandbox
-from dsbd_core.tools.bench.measure import EnergyMeter
-from dsbd_core.tools.bench.methods import MethodSpec, parse_methods
-from dsbd_core.tools.bench.prompts import PROMPT_SETS, prompt_set
+from dsbd.bench.decode.humaneval import default_sandbox
+from dsbd.bench.decode.measure import EnergyMeter
+from dsbd.bench.decode.methods import MethodSpec, parse_methods
+from dsbd.prompts import PROMPT_SETS, prompt_set
 
 # Sibling modules: top-level when this file runs as a script (its folder is then on sys.path),
 # in the `benchmarks` namespace package when imported from the repository root.

@@ -1,18 +1,18 @@
 """One decode on either side of side_by_side.py (beside this file), and its quality.
 
-Ours is measured as `dsbd bench` measures it (`dsbd_core.tools.bench`); the reference's in its
+Ours is measured as `dsbd bench` measures it (`dsbd.bench.decode`); the reference's in its
 worker, with the same settings, seed and single stop token.
 """
 
 from __future__ import annotations
 
+from dsbd.bench.decode.humaneval import check_completion, truncate_completion
+from dsbd.bench.decode.measure import measured
+from dsbd.bench.decode.methods import MethodSpec
+from dsbd.bench.decode.quality import answer_log_likelihood
+from dsbd.bench.decode.runners import Pair, run_engine
+from dsbd.prompts import BenchPrompt
 from dsbd_core.algorithm.config import SamplingConfig
-from dsbd_core.tools.bench.humaneval import check_completion, truncate_completion
-from dsbd_core.tools.bench.measure import measured
-from dsbd_core.tools.bench.methods import MethodSpec
-from dsbd_core.tools.bench.prompts import BenchPrompt
-from dsbd_core.tools.bench.quality import answer_log_likelihood
-from dsbd_core.tools.bench.runners import Pair, run_engine
 
 # Sibling modules: top-level when side_by_side.py runs as a script (this folder is then on
 # sys.path), in the `benchmarks` namespace package when imported from the repo root.

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import torch
 
-from dsbd_core.tools.bench.quality import paired_bootstrap, ratio_bootstrap
-from dsbd_core.tools.bench.schema import MethodRecord
+from dsbd.bench.decode.quality import paired_bootstrap, ratio_bootstrap
+from dsbd.bench.decode.schema import MethodRecord
 
 # Sibling module: top-level when side_by_side.py runs as a script (this folder is then on
 # sys.path), in the `benchmarks` namespace package when imported from the repo root.

@@ -8,12 +8,12 @@ import argparse
 import json
 from dataclasses import dataclass, field
 
+from dsbd.bench.decode.measure import EnergyMeter
+from dsbd.bench.decode.methods import MethodSpec
+from dsbd.bench.decode.schema import MethodRecord
+from dsbd.prompts import BenchPrompt
 from dsbd_core.algorithm.config import SamplingConfig
 from dsbd_core.models import encode_prompt
-from dsbd_core.tools.bench.measure import EnergyMeter
-from dsbd_core.tools.bench.methods import MethodSpec
-from dsbd_core.tools.bench.prompts import BenchPrompt
-from dsbd_core.tools.bench.schema import MethodRecord
 
 # Sibling modules: top-level when side_by_side.py runs as a script (this folder is then on
 # sys.path), in the `benchmarks` namespace package when imported from the repo root.

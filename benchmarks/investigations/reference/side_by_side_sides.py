@@ -12,8 +12,8 @@ from pathlib import Path
 
 import torch
 
+from dsbd.bench.decode.runners import Pair
 from dsbd_core.models import load_causal_lm, prepare_preset
-from dsbd_core.tools.bench.runners import Pair
 
 HERE = Path(__file__).resolve().parent
 

@@ -19,11 +19,11 @@ import argparse
 import torch
 from static_path_cpu import PAIRS  # this folder is on sys.path when run as a script
 
+from dsbd.prompts import prompt_set
 from dsbd_core import SamplingConfig, generate
 from dsbd_core.models.pair import DraftOptions, load_pair
 from dsbd_core.models.static_scorer import StaticScorer
 from dsbd_core.models.transformer_scorer import TransformerScorer
-from dsbd_core.tools.bench.prompts import prompt_set
 
 
 class Lockstep:

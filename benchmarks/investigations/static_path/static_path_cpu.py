@@ -30,13 +30,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from dsbd.prompts import prompt_set
 from dsbd_core import SamplingConfig, generate
 from dsbd_core.algorithm.scorer import ForestLayer, ForestLogprobs, Roots
 from dsbd_core.models.pair import load_pair
 from dsbd_core.models.static_scorer import StaticScorer
 from dsbd_core.models.static_step import idle_inputs, static_attention_for, step_function
 from dsbd_core.models.transformer_scorer import TransformerScorer
-from dsbd_core.tools.bench.prompts import prompt_set
 
 PAIRS = {"smollm2": ("smollm2", "smollm2-draft"), "qwen-coder": ("qwen-coder", "qwen-coder-draft")}
 METHODS = {

@@ -2,7 +2,8 @@
 
 `threshold = t` promises that a verified layer passes with probability >= t (ALGORITHM.md §5.2).
 With distinct drafts (the default mode) the width used to come from the DP of ALGORITHM.md §5.1,
-which assumes i.i.d. drafts; `dsbd_core/algorithm/width_distinct.py` now estimates the distinct rule
+which assumes i.i.d. drafts; `dsbd_core/algorithm/iteration/width_distinct.py` now estimates the
+distinct rule
 itself. This script decodes the same prompts with both width rules in one process, alternating which
 goes first per prompt, and reports per rule: the realized pass rate of verified layers (against t),
 the widths chosen, target and draft forward passes per token, accepted layers per iteration, wall
@@ -30,14 +31,14 @@ from pathlib import Path
 import torch
 
 import dsbd_core.algorithm.engine as engine_module
+from dsbd.bench.decode.measure import EnergyMeter, measured
+from dsbd.bench.decode.methods import parse_methods
+from dsbd.bench.decode.quality import answer_log_likelihood, paired_bootstrap, ratio_bootstrap
+from dsbd.bench.decode.runners import Pair, run_engine
+from dsbd.prompts import PROMPT_SETS, prompt_set
 from dsbd_core.algorithm.config import SamplingConfig
-from dsbd_core.algorithm.width import layer_width
+from dsbd_core.algorithm.iteration.width import layer_width
 from dsbd_core.models import encode_prompt, load_causal_lm, stop_token_ids
-from dsbd_core.tools.bench.measure import EnergyMeter, measured
-from dsbd_core.tools.bench.methods import parse_methods
-from dsbd_core.tools.bench.prompts import PROMPT_SETS, prompt_set
-from dsbd_core.tools.bench.quality import answer_log_likelihood, paired_bootstrap, ratio_bootstrap
-from dsbd_core.tools.bench.runners import Pair, run_engine
 
 PAIRS = {
     "smollm2": ("smollm2", "smollm2-draft", "held-out"),

@@ -18,15 +18,15 @@ from collections.abc import Callable, Generator
 
 import torch
 
+from dsbd_core.algorithm.draws.streams import Streams
 from dsbd_core.algorithm.engine import DRAFT_STREAM, VERIFY_STREAM, Engine
 from dsbd_core.algorithm.methods import MethodConfig
-from dsbd_core.algorithm.result import DecodeResult, collect_results
 from dsbd_core.algorithm.scorer import ForestLogprobs, ScoreCall, returning
 from dsbd_core.algorithm.search.sampled import draft_sampled_search
 from dsbd_core.algorithm.search.walk import draft_search, verify_search
-from dsbd_core.algorithm.state import NO_FOREST, DecodeState, Forest, Outcome
-from dsbd_core.algorithm.stops import StopStrings
-from dsbd_core.algorithm.streams import Streams
+from dsbd_core.algorithm.sequences.result import DecodeResult, collect_results
+from dsbd_core.algorithm.sequences.state import NO_FOREST, DecodeState, Forest, Outcome
+from dsbd_core.algorithm.sequences.stops import StopStrings
 
 
 def engine_for(

@@ -30,14 +30,20 @@ from collections.abc import Generator
 
 import torch
 
-from dsbd_core.algorithm.candidates import Scores
 from dsbd_core.algorithm.config import SamplingConfig
-from dsbd_core.algorithm.distributions import NEG_INF, draw_distinct, joint_filter
+from dsbd_core.algorithm.draws.candidates import Scores
+from dsbd_core.algorithm.draws.distributions import NEG_INF, draw_distinct, joint_filter
+from dsbd_core.algorithm.draws.streams import ACCEPT, BONUS, DRAFT, FILL, Streams
+from dsbd_core.algorithm.iteration.verify import fill_failed_layer, verify_layer
 from dsbd_core.algorithm.scorer import ForestLayer, ForestLogprobs, ScoreCall
-from dsbd_core.algorithm.state import NO_FOREST, DecodeState, Forest, deepest_layer, roots_of
-from dsbd_core.algorithm.streams import ACCEPT, BONUS, DRAFT, FILL, Streams
-from dsbd_core.algorithm.transformers_law import law_scores, ranked
-from dsbd_core.algorithm.verify import fill_failed_layer, verify_layer
+from dsbd_core.algorithm.search.transformers_law import law_scores, ranked
+from dsbd_core.algorithm.sequences.state import (
+    NO_FOREST,
+    DecodeState,
+    Forest,
+    deepest_layer,
+    roots_of,
+)
 
 
 def candidates_per_step(config: SamplingConfig, n_eos: int) -> int:

@@ -29,8 +29,8 @@ from dataclasses import dataclass
 import torch
 
 from dsbd_core.algorithm.config import SamplingConfig
-from dsbd_core.algorithm.distributions import NEG_INF, Source
-from dsbd_core.algorithm.transformers_law import sampled_candidates
+from dsbd_core.algorithm.draws.distributions import NEG_INF, Source
+from dsbd_core.algorithm.search.transformers_law import sampled_candidates
 
 
 @dataclass

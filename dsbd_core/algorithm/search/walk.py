@@ -22,7 +22,12 @@ from collections.abc import Callable, Generator
 
 import torch
 
-from dsbd_core.algorithm.beams import (
+from dsbd_core.algorithm.config import SamplingConfig
+from dsbd_core.algorithm.draws.candidates import Scores, layer_candidates
+from dsbd_core.algorithm.draws.distributions import NEG_INF
+from dsbd_core.algorithm.draws.host_reads import may_read
+from dsbd_core.algorithm.draws.streams import Streams
+from dsbd_core.algorithm.iteration.beams import (
     Outputs,
     finds_rows,
     next_beams,
@@ -32,15 +37,11 @@ from dsbd_core.algorithm.beams import (
     slot_logprobs,
     walk_outcome,
 )
-from dsbd_core.algorithm.candidates import Scores, layer_candidates
-from dsbd_core.algorithm.config import SamplingConfig
-from dsbd_core.algorithm.distributions import NEG_INF
-from dsbd_core.algorithm.host_reads import may_read
-from dsbd_core.algorithm.logprobs import ForestLogprobTable, IterationLogprobs, Segment
 from dsbd_core.algorithm.scorer import ForestLayer, ForestLogprobs, ScoreCall
 from dsbd_core.algorithm.search.sampled import verified_candidates
 from dsbd_core.algorithm.search.step import SearchStep, search_step
-from dsbd_core.algorithm.state import (
+from dsbd_core.algorithm.sequences.logprobs import ForestLogprobTable, IterationLogprobs, Segment
+from dsbd_core.algorithm.sequences.state import (
     NO_FOREST,
     DecodeState,
     Forest,
@@ -50,8 +51,7 @@ from dsbd_core.algorithm.state import (
     roots_of,
     zero_counters,
 )
-from dsbd_core.algorithm.stops import StopStrings
-from dsbd_core.algorithm.streams import Streams
+from dsbd_core.algorithm.sequences.stops import StopStrings
 
 
 def draft_search(

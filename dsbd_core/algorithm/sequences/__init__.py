@@ -1,0 +1,3 @@
+"""What a decode carries and returns per sequence: the state between steps, the forest and the
+verified outcome (`state`), beams' log-probabilities (`logprobs`, `prompt_logprobs`), the result
+(`result`), stop rules (`stops`) and the penalties that reshape the law (`penalties`)."""
