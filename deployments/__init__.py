@@ -2,8 +2,8 @@
 
 By floor, each importing only its own floor and those below (tests/tools/test_layers.py checks):
 
-    app, llm_serving, serve_cli   the application built from a config; `dsbd serve`'s start-up
-    batch                         `dsbd batch`: the Ray Data job (uses the API's request fields)
+    app, llm_serving, local_serve the application built from a config; `dsbd serve` on a local Ray
+    batch_job                     `dsbd batch`: the Ray Data job (uses the API's request fields)
     api                           the HTTP ingress: OpenAI models, limits, admission, streaming
     decode                        the Router / Pair decode loop, sessions, the session registry
     replicas                      the Draft and Verifier model replicas, their memory and batching

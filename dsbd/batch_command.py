@@ -4,7 +4,7 @@
 
 Every flag is checked here before Ray starts (exit 2, naming the flag and the value): the
 SamplingConfig flags become the row defaults, the Ray flags `JobOptions`, the input files are
-listed and the output checked; the resulting `BatchJob` goes to deployments.batch.job.run_job,
+listed and the output checked; the resulting `BatchJob` goes to deployments.batch_job.job.run_job,
 which plans the input (an input it cannot read is exit 2 too, still before Ray) and runs the
 pipeline (see there and docs/BATCH.md).
 """
@@ -17,9 +17,9 @@ import sys
 
 from pydantic import ValidationError
 
-from deployments.batch.decoder import DecoderSettings, RowDefaults, check_n
-from deployments.batch.inputs import InputError, find_input
-from deployments.batch.job import (
+from deployments.batch_job.decoder import DecoderSettings, RowDefaults, check_n
+from deployments.batch_job.inputs import InputError, find_input
+from deployments.batch_job.job import (
     BatchJob,
     JobOptions,
     UsageError,
@@ -28,8 +28,8 @@ from deployments.batch.job import (
     interruptible,
     run_job,
 )
-from deployments.batch.output import EXTENSIONS, OutputDir, OutputFormat
-from deployments.batch.rows import INPUT_SUFFIXES
+from deployments.batch_job.output import EXTENSIONS, OutputDir, OutputFormat
+from deployments.batch_job.rows import INPUT_SUFFIXES
 from dsbd.common import DEFAULT_DRAFT, DEFAULT_TARGET, add_pair_flags, fail
 from dsbd.sampling_flags import add_config_flags, config_from_args
 from dsbd_core.algorithm.methods import METHODS, method_config

@@ -2,7 +2,7 @@
 
 Every `SamplingConfig` field is a flag; the flags are only parsed here, the config model
 validates them, so the CLI and HTTP reject the same values with the same message. The CLI
-builds the config and passes it down (deployments.batch.job receives it inside its settings), so
+builds the config and passes it down (deployments.batch_job.job receives it inside its settings), so
 nothing below the CLI reads argparse namespaces.
 """
 

@@ -4,7 +4,7 @@ The config is a Ray Serve config file (the schema `serve run` / `serve deploy` r
 applications, each `import_path: deployments.app:build_app` with `args` = `AppArgs`, optional
 per-deployment overrides); without `--config` the embedded defaults are served. Every flag and
 the whole config are validated here (exit 2 naming the field) before any Ray process starts;
-deployments.serve_cli then prepares the models, starts Ray and serves.
+deployments.local_serve then prepares the models, starts Ray and serves.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import yaml
 from pydantic import ValidationError
 
 from deployments.local_ray import OBJECT_STORE_MINIMUM_MIB
-from deployments.serve_cli import DEFAULT_IMPORT_PATH, LLM_IMPORT_PATH
+from deployments.local_serve import DEFAULT_IMPORT_PATH, LLM_IMPORT_PATH
 from dsbd.common import fail
 from dsbd_core.algorithm.config import config_error_message
 
@@ -263,7 +263,7 @@ def _with_draft(args: dict[str, Any], source: str | None, ngram_max: int | None)
 
 def run(args: argparse.Namespace) -> int:
     """`dsbd serve`: validate the flags and the config, prepare the models, then serve."""
-    from deployments.serve_cli import ServeOptions, ServeSetupError, prepare_models, serve
+    from deployments.local_serve import ServeOptions, ServeSetupError, prepare_models, serve
 
     if args.tp_size is not None and args.tp_size < 1:
         raise SystemExit(fail(f"--tp-size={args.tp_size}: must be >= 1"))

@@ -404,7 +404,7 @@ def test_progress_bar_on_a_terminal_and_none_with_no_progress(
 
 def test_resume_retries_decode_failures_and_edited_rows_only(tmp_path: Path) -> None:
     """Which rows a re-run decodes, from records alone: no Ray, no model."""
-    from deployments.batch.output import OUTPUT_SCHEMA, OutputDir
+    from deployments.batch_job.output import OUTPUT_SCHEMA, OutputDir
 
     out = OutputDir(str(tmp_path / "out.jsonl"), "jsonl")
     (tmp_path / "out.jsonl").mkdir()
@@ -455,12 +455,12 @@ def test_resume_retries_decode_failures_and_edited_rows_only(tmp_path: Path) -> 
 def test_bad_flags_exit_2_before_ray_starts(
     pair, flags: list[str], message: str, tmp_path: Path, monkeypatch, capsys
 ) -> None:
-    import deployments.batch.job
+    import deployments.batch_job.job
 
     def no_ray(*_: Any) -> None:
         raise AssertionError("Ray was started for a command line that is invalid")
 
-    monkeypatch.setattr(deployments.batch.job, "_start_ray", no_ray)
+    monkeypatch.setattr(deployments.batch_job.job, "_start_ray", no_ray)
     monkeypatch.chdir(tmp_path)
     (tmp_path / "prompts.jsonl").write_text('{"prompt": "x"}\n')
     switches = [f for f in pair["flags"] if f == "--fixed-knobs"]  # a flag without a value

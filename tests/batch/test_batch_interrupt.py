@@ -18,9 +18,9 @@ from typing import Any
 
 import pytest
 
-import deployments.batch.job
+import deployments.batch_job.job
 import dsbd.batch_command
-from deployments.batch.job import interruptible
+from deployments.batch_job.job import interruptible
 from dsbd.cli import main
 from tests.tiny_models import build_pair
 
@@ -83,7 +83,7 @@ def test_ctrl_c_during_the_checks_or_planning_exits_130(
     def ctrl_c(*_: Any, **__: Any) -> None:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(deployments.batch.job, "_start_ray", no_ray)
+    monkeypatch.setattr(deployments.batch_job.job, "_start_ray", no_ray)
     target, draft = build_pair(tmp_path / "models")
     (tmp_path / "in.jsonl").write_text('{"prompt": "x"}\n')
     argv = ["batch", "--target", str(target), "--draft", str(draft)]
@@ -96,7 +96,7 @@ def test_ctrl_c_during_the_checks_or_planning_exits_130(
     assert "dsbd batch: interrupted before the job started" in capsys.readouterr().err
 
     with monkeypatch.context() as patched:
-        patched.setattr(deployments.batch.job, "plan_input", ctrl_c)
+        patched.setattr(deployments.batch_job.job, "plan_input", ctrl_c)
         assert main(argv) == 130
     err = capsys.readouterr().err
     assert "dsbd batch: interrupted; rerun the same command to resume" in err, err

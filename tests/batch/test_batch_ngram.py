@@ -11,8 +11,8 @@ import pyarrow as pa
 import pytest
 import torch
 
-from deployments.batch.decoder import BatchDecoder
-from deployments.batch.rows import ROWS_SCHEMA
+from deployments.batch_job.decoder import BatchDecoder
+from deployments.batch_job.rows import ROWS_SCHEMA
 from dsbd.cli import main
 from dsbd_core import SamplingConfig
 from dsbd_core.algorithm.drivers.decoders import generate

@@ -32,10 +32,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-import deployments.batch.inputs as batch_input
-from deployments.batch.inputs import InputError, find_input, plan_input, split_rows
-from deployments.batch.keys import KeySet
-from deployments.batch.rows import input_format
+import deployments.batch_job.inputs as batch_input
+from deployments.batch_job.inputs import InputError, find_input, plan_input, split_rows
+from deployments.batch_job.keys import KeySet
+from deployments.batch_job.rows import input_format
 from dsbd.cli import main
 from tests.serving_harness import leftovers
 from tests.tiny_models import build_pair
@@ -184,12 +184,12 @@ def test_missing_empty_or_unreadable_input_is_refused(tmp_path: Path) -> None:
 
 
 def test_the_cli_refuses_bad_input_before_ray_starts(tmp_path: Path, monkeypatch, capsys) -> None:
-    import deployments.batch.job
+    import deployments.batch_job.job
 
     def no_ray(*_: Any) -> None:
         raise AssertionError("Ray was started for an input that cannot be read")
 
-    monkeypatch.setattr(deployments.batch.job, "_start_ray", no_ray)
+    monkeypatch.setattr(deployments.batch_job.job, "_start_ray", no_ray)
     target, draft = build_pair(tmp_path / "models")
     (tmp_path / "in").mkdir()
     (tmp_path / "in" / "notes.txt").write_text("x")
@@ -241,7 +241,7 @@ DRIVER = """
 import signal, sys
 print(f"driver SIGINT ignored at start: {signal.getsignal(signal.SIGINT) is signal.SIG_IGN}")
 import pyarrow.parquet, ray.data  # imported by the job anyway: not what is measured
-import deployments.batch.job as job, deployments.batch.decoder, deployments.batch.source
+import deployments.batch_job.job as job, deployments.batch_job.decoder, deployments.batch_job.source
 from deployments.local_ray import start_local_ray
 from dsbd.cli import main
 

@@ -10,7 +10,7 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from deployments.batch.rows import parse_row
+from deployments.batch_job.rows import parse_row
 from dsbd_core import SamplingConfig, generate
 from dsbd_core.algorithm.drivers.lockstep import Request, decode_lockstep
 from dsbd_core.algorithm.drivers.session_batch import SessionBatcher
@@ -82,7 +82,7 @@ def test_lockstep_requests_decode_their_own_processors_as_alone() -> None:
 def test_a_row_with_a_bias_key_outside_the_vocabulary_is_an_invalid_row(tmp_path) -> None:
     """The actor refuses it before decoding, worded as the HTTP API's 400; a good row with
     the processors becomes a request carrying them."""
-    from deployments.batch.decoder import BatchDecoder
+    from deployments.batch_job.decoder import BatchDecoder
     from tests.tiny_models import build_pair
 
     target_dir, draft_dir = build_pair(tmp_path)

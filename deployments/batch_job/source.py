@@ -5,7 +5,7 @@ no row offset, so derived ids (`row<index>-<hash>`, index = position in the whol
 not be formed; `read_json` fails the job on one bad line (pandas on text that is not JSON,
 Arrow on a field whose type changes between rows) where a bad row must become an error
 record; and neither skips the rows the output holds. This Datasource reads the splits that
-`deployments.batch.inputs.plan_input` cut (consecutive rows of one file, with the global index
+`deployments.batch_job.inputs.plan_input` cut (consecutive rows of one file, with the global index
 of the first): one read task per split, reading its file itself (so rows go from storage to
 the read task's worker and on to the actors through the object store, never through the
 driver), yielding only the rows the plan marked, `batch_size` rows a block: a block is one
@@ -22,8 +22,8 @@ import pyarrow as pa
 from ray.data.block import BlockMetadata
 from ray.data.datasource import Datasource, ReadTask
 
-from deployments.batch.inputs import Split, split_rows
-from deployments.batch.rows import ROWS_SCHEMA, rows_table
+from deployments.batch_job.inputs import Split, split_rows
+from deployments.batch_job.rows import ROWS_SCHEMA, rows_table
 
 
 class BatchInputDatasource(Datasource):

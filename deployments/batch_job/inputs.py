@@ -10,7 +10,7 @@ in that order, so a row's `index`, and with it a derived id, is its position in 
 input: the same whether the files are read one by one, split into several read tasks, or
 concatenated into one file.
 
-Rows stream to the actors through Ray Data (deployments/batch/source.py), but resume and the
+Rows stream to the actors through Ray Data (deployments/batch_job/source.py), but resume and the
 duplicate-id rule need every row's key before any row is decoded (docs/BATCH.md): which rows
 the output already holds (they reach no actor, and the skipped count is printed), which old
 records to remove before their rows are decoded again, which later rows repeat an earlier id,
@@ -18,7 +18,7 @@ and whether there is anything to do at all (else Ray is not even started). So `p
 makes one streaming pass over the input on the driver before the pipeline starts: it reads
 each file in chunks (JSONL: 1 MiB at a time, lines found by a byte scan; Parquet: one row group
 at a time), hashes every row, and keeps 16 bytes a row (the id's fingerprint,
-deployments/batch/keys.py) and one bit a row (decode it or not), never the rows themselves.
+deployments/batch_job/keys.py) and one bit a row (decode it or not), never the rows themselves.
 It also cuts the input into splits, the read tasks' parts: consecutive rows of one file,
 about `SPLIT_BYTES` each (JSONL: byte ranges ending at a line end, with the global index of
 their first row; Parquet: runs of row groups, counted from the footer). A read task reads its
@@ -40,8 +40,8 @@ from typing import Any
 
 import numpy as np
 
-from deployments.batch.keys import KeySet, fingerprint, pack
-from deployments.batch.rows import INPUT_SUFFIXES, InputFormat, input_format, row_key, uri
+from deployments.batch_job.keys import KeySet, fingerprint, pack
+from deployments.batch_job.rows import INPUT_SUFFIXES, InputFormat, input_format, row_key, uri
 
 SPLIT_BYTES = 64 << 20  # a read task's share of a file (a split holds at least one row)
 CHUNK_BYTES = 1 << 20  # JSONL bytes read at a time

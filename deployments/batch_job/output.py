@@ -39,8 +39,8 @@ from typing import Any, Literal
 import numpy as np
 import pyarrow as pa
 
-from deployments.batch.keys import KeySet, fingerprints
-from deployments.batch.rows import uri
+from deployments.batch_job.keys import KeySet, fingerprints
+from deployments.batch_job.rows import uri
 
 OutputFormat = Literal["parquet", "jsonl"]
 EXTENSIONS: dict[OutputFormat, str] = {"parquet": "parquet", "jsonl": "jsonl"}

@@ -2,7 +2,7 @@
 
 The actors receive one string column per row, `row` (the row as JSON text: a JSONL line as
 it is, a Parquet row dumped), next to its `index`, `id`, `row_hash` and `problem`
-(`ROWS_SCHEMA`; deployments/batch/inputs.py reads the files, deployments/batch/source.py
+(`ROWS_SCHEMA`; deployments/batch_job/inputs.py reads the files, deployments/batch_job/source.py
 streams them to Ray Data). Parsing and validating happen in the actors, so a bad row becomes
 an error record instead of a crash. A JSONL column with mixed types (`"width": 2` in one row,
 `"width": "two"` in the next) would make Arrow's JSON reader fail the whole file; reading

@@ -3,17 +3,17 @@
     dsbd batch --input prompts/ --output results.parquet [--width 3 --gamma 3 ...]
 
 The job: the driver lists the input files (a file, or a directory of them) and makes one
-streaming pass over them (deployments/batch/inputs.py): every row's id and content hash,
-checked against the records the output already holds (deployments/batch/output.py), kept
+streaming pass over them (deployments/batch_job/inputs.py): every row's id and content hash,
+checked against the records the output already holds (deployments/batch_job/output.py), kept
 as 16-byte fingerprints, never the rows. Ray Data then runs
 
     read_datasource(splits of the input) -> map_batches(BatchDecoder, ActorPoolStrategy(N))
         -> write
 
 where read tasks read their split of a file themselves and pass on only the rows to decode
-(deployments/batch/source.py), so rows stream from storage to the actors and the driver's
+(deployments/batch_job/source.py), so rows stream from storage to the actors and the driver's
 memory does not grow with the input; each actor loads target and draft once and decodes a
-batch of rows together, sharing the models' forwards (deployments/batch/decoder.py); the
+batch of rows together, sharing the models' forwards (deployments/batch_job/decoder.py); the
 records are written as Parquet or JSON Lines, one file per write task, into the output
 directory. A final line counts the rows decoded, failed and skipped, and the tokens per second.
 
@@ -40,9 +40,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from deployments.batch.decoder import DecoderSettings
-from deployments.batch.inputs import InputError, InputFile, InputPlan, plan_input
-from deployments.batch.output import OutputDir
+from deployments.batch_job.decoder import DecoderSettings
+from deployments.batch_job.inputs import InputError, InputFile, InputPlan, plan_input
+from deployments.batch_job.output import OutputDir
 
 # Settings that decide a row's result; a re-run on the same output must repeat them.
 _RESULT_SETTINGS = ("target", "draft", "dtype", "draft_variant", "fixed_knobs", "defaults")
@@ -285,9 +285,9 @@ def _execute(
     """read (the plan's splits) -> map_batches (actor pool) -> write, a block per batch."""
     import ray
 
-    from deployments.batch.decoder import BatchDecoder
-    from deployments.batch.sink import JsonLinesDatasink, RunFiles
-    from deployments.batch.source import BatchInputDatasource
+    from deployments.batch_job.decoder import BatchDecoder
+    from deployments.batch_job.sink import JsonLinesDatasink, RunFiles
+    from deployments.batch_job.source import BatchInputDatasource
 
     context = ray.data.DataContext.get_current()
     context.enable_progress_bars = progress

@@ -20,8 +20,8 @@ import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from deployments.api.responses import BeamText
-from deployments.batch.output import OUTPUT_SCHEMA, error_record
-from deployments.batch.rows import BatchRow, parse_row
+from deployments.batch_job.output import OUTPUT_SCHEMA, error_record
+from deployments.batch_job.rows import BatchRow, parse_row
 from dsbd_core.algorithm.config import SamplingConfig
 from dsbd_core.algorithm.methods import BEAM_METHODS, MethodConfig, method_config
 from dsbd_core.algorithm.sequences.penalties import bias_problem
