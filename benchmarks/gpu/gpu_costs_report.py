@@ -1,4 +1,4 @@
-"""The markdown report of benchmarks/gpu_costs.py and where it is written."""
+"""The markdown report of benchmarks/gpu/gpu_costs.py and where it is written."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ from pathlib import Path
 
 import torch
 
-try:  # `python benchmarks/gpu_costs.py`: benchmarks/ is on sys.path
+try:  # `python benchmarks/gpu/gpu_costs.py`: benchmarks/gpu/ is on sys.path
     from gpu_costs_acceptance import RESULTS
 except ModuleNotFoundError:  # imported from the repository root (tests load it by path)
-    from benchmarks.gpu_costs_acceptance import RESULTS
+    from benchmarks.gpu.gpu_costs_acceptance import RESULTS
 
 FORMULA = "speedup = E * t_beam / (T_draft + t_verify)"
 FORMULA_HOST = "speedup_with_host = E * (t_beam + h_beam) / (T_draft + t_verify + h_dsbd)"
@@ -91,8 +91,8 @@ def markdown(report: dict) -> str:
 
 
 def default_out(device: torch.device, size: str) -> Path:
-    """benchmarks/results/gpu_costs_<device>.json, the device named by its GPU when there is one."""
+    """benchmarks/results/gpu/<device>/costs/gpu_costs_<size>.json, the device named by its GPU
+    when there is one."""
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
     slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
-    suffix = "" if size == "paper" else f"_{size}"
-    return RESULTS / f"gpu_costs_{slug}{suffix}.json"
+    return RESULTS / "gpu" / slug / "costs" / f"gpu_costs_{size}.json"

@@ -1,6 +1,6 @@
 """Does a GPU draw the CPU's numbers and decode the CPU's tokens? (issue 46 item 1, on a device)
 
-    python3 benchmarks/gpu_draws.py [--device cuda] [--out draws.json]
+    python3 benchmarks/gpu/gpu_draws.py [--device cuda] [--out draws.json]
 
 Every random number of a decode is a hash of its counters (`dsbd_core/algorithm/streams.py`),
 so a seeded decode must give the same tokens on every device wherever the log-probs are the

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # A lent GPU's checks in one prepared script: the static decode path's costs at Qwen and paper
 # shapes, beam sampling end to end against transformers, the profile of a static beam step, host
-# syncs per DSBD iteration (benchmarks/gpu_summary.py), and `dsbd bench --device cuda` on the
+# syncs per DSBD iteration (benchmarks/gpu/gpu_summary.py), and `dsbd bench --device cuda` on the
 # embedded pair.
 #
 # Why stages: the lent machine reaches no package index and takes at most 64 MiB of files a call
@@ -16,7 +16,7 @@
 #             --size qwen), the fused sides on table scorers: draws and tokens against the
 #             host's, the engine per iteration; the static path's calls with the verify graph,
 #             the summary (~8 min; NO_COSTS=1 ~5; $OUT/fused.tgz). Send the commit along:
-#             `DSBD_SENT_COMMIT=<git rev-parse HEAD here> bash benchmarks/gpu_session.sh fused`
+#             `DSBD_SENT_COMMIT=<git rev-parse HEAD here> bash benchmarks/gpu/gpu_session.sh fused`
 #             (the device's copy may carry an older HEAD; results then say so: harness.git_info)
 #   one       .gpu/ holds the wheels (the GGUF's first part may ride along): install, the
 #             device's draws and tokens against the host's (gpu_draws.py), then every
@@ -58,7 +58,7 @@ install_wheels() {
 
 summarize() {  # the summary of what $STAGE/out holds, the table and a tarball of it to $OUT
     local work="$STAGE/out"
-    [ -n "${SKIP_SUMMARY:-}" ] || timeout 60 python3 benchmarks/gpu_summary.py \
+    [ -n "${SKIP_SUMMARY:-}" ] || timeout 60 python3 benchmarks/gpu/gpu_summary.py \
         --costs "$work/costs" --bench "$work/bench" --e2e-beam "$work/e2e_beam_qwen.json" \
         --profile "$work/profile_qwen_static.json" \
         --profiles "$work"/profile_qwen_static_*.json --draws "$work/draws.json" \
@@ -88,25 +88,25 @@ fused)
     start_stage
     work="$STAGE/out" && mkdir -p "$work/costs"
     echo "sent as commit ${DSBD_SENT_COMMIT:-unknown} (DSBD_SENT_COMMIT=\$(git rev-parse HEAD) in the call)"
-    timeout 30 python3 benchmarks/gpu_graph_replay.py --out "$work/graph_replay.json" 2>&1 | tail -2
+    timeout 30 python3 benchmarks/gpu/gpu_graph_replay.py --out "$work/graph_replay.json" 2>&1 | tail -2
     # a whole DSBD iteration and a beam step at the Qwen shapes, eager and fused (the models'
     # forwards inside the sides' graphs, models/static_side.py)
-    timeout "${QWEN_TIMEOUT:-240}" python3 benchmarks/gpu_engine.py --size qwen --tokens 32 \
+    timeout "${QWEN_TIMEOUT:-240}" python3 benchmarks/gpu/gpu_engine.py --size qwen --tokens 32 \
         --rounds 2 --methods dsbd-w3-g3-fixed beam-w3 --out "$work/engine_qwen.json" 2>&1 |
         grep -E '^\{|Error' | tail -8
     uptime
-    timeout "${DRAWS_TIMEOUT:-170}" python3 benchmarks/gpu_draws.py --out "$work/draws.json" 2>&1 | grep -v Warn | tail -14
+    timeout "${DRAWS_TIMEOUT:-170}" python3 benchmarks/gpu/gpu_draws.py --out "$work/draws.json" 2>&1 | grep -v Warn | tail -14
     uptime
-    timeout "${ENGINE_TIMEOUT:-150}" python3 benchmarks/gpu_engine.py --rounds 2 --out "$work/engine.json" 2>&1 |
+    timeout "${ENGINE_TIMEOUT:-150}" python3 benchmarks/gpu/gpu_engine.py --rounds 2 --out "$work/engine.json" 2>&1 |
         grep -E '^\{|Error' | tail -20
     uptime
     for size in ${NO_COSTS:+none} qwen paper; do  # NO_COSTS=1: the draws and the engine only
         [ "$size" = none ] && break
-        timeout 80 python3 benchmarks/gpu_costs.py --size "$size" --decode-path static \
+        timeout 80 python3 benchmarks/gpu/gpu_costs.py --size "$size" --decode-path static \
             --widths 1 3 --gammas 2 3 --contexts 256 --repeats 10 --no-progress --engine graph \
             --out "$work/costs/gpu_costs_${size}_static-verifygraph.json" 2>&1 | tail -12
     done
-    [ -n "${SKIP_SUMMARY:-}" ] || timeout 60 python3 benchmarks/gpu_summary.py \
+    [ -n "${SKIP_SUMMARY:-}" ] || timeout 60 python3 benchmarks/gpu/gpu_summary.py \
         --costs "$work/costs" --draws "$work/draws.json" --engine "$work/engine.json" \
         --replay "$work/graph_replay.json" --engine-models "$work/engine_qwen.json" \
         --out "$work/summary" 2>&1 | tail -30
@@ -114,7 +114,7 @@ fused)
         "$work/engine_qwen.json" "$OUT/" 2>/dev/null
     tar czf "$OUT/fused.tgz" -C "$work" .
     # PROFILE=1: where a static beam step's time goes at the Qwen shapes (torch.profiler)
-    [ -n "${PROFILE:-}" ] && timeout 60 python3 benchmarks/gpu_forward_profile.py --size qwen \
+    [ -n "${PROFILE:-}" ] && timeout 60 python3 benchmarks/gpu/gpu_forward_profile.py --size qwen \
         --decode-path static --repeats 10 --out "$OUT/profile_qwen_static.json" 2>&1 |
         grep -v Warning | tail -40
     uptime
@@ -124,23 +124,23 @@ one)
     start_stage
     work="$STAGE/out" && mkdir -p "$work/costs"
     # the device draws the host's numbers and decodes its tokens (table scorers, every method,
-    # eager and through the verify graph): benchmarks/gpu_draws.py
-    timeout 120 python3 benchmarks/gpu_draws.py --out "$work/draws.json" 2>&1 | tail -14
+    # eager and through the verify graph): benchmarks/gpu/gpu_draws.py
+    timeout 120 python3 benchmarks/gpu/gpu_draws.py --out "$work/draws.json" 2>&1 | tail -14
     costs() {  # size path seconds [engine]: the engine beside the models, on the host, or graphed
         local name="$2" && [ "${4:-model}" = cpu ] && name="$2-hostengine"
         [ "${4:-model}" = graph ] && name="$2-verifygraph"
-        timeout "$3" python3 benchmarks/gpu_costs.py --size "$1" --decode-path "$2" \
+        timeout "$3" python3 benchmarks/gpu/gpu_costs.py --size "$1" --decode-path "$2" \
             --widths 1 3 --gammas 2 3 --contexts 256 --repeats 10 --no-progress \
             --engine "${4:-model}" --out "$work/costs/gpu_costs_$1_$name.json" 2>&1 | tail -14
     }
     costs qwen static 100
     costs qwen static 100 cpu  # the same figures with the engine on the host: the A/B
     costs qwen static 120 graph  # and with the verify side as one CUDA graph
-    timeout 60 python3 benchmarks/gpu_e2e_beam.py --size qwen --tokens 32 --rounds 3 \
+    timeout 60 python3 benchmarks/gpu/gpu_e2e_beam.py --size qwen --tokens 32 --rounds 3 \
         --out "$work/e2e_beam_qwen.json" 2>&1 | tail -14
-    timeout 50 python3 benchmarks/gpu_forward_profile.py --size qwen --decode-path static \
+    timeout 50 python3 benchmarks/gpu/gpu_forward_profile.py --size qwen --decode-path static \
         --repeats 10 --out "$work/profile_qwen_static.json" 2>&1 | tail -70
-    timeout 60 python3 benchmarks/gpu_forward_profile.py --size qwen --decode-path static \
+    timeout 60 python3 benchmarks/gpu/gpu_forward_profile.py --size qwen --decode-path static \
         --gamma 3 --repeats 8 --out "$work/profile_qwen_static_dsbd.json" 2>&1 |
         grep -v Warning | tail -48
     costs paper static 100
@@ -149,7 +149,7 @@ one)
     # opt-in (INDUCTOR_TIMEOUT=seconds): its first bucket did not compile within 180 s on the
     # H100 (stop 39); results beside the tarball
     if [ "${INDUCTOR_TIMEOUT:-0}" -gt 0 ]; then
-        timeout "$INDUCTOR_TIMEOUT" python3 benchmarks/gpu_costs.py --size qwen \
+        timeout "$INDUCTOR_TIMEOUT" python3 benchmarks/gpu/gpu_costs.py --size qwen \
             --decode-path static --compile inductor-graph --widths 1 3 --gammas --contexts 256 \
             --repeats 10 --no-progress --out "$OUT/gpu_costs_qwen_static-inductor.json" 2>&1 |
             grep -v Warning | tail -20
@@ -179,7 +179,7 @@ profile)
     install_wheels
     for run in "3 1 dsbd" "0 1 beam" "3 8 dsbd_t8"; do
         set -- $run
-        timeout 100 python3 benchmarks/gpu_forward_profile.py --size qwen --decode-path static \
+        timeout 100 python3 benchmarks/gpu/gpu_forward_profile.py --size qwen --decode-path static \
             --gamma "$1" --threads "$2" --repeats 8 --out "$OUT/profile_qwen_static_$3.json" \
             2>&1 | grep -v Warning | tail -48
     done
@@ -190,7 +190,7 @@ costs)
     nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
     python3 -c "import torch, transformers, pydantic; print(torch.__version__, transformers.__version__, pydantic.__version__, torch.cuda.get_device_name())"
     for size in paper qwen; do
-        timeout 150 python3 benchmarks/gpu_costs.py --size "$size" --repeats 10 --no-progress \
+        timeout 150 python3 benchmarks/gpu/gpu_costs.py --size "$size" --repeats 10 --no-progress \
             --out "$OUT/gpu_costs_$size.json" 2>&1 | tail -40
     done
     ;;
@@ -199,7 +199,7 @@ stash)
     stage_files
     work="$STAGE/out" && mkdir -p "$work/costs"
     [ -f "$STAGE/site/transformers/__init__.py" ] && [ -z "${NO_COSTS:-}" ] &&
-        timeout 80 python3 benchmarks/gpu_costs.py --size qwen --decode-path dynamic \
+        timeout 80 python3 benchmarks/gpu/gpu_costs.py --size qwen --decode-path dynamic \
             --widths 1 3 --gammas 2 3 --contexts 256 --repeats 10 --no-progress \
             --out "$work/costs/gpu_costs_qwen_dynamic.json" 2>&1 | tail -14
     ;;

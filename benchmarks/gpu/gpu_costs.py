@@ -42,8 +42,8 @@ it combines costs measured here with acceptance measured elsewhere, and is not a
 on this device; directly measured GPU figures (a `dsbd bench --device cuda` run in
 benchmarks/results/) are listed next to them when they exist.
 
-    .venv/bin/python benchmarks/gpu_costs.py                       # GPU: paper sizes, bf16
-    .venv/bin/python benchmarks/gpu_costs.py --size tiny --device cpu --dtype float32 \
+    .venv/bin/python benchmarks/gpu/gpu_costs.py                       # GPU: paper sizes, bf16
+    .venv/bin/python benchmarks/gpu/gpu_costs.py --size tiny --device cpu --dtype float32 \
         --out /tmp/gpu_costs_smoke.json                            # CPU smoke run, ~1 min
 
 This file is the command line; the work is in its siblings: gpu_costs_models.py (the
@@ -81,22 +81,22 @@ try:
     from gpu_costs_report import FORMULA, FORMULA_HOST, MODELLED_NOTE, default_out, markdown
     from gpu_costs_timing import Bench
 except ModuleNotFoundError:
-    from benchmarks.gpu_costs_acceptance import (
+    from benchmarks.gpu.gpu_costs_acceptance import (
         RESULTS,
         acceptance_sources,
         measured_gpu_figures,
         modelled_speedups,
     )
-    from benchmarks.gpu_costs_engine import measure_costs
-    from benchmarks.gpu_costs_models import DEFAULT_CONTEXTS, SIZES, build_model, describe_model
-    from benchmarks.gpu_costs_report import (
+    from benchmarks.gpu.gpu_costs_engine import measure_costs
+    from benchmarks.gpu.gpu_costs_models import DEFAULT_CONTEXTS, SIZES, build_model, describe_model
+    from benchmarks.gpu.gpu_costs_report import (
         FORMULA,
         FORMULA_HOST,
         MODELLED_NOTE,
         default_out,
         markdown,
     )
-    from benchmarks.gpu_costs_timing import Bench
+    from benchmarks.gpu.gpu_costs_timing import Bench
 
 
 # What the modelled figures are of, per size: E always comes from the real Qwen pair.
@@ -185,7 +185,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--out",
         type=Path,
         default=None,
-        help="JSON path (markdown next to it); default benchmarks/results/gpu_costs_<device>.json",
+        help="JSON path (markdown next to it); "
+        "default benchmarks/results/gpu/<device>/costs/gpu_costs_<size>.json",
     )
     parser.add_argument("--no-progress", action="store_true")
     return parser.parse_args(argv)

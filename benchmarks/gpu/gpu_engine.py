@@ -1,12 +1,12 @@
 """What an iteration costs on a device with its sides fused into graphs (issue 46).
 
-    python3 benchmarks/gpu_engine.py [--device cuda] [--vocab 151936] [--out engine.json]
-    python3 benchmarks/gpu_engine.py --size qwen [--out engine_qwen.json]
+    python3 benchmarks/gpu/gpu_engine.py [--device cuda] [--vocab 151936] [--out engine.json]
+    python3 benchmarks/gpu/gpu_engine.py --size qwen [--out engine_qwen.json]
 
 `--size tables` (default): the scorers are order-1 exact tables (`TableScorer`, the target's
 random distribution and a sharper copy for the draft, no end of sequence): a forward is one
 gather, so an iteration's time is the engine's own, at a real vocabulary. `--size qwen` /
-`paper` / `tiny`: random-weight models of those shapes (benchmarks/gpu_costs_models.py) behind
+`paper` / `tiny`: random-weight models of those shapes (benchmarks/gpu/gpu_costs_models.py) behind
 `StaticScorer`, a 256-token prompt: with `graph=True` their forwards run inside the sides'
 graphs (`models/static_side.py`), so the fused figure is a whole DSBD iteration of real model
 shapes in two graph calls. Each method decodes one prompt to `--tokens` new tokens
@@ -68,10 +68,10 @@ class Pair:
             self.target, self.draft = tables(vocab, device)
             self.vocab = vocab
             return
-        try:  # benchmarks/ is on sys.path when this file runs as a script
+        try:  # benchmarks/gpu/ is on sys.path when this file runs as a script
             from gpu_costs_models import SIZES, build_model
         except ModuleNotFoundError:
-            from benchmarks.gpu_costs_models import SIZES, build_model
+            from benchmarks.gpu.gpu_costs_models import SIZES, build_model
         dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
         models = [
             build_model(SIZES[size][k], torch.device(device), dtype) for k in ("target", "draft")

@@ -14,8 +14,8 @@ Methods interleave in every round; the first round of each is untimed (captures,
 warm-up). Figures: median ms per generated token (N tokens a decode), and each method's time
 over ours-static.
 
-    python3 benchmarks/gpu_e2e_beam.py --size qwen --out e2e.json                 # GPU
-    .venv/bin/python benchmarks/gpu_e2e_beam.py --size tiny --device cpu --dtype float32
+    python3 benchmarks/gpu/gpu_e2e_beam.py --size qwen --out e2e.json                 # GPU
+    .venv/bin/python benchmarks/gpu/gpu_e2e_beam.py --size tiny --device cpu --dtype float32
 """
 
 from __future__ import annotations
@@ -34,12 +34,12 @@ from dsbd_core import SamplingConfig, generate
 from dsbd_core.models.decode_path import make_scorer
 from dsbd_core.models.dtypes import DTYPES
 
-try:  # `python benchmarks/gpu_e2e_beam.py`: benchmarks/ is on sys.path
+try:  # `python benchmarks/gpu/gpu_e2e_beam.py`: benchmarks/gpu/ is on sys.path
     from gpu_costs_models import SIZES, build_model
     from gpu_costs_timing import synchronize
 except ModuleNotFoundError:  # imported from the repository root
-    from benchmarks.gpu_costs_models import SIZES, build_model
-    from benchmarks.gpu_costs_timing import synchronize
+    from benchmarks.gpu.gpu_costs_models import SIZES, build_model
+    from benchmarks.gpu.gpu_costs_timing import synchronize
 
 
 def decoders(model, width: int, tokens: int, prompt: list[int]) -> dict[str, Callable[[int], int]]:

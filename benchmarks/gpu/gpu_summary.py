@@ -1,15 +1,15 @@
 """The static decode path's figures on one device, against their targets: summary.json + table.
 
-Reads what `benchmarks/gpu_session.sh` measured (benchmarks/gpu_costs.py at the Qwen and paper
-shapes on the static and dynamic paths, beam sampling end to end on random Qwen-shape weights
-(benchmarks/gpu_e2e_beam.py), the profile of a static beam step
-(benchmarks/gpu_forward_profile.py) and, where it ran, `dsbd bench` on the embedded pair) and
+Reads what `benchmarks/gpu/gpu_session.sh` measured (benchmarks/gpu/gpu_costs.py at the Qwen and
+paper shapes on the static and dynamic paths, beam sampling end to end on random Qwen-shape weights
+(benchmarks/gpu/gpu_e2e_beam.py), the profile of a static beam step
+(benchmarks/gpu/gpu_forward_profile.py) and, where it ran, `dsbd bench` on the embedded pair) and
 counts the host
 synchronisations of static DSBD iterations itself (`torch.cuda.set_sync_debug_mode`: every
 operation that waits for the device warns once), then writes
 `benchmarks/results/gpu/<device>/summary.json` and `summary.md`.
 
-    python benchmarks/gpu_summary.py --costs DIR [--bench DIR] [--e2e-beam F] [--profile F] \
+    python benchmarks/gpu/gpu_summary.py --costs DIR [--bench DIR] [--e2e-beam F] [--profile F] \
         [--device cuda] [--out DIR]
 
 On a CPU (`--device cpu`, tiny shapes) it runs as a smoke test: no syncs are counted there.
@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-RESULTS = Path(__file__).parent / "results" / "gpu"
+RESULTS = Path(__file__).resolve().parents[1] / "results" / "gpu"
 # The targets of issue 46 (two graph replays and one read per DSBD iteration), H100 figures;
 # `targets_for` tightens the bandwidth-bound ones on an H200.
 TARGETS = {
@@ -102,7 +102,7 @@ def syncs_per_iteration(
     (file:line -> count, the most frequent first); (None, {}) off CUDA."""
     if device.type != "cuda":
         return None, {}
-    from gpu_costs_models import SIZES, build_model  # benchmarks/ is on sys.path
+    from gpu_costs_models import SIZES, build_model  # benchmarks/gpu/ is on sys.path
 
     from dsbd_core import SamplingConfig, generate
     from dsbd_core.models.static_scorer import StaticScorer
@@ -141,13 +141,13 @@ def main() -> None:
         "--e2e-beam",
         type=Path,
         default=None,
-        help="benchmarks/gpu_e2e_beam.py's JSON (random weights end to end)",
+        help="benchmarks/gpu/gpu_e2e_beam.py's JSON (random weights end to end)",
     )
     parser.add_argument(
         "--profile",
         type=Path,
         default=None,
-        help="benchmarks/gpu_forward_profile.py's JSON (static beam step)",
+        help="benchmarks/gpu/gpu_forward_profile.py's JSON (static beam step)",
     )
     parser.add_argument(
         "--profiles",
@@ -167,13 +167,13 @@ def main() -> None:
         "--draws",
         type=Path,
         default=None,
-        help="benchmarks/gpu_draws.py's JSON (the device's tokens against the host's)",
+        help="benchmarks/gpu/gpu_draws.py's JSON (the device's tokens against the host's)",
     )
     parser.add_argument(
         "--engine",
         type=Path,
         default=None,
-        help="benchmarks/gpu_engine.py's JSON (the engine per iteration, sides fused)",
+        help="benchmarks/gpu/gpu_engine.py's JSON (the engine per iteration, sides fused)",
     )
     parser.add_argument(
         "--engine-models",
@@ -185,7 +185,7 @@ def main() -> None:
         "--replay",
         type=Path,
         default=None,
-        help="benchmarks/gpu_graph_replay.py's JSON (a graph replay's host and wall time)",
+        help="benchmarks/gpu/gpu_graph_replay.py's JSON (a graph replay's host and wall time)",
     )
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--context", type=int, default=256)

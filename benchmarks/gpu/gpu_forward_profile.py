@@ -1,6 +1,6 @@
 """Where a target call's time goes on a GPU: our scorer's beam step against a bare forward.
 
-benchmarks/gpu_costs.py timed a beam step of the Qwen2.5-Coder-1.5B shape at ~67 ms on an H100
+benchmarks/gpu/gpu_costs.py timed a beam step of the Qwen2.5-Coder-1.5B shape at ~67 ms on an H100
 and of a 7B at 62-104 ms, where reading a 1.5B model's weights takes about a millisecond: the
 time is the host's, not the GPU's. This script tells the scorer's own work from transformers'
 forward on the same random-weight model, cache and rows:
@@ -15,8 +15,8 @@ forward on the same random-weight model, cache and rows:
   profiles DSBD iterations of depth N (the size's draft, its gamma draft calls and the verify)
   instead of beam steps.
 
-    python3 benchmarks/gpu_forward_profile.py --size qwen          # GPU
-    .venv/bin/python benchmarks/gpu_forward_profile.py --size tiny --device cpu --dtype float32
+    python3 benchmarks/gpu/gpu_forward_profile.py --size qwen          # GPU
+    .venv/bin/python benchmarks/gpu/gpu_forward_profile.py --size tiny --device cpu --dtype float32
 """
 
 from __future__ import annotations
@@ -34,14 +34,14 @@ from transformers import DynamicCache
 
 from dsbd_core.models.dtypes import DTYPES
 
-try:  # `python benchmarks/gpu_forward_profile.py`: benchmarks/ is on sys.path
+try:  # `python benchmarks/gpu/gpu_forward_profile.py`: benchmarks/gpu/ is on sys.path
     from gpu_costs_engine import time_beam, time_dsbd
     from gpu_costs_models import SIZES, build_model
     from gpu_costs_timing import Bench, synchronize
 except ModuleNotFoundError:  # imported from the repository root
-    from benchmarks.gpu_costs_engine import time_beam, time_dsbd
-    from benchmarks.gpu_costs_models import SIZES, build_model
-    from benchmarks.gpu_costs_timing import Bench, synchronize
+    from benchmarks.gpu.gpu_costs_engine import time_beam, time_dsbd
+    from benchmarks.gpu.gpu_costs_models import SIZES, build_model
+    from benchmarks.gpu.gpu_costs_timing import Bench, synchronize
 
 
 STEADY = 10  # profiled steady-state iterations

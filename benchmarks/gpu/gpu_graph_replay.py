@@ -1,6 +1,6 @@
 """What a CUDA graph replay costs on this machine, empty and with many kernels (issue 46).
 
-    python3 benchmarks/gpu_graph_replay.py [--out replay.json]
+    python3 benchmarks/gpu/gpu_graph_replay.py [--out replay.json]
 
 Two graphs per iteration is the plan only if a replay is cheap where the product runs: a plain
 launch costs a few microseconds of host time on bare metal, but the lent machines are VMs, and

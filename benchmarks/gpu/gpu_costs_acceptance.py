@@ -1,5 +1,5 @@
 """Tokens per iteration E measured on the real pair, and the speedups modelled from them, for
-benchmarks/gpu_costs.py.
+benchmarks/gpu/gpu_costs.py.
 
 E is read from result files in benchmarks/results/ (measured elsewhere, on CPU); the modelled
 speedup combines it with the per-call costs timed by gpu_costs_engine.py.
@@ -15,14 +15,13 @@ from pathlib import Path
 from dsbd_core.tools.bench.methods import MethodNameError, parse_method
 from dsbd_core.tools.theory.predictor import tokens_per_iteration
 
-try:  # `python benchmarks/gpu_costs.py`: benchmarks/ is on sys.path
+try:  # `python benchmarks/gpu/gpu_costs.py`: benchmarks/gpu/ is on sys.path
     from gpu_costs_timing import BeamCost, DsbdCost
 except ModuleNotFoundError:  # imported from the repository root (tests load it by path)
-    from benchmarks.gpu_costs_timing import BeamCost, DsbdCost
+    from benchmarks.gpu.gpu_costs_timing import BeamCost, DsbdCost
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "benchmarks" / "results"
-WIDTH_DISTINCT = Path("investigations/width_distinct/results/width_distinct_qwen-coder.json")
 
 
 # ----------------------------------------------------------------------------------- acceptance
@@ -127,8 +126,8 @@ def acceptance_sources(
     readers = [
         (results / "qwen_pair_acceptance.json", lambda p: sps_alpha_sources(p, gammas)),
         (results / "bench_qwen-coder_full" / "results.json", bench_sources),
-        # the width rule's A/B, kept with its investigation beside results/
-        (results.parent / WIDTH_DISTINCT, width_distinct_sources),
+        # the width rule's A/B (the distinct-draft estimate against the i.i.d. DP)
+        (results / "width_distinct_qwen-coder.json", width_distinct_sources),
     ]
     for path, read in readers:
         if not path.exists():

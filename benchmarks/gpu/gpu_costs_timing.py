@@ -1,4 +1,4 @@
-"""Timing of the engine's model calls for benchmarks/gpu_costs.py: a scorer wrapper that times
+"""Timing of the engine's model calls for benchmarks/gpu/gpu_costs.py: a scorer wrapper that times
 each `ScoreCall` with a device synchronisation on both sides, and the records it fills.
 
 Kept apart from the engine runs (gpu_costs_engine.py) so those can follow the engine's API

@@ -1,4 +1,4 @@
-"""The engine runs that benchmarks/gpu_costs.py times: every decode it times is here.
+"""The engine runs that benchmarks/gpu/gpu_costs.py times: every decode it times is here.
 
 The project's one decode loop (`dsbd_core.algorithm.loop.Decode`) decodes a random prompt of the
 given context length with `TimedScorer`s (gpu_costs_timing.py) over the two models, one
@@ -18,7 +18,7 @@ from dsbd_core.algorithm.loop import Decode, Propose, Verify
 from dsbd_core.algorithm.methods import method_config
 from dsbd_core.algorithm.scorer import drive
 
-try:  # `python benchmarks/gpu_costs.py`: benchmarks/ is on sys.path
+try:  # `python benchmarks/gpu/gpu_costs.py`: benchmarks/gpu/ is on sys.path
     from gpu_costs_timing import (
         BeamCost,
         Bench,
@@ -30,7 +30,7 @@ try:  # `python benchmarks/gpu_costs.py`: benchmarks/ is on sys.path
         synchronize,
     )
 except ModuleNotFoundError:  # imported from the repository root (tests load it by path)
-    from benchmarks.gpu_costs_timing import (
+    from benchmarks.gpu.gpu_costs_timing import (
         BeamCost,
         Bench,
         DsbdCost,

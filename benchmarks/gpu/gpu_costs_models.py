@@ -1,4 +1,4 @@
-"""Random-weight Llama pairs at the paper's sizes, for benchmarks/gpu_costs.py.
+"""Random-weight Llama pairs at the paper's sizes, for benchmarks/gpu/gpu_costs.py.
 
 A forward's time depends on shapes, not on weight values, so the timed pair is built from configs
 alone: no download, and a 7B target is allocated straight on the device in its dtype.
