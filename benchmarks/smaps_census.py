@@ -2,7 +2,7 @@
 allocator's pages grow when a process's RSS creeps with no Python object behind it.
 
 Why: Ray's DashboardAgent grew +1.5-2 MiB (PSS +2.1 %) over the last 20 minutes of 30-minute
-soaks while its Python heap (tracemalloc, gc_census/ heap mode) grew a fifth of that,
+soaks while its Python heap (tracemalloc) grew a fifth of that,
 so what grows is native memory (docs/history/RELIABILITY-chronicle.md section 10). The agent runs
 glibc's malloc
 (Ray strips its jemalloc preload from the processes the raylet starts); glibc gives every
@@ -17,10 +17,9 @@ mapping says whose pages grew:
   libraries); `shmem`: shared memory (Ray's object store).
 
     # beside a soak: the first process with an argument ending in --match, every 60 s
-    M=benchmarks/investigations/memory
-    .venv/bin/python $M/smaps_census.py --match dashboard/agent.py \\
+    .venv/bin/python benchmarks/smaps_census.py --match dashboard/agent.py \\
         --match ray::DashboardAgent --out census.jsonl
-    .venv/bin/python $M/smaps_census.py --report census.jsonl --window 1200
+    .venv/bin/python benchmarks/smaps_census.py --report census.jsonl --window 1200
 
 Ray's agents rename themselves (`ray::DashboardAgent`) once started, hence the two --match;
 a process matched once is followed by pid. The report is the growth of each kind over the last
