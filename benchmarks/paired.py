@@ -17,6 +17,7 @@ from pathlib import Path
 
 from dsbd.bench.decode.harness import read_records
 from dsbd.bench.decode.report import compare
+from dsbd.bench.decode.schema import BenchResult
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -26,7 +27,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("reference")
     parser.add_argument("--floor", type=float, default=0.97, help="per-request speed bound")
     args = parser.parse_args(argv)
-    records = read_records(args.run / "records.jsonl")
+    if (args.run / "records.jsonl").is_file():
+        records = read_records(args.run / "records.jsonl")
+    else:  # a committed run keeps results.json, which holds every record
+        records = BenchResult.model_validate_json((args.run / "results.json").read_text()).records
     summary = compare(records, args.method, args.reference)
     time = summary.time_vs_reference
     print(f"{args.method} against {args.reference} ({summary.prompts} prompts)")

@@ -6,7 +6,8 @@ requests' (a served decode equals the in-process one). The scorer attends each s
 once. On these CPUs (oneDNN, AMX-BF16) a bfloat16 matmul computes a row with one kernel when the
 call has 1 to 32 rows and with another, whose last bits differ, from 33 rows on (every q/k/v,
 MLP and output layer of SmolLM2 on real activations;
-`benchmarks/investigations/batch_invariance/attention_gap.py`). A session whose forward alone
+`benchmarks/investigations/batch_invariance/attention_gap.py` at commit 637ed2c). A session whose
+forward alone
 has at most `ROW_CHUNK` rows must therefore get its rows computed in a call of at most
 `ROW_CHUNK` rows when batched too, and a larger one in a call of more.
 
@@ -17,13 +18,13 @@ padded dense forward counts its padding). Outside it (a forward alone) every cal
 Either way a CPU bfloat16 call without autograd uses the weight reordered once into oneDNN's
 blocked layout (`torch.ops.mkldnn._linear_pointwise`: a decode alone about 16 % faster; the
 reordered copy takes as much memory as the weight,
-`benchmarks/investigations/batch_invariance/prepacked_memory.py`).
+`benchmarks/investigations/batch_invariance/prepacked_memory.py` at commit 637ed2c).
 float32/float64 inputs and non-CPU devices (other kernels, not measured here) run `F.linear`
 as `nn.Linear` does.
 
 Cost: a call of 32 rows costs most of what one of 128 costs (576 x 1536: 137 us vs 273 us), so a
 batched forward of many small sessions does more, smaller calls (eight concurrent seeded
-decodes: `benchmarks/investigations/batch_invariance/batch_cost.py`);
+decodes: `benchmarks/investigations/batch_invariance/batch_cost.py` at commit 637ed2c);
 `TransformerScorer(batch_invariant=False)` skips it.
 """
 

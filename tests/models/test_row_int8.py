@@ -2,9 +2,9 @@
 every row is quantised on its own scale and integer sums are exact), close to the float layer.
 
 `torch.ao` dynamic quantisation scaled each call's input by its whole-batch range, so a seeded
-request's draft depended on its batch mates (benchmarks/investigations/batch_invariance/:
-0/16 equal); `RowScaledInt8Linear` scales every row by its own range (and is far more precise
-for rows much smaller than their batch mates).
+request's draft depended on its batch mates (benchmarks/investigations/batch_invariance/ at
+commit 637ed2c: 0/16 equal); `RowScaledInt8Linear` scales every row by its own range (and is far
+more precise for rows much smaller than their batch mates).
 """
 
 from __future__ import annotations

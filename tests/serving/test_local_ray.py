@@ -102,7 +102,7 @@ MEMORY_SCRIPT = textwrap.dedent(
     import json, os, psutil, sys, time
     from deployments.local_ray import GCS_HISTORY_CAPS, start_local_ray, stop_local_ray
 
-    sys.path.insert(0, "benchmarks/investigations/memory")
+    sys.path.append("benchmarks")
     from smaps_census import census  # glibc's thread arenas among a process's mappings
 
     def thread_arenas(pid):
@@ -166,7 +166,7 @@ def test_rays_gcs_gets_one_jemalloc_arena_and_the_store_is_touched_at_start() ->
     assert seen["raylet"]["malloc_conf"] is None, seen
     assert seen["raylet"]["shmem_kib"] >= 80 * 1024, seen["raylet"]
     # the GCS remembers 1,000 actors and workers gone, not 100,000
-    # (benchmarks/investigations/memory/gcs_actor_churn.py)
+    # (benchmarks/investigations/memory/gcs_actor_churn.py at commit ad6d273)
     assert seen["gcs_server"]["caps"] == GCS_HISTORY_CAPS, seen["gcs_server"]
     # Ray's metrics agent runs on glibc's malloc with one thread arena beside the main one, not
     # one per thread (15 at start, 8-10 MiB after minutes of load: the ninth and tenth soaks)

@@ -129,9 +129,9 @@ def test_rounds_of_decodes_leave_nothing_behind(replicas) -> None:
 
 
 def test_the_router_times_each_iteration_around_its_replicas_compute(replicas) -> None:
-    """`stats.serving.iteration_seconds` (benchmarks/investigations/served_iteration_cost/
-    subtracts the replicas' compute from it): one per iteration, each holding its verify call's
-    compute, and all together the draft's too."""
+    """`stats.serving.iteration_seconds` (benchmarks/investigations/served_iteration_cost/ at
+    commit 27fa271 subtracts the replicas' compute from it): one per iteration, each holding its
+    verify call's compute, and all together the draft's too."""
     draft, verifier, controller = replicas
     handles = Handles(draft=Handle(draft), verifier=Handle(verifier), controller=Handle(controller))
     config = SamplingConfig(width=3, gamma=2, max_new_tokens=12, seed=5, eos_token_ids=(0,))

@@ -1,4 +1,4 @@
-"""benchmarks/gpu_costs.py on the tiny pair on CPU: the report a GPU run would write.
+"""benchmarks/gpu/gpu_costs.py on the tiny pair on CPU: the report a GPU run would write.
 
 The script is meant for a GPU nobody here has had; this runs its whole path (engine iterations
 timed per ScoreCall, acceptance read from result files, the modelled speedup, JSON + markdown)
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_costs.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu" / "gpu_costs.py"
 
 
 @pytest.fixture(scope="module")
@@ -118,7 +118,7 @@ def test_every_size_builds_its_architecture_and_says_what_its_figures_are(gpu_co
     its note in the report, so a GPU session's `--size qwen` run cannot fail on either."""
     import torch
 
-    from benchmarks.gpu_costs_models import SIZES, model_config
+    from benchmarks.gpu.gpu_costs_models import SIZES, model_config
 
     assert set(gpu_costs.SIZE_NOTES) == set(SIZES)
     for size, pair in SIZES.items():

@@ -1,4 +1,4 @@
-"""benchmarks/gpu_draws.py on the CPU with the device's branches forced: the check a lent GPU
+"""benchmarks/gpu/gpu_draws.py on the CPU with the device's branches forced: the check a lent GPU
 runs (the same tokens on the host and on the device, through the verify graph too) works here,
 and its report says so."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_draws.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu" / "gpu_draws.py"
 
 
 @pytest.mark.slow
