@@ -87,7 +87,7 @@ def tiny_model(
         torch.manual_seed(seed)
     config_class, model_class = ARCHS[arch]
     config = config_class(
-        vocab_size=vocab_size, max_position_embeddings=positions, **TINY_SHAPE, **overrides
+        vocab_size=vocab_size, max_position_embeddings=positions, **{**TINY_SHAPE, **overrides}
     )
     return model_class(config).eval()
 
@@ -117,4 +117,38 @@ def build_pair(root: Path, *, seed: int = 0) -> tuple[Path, Path]:
             parameter.add_(0.05 * torch.randn_like(parameter) * parameter.std())
     draft.generation_config = generation
     draft.save_pretrained(draft_dir)
+    return target_dir, draft_dir
+
+
+def build_identity_pair(root: Path, *, extra_layers: int = 30, seed: int = 0) -> tuple[Path, Path]:
+    """Write `root/target` and `root/draft` whose next-token distributions are equal bit for bit
+    while the target costs many times the draft: the target is the draft plus `extra_layers`
+    decoder layers whose output projections (attention's o_proj, the MLP's down_proj) are zero,
+    so each adds exactly 0 to the residual stream. Every drafted token passes, and drafting
+    pays: a pair on which the cost model must draft (tests of the adaptive path)."""
+    target_dir, draft_dir = root / "target", root / "draft"
+    for path in (target_dir, draft_dir):
+        path.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(draft_dir)
+    tokenizer.save_pretrained(target_dir)
+    special = {
+        "eos_token_id": tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        "bos_token_id": tokenizer.convert_tokens_to_ids("<|endoftext|>"),
+    }
+    generation = GenerationConfig(eos_token_id=special["eos_token_id"])
+    draft = tiny_model(len(tokenizer), seed=seed, positions=256, **special)
+    with torch.no_grad():
+        draft.lm_head.weight.mul_(4.0)  # peakier than the default init, as build_pair's
+    draft.generation_config = generation
+    draft.save_pretrained(draft_dir)
+    layers = TINY_SHAPE["num_hidden_layers"] + extra_layers
+    target = tiny_model(len(tokenizer), positions=256, num_hidden_layers=layers, **special)
+    missing, unexpected = target.load_state_dict(draft.state_dict(), strict=False)
+    assert not unexpected and all(".layers." in name for name in missing)
+    with torch.no_grad():
+        for layer in target.model.layers[TINY_SHAPE["num_hidden_layers"] :]:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+    target.generation_config = generation
+    target.save_pretrained(target_dir)
     return target_dir, draft_dir

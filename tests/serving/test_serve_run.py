@@ -22,7 +22,7 @@ import yaml
 from dsbd import server_process
 from tests.serving.test_local_ray import is_loopback, peers, strace
 from tests.serving_harness import free_port, stop
-from tests.tiny_models import build_pair
+from tests.tiny_models import build_identity_pair
 
 REPO = Path(__file__).parents[2]
 DSBD = [sys.executable, "-m", "dsbd"]
@@ -33,9 +33,12 @@ def test_serve_run_of_ray_serve_llms_shape_serves_two_models_on_loopback_only(
     tmp_path: Path,
 ) -> None:
     """A Serve config in Ray Serve LLM's shape (`llm_configs`, deployments/llm_serving.py), two
-    models behind one OpenAI ingress: the tiny pair as `tiny` (DSBD, split layout) and the same
-    target as `tiny-beam` (the prompt-lookup draft, beam sampling by default, co-located)."""
-    target, draft = build_pair(tmp_path / "models")
+    models behind one OpenAI ingress: a tiny pair as `tiny` (DSBD, split layout) and the same
+    target as `tiny-beam` (the prompt-lookup draft, beam sampling by default, co-located).
+    The pair's target is its draft with layers that add nothing and cost ten times the draft
+    (`build_identity_pair`): the served cost model, calibrated through the deployments, must
+    draft on it."""
+    target, draft = build_identity_pair(tmp_path / "models")
     port = free_port()
     small = {"ray_actor_options": {"num_cpus": 0.1}}
     config = {
@@ -117,11 +120,19 @@ def test_serve_run_of_ray_serve_llms_shape_serves_two_models_on_loopback_only(
             got = requests.post(f"{url}/v1/dsbd/generate", json=body, timeout=120).json()
             methods[model] = (got["method"], len(got["beams"]))
         assert methods == {"tiny": ("dsbd", 3), "tiny-beam": ("beam", 2)}
+        # the adaptive path drafts where drafting pays: every drafted layer agrees, the target
+        # costs ten drafts
+        body = {"model": "tiny", "prompt_ids": [5, 17, 42], "max_new_tokens": 128, "seed": 3}
+        got = requests.post(f"{url}/v1/dsbd/generate", json=body, timeout=300).json()
+        gammas, stats = got["stats"]["serving"]["gamma"], got["stats"]
+        assert max(gammas) > 0 and stats["accepted_tokens"] > 0, (gammas, stats)
+        assert stats["target_passes_per_token"] < 1, stats
         layouts = {
             model: requests.get(f"{url}/v1/dsbd/status?model={model}", timeout=30).json()
             for model in ("tiny", "tiny-beam")
         }
         assert layouts["tiny"]["router"]["layout"] == "split"
+        assert layouts["tiny"]["router"]["calibration"]["state"] == "measured"
         assert layouts["tiny-beam"]["router"]["layout"] == "colocated"
         assert layouts["tiny"]["verifier"]["pid"] != layouts["tiny-beam"]["verifier"]["pid"]
         body = {"model": "nope", "prompt": "one two", "max_tokens": 6}
