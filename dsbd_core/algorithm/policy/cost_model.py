@@ -18,9 +18,9 @@ tokens.
 
 The controller picks the depth that saves the most time over the tokens the request may still
 emit, less the draft's catch-up (the prompt, before the draft's first run), so speculation is
-off wherever it would not pay and DSBD is never much slower than beam sampling, whatever the
-draft. The pass rates are the request's own: Beta priors updated with every verified layer,
-older evidence fading by `memory` per iteration. The priors are the pair's pass rates measured
+off wherever the request's pass rates say it would not pay; what a draft that disappoints them
+can cost is bounded below. The pass rates are the request's own: Beta priors updated with every
+verified layer, older evidence fading by `memory` per iteration. The priors are the pair's pass rates measured
 at calibration where the calibration has them (a draft that rarely agrees is not drafted on
 hope at the start of every request; a request that drafts one beam, SpS, starts from the rates
 measured with one), else the policy's. A request that turned speculation off
@@ -36,8 +36,12 @@ Per request, the drafted iterations may cost at most `loss_budget` (2 %) of what
 would take for max_new_tokens beyond the beam steps they stand in for, counted in the same
 prices: a depth (or a probe) is drafted only while its worst case, a first layer that fails,
 stays within what is left of it (what drafting saved adds to it), or while what the depth is
-expected to save over the tokens left is at least `bet_ratio` (2) times what it risks. So a
-request whose draft does not agree loses at most that share, or half what it expected to win; a
+expected to save over the tokens left is at least `bet_ratio` (2) times what it risks. So
+after every drafted iteration a request's loss, in these prices, is at most the larger of its
+budget and 1 / bet_ratio of what its last drafted depth was expected to save: the budget alone
+bounds only a request that makes no bet (tests/algorithm/test_cost_model.py checks the bound
+after every drafted iteration; there a draft that rarely agrees, under a calibration promising
+95 %, lost 1.6-2.0 budgets, 3-4 % of a beam decode, with bounds up to 8 budgets); a
 draft whose prompt costs more to feed than drafting is expected to save (a large draft on a CPU
 whose long forwards are dear, before a long prompt) is not run at all.
 """
