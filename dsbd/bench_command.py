@@ -199,7 +199,7 @@ def build_config(args: argparse.Namespace) -> BenchConfig:
     return BenchConfig(
         pair=args.pair,
         target=args.target or preset.target,
-        draft=draft,  # type: ignore[union-attr]
+        draft=draft,
         mode=args.mode,
         prompt_set=prompt_set,
         prompts=prompts,

@@ -97,7 +97,7 @@ _NEUTRAL: dict[str, Any] = {
 }
 
 
-class _OpenAIRequest(DecodingKnobs, StopFields, EosFields, LogitBiasField):  # type: ignore[misc, valid-type]
+class _OpenAIRequest(DecodingKnobs, StopFields, EosFields, LogitBiasField):
     """Fields shared by completions and chat."""
 
     model_config = ConfigDict(extra="forbid")
@@ -296,7 +296,7 @@ class ChatCompletionRequest(_OpenAIRequest):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
-class GenerateRequest(DecodingKnobs, StopFields, EosFields, LogitBiasField):  # type: ignore[misc, valid-type]
+class GenerateRequest(DecodingKnobs, StopFields, EosFields, LogitBiasField):
     """POST /v1/dsbd/generate: one prompt, all beams and full statistics back."""
 
     model_config = ConfigDict(extra="forbid")

@@ -64,7 +64,7 @@ _RowKnobs: type[BaseModel] = create_model(  # type: ignore[call-overload]
 )
 
 
-class BatchRow(_RowKnobs, StopFields, LogitBiasField):  # type: ignore[misc, valid-type]
+class BatchRow(_RowKnobs, StopFields, LogitBiasField):
     """One input row: a prompt in one of three forms, an optional id and per-row knobs.
 
     Knobs (SamplingConfig's fields, `method`, `n`, `chat`) override the command line's defaults

@@ -33,7 +33,7 @@ from dsbd_core.algorithm.prompt_logprobs import PromptLogprobs
 
 
 @serve.deployment(name="Pair", max_ongoing_requests=256)
-class Pair(Router.func_or_class):  # type: ignore[misc]  # Serve's Deployment wraps the class
+class Pair(Router.func_or_class):
     """The target, the draft and the decode loops of one replica (see the module docstring)."""
 
     LAYOUT = "colocated"  # its served iterations (the calibration's) cost no Serve calls

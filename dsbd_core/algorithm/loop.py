@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Generator
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -35,6 +35,8 @@ from dsbd_core.algorithm.scorer import ForestLayer, ForestLogprobs, ForestScorer
 from dsbd_core.algorithm.search.engine import engine_for
 from dsbd_core.algorithm.state import NO_FOREST, DecodeState, Forest, Outcome, deepest_layer
 from dsbd_core.algorithm.stops import StopStrings
+
+R = TypeVar("R")
 
 
 @dataclass
@@ -86,7 +88,9 @@ class IterationCall:
             return self.engine(vocab_size).verify(self.state, forest, scorer)
         return drive(scorer, self.verify_steps(vocab_size, forest))
 
-    def _processed(self, steps: Generator, vocab_size: int) -> Generator:
+    def _processed(
+        self, steps: Generator[ScoreCall, ForestLogprobs, R], vocab_size: int
+    ) -> Generator[ScoreCall, ForestLogprobs, R]:
         procs = processors_for(self.config, vocab_size)
         if procs is None:
             return steps

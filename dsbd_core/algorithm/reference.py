@@ -138,7 +138,7 @@ def draft_forest(
         parent, token = index // vocab, index % vocab
         score = torch.where(exists, score[parent] + logq[parent, token], 0.0)
         rows = zip(parent.tolist(), token.tolist(), exists.tolist(), strict=True)
-        drafted = [paths[p] + [t] if e else None for p, t, e in rows]  # type: ignore[operator]
+        drafted = [paths[p] + [t] if e else None for p, t, e in rows]
         forest.append(Layer(index, exists, table, prob, drafted))
         ends = config.eos_token_ids  # a draft ending in EOS has no children
         paths = [path if path is not None and path[-1] not in ends else None for path in drafted]

@@ -215,13 +215,13 @@ def _mesh_on(device: torch.device) -> Iterator[None]:
     else meanwhile.
     """
     original = torch._C._get_accelerator
-    torch._C._get_accelerator = lambda check=False: torch.device(device.type)  # type: ignore[assignment]
+    torch._C._get_accelerator = lambda check=False: torch.device(device.type)
     if device.type == "cuda":
         os.environ["LOCAL_RANK"] = str(device.index)
     try:
         yield
     finally:
-        torch._C._get_accelerator = original  # type: ignore[assignment]
+        torch._C._get_accelerator = original
 
 
 def _from_pretrained(source: str | Path, resolved: str | Path, kwargs: dict[str, Any]) -> Any:

@@ -74,7 +74,7 @@ def run_bench(
     say(f"loading target {config.target} and draft {config.draft} ...")
     draft_name = config.draft if config.draft and any(s.uses_draft_model for s in specs) else None
     options = DraftOptions(
-        quantize=config.draft_quantize,  # type: ignore[arg-type]
+        quantize=config.draft_quantize,
         head_tokens=config.draft_head_tokens,
         ngram_max=config.ngram_max,
     )

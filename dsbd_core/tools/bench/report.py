@@ -115,7 +115,7 @@ def _summary(
         rss_peak_delta_bytes_max=max(r.rss_peak_delta_bytes for r in rows),
         cuda_peak_bytes_max=max(cuda) if cuda else None,
         energy_joules_per_token=(
-            sum(energies) / tokens if all(e is not None for e in energies) else None  # type: ignore[misc]
+            sum(energies) / tokens if all(e is not None for e in energies) else None
         ),
         loglik_per_token=statistics.fmean(per_token) if per_token else float("nan"),
         loglik_vs_reference=_interval(loglik_diff),
