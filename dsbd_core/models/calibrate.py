@@ -25,9 +25,9 @@ import json
 import os
 import platform
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -43,6 +43,9 @@ from dsbd_core.algorithm.state import DecodeState, Outcome
 from dsbd_core.models.loading import LoadedModel
 from dsbd_core.models.presets import cache_root
 from dsbd_core.models.tokens import encode_prompt, has_chat_template, stop_token_ids
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 CONTEXT = 256
 ENGINE_WIDTH = 3
@@ -63,7 +66,7 @@ ITERATION_TOKENS = 16
 
 
 def forward_costs(
-    model: torch.nn.Module, points: Sequence[int] = TOKEN_POINTS, repeats: int = REPEATS
+    model: PreTrainedModel, points: Sequence[int] = TOKEN_POINTS, repeats: int = REPEATS
 ) -> ForwardCosts:
     """Median seconds of a forward feeding n tokens after a cached `CONTEXT`-token prefix."""
     device = next(model.parameters()).device
@@ -178,19 +181,19 @@ def machine() -> dict[str, object]:
     }
 
 
-def _cache_path(name: str, parts: dict[str, object]) -> Path:
+def _cache_path(name: str, parts: Mapping[str, object]) -> Path:
     key = calibration_key({"what": name, **parts, **machine()})
     folder = os.environ.get("DSBD_CALIBRATION_DIR") or str(cache_root() / "calibration")
     return Path(folder) / f"{name}-{key}.json"
 
 
-def read_cached(name: str, parts: dict[str, object]) -> str | None:
+def read_cached(name: str, parts: Mapping[str, object]) -> str | None:
     """The text stored for `parts` on this machine, if any (`store_cached`)."""
     path = _cache_path(name, parts)
     return path.read_text() if path.is_file() else None
 
 
-def store_cached(name: str, parts: dict[str, object], text: str) -> None:
+def store_cached(name: str, parts: Mapping[str, object], text: str) -> None:
     """Store `text` for `parts` on this machine: atomically, so that concurrent processes
     read a whole file or none."""
     path = _cache_path(name, parts)
@@ -200,7 +203,7 @@ def store_cached(name: str, parts: dict[str, object], text: str) -> None:
     partial.replace(path)
 
 
-def _cached(name: str, parts: dict[str, object], measure: Callable[[], str], force: bool) -> str:
+def _cached(name: str, parts: Mapping[str, object], measure: Callable[[], str], force: bool) -> str:
     """The text `measure()` produced for `parts` on this machine (measured once, then read)."""
     text = None if force else read_cached(name, parts)
     if text is None:
@@ -210,8 +213,8 @@ def _cached(name: str, parts: dict[str, object], measure: Callable[[], str], for
 
 
 def model_costs(
-    model: torch.nn.Module,
-    identity: dict[str, object],
+    model: PreTrainedModel,
+    identity: Mapping[str, object],
     *,
     force: bool = False,
     path: str = "dynamic",
@@ -223,7 +226,7 @@ def model_costs(
         if path == "static":
             from dsbd_core.models.static_scorer import static_forward_costs
 
-            seconds = static_forward_costs(model, TOKEN_POINTS, REPEATS, CONTEXT)  # type: ignore[arg-type]
+            seconds = static_forward_costs(model, TOKEN_POINTS, REPEATS, CONTEXT)
             return ForwardCosts(tokens=list(TOKEN_POINTS), seconds=seconds).model_dump_json()
         return forward_costs(model).model_dump_json()
 
@@ -375,9 +378,9 @@ def measure_pass_rates(
 
 
 def pair_pass_rates(
-    target: torch.nn.Module,
-    draft: torch.nn.Module,
-    identity: dict[str, object],
+    target: PreTrainedModel,
+    draft: PreTrainedModel,
+    identity: Mapping[str, object],
     prompts: list[list[int]],
     stop_ids: tuple[int, ...],
     *,
@@ -406,9 +409,9 @@ def _pair_measurement(
     name: str,
     measure: Callable[[ForestScorer, ForestScorer, list[list[int]], tuple[int, ...]], Any],
     tokens: int,
-    target: torch.nn.Module,
-    draft: torch.nn.Module,
-    identity: dict[str, object],
+    target: PreTrainedModel,
+    draft: PreTrainedModel,
+    identity: Mapping[str, object],
     prompts: list[list[int]],
     stop_ids: tuple[int, ...],
     *,
@@ -460,9 +463,9 @@ def measure_iteration_seconds(
 
 
 def pair_iteration_seconds(
-    target: torch.nn.Module,
-    draft: torch.nn.Module,
-    identity: dict[str, object],
+    target: PreTrainedModel,
+    draft: PreTrainedModel,
+    identity: Mapping[str, object],
     prompts: list[list[int]],
     stop_ids: tuple[int, ...],
     *,

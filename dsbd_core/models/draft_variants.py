@@ -160,7 +160,7 @@ def quantize_int8(model: PreTrainedModel) -> PreTrainedModel:
     """
     if model.device.type != "cpu":
         raise ValueError(f"int8 dynamic quantisation runs on the CPU only, not {model.device}")
-    model = model.to(torch.float32)
+    model = model.to(torch.float32)  # type: ignore[arg-type]  # transformers' @wraps(Module.to) types self
     fuse_projections(model)
     use_int8_engine()
     # Per output channel: one scale per weight row. Per tensor, Qwen2.5-0.5B's acceptance

@@ -118,7 +118,7 @@ def static_attention(
     output [rows, slots, heads, dim], after writing key/value into the pool in place."""
     spec = kwargs[NAME]
     assert isinstance(spec, _Spec)
-    layer = module.layer_idx
+    layer: int = module.layer_idx  # type: ignore[assignment]  # HF attention's int layer_idx
     rows = query.shape[0]
     keys = spec.pool.keys(layer)[spec.first : spec.first + rows]
     values = spec.pool.values(layer)[spec.first : spec.first + rows]
