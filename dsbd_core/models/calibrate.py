@@ -271,8 +271,8 @@ def assemble(
 
 
 def calibrate(
-    target: torch.nn.Module,
-    draft: torch.nn.Module | None,
+    target: PreTrainedModel,
+    draft: PreTrainedModel | None,
     identity: dict[str, object],
     vocab_size: int,
     *,

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, cast
 
 import torch
 from torch import nn
@@ -42,9 +42,11 @@ class RestrictedHead(nn.Module):
     (log-softmax, the scorer, the forest tables) sees an ordinary distribution with zeros.
     """
 
+    keep: torch.Tensor  # a registered buffer
+
     def __init__(self, head: nn.Module, keep: torch.Tensor, vocab_size: int) -> None:
         super().__init__()
-        weight = head.weight.detach()
+        weight = cast(torch.Tensor, head.weight).detach()  # an output layer's weight
         bias = getattr(head, "bias", None)
         self.proj = nn.Linear(weight.shape[1], keep.numel(), bias=bias is not None)
         self.proj.to(device=weight.device, dtype=weight.dtype)

@@ -29,6 +29,8 @@ _TINY = 1e-12  # the scale of an all-zero row (its values are 0 whatever it is)
 class RowScaledInt8Linear(nn.Module):
     """`nn.Linear` with int8 weights (per output channel) and int8 activations (per row)."""
 
+    sentinel: torch.Tensor  # a registered buffer
+
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         with warnings.catch_warnings():  # torch warns that quantized tensor creation is deprecated

@@ -250,7 +250,7 @@ class StaticStep:
         self._eager: Callable[..., torch.Tensor] | None = None
         self._compiled: Callable[..., torch.Tensor] | None = None
         self._buckets: dict[tuple[int, int], Callable[[StaticInputs], torch.Tensor]] = {}
-        self._graph_pool: object | None = None
+        self._graph_pool: torch.cuda._POOL_HANDLE | None = None
 
     def __call__(self, inputs: StaticInputs, *, bucketed: bool, first: int = 0) -> torch.Tensor:
         """log-probs [rows, slots, V] of one forward (`bucketed`: a shape of the ladder, over
