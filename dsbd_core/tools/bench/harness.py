@@ -19,12 +19,18 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import cast
 
 import torch
 
 from dsbd_core.algorithm.config import SamplingConfig
 from dsbd_core.algorithm.ngram_draft import describe_lookup
-from dsbd_core.tools.bench.humaneval import check_completion, default_sandbox, truncate_completion
+from dsbd_core.tools.bench.humaneval import (
+    SandboxMode,
+    check_completion,
+    default_sandbox,
+    truncate_completion,
+)
 from dsbd_core.tools.bench.measure import EnergyMeter, measured
 from dsbd_core.tools.bench.methods import MethodSpec, parse_methods
 from dsbd_core.tools.bench.prompts import BenchPrompt, prompt_set
@@ -112,7 +118,8 @@ def run_bench(
     prompt_ids = [encode_prompt(loaded.target, p.text, chat=p.chat) for p in prompts]
     _write_prompts(out_dir / "prompts.jsonl", prompts, prompt_ids)
     energy = EnergyMeter(device)
-    sandbox = config.sandbox or default_sandbox()
+    # a str in the schema, one of `dsbd bench --sandbox`'s choices
+    sandbox = cast("SandboxMode | None", config.sandbox) or default_sandbox()
 
     def base_config(index: int, max_new_tokens: int | None = None) -> SamplingConfig:
         return SamplingConfig(
@@ -276,7 +283,7 @@ def _measure_one(
     index: int,
     order: int,
     energy: EnergyMeter,
-    sandbox: str,
+    sandbox: SandboxMode,
 ) -> MethodRecord:
     """One measured decode, then its quality (outside the timed block)."""
     pair.reset_counters()
@@ -287,7 +294,9 @@ def _measure_one(
     draft_counter = pair.draft_counter
     with pair.target_counter.paused():
         loglik = answer_log_likelihood(pair.target.model, ids, decoded.answer_ids)
-    answer = pair.target.tokenizer.decode(decoded.answer_ids, skip_special_tokens=True)
+    answer = cast(  # one sequence's ids: one text
+        str, pair.target.tokenizer.decode(decoded.answer_ids, skip_special_tokens=True)
+    )
     completion = passed = execution = None
     if prompt.task_id is not None:
         completion = truncate_completion(answer)
@@ -367,7 +376,7 @@ def _hf_settings(specs: list[MethodSpec], pair: Pair, base: SamplingConfig) -> d
         return {}
     settings = hf_generation_config(hf[0], base, pair).to_diff_dict()
     settings.pop("num_beams", None)
-    lookups = sorted({s.gamma for s in hf if s.family == "hf-lookup"})
+    lookups = sorted({s.gamma for s in hf if s.family == "hf-lookup"})  # type: ignore[type-var]  # hf-lookup specs carry a gamma
     if lookups:
         settings["prompt_lookup"] = {
             "prompt_lookup_num_tokens": lookups,
