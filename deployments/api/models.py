@@ -154,11 +154,11 @@ class _OpenAIRequest(DecodingKnobs, StopFields, EosFields, LogitBiasField):
         if self.use_beam_search and "width" not in self.model_fields_set:
             self.width = self.n  # vLLM: n is the beam width (1: greedy)
         width = self.width
-        if self.method in BEAM_METHODS and self.n > width:
+        if self.method in BEAM_METHODS and self.n > width:  # type: ignore[attr-defined]  # a DecodingKnobs field (create_model)
             raise ValueError(f"n={self.n} is larger than width={width}; allowed: 1 <= n <= width")
-        if self.method in ("sample", "sps") and self.n > 1:
+        if self.method in ("sample", "sps") and self.n > 1:  # type: ignore[attr-defined]  # a DecodingKnobs field (create_model)
             raise ValueError(
-                f"n={self.n} needs a beam method ({', '.join(BEAM_METHODS)}); {self.method} has 1"
+                f"n={self.n} needs a beam method ({', '.join(BEAM_METHODS)}); {self.method} has 1"  # type: ignore[attr-defined]  # a DecodingKnobs field (create_model)
             )
         return self
 

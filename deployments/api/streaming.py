@@ -17,7 +17,7 @@ import asyncio
 import json
 import time
 import weakref
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
 
 from fastapi.responses import StreamingResponse
@@ -59,7 +59,7 @@ def loop_time(deadline: float) -> float:
 
 
 async def sse_events(
-    updates: AsyncIterator[Committed | DecodeEnd],
+    updates: AsyncGenerator[Committed | DecodeEnd, None],
     request: Any,
     prompt_ids: list[int],
     *,

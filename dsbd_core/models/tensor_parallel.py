@@ -35,7 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from dsbd_core.algorithm.scorer import ForestLayer, ForestLogprobs, Roots
 from dsbd_core.models.errors import ModelSourceError
@@ -165,7 +165,7 @@ def init_group(
 
 def load_sharded(
     source: str | Path, *, dtype: torch.dtype, device: str | torch.device = "cpu"
-) -> torch.nn.Module:
+) -> PreTrainedModel:
     """This rank's shard of the model on `device` (call on every rank of an initialised group,
     same args; `device` is the one the group was initialised with)."""
     from transformers.distributed import DistributedConfig
