@@ -198,7 +198,7 @@ def build_config(args: argparse.Namespace) -> BenchConfig:
         )
     return BenchConfig(
         pair=args.pair,
-        target=args.target or preset.target,
+        target=args.target or preset.target,  # type: ignore[union-attr]  # no preset: --target is given (checked above)
         draft=draft,
         mode=args.mode,
         prompt_set=prompt_set,
