@@ -43,7 +43,7 @@ _OPENAI_NAMED = {
     "logit_bias",
 }
 
-DecodingKnobs: type[BaseModel] = create_model(  # type: ignore[call-overload]
+DecodingKnobs: type[BaseModel] = create_model(  # type: ignore[call-overload]  # create_model's overloads miss **fields
     "DecodingKnobs",
     __config__=ConfigDict(extra="forbid"),
     method=(
@@ -228,8 +228,8 @@ class CompletionRequest(_OpenAIRequest):
         """Each prompt of the request, as a text or as token ids (one for a single prompt)."""
         value = self.prompt
         if isinstance(value, str) or all(isinstance(t, int) for t in value):
-            return [value]  # type: ignore[list-item]
-        return list(value)  # type: ignore[arg-type]
+            return [value]  # type: ignore[list-item]  # the checks above: a text or token ids
+        return list(value)  # type: ignore[arg-type]  # the checks above: a list of prompts
 
     @property
     def logprob_count(self) -> int | None:
@@ -340,18 +340,18 @@ def _sampling_config(
         for name in DecodingKnobs.model_fields
         if name not in ("method", "adaptive", "use_beam_search")
     }
-    search = request.use_beam_search or request.method in SEARCH_METHODS  # type: ignore[attr-defined]
+    search = request.use_beam_search or request.method in SEARCH_METHODS  # type: ignore[attr-defined]  # a request model's (its create_model bases)
     return SamplingConfig(
         **knobs,
         # 0 (OpenAI routes) decodes deterministically (`search`), where no temperature applies
-        temperature=request.temperature or 1.0,  # type: ignore[attr-defined]
-        top_p=request.top_p,  # type: ignore[attr-defined]
-        seed=request.seed,  # type: ignore[attr-defined]
+        temperature=request.temperature or 1.0,  # type: ignore[attr-defined]  # a request model's (its create_model bases)
+        top_p=request.top_p,  # type: ignore[attr-defined]  # a request model's (its create_model bases)
+        seed=request.seed,  # type: ignore[attr-defined]  # a request model's (its create_model bases)
         max_new_tokens=max_new_tokens,
-        eos_token_ids=request.eos_ids(eos_token_ids),  # type: ignore[attr-defined]
+        eos_token_ids=request.eos_ids(eos_token_ids),  # type: ignore[attr-defined]  # a request model's (its create_model bases)
         search=search,
         logprobs=logprobs,
-        logit_bias=request.logit_bias_ids,  # type: ignore[attr-defined]
+        logit_bias=request.logit_bias_ids,  # type: ignore[attr-defined]  # a request model's (its create_model bases)
     )
 
 

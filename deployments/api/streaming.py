@@ -47,7 +47,7 @@ class DecodeStream(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             try:
-                await self.body_iterator.aclose()  # type: ignore[attr-defined]
+                await self.body_iterator.aclose()  # type: ignore[attr-defined]  # StreamingResponse's body is an async generator here
             finally:
                 self._leave()
 

@@ -54,7 +54,7 @@ KNOBS = tuple(
     name for name in SamplingConfig.model_fields if name not in ("eos_token_ids", "logit_bias")
 )
 
-_RowKnobs: type[BaseModel] = create_model(  # type: ignore[call-overload]
+_RowKnobs: type[BaseModel] = create_model(  # type: ignore[call-overload]  # create_model's overloads miss **fields
     "_RowKnobs",
     __config__=ConfigDict(extra="forbid"),
     **{

@@ -192,7 +192,7 @@ def verify_forest(
         score = node_score
     # the output beams: the candidates of P_l in the open slots (the first R that exist)
     rows = [divmod(index, vocab) for index, exists in slots[: session.remaining] if exists]
-    outputs = [Beam(paths[r] + [t], float(score[r] + logp[r, t])) for r, t in rows]  # type: ignore[operator]
+    outputs = [Beam(paths[r] + [t], float(score[r] + logp[r, t])) for r, t in rows]  # type: ignore[operator]  # rows are parents': each has a path
     return outputs, passed, widths
 
 

@@ -103,14 +103,14 @@ class _InstantScorer:
         width = support.numel() if support is not None else vocab_size
         generator = torch.Generator().manual_seed(0)
         self._row = (torch.randn(width, generator=generator) * 3).log_softmax(-1)
-        self._roots = (0, 0)
+        self._roots: tuple[int, ...] = (0, 0)
 
     @property
     def vocab_size(self) -> int:
         return self._vocab
 
     def set_roots(self, roots: Roots) -> None:
-        self._roots = tuple(roots.alive.shape)  # type: ignore[assignment]
+        self._roots = tuple(roots.alive.shape)
 
     def forward(self, layers: Sequence[ForestLayer]) -> ForestLogprobs:
         batch, rows = self._roots

@@ -144,9 +144,9 @@ def fuse_projections(model: PreTrainedModel) -> int:
         for names in (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")):
             parts = [getattr(module, name, None) for name in names]
             if all(type(part) is nn.Linear for part in parts):
-                fused = _Fused(parts)  # type: ignore[arg-type]
+                fused = _Fused(parts)  # type: ignore[arg-type]  # all checked nn.Linear above
                 for index, (name, part) in enumerate(zip(names, parts, strict=True)):
-                    setattr(module, name, _Part(fused, index, part.out_features))  # type: ignore[union-attr]
+                    setattr(module, name, _Part(fused, index, part.out_features))  # type: ignore[union-attr]  # all checked nn.Linear above
                 module.add_module("_fused_" + names[0], fused)
                 groups += 1
     return groups

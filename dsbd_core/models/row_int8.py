@@ -40,7 +40,7 @@ class RowScaledInt8Linear(nn.Module):
 
             plain = nn.Linear(linear.in_features, linear.out_features, bias=False)
             plain.weight = nn.Parameter(linear.weight.detach().to(torch.float32))
-            plain.qconfig = per_channel_dynamic_qconfig  # type: ignore[assignment]
+            plain.qconfig = per_channel_dynamic_qconfig  # type: ignore[assignment]  # torch's dynamic quantisation reads qconfig
             self.quantized = DynamicLinear.from_float(plain)
         self.in_features, self.out_features = linear.in_features, linear.out_features
         bias = linear.bias.detach().to(torch.float32).clone() if linear.bias is not None else None

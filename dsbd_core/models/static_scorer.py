@@ -334,12 +334,12 @@ class StaticScorer(TransformerScorer):
         if isinstance(work[0][2], SlotPlan):
             for b, session, plan in work:
                 base = session.cache.base - first
-                gather_outputs(b, session, plan, logprobs, base, roots, outs)  # type: ignore[arg-type]
-                record_slots(session, session.cache, plan)  # type: ignore[arg-type]
+                gather_outputs(b, session, plan, logprobs, base, roots, outs)  # type: ignore[arg-type]  # work holds SlotPlans only (checked above)
+                record_slots(session, session.cache, plan)  # type: ignore[arg-type]  # work holds SlotPlans only (checked above)
         else:
-            _place_outputs(work, logprobs, first, roots, outs, self._out_dtype)  # type: ignore[arg-type]
+            _place_outputs(work, logprobs, first, roots, outs, self._out_dtype)  # type: ignore[arg-type]  # work holds ForestPlans only
             for _, session, plan in work:
-                record_plan(session, session.cache, plan)  # type: ignore[arg-type]
+                record_plan(session, session.cache, plan)  # type: ignore[arg-type]  # work holds ForestPlans only
         for _, session, _ in work:
             pool.touch(session.cache.base)
 

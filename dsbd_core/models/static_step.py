@@ -264,10 +264,10 @@ class StaticStep:
                 assert self._eager is not None
                 return self._eager(*_args(inputs), first)
             self.stats.bucket_forwards += 1
-            shape = tuple(inputs.input_ids.shape)
-            run = self._buckets.get(shape)  # type: ignore[arg-type]
+            shape = (inputs.input_ids.shape[0], inputs.input_ids.shape[1])  # (rows, slots)
+            run = self._buckets.get(shape)
             if run is None:
-                run = self._prepare(shape)  # type: ignore[arg-type]
+                run = self._prepare(shape)
             return run(inputs)
 
     def _prepare(self, shape: tuple[int, int]) -> Callable[[StaticInputs], torch.Tensor]:

@@ -244,8 +244,8 @@ class ShardedScorer:
     other ranks return None so that nothing is copied twice.
     """
 
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.scorer = TransformerScorer(model)  # type: ignore[arg-type]
+    def __init__(self, model: PreTrainedModel) -> None:
+        self.scorer = TransformerScorer(model)
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self._store: dict[int, SessionCache | None] = {}
         self._ids = itertools.count()

@@ -151,7 +151,7 @@ def run_hf(
     ids = torch.tensor([prompt_ids], dtype=torch.long, device=pair.device)
     kwargs: dict[str, object] = {}
     if spec.family == "hf-assisted":
-        kwargs = {"assistant_model": pair.draft.model}  # type: ignore[union-attr]
+        kwargs = {"assistant_model": pair.draft.model}  # type: ignore[union-attr]  # hf-assisted has a draft (checked above)
     elif spec.family == "hf-lookup":
         kwargs = {"prompt_lookup_num_tokens": spec.gamma, "max_matching_ngram_size": pair.ngram_max}
     torch.manual_seed(seed)
