@@ -1,4 +1,4 @@
-"""The application: ingress, router, draft, verifier and session registry, from one pydantic
+"""The application: ingress, router, draft, verifier and width controller, from one pydantic
 config.
 
 `build_app(args)` is the Ray Serve application builder that `serve_config.yaml` names
@@ -310,7 +310,7 @@ def model_deployments(
     apart the deployments of several models in one application (Serve names are unique)."""
     routing: dict[str, Any] = {}
     if config.session_affinity:
-        routing["request_router_config"] = RequestRouterConfig(request_router_class=ROUTER_CLASS)
+        routing["request_router_config"] = RequestRouterConfig(request_router_class=ROUTER_CLASS)  # type: ignore[arg-type]  # mypy misreads Ray's str | Callable field
     controller_name = f"SessionRegistry{suffix}"
     policy, ttl = config.cost_policy.model_dump(), config.target.session_ttl_s
     router_options = RouterOptions(
@@ -324,23 +324,23 @@ def model_deployments(
         colocated=config.colocated,
     ).model_dump()
     if config.colocated:  # the pair's caches die with its loops: nothing to release from outside
-        controller = SessionRegistry.options(name=controller_name).bind(policy, ttl)
+        controller = SessionRegistry.options(name=controller_name).bind(policy, ttl)  # type: ignore[attr-defined]  # @serve.deployment: mypy keeps the class
         pair = Pair.options(
             name=f"Pair{suffix}", **config.verifier_resources.options(config.target, inherited)
         ).bind(config.target.model_dump(), config.draft.model_dump(), controller)
         return pair, pair, pair, controller, router_options
-    draft = Draft.options(
+    draft = Draft.options(  # type: ignore[misc, operator]  # @serve.deployment: mypy keeps the class
         name=f"Draft{suffix}", **config.draft_resources.options(config.draft, inherited), **routing
     ).bind(config.draft.model_dump(), config.target.source)  # the look-up: the target's vocab
-    verifier = Verifier.options(
+    verifier = Verifier.options(  # type: ignore[misc, operator]  # @serve.deployment: mypy keeps the class
         name=f"Verifier{suffix}",
         **config.verifier_resources.options(config.target, inherited),
         **routing,
     ).bind(config.target.model_dump())
     # the controller frees a dead router's sessions on the draft and the verifier
-    controller = SessionRegistry.options(name=controller_name).bind(policy, ttl, draft, verifier)
-    serving = {"inherited_env": inherited, "allocator": config.allocator}  # no model: loops
-    router = Router.options(
+    controller = SessionRegistry.options(name=controller_name).bind(policy, ttl, draft, verifier)  # type: ignore[attr-defined]  # @serve.deployment: mypy keeps the class
+    serving: dict[str, Any] = {"inherited_env": inherited, "allocator": config.allocator}  # loops
+    router = Router.options(  # type: ignore[attr-defined]  # @serve.deployment: mypy keeps the class
         name=f"Router{suffix}", **config.router_resources.options(**serving)
     ).bind(draft, verifier, controller)
     return router, draft, verifier, controller, router_options
@@ -350,6 +350,6 @@ def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
     """The Serve application for `args` (a dict as given in a Serve config file)."""
     config = AppArgs.model_validate(args or {})
     inherited = _application_runtime_env()
-    serving = {"inherited_env": inherited, "allocator": config.allocator}  # no model: HTTP
-    ingress = Ingress.options(**config.ingress_resources.options(**serving))
+    serving: dict[str, Any] = {"inherited_env": inherited, "allocator": config.allocator}  # HTTP
+    ingress = Ingress.options(**config.ingress_resources.options(**serving))  # type: ignore[attr-defined]  # @serve.deployment: mypy keeps the class
     return ingress.bind([model_deployments(config, inherited)])

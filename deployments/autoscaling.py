@@ -35,6 +35,7 @@ def steady_queue_length_policy(ctx: AutoscalingContext) -> tuple[float, dict[str
     current = ctx.current_num_replicas
     if current == 0:  # as Serve's rule: no replica running, keep the target it set
         return ctx.target_num_replicas, {}
+    assert ctx.config is not None  # Serve passes the deployment's autoscaling config
     target = ctx.config.get_target_ongoing_requests()
     ongoing = ctx.total_num_requests
     wanted = ongoing / target

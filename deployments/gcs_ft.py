@@ -151,10 +151,12 @@ class GcsWatch:
             raise RuntimeError("GcsWatch runs in the process that started Ray's head node")
         self._node: Any = node
         self._before_shutdown: list[Any] = []
-        self._interval = interval
-        self._stop = threading.Event()
+        self._interval: float = interval
+        self._stop: threading.Event = threading.Event()
         self.outages: list[Outage] = []
-        self._thread = threading.Thread(target=self._run, name="dsbd-gcs-watch", daemon=True)
+        self._thread: threading.Thread = threading.Thread(
+            target=self._run, name="dsbd-gcs-watch", daemon=True
+        )
 
     def start(self) -> GcsWatch:
         self._thread.start()

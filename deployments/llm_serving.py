@@ -67,7 +67,7 @@ DSBD_FIELDS = ("layout", "limits", "default_max_tokens", "cost_policy", "session
 MODEL_FIELDS = ("device", "threads", "decode_path", "batch_invariant", "max_batch_size")
 ENGINE_FIELDS = ("speculative_config", "tensor_parallel_size", "dtype")
 # LLMConfig fields accepted only at Ray Serve LLM's default (what they ask for, dsbd has not).
-DEFAULT_ONLY = {
+DEFAULT_ONLY: dict[str, tuple[Any, ...]] = {
     "llm_engine": ("vLLM", "VLLM", "dsbd"),
     "lora_config": (None,),
     "server_cls": (None,),
@@ -342,7 +342,7 @@ def build_openai_app(args: dict[str, Any] | LLMServingArgs) -> Application:
         raise ValueError(message) from None
     bound = [model_deployments(config, inherited, _suffix(config.model_name)) for config in models]
     options = ingress.options(inherited_env=inherited, allocator=models[0].allocator)
-    return Ingress.options(**options).bind(bound)
+    return Ingress.options(**options).bind(bound)  # type: ignore[attr-defined]  # @serve.deployment: mypy keeps the class
 
 
 __all__ = ["LLMServingArgs", "build_openai_app", "serving_args"]

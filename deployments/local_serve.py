@@ -113,7 +113,7 @@ def serve(schema: Any, options: ServeOptions) -> int:
     # then never raises KeyboardInterrupt: `kill -INT` left the server running. Ctrl-C stops it.
     signal.signal(signal.SIGINT, signal.default_int_handler)
     start_local_ray(
-        num_cpus=options.num_cpus,
+        num_cpus=options.num_cpus,  # type: ignore[arg-type]  # --num-cpus is a float; Ray's stub says int
         namespace="serve",
         metrics_export_port=options.metrics_port,
         object_store_mib=options.object_store_mib,

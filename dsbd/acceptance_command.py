@@ -98,8 +98,8 @@ def run(args: argparse.Namespace) -> int:
         target, draft = _load_pair(args.target, args.draft)
     except (ModelSourceError, VocabularyMismatchError) as error:
         return fail(str(error))
-    target.model.to(device)
-    draft.model.to(device)
+    target.model.to(device)  # type: ignore[arg-type]  # transformers' @wraps(Module.to) types self
+    draft.model.to(device)  # type: ignore[arg-type]  # transformers' @wraps(Module.to) types self
     load_s = time.perf_counter() - start
     start = time.perf_counter()
     sequences = sample_prompt_continuations(

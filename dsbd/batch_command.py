@@ -219,7 +219,7 @@ def _plan(args: argparse.Namespace) -> BatchJob:
     return BatchJob(args.input, listing.files, out, settings, options)
 
 
-def _output_format(path: str, flag: str | None) -> OutputFormat:
+def _output_format(path: str, flag: OutputFormat | None) -> OutputFormat:
     name = path.rstrip("/").rsplit("/", 1)[-1]
     suffix = "." + name.rsplit(".", 1)[-1].lower() if "." in name else ""
     by_suffix: dict[str, OutputFormat] = {

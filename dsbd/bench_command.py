@@ -179,7 +179,7 @@ def build_config(args: argparse.Namespace) -> BenchConfig:
     gamma = args.gamma if args.gamma is not None else (preset.gamma if preset else 2)
     if gamma < 1:
         raise ValueError(f"--gamma={gamma}: allowed: an integer >= 1")
-    methods_text = args.methods or ",".join(defaults.methods)  # type: ignore[union-attr]
+    methods_text = args.methods or ",".join(defaults.methods)  # type: ignore[union-attr]  # no preset: --methods is given (checked above)
     specs = with_references(parse_methods(methods_text, gamma=gamma))
     prompt_set = args.prompt_set or (preset.prompt_set if preset else "held-out")
     available = len(HUMANEVAL_SUBSET) if prompt_set == "humaneval" else len(EVAL_PROMPTS)
@@ -197,8 +197,8 @@ def build_config(args: argparse.Namespace) -> BenchConfig:
         )
     return BenchConfig(
         pair=args.pair,
-        target=args.target or preset.target,
-        draft=draft,  # type: ignore[union-attr]
+        target=args.target or preset.target,  # type: ignore[union-attr]  # no preset: --target is given (checked above)
+        draft=draft,
         mode=args.mode,
         prompt_set=prompt_set,
         prompts=prompts,

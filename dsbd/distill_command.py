@@ -144,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
         target = load_causal_lm(args.target)
     except (ModelSourceError, OSError, ValueError) as error:
         return fail(str(error))
-    target.model.to(device)
+    target.model.to(device)  # type: ignore[arg-type]  # transformers' @wraps(Module.to) types self
     work = Path(args.work_dir).expanduser() if args.work_dir else default_work_dir(target)
     _say(f"device {device}; work dir {work}")
     try:

@@ -12,7 +12,7 @@ import argparse
 import json
 import sys
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from pydantic import ValidationError
 
@@ -174,9 +174,12 @@ def _report(
 
     def decode_text(ids: list[int], skip_special_tokens: bool) -> str:
         """A beam's text, cut before the first stop string in it (`--stop`)."""
-        text = target.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+        # one sequence's ids: one text
+        text = cast(str, target.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens))
         after = text_floor(
-            lambda head: target.tokenizer.decode(head, skip_special_tokens=skip_special_tokens),
+            lambda head: cast(
+                str, target.tokenizer.decode(head, skip_special_tokens=skip_special_tokens)
+            ),
             ids,
             config.min_tokens,
         )

@@ -76,7 +76,7 @@ def check_fits(
     """HTTP 400 for a decode that could never be admitted: its charge exceeds this ingress's
     share of a side's budget even with nothing else running."""
     for side, charge in session_charge(config, prompt_len, view).items():
-        figures = view[side]  # type: ignore[index]
+        figures = view[side]  # type: ignore[index]  # a charge is there only with a view
         if charge > figures["share_bytes"]:
             gamma = config.draft_depth
             raise APIError(
@@ -86,7 +86,7 @@ def check_fits(
                 f"{config.effective_draft_width}) needs {_mib(charge)} of the {side}'s session "
                 f"memory (KV cache x {figures['working_copies']} working copies); this server "
                 f"admits at most {_mib(figures['share_bytes'])} per decode ({side}."
-                f"session_memory_bytes={figures['session_memory_bytes']} / {view['routers']} "  # type: ignore[index]
+                f"session_memory_bytes={figures['session_memory_bytes']} / {view['routers']} "  # type: ignore[index]  # a charge is there only with a view
                 f"ingress replica(s)); allowed: a shorter prompt, a smaller {tokens_field} or "
                 "width",
                 tokens_field,
@@ -105,7 +105,7 @@ class MemoryLedger:
     def take(self, charge: dict[str, int], view: dict[str, Any] | None) -> None:
         """Count a decode in, or HTTP 429 when it does not fit beside the others."""
         for side, amount in charge.items():
-            share = view[side]["share_bytes"]  # type: ignore[index]
+            share = view[side]["share_bytes"]  # type: ignore[index]  # a charge is there only with a view
             if self.admitted[side] + amount > share:
                 raise APIError(
                     429,

@@ -63,8 +63,8 @@ app.add_middleware(
     RequestObserver
 )  # request spans and metrics (deployments/observability/observers.py)
 # Every client error answers one OpenAI-style shape (deployments/api/errors.py).
-app.add_exception_handler(APIError, api_error_handler)
-app.add_exception_handler(RequestValidationError, validation_error_handler)
+app.add_exception_handler(APIError, api_error_handler)  # type: ignore[arg-type]  # Starlette types handlers as taking any Exception
+app.add_exception_handler(RequestValidationError, validation_error_handler)  # type: ignore[arg-type]  # Starlette types handlers as taking any Exception
 app.add_exception_handler(Exception, unhandled_error_handler)  # a replica lost for good: 503
 
 # One served model's handles and options: router (or pair), draft, verifier, session registry,

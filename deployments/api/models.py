@@ -43,7 +43,7 @@ _OPENAI_NAMED = {
     "logit_bias",
 }
 
-DecodingKnobs: type[BaseModel] = create_model(  # type: ignore[call-overload]
+DecodingKnobs: type[BaseModel] = create_model(  # type: ignore[call-overload]  # create_model's overloads miss **fields
     "DecodingKnobs",
     __config__=ConfigDict(extra="forbid"),
     method=(
@@ -97,7 +97,7 @@ _NEUTRAL: dict[str, Any] = {
 }
 
 
-class _OpenAIRequest(DecodingKnobs, StopFields, EosFields, LogitBiasField):  # type: ignore[misc, valid-type]
+class _OpenAIRequest(DecodingKnobs, StopFields, EosFields, LogitBiasField):
     """Fields shared by completions and chat."""
 
     model_config = ConfigDict(extra="forbid")
@@ -154,11 +154,11 @@ class _OpenAIRequest(DecodingKnobs, StopFields, EosFields, LogitBiasField):  # t
         if self.use_beam_search and "width" not in self.model_fields_set:
             self.width = self.n  # vLLM: n is the beam width (1: greedy)
         width = self.width
-        if self.method in BEAM_METHODS and self.n > width:
+        if self.method in BEAM_METHODS and self.n > width:  # type: ignore[attr-defined]  # a DecodingKnobs field (create_model)
             raise ValueError(f"n={self.n} is larger than width={width}; allowed: 1 <= n <= width")
-        if self.method in ("sample", "sps") and self.n > 1:
+        if self.method in ("sample", "sps") and self.n > 1:  # type: ignore[attr-defined]  # a DecodingKnobs field (create_model)
             raise ValueError(
-                f"n={self.n} needs a beam method ({', '.join(BEAM_METHODS)}); {self.method} has 1"
+                f"n={self.n} needs a beam method ({', '.join(BEAM_METHODS)}); {self.method} has 1"  # type: ignore[attr-defined]  # a DecodingKnobs field (create_model)
             )
         return self
 
@@ -228,8 +228,8 @@ class CompletionRequest(_OpenAIRequest):
         """Each prompt of the request, as a text or as token ids (one for a single prompt)."""
         value = self.prompt
         if isinstance(value, str) or all(isinstance(t, int) for t in value):
-            return [value]  # type: ignore[list-item]
-        return list(value)  # type: ignore[arg-type]
+            return [value]  # type: ignore[list-item]  # the checks above: a text or token ids
+        return list(value)  # type: ignore[arg-type]  # the checks above: a list of prompts
 
     @property
     def logprob_count(self) -> int | None:
@@ -296,7 +296,7 @@ class ChatCompletionRequest(_OpenAIRequest):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
-class GenerateRequest(DecodingKnobs, StopFields, EosFields, LogitBiasField):  # type: ignore[misc, valid-type]
+class GenerateRequest(DecodingKnobs, StopFields, EosFields, LogitBiasField):
     """POST /v1/dsbd/generate: one prompt, all beams and full statistics back."""
 
     model_config = ConfigDict(extra="forbid")
@@ -340,18 +340,18 @@ def _sampling_config(
         for name in DecodingKnobs.model_fields
         if name not in ("method", "adaptive", "use_beam_search")
     }
-    search = request.use_beam_search or request.method in SEARCH_METHODS  # type: ignore[attr-defined]
+    search = request.use_beam_search or request.method in SEARCH_METHODS  # type: ignore[attr-defined]  # a request model's (its create_model bases)
     return SamplingConfig(
         **knobs,
         # 0 (OpenAI routes) decodes deterministically (`search`), where no temperature applies
-        temperature=request.temperature or 1.0,  # type: ignore[attr-defined]
-        top_p=request.top_p,  # type: ignore[attr-defined]
-        seed=request.seed,  # type: ignore[attr-defined]
+        temperature=request.temperature or 1.0,  # type: ignore[attr-defined]  # a request model's (its create_model bases)
+        top_p=request.top_p,  # type: ignore[attr-defined]  # a request model's (its create_model bases)
+        seed=request.seed,  # type: ignore[attr-defined]  # a request model's (its create_model bases)
         max_new_tokens=max_new_tokens,
-        eos_token_ids=request.eos_ids(eos_token_ids),  # type: ignore[attr-defined]
+        eos_token_ids=request.eos_ids(eos_token_ids),  # type: ignore[attr-defined]  # a request model's (its create_model bases)
         search=search,
         logprobs=logprobs,
-        logit_bias=request.logit_bias_ids,  # type: ignore[attr-defined]
+        logit_bias=request.logit_bias_ids,  # type: ignore[attr-defined]  # a request model's (its create_model bases)
     )
 
 

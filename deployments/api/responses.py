@@ -237,7 +237,7 @@ def batch_completion_response(
             CompletionChoice(
                 index=i * n + j,
                 text=texts.text(b),
-                logprobs=texts.beam_logprobs(b, chat=False),  # type: ignore[arg-type]
+                logprobs=texts.beam_logprobs(b, chat=False),
                 finish_reason=finish_reason(b),
                 stop_reason=texts.stop_reason(b),
             )
@@ -260,7 +260,7 @@ def completion_response(
                 ChatChoice(
                     index=i,
                     message=AssistantMessage(content=texts.text(b)),
-                    logprobs=texts.beam_logprobs(b, chat=True),  # type: ignore[arg-type]
+                    logprobs=texts.beam_logprobs(b, chat=True),
                     finish_reason=finish_reason(b),
                     stop_reason=texts.stop_reason(b),
                 )
@@ -274,7 +274,7 @@ def completion_response(
             CompletionChoice(
                 index=i,
                 text=texts.text(b),
-                logprobs=texts.beam_logprobs(b, chat=False),  # type: ignore[arg-type]
+                logprobs=texts.beam_logprobs(b, chat=False),
                 finish_reason=finish_reason(b),
                 stop_reason=texts.stop_reason(b),
             )

@@ -202,10 +202,13 @@ class ServedModel:
             prompt_ids = self.tokenizer.encode(request.prompt)
         config = requested_config(lambda: request.sampling_config(self.stop_ids))
         config = await self._config(
-            config, request.method, prompt_ids, tokens_field="max_new_tokens"
+            config,
+            request.method,  # type: ignore[attr-defined]  # a DecodingKnobs field (create_model)
+            prompt_ids,
+            tokens_field="max_new_tokens",
         )
         handed: list[str] = []  # hand-overs to another router (deployments/decode/client.py)
-        call = self._call(config, request.adaptive, prompt_ids, request.stop_strings)
+        call = self._call(config, request.adaptive, prompt_ids, request.stop_strings)  # type: ignore[attr-defined]  # a DecodingKnobs field (create_model)
         end = await self._run(call, handed)
         result = end.result
         texts = self._texts(request)
@@ -214,7 +217,7 @@ class ServedModel:
         stats["serving"] = {**end.serving, "handovers": handed}
         return {
             "model": self.options.model_name,
-            "method": request.method,
+            "method": request.method,  # type: ignore[attr-defined]  # a DecodingKnobs field (create_model)
             "prompt_tokens": len(prompt_ids),
             "beams": [
                 {
@@ -242,7 +245,7 @@ class ServedModel:
         async def one(ids: list[int]) -> tuple[Any, list]:
             if request.max_tokens == 0:  # nothing decoded: the limits are checked all the same
                 config = requested_config(lambda: request.sampling_config(self.stop_ids, 1))
-                await self._config(config, request.method, ids)
+                await self._config(config, request.method, ids)  # type: ignore[attr-defined]  # a DecodingKnobs field (create_model)
             scored = None
             if request.logprobs is not None:
                 scored = await self.handles.verifier.prompt_logprobs.remote(ids, request.logprobs)

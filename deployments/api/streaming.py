@@ -17,7 +17,7 @@ import asyncio
 import json
 import time
 import weakref
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
 
 from fastapi.responses import StreamingResponse
@@ -47,7 +47,7 @@ class DecodeStream(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             try:
-                await self.body_iterator.aclose()  # type: ignore[attr-defined]
+                await self.body_iterator.aclose()  # type: ignore[attr-defined]  # StreamingResponse's body is an async generator here
             finally:
                 self._leave()
 
@@ -59,7 +59,7 @@ def loop_time(deadline: float) -> float:
 
 
 async def sse_events(
-    updates: AsyncIterator[Committed | DecodeEnd],
+    updates: AsyncGenerator[Committed | DecodeEnd, None],
     request: Any,
     prompt_ids: list[int],
     *,

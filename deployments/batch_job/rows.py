@@ -54,7 +54,7 @@ KNOBS = tuple(
     name for name in SamplingConfig.model_fields if name not in ("eos_token_ids", "logit_bias")
 )
 
-_RowKnobs: type[BaseModel] = create_model(  # type: ignore[call-overload]
+_RowKnobs: type[BaseModel] = create_model(  # type: ignore[call-overload]  # create_model's overloads miss **fields
     "_RowKnobs",
     __config__=ConfigDict(extra="forbid"),
     **{
@@ -64,7 +64,7 @@ _RowKnobs: type[BaseModel] = create_model(  # type: ignore[call-overload]
 )
 
 
-class BatchRow(_RowKnobs, StopFields, LogitBiasField):  # type: ignore[misc, valid-type]
+class BatchRow(_RowKnobs, StopFields, LogitBiasField):
     """One input row: a prompt in one of three forms, an optional id and per-row knobs.
 
     Knobs (SamplingConfig's fields, `method`, `n`, `chat`) override the command line's defaults

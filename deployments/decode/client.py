@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import replace
 from typing import Any
 
@@ -80,7 +80,7 @@ async def decode(router: Any, call: DecodeCall, handed: list[str] | None = None)
 
 async def stream(
     router: Any, call: DecodeCall, handed: list[str] | None = None
-) -> AsyncIterator[Committed | DecodeEnd]:
+) -> AsyncGenerator[Committed | DecodeEnd, None]:
     """The decode's committed tokens as they come, then its end; a restart replays the seeded
     decode and skips what was already yielded. `router`: a handle with `stream=True`."""
     handed = [] if handed is None else handed

@@ -33,15 +33,16 @@ from dsbd_core.algorithm.sequences.prompt_logprobs import PromptLogprobs
 
 
 @serve.deployment(name="Pair", max_ongoing_requests=256)
-class Pair(Router.func_or_class):  # type: ignore[misc]  # Serve's Deployment wraps the class
+class Pair(Router.func_or_class):  # type: ignore[name-defined]  # @serve.deployment: mypy keeps the class
     """The target, the draft and the decode loops of one replica (see the module docstring)."""
 
     LAYOUT = "colocated"  # its served iterations (the calibration's) cost no Serve calls
 
     def __init__(self, target: dict[str, Any], draft: dict[str, Any], controller: Any) -> None:
         source = ModelOptions.model_validate(target).source  # the look-up draft's vocabulary
-        self.draft = Draft.func_or_class(draft, source)
-        self.verifier = Verifier.func_or_class(target)  # last: its torch threads hold
+        self.draft = Draft.func_or_class(draft, source)  # type: ignore[attr-defined]  # @serve.deployment: mypy keeps the class
+        # last: its torch threads hold
+        self.verifier = Verifier.func_or_class(target)  # type: ignore[attr-defined]  # @serve.deployment: mypy keeps the class
         super().__init__(LocalHandle(self.draft), LocalHandle(self.verifier), controller)
 
     async def draft_info(self) -> dict[str, Any]:

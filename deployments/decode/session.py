@@ -34,7 +34,7 @@ import asyncio
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -120,7 +120,7 @@ class DecodeSession:
         self.lineage = Lineage() if config.seed is not None else None
         self.totals: dict[str, int] = {}  # what the request span reports (SessionObserver)
 
-    async def iterations(self, prompt_ids: list[int]) -> AsyncIterator[DecodeState]:
+    async def iterations(self, prompt_ids: list[int]) -> AsyncGenerator[DecodeState, None]:
         """Run the decode; yields the state after every iteration (for streaming)."""
         start = time.perf_counter()
         limits = Knobs(gamma=self.config.draft_depth, draft_width=self.config.effective_draft_width)

@@ -129,7 +129,7 @@ class ServingMetrics:
         from ray.serve import metrics
 
         def counter(name: str, description: str, tags: tuple[str, ...] = ()) -> Any:
-            return metrics.Counter(name, description=description, tag_keys=tags or None)
+            return metrics.Counter(name, description=description, tag_keys=tags or None)  # type: ignore[arg-type]  # Ray annotates tag_keys as a 1-tuple
 
         def histogram(name: str, description: str, buckets: list[float]) -> Any:
             return metrics.Histogram(name, description=description, boundaries=buckets)

@@ -198,7 +198,7 @@ class ModelReplica:
             free = min(info.get("free_bytes", 0) for info in self.tp_group.rank_infos)
         else:
             loaded = load_causal_lm(self.options.source, dtype=torch_dtype)
-            loaded.model.to(self.options.device)
+            loaded.model.to(self.options.device)  # type: ignore[arg-type]  # transformers' @wraps(Module.to) types self
             if self.CHEAP_VARIANT:
                 self.variant = prepare_draft(loaded, self.options.variant, stop_token_ids(loaded))
                 support = head_support(loaded.model)

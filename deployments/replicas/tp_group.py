@@ -88,7 +88,7 @@ def actor_device(device: str, gpu_ids: list[Any], visible: str | None) -> str:
     return "cuda:0"
 
 
-@ray.remote(max_restarts=0, concurrency_groups={"health": 1})
+@ray.remote(max_restarts=0, concurrency_groups={"health": 1})  # type: ignore[call-overload]  # Ray's overloads lack concurrency_groups
 class TPWorker:
     """One rank: its shard of the model and its shards of every session's KV cache."""
 
@@ -224,7 +224,7 @@ class TensorParallelScorer:
                     f"tp_size={tp_size} needs one per rank after the replica's own"
                 )
         self.workers = [
-            TPWorker.options(
+            TPWorker.options(  # type: ignore[attr-defined]  # @ray.remote made it an ActorClass
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     group, placement_group_bundle_index=first + rank
                 ),

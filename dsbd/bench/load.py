@@ -257,6 +257,7 @@ def sampler(
     HTTP call that waits its turn behind the load, so it is sampled separately)."""
 
     async def memory() -> None:
+        assert config.pid is not None  # sampled only then (below)
         rss, pss, by_process = await asyncio.to_thread(tree_memory, config.pid)
         samples.time_s.append(round(time.monotonic() - t0, 2))
         samples.rss_bytes.append(rss)

@@ -191,7 +191,12 @@ def measure_latency(
     target, draft = pair
     method = knobs["method"]
     config_knobs = {k: v for k, v in knobs.items() if k != "method"}
-    latency = {"in_process": [], "distributed": [], "server_side": [], "same_tokens": []}
+    latency: dict[str, list[Any]] = {
+        "in_process": [],
+        "distributed": [],
+        "server_side": [],
+        "same_tokens": [],
+    }
     for round_ in range(args.rounds):
         for i, ids in enumerate(prompts):
             seed = 1000 * round_ + i

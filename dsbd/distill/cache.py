@@ -81,8 +81,8 @@ def build_cache(
         if path.exists():
             continue
         start = time.perf_counter()
-        kind, number = name.split("-")
-        number = int(number)
+        kind, digits = name.split("-")
+        number = int(digits)
         if kind == "sample":
             shard = _sample_shard(target, train_prompts, number, config, stops, pad)
         else:

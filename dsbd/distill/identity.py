@@ -11,8 +11,10 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 # 2: `config` includes the sampling batch size and `target_identity` is recorded (format 1
 # caches record neither, so they cannot be checked against the target and are refused).
@@ -57,7 +59,7 @@ _VOLATILE_CONFIG_KEYS = ("transformers_version", "use_cache", "dtype", "torch_dt
 _SAMPLED_PER_TENSOR = 4096
 
 
-def target_identity(model: torch.nn.Module) -> dict[str, str]:
+def target_identity(model: PreTrainedModel) -> dict[str, str]:
     """What identifies a target for its teacher cache, whatever it was loaded from.
 
     The vocabulary size alone does not: a fine-tune, another size of the same family or a

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 
 @dataclass(frozen=True)
@@ -63,13 +64,13 @@ class MarkovChain:
 
 
 def homogeneous_chain(
-    draft: np.ndarray, target: np.ndarray, initial: np.ndarray, horizon: int
+    draft: ArrayLike, target: ArrayLike, initial: ArrayLike, horizon: int
 ) -> MarkovChain:
     """The same transition matrices at every position."""
     return MarkovChain(
         draft=np.repeat(np.asarray(draft, dtype=np.float64)[None], horizon, axis=0),
         target=np.repeat(np.asarray(target, dtype=np.float64)[None], horizon, axis=0),
-        initial=initial,
+        initial=np.asarray(initial, dtype=np.float64),
     )
 
 

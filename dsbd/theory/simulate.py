@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 
@@ -146,7 +147,8 @@ def pareto_points(chains: dict[str, MarkovChain], epsilons: int, rng) -> dict:
     for name, chain in chains.items():
         eps_grid = _epsilon_grid(chain.draft - chain.target, epsilons)
         rows = {"epsilon": eps_grid.tolist()}
-        for mode in ("opt", "uno"):
+        modes: tuple[Literal["opt", "uno"], ...] = ("opt", "uno")
+        for mode in modes:
             rows[mode] = [overaccept_chain(chain, e, mode, "target") for e in eps_grid]
             rows[mode + "_own_law"] = [overaccept_chain(chain, e, mode, "own") for e in eps_grid]
         out[name] = rows

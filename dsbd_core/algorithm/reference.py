@@ -147,7 +147,7 @@ def draft_forest(
         parent, token = index // vocab, index % vocab
         score = torch.where(exists, score[parent] + logq[parent, token], 0.0)
         rows = zip(parent.tolist(), token.tolist(), exists.tolist(), strict=True)
-        drafted = [paths[p] + [t] if e else None for p, t, e in rows]  # type: ignore[operator]
+        drafted = [paths[p] + [t] if e else None for p, t, e in rows]
         forest.append(Layer(index, exists, table, prob, drafted))
         ends = config.eos_token_ids  # a draft ending in EOS has no children
         paths = [path if path is not None and path[-1] not in ends else None for path in drafted]
@@ -201,7 +201,7 @@ def verify_forest(
         score = node_score
     # the output beams: the candidates of P_l in the open slots (the first R that exist)
     rows = [divmod(index, vocab) for index, exists in slots[: session.remaining] if exists]
-    outputs = [Beam(paths[r] + [t], float(score[r] + logp[r, t])) for r, t in rows]  # type: ignore[operator]
+    outputs = [Beam(paths[r] + [t], float(score[r] + logp[r, t])) for r, t in rows]  # type: ignore[operator]  # rows are parents': each has a path
     return outputs, passed, widths
 
 

@@ -26,9 +26,9 @@ import json
 import os
 import platform
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -44,6 +44,9 @@ from dsbd_core.algorithm.sequences.state import DecodeState, Outcome
 from dsbd_core.models.loading import LoadedModel
 from dsbd_core.models.presets import cache_root
 from dsbd_core.models.tokens import encode_prompt, has_chat_template, stop_token_ids
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 CONTEXT = 256
 ENGINE_WIDTH = 3
@@ -64,7 +67,7 @@ ITERATION_TOKENS = 16
 
 
 def forward_costs(
-    model: torch.nn.Module, points: Sequence[int] = TOKEN_POINTS, repeats: int = REPEATS
+    model: PreTrainedModel, points: Sequence[int] = TOKEN_POINTS, repeats: int = REPEATS
 ) -> ForwardCosts:
     """Median seconds of a forward feeding n tokens after a cached `CONTEXT`-token prefix."""
     device = next(model.parameters()).device
@@ -101,14 +104,14 @@ class _InstantScorer:
         width = support.numel() if support is not None else vocab_size
         generator = torch.Generator().manual_seed(0)
         self._row = (torch.randn(width, generator=generator) * 3).log_softmax(-1)
-        self._roots = (0, 0)
+        self._roots: tuple[int, ...] = (0, 0)
 
     @property
     def vocab_size(self) -> int:
         return self._vocab
 
     def set_roots(self, roots: Roots) -> None:
-        self._roots = tuple(roots.alive.shape)  # type: ignore[assignment]
+        self._roots = tuple(roots.alive.shape)
 
     def forward(self, layers: Sequence[ForestLayer]) -> ForestLogprobs:
         batch, rows = self._roots
@@ -179,19 +182,19 @@ def machine() -> dict[str, object]:
     }
 
 
-def _cache_path(name: str, parts: dict[str, object]) -> Path:
+def _cache_path(name: str, parts: Mapping[str, object]) -> Path:
     key = calibration_key({"what": name, **parts, **machine()})
     folder = os.environ.get("DSBD_CALIBRATION_DIR") or str(cache_root() / "calibration")
     return Path(folder) / f"{name}-{key}.json"
 
 
-def read_cached(name: str, parts: dict[str, object]) -> str | None:
+def read_cached(name: str, parts: Mapping[str, object]) -> str | None:
     """The text stored for `parts` on this machine, if any (`store_cached`)."""
     path = _cache_path(name, parts)
     return path.read_text() if path.is_file() else None
 
 
-def store_cached(name: str, parts: dict[str, object], text: str) -> None:
+def store_cached(name: str, parts: Mapping[str, object], text: str) -> None:
     """Store `text` for `parts` on this machine: atomically, so that concurrent processes
     read a whole file or none."""
     path = _cache_path(name, parts)
@@ -201,7 +204,7 @@ def store_cached(name: str, parts: dict[str, object], text: str) -> None:
     partial.replace(path)
 
 
-def _cached(name: str, parts: dict[str, object], measure: Callable[[], str], force: bool) -> str:
+def _cached(name: str, parts: Mapping[str, object], measure: Callable[[], str], force: bool) -> str:
     """The text `measure()` produced for `parts` on this machine (measured once, then read)."""
     text = None if force else read_cached(name, parts)
     if text is None:
@@ -211,8 +214,8 @@ def _cached(name: str, parts: dict[str, object], measure: Callable[[], str], for
 
 
 def model_costs(
-    model: torch.nn.Module,
-    identity: dict[str, object],
+    model: PreTrainedModel,
+    identity: Mapping[str, object],
     *,
     force: bool = False,
     path: str = "dynamic",
@@ -224,7 +227,7 @@ def model_costs(
         if path == "static":
             from dsbd_core.models.static_scorer import static_forward_costs
 
-            seconds = static_forward_costs(model, TOKEN_POINTS, REPEATS, CONTEXT)  # type: ignore[arg-type]
+            seconds = static_forward_costs(model, TOKEN_POINTS, REPEATS, CONTEXT)
             return ForwardCosts(tokens=list(TOKEN_POINTS), seconds=seconds).model_dump_json()
         return forward_costs(model).model_dump_json()
 
@@ -269,8 +272,8 @@ def assemble(
 
 
 def calibrate(
-    target: torch.nn.Module,
-    draft: torch.nn.Module | None,
+    target: PreTrainedModel,
+    draft: PreTrainedModel | None,
     identity: dict[str, object],
     vocab_size: int,
     *,
@@ -376,9 +379,9 @@ def measure_pass_rates(
 
 
 def pair_pass_rates(
-    target: torch.nn.Module,
-    draft: torch.nn.Module,
-    identity: dict[str, object],
+    target: PreTrainedModel,
+    draft: PreTrainedModel,
+    identity: Mapping[str, object],
     prompts: list[list[int]],
     stop_ids: tuple[int, ...],
     *,
@@ -407,9 +410,9 @@ def _pair_measurement(
     name: str,
     measure: Callable[[ForestScorer, ForestScorer, list[list[int]], tuple[int, ...]], Any],
     tokens: int,
-    target: torch.nn.Module,
-    draft: torch.nn.Module,
-    identity: dict[str, object],
+    target: PreTrainedModel,
+    draft: PreTrainedModel,
+    identity: Mapping[str, object],
     prompts: list[list[int]],
     stop_ids: tuple[int, ...],
     *,
@@ -461,9 +464,9 @@ def measure_iteration_seconds(
 
 
 def pair_iteration_seconds(
-    target: torch.nn.Module,
-    draft: torch.nn.Module,
-    identity: dict[str, object],
+    target: PreTrainedModel,
+    draft: PreTrainedModel,
+    identity: Mapping[str, object],
     prompts: list[list[int]],
     stop_ids: tuple[int, ...],
     *,

@@ -56,6 +56,6 @@ def convert_gguf(gguf: Path, out: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     # The weights are de-quantised float32 by now; without this save_pretrained refuses them.
     del model.config.quantization_config
-    model.hf_quantizer = None
+    model.hf_quantizer = None  # type: ignore[assignment]  # PreTrainedModel's untyped attribute
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)

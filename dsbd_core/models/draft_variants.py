@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, cast
 
 import torch
 from torch import nn
@@ -42,9 +42,11 @@ class RestrictedHead(nn.Module):
     (log-softmax, the scorer, the forest tables) sees an ordinary distribution with zeros.
     """
 
+    keep: torch.Tensor  # a registered buffer
+
     def __init__(self, head: nn.Module, keep: torch.Tensor, vocab_size: int) -> None:
         super().__init__()
-        weight = head.weight.detach()
+        weight = cast(torch.Tensor, head.weight).detach()  # an output layer's weight
         bias = getattr(head, "bias", None)
         self.proj = nn.Linear(weight.shape[1], keep.numel(), bias=bias is not None)
         self.proj.to(device=weight.device, dtype=weight.dtype)
@@ -142,9 +144,9 @@ def fuse_projections(model: PreTrainedModel) -> int:
         for names in (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")):
             parts = [getattr(module, name, None) for name in names]
             if all(type(part) is nn.Linear for part in parts):
-                fused = _Fused(parts)  # type: ignore[arg-type]
+                fused = _Fused(parts)  # type: ignore[arg-type]  # all checked nn.Linear above
                 for index, (name, part) in enumerate(zip(names, parts, strict=True)):
-                    setattr(module, name, _Part(fused, index, part.out_features))  # type: ignore[union-attr]
+                    setattr(module, name, _Part(fused, index, part.out_features))  # type: ignore[union-attr]  # all checked nn.Linear above
                 module.add_module("_fused_" + names[0], fused)
                 groups += 1
     return groups
@@ -160,7 +162,7 @@ def quantize_int8(model: PreTrainedModel) -> PreTrainedModel:
     """
     if model.device.type != "cpu":
         raise ValueError(f"int8 dynamic quantisation runs on the CPU only, not {model.device}")
-    model = model.to(torch.float32)
+    model = model.to(torch.float32)  # type: ignore[arg-type]  # transformers' @wraps(Module.to) types self
     fuse_projections(model)
     use_int8_engine()
     # Per output channel: one scale per weight row. Per tensor, Qwen2.5-0.5B's acceptance

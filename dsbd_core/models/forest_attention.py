@@ -109,7 +109,7 @@ def forest_attention(
                 module, query, new_keys, new_values, group, scale, spec.dense_attention
             )
         else:
-            layer = module.layer_idx  # type: ignore[attr-defined]
+            layer: int = module.layer_idx  # type: ignore[assignment]  # HF attention's int layer_idx
             out = _attend_forest(query, new_keys, new_values, layer, group, scale)
         real = group.real.reshape(-1)
         packed[:, group.slots.reshape(-1)[real]] = out[:, real]
@@ -126,7 +126,7 @@ def _new_keys_values(
     index = group.slots.reshape(-1)
     new_keys = key[0][:, index].view(kv_heads, trees, width, dim).transpose(0, 1)
     new_values = value[0][:, index].view(kv_heads, trees, width, dim).transpose(0, 1)
-    group.new[module.layer_idx] = (new_keys, new_values)  # type: ignore[attr-defined]
+    group.new[module.layer_idx] = (new_keys, new_values)  # type: ignore[index]  # HF attention's int layer_idx
     return new_keys, new_values
 
 
@@ -176,7 +176,7 @@ def _attend_dense(
 ) -> torch.Tensor:
     """One group attended by the model's own attention function over its padded layout, as
     its forward alone runs it (a beam step, one tree): [heads, R * q, dim] in padded order."""
-    layer = module.layer_idx  # type: ignore[attr-defined]
+    layer: int = module.layer_idx  # type: ignore[assignment]  # HF attention's int layer_idx
     heads, _, dim = query.shape[1:]
     trees, width = group.slots.shape
     index = group.slots.reshape(-1)

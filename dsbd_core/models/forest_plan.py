@@ -15,7 +15,7 @@ import torch
 from transformers import DynamicCache
 
 from dsbd_core.algorithm.scorer import ForestLayer
-from dsbd_core.models.kv_cache import PAD_COLUMN, LayerPlacement, SessionCache
+from dsbd_core.models.kv_cache import PAD_COLUMN, LayerPlacement, SessionCache, SlotPlacement
 
 
 @dataclass
@@ -107,7 +107,7 @@ def _place_layer(
     b: int,
     layer: ForestLayer,
     depth: int,
-    previous: LayerPlacement | None,
+    previous: LayerPlacement | SlotPlacement | None,
     local_of_root: torch.Tensor,
     fill: torch.Tensor,
     first_node_column: int,

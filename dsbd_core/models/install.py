@@ -7,6 +7,7 @@ verified against the expected size and sha256, and converted once into the cache
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
 import shutil
@@ -73,7 +74,7 @@ def install_preset(
             start = time.perf_counter()
             log(f"{entry}: converting to float32 safetensors (once; large models take minutes)")
             build = convert or convert_gguf
-            installed[entry] = cached_conversion(entry, lambda out, g=gguf, b=build: b(g, out))
+            installed[entry] = cached_conversion(entry, functools.partial(build, gguf))
             log(f"{entry}: installed at {installed[entry]} ({time.perf_counter() - start:.0f} s)")
         finally:
             shutil.rmtree(work, ignore_errors=True)

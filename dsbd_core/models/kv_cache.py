@@ -11,6 +11,7 @@ returning wrong distributions. A batched forward attends each session over its o
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from transformers import DynamicCache
@@ -63,7 +64,9 @@ class SessionCache:
 
     rows: torch.Tensor
     tokens: torch.Tensor
-    cache: DynamicCache | None
+    # a DynamicCache (TransformerScorer) or a static_cache.SlotHandle (StaticScorer): Any, as
+    # the code each scorer shares sees either
+    cache: Any
     column_tokens: torch.Tensor
     prefix_cols: int
     layers: list[LayerPlacement | SlotPlacement] = field(default_factory=list)

@@ -64,6 +64,7 @@ def calibrate_lookup(
 ) -> Calibration:
     """The calibration of `pair` (a target with `lookup` set): from the cache, or measured now."""
     assert pair.lookup is not None, "a pair with the prompt-lookup draft"
+    lookup = pair.lookup
     start = time.perf_counter()
     identity = pair.identity()
     say(f"cost model calibration (measured once per machine, then cached): {pair.describe()}")
@@ -89,7 +90,7 @@ def calibrate_lookup(
         parts = {**identity, "prompts": prompts, "tokens": tokens, "stop": stop_ids}
         text = None if force else read_cached(name, parts)
         if text is None:
-            scorers = make_scorer(target, pair.decode_path), NgramDraft(vocab, pair.lookup)
+            scorers = make_scorer(target, pair.decode_path), NgramDraft(vocab, lookup)
             text = json.dumps(measure(*scorers, prompts, stop_ids))
             store_cached(name, parts, text)
         return json.loads(text)

@@ -83,7 +83,7 @@ def packed_forward(
         first += row.numel()
         bias = additive_mask(part.allowed, model.dtype if part.dense else compute)
         old = (
-            [(x.keys, x.values) for x in part.cache.layers]
+            [(x.keys, x.values) for x in part.cache.layers]  # type: ignore[union-attr]  # attention layers: no linear attention
             if cached and part.cache is not None
             else [(None, None)] * layers
         )

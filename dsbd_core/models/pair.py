@@ -207,7 +207,7 @@ def load_pair(
     torch_dtype, reason = resolve_dtype(dtype, device)
     options = draft_options or DraftOptions()
     loaded_target = load_causal_lm(target, dtype=torch_dtype)
-    loaded_target.model.to(device)
+    loaded_target.model.to(device)  # type: ignore[arg-type]  # transformers' @wraps(Module.to) types self
     if draft is None:
         return LoadedPair(loaded_target, None, torch_dtype, reason, "", device, path)
     if draft == LOOKUP_DRAFT:
@@ -222,7 +222,7 @@ def load_pair(
             f"draft: {error}; or {LOOKUP_DRAFT!r} (the prompt-lookup draft)"
         ) from None
     check_same_vocabulary(loaded_target, loaded_draft)
-    loaded_draft.model.to(device)
+    loaded_draft.model.to(device)  # type: ignore[arg-type]  # transformers' @wraps(Module.to) types self
     variant = prepare_draft(loaded_draft, options, stop_token_ids(loaded_target))
     return LoadedPair(loaded_target, loaded_draft, torch_dtype, reason, variant, device, path)
 

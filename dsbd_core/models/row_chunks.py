@@ -185,7 +185,7 @@ def chunk_linear_rows(model: nn.Module) -> int:
         if type(module) is nn.Linear:
             module.__class__ = RowChunkedLinear
             changed += 1
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None  # type: ignore[operator]  # hasattr-checked PreTrainedModel method
     head = getattr(head, "proj", head)  # a restricted draft head computes through `proj`
     if isinstance(head, RowChunkedLinear):
         head.rows_kind = "kept"

@@ -29,6 +29,8 @@ _TINY = 1e-12  # the scale of an all-zero row (its values are 0 whatever it is)
 class RowScaledInt8Linear(nn.Module):
     """`nn.Linear` with int8 weights (per output channel) and int8 activations (per row)."""
 
+    sentinel: torch.Tensor  # a registered buffer
+
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         with warnings.catch_warnings():  # torch warns that quantized tensor creation is deprecated
@@ -38,7 +40,7 @@ class RowScaledInt8Linear(nn.Module):
 
             plain = nn.Linear(linear.in_features, linear.out_features, bias=False)
             plain.weight = nn.Parameter(linear.weight.detach().to(torch.float32))
-            plain.qconfig = per_channel_dynamic_qconfig  # type: ignore[assignment]
+            plain.qconfig = per_channel_dynamic_qconfig  # type: ignore[assignment]  # torch's dynamic quantisation reads qconfig
             self.quantized = DynamicLinear.from_float(plain)
         self.in_features, self.out_features = linear.in_features, linear.out_features
         bias = linear.bias.detach().to(torch.float32).clone() if linear.bias is not None else None

@@ -102,7 +102,7 @@ class StaticKV:
             if self.rows < max_rows:
                 self.grow(rows=min(max_rows, max(self.rows * 2, self.rows + count)))
                 continue
-            victims = sorted((b for b in self._used if b not in busy), key=self._used.get)
+            victims = sorted((b for b in self._used if b not in busy), key=self._used.__getitem__)
             if not victims:
                 raise RuntimeError(
                     f"static KV pool: {count} rows asked, {self.rows} rows (max_rows) all busy"

@@ -180,6 +180,7 @@ class StaticScorer(TransformerScorer):
         need = max((s.length for s in live), default=0) + (depth + 1) * SLOT_BUCKETS[-1]
         self._ensure_pool(0, need)
         self._step._refresh()
+        assert self._pool is not None  # _ensure_pool made it
         self._side = SideSessions.prepare(
             self._pool, self._step._eager, self._sessions, self._root_count
         )
@@ -299,7 +300,7 @@ class StaticScorer(TransformerScorer):
 
     def _run_work(
         self,
-        work: list[tuple[int, SessionCache, ForestPlan | SlotPlan]],
+        work: Sequence[tuple[int, SessionCache, ForestPlan | SlotPlan]],
         roots: torch.Tensor | None,
         outs: list[torch.Tensor],
     ) -> None:
@@ -314,7 +315,7 @@ class StaticScorer(TransformerScorer):
 
     def _forward(
         self,
-        work: list[tuple[int, SessionCache, ForestPlan | SlotPlan]],
+        work: Sequence[tuple[int, SessionCache, ForestPlan | SlotPlan]],
         slots: int | None,
         roots: torch.Tensor | None,
         outs: list[torch.Tensor],
@@ -324,23 +325,23 @@ class StaticScorer(TransformerScorer):
         width = slots or max(plan.input_ids.shape[1] for _, _, plan in work)
         need = max(session.cached_cols for _, session, _ in work) + width
         self._ensure_pool(0, need)
-        top = max(s.cache.base + s.rows.numel() for _, s, _ in work)  # type: ignore[union-attr]
+        top = max(s.cache.base + s.rows.numel() for _, s, _ in work)
         rows = bucket(top, row_buckets(pool.rows)) if slots else None
         inputs = _inputs(pool, work, rows, width)
         self.forward_calls += 1
-        first = 0 if slots else work[0][1].cache.base  # type: ignore[union-attr]
+        first = 0 if slots else work[0][1].cache.base
         logprobs = self._step(inputs, bucketed=slots is not None, first=first)
         if isinstance(work[0][2], SlotPlan):
             for b, session, plan in work:
-                base = session.cache.base - first  # type: ignore[union-attr]
-                gather_outputs(b, session, plan, logprobs, base, roots, outs)  # type: ignore[arg-type]
-                record_slots(session, session.cache, plan)  # type: ignore[arg-type]
+                base = session.cache.base - first
+                gather_outputs(b, session, plan, logprobs, base, roots, outs)  # type: ignore[arg-type]  # work holds SlotPlans only (checked above)
+                record_slots(session, session.cache, plan)  # type: ignore[arg-type]  # work holds SlotPlans only (checked above)
         else:
-            _place_outputs(work, logprobs, first, roots, outs, self._out_dtype)  # type: ignore[arg-type]
+            _place_outputs(work, logprobs, first, roots, outs, self._out_dtype)  # type: ignore[arg-type]  # work holds ForestPlans only
             for _, session, plan in work:
-                record_plan(session, session.cache, plan)  # type: ignore[arg-type]
+                record_plan(session, session.cache, plan)  # type: ignore[arg-type]  # work holds ForestPlans only
         for _, session, _ in work:
-            pool.touch(session.cache.base)  # type: ignore[union-attr]
+            pool.touch(session.cache.base)
 
 
 def _place_outputs(
@@ -366,7 +367,7 @@ def _place_outputs(
     row_of, slot_of, kept = [], [], 0
     for b, session, plan in work:
         row, slot = plan.keep.nonzero(as_tuple=True)  # row-major, as `rank` counts
-        row_of.append(row + session.cache.base - first)  # type: ignore[union-attr]
+        row_of.append(row + session.cache.base - first)
         slot_of.append(slot)
         rank = plan.keep.flatten().cumsum(0).view_as(plan.keep) - 1
         ids = (kept + torch.arange(row.numel()))[:, None]
@@ -398,7 +399,7 @@ def _place_outputs(
 
 def _inputs(
     pool: StaticKV,
-    work: list[tuple[int, SessionCache, ForestPlan | SlotPlan]],
+    work: Sequence[tuple[int, SessionCache, ForestPlan | SlotPlan]],
     rows: int | None,
     slots: int,
 ) -> StaticInputs:
@@ -408,7 +409,7 @@ def _inputs(
     placed on the host and copied to the device once; slot plans are placed on the device.
     """
     device = pool.device
-    first = 0 if rows is not None else work[0][1].cache.base  # type: ignore[union-attr]
+    first = 0 if rows is not None else work[0][1].cache.base
     count = rows if rows is not None else work[0][1].rows.numel()
     columns = pool.length + pool.scratch
     host = device if isinstance(work[0][2], SlotPlan) else torch.device("cpu")
@@ -416,13 +417,15 @@ def _inputs(
         idle_inputs(pool, count, slots, host)
         if rows is not None
         else StaticInputs(
-            *(torch.zeros(count, slots, dtype=torch.long, device=host) for _ in range(3)),
+            torch.zeros(count, slots, dtype=torch.long, device=host),
+            torch.zeros(count, slots, dtype=torch.long, device=host),
+            torch.zeros(count, slots, dtype=torch.long, device=host),
             torch.zeros(count, slots, columns, dtype=torch.bool, device=host),
         )
     )
     span = torch.arange(slots, device=host)
     for _, session, plan in work:
-        base = session.cache.base - first  # type: ignore[union-attr]
+        base = session.cache.base - first
         n, q = plan.input_ids.shape
         cached = session.cached_cols
         block = slice(base, base + n)

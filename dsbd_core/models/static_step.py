@@ -118,7 +118,7 @@ def static_attention(
     output [rows, slots, heads, dim], after writing key/value into the pool in place."""
     spec = kwargs[NAME]
     assert isinstance(spec, _Spec)
-    layer = module.layer_idx  # type: ignore[attr-defined]
+    layer: int = module.layer_idx  # type: ignore[assignment]  # HF attention's int layer_idx
     rows = query.shape[0]
     keys = spec.pool.keys(layer)[spec.first : spec.first + rows]
     values = spec.pool.values(layer)[spec.first : spec.first + rows]
@@ -250,7 +250,7 @@ class StaticStep:
         self._eager: Callable[..., torch.Tensor] | None = None
         self._compiled: Callable[..., torch.Tensor] | None = None
         self._buckets: dict[tuple[int, int], Callable[[StaticInputs], torch.Tensor]] = {}
-        self._graph_pool: object | None = None
+        self._graph_pool: torch.cuda._POOL_HANDLE | None = None
 
     def __call__(self, inputs: StaticInputs, *, bucketed: bool, first: int = 0) -> torch.Tensor:
         """log-probs [rows, slots, V] of one forward (`bucketed`: a shape of the ladder, over
@@ -264,10 +264,10 @@ class StaticStep:
                 assert self._eager is not None
                 return self._eager(*_args(inputs), first)
             self.stats.bucket_forwards += 1
-            shape = tuple(inputs.input_ids.shape)
-            run = self._buckets.get(shape)  # type: ignore[arg-type]
+            shape = (inputs.input_ids.shape[0], inputs.input_ids.shape[1])  # (rows, slots)
+            run = self._buckets.get(shape)
             if run is None:
-                run = self._prepare(shape)  # type: ignore[arg-type]
+                run = self._prepare(shape)
             return run(inputs)
 
     def _prepare(self, shape: tuple[int, int]) -> Callable[[StaticInputs], torch.Tensor]:

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from dsbd_core.algorithm.scorer import ForestLayer, ForestLogprobs, Roots
 from dsbd_core.models.errors import ModelSourceError
@@ -165,7 +165,7 @@ def init_group(
 
 def load_sharded(
     source: str | Path, *, dtype: torch.dtype, device: str | torch.device = "cpu"
-) -> torch.nn.Module:
+) -> PreTrainedModel:
     """This rank's shard of the model on `device` (call on every rank of an initialised group,
     same args; `device` is the one the group was initialised with)."""
     from transformers.distributed import DistributedConfig
@@ -215,13 +215,13 @@ def _mesh_on(device: torch.device) -> Iterator[None]:
     else meanwhile.
     """
     original = torch._C._get_accelerator
-    torch._C._get_accelerator = lambda check=False: torch.device(device.type)  # type: ignore[assignment]
+    torch._C._get_accelerator = lambda check=False: torch.device(device.type)
     if device.type == "cuda":
         os.environ["LOCAL_RANK"] = str(device.index)
     try:
         yield
     finally:
-        torch._C._get_accelerator = original  # type: ignore[assignment]
+        torch._C._get_accelerator = original
 
 
 def _from_pretrained(source: str | Path, resolved: str | Path, kwargs: dict[str, Any]) -> Any:
@@ -244,8 +244,8 @@ class ShardedScorer:
     other ranks return None so that nothing is copied twice.
     """
 
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.scorer = TransformerScorer(model)  # type: ignore[arg-type]
+    def __init__(self, model: PreTrainedModel) -> None:
+        self.scorer = TransformerScorer(model)
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self._store: dict[int, SessionCache | None] = {}
         self._ids = itertools.count()

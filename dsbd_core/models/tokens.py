@@ -6,6 +6,8 @@ any weights (`load_tokenizer`).
 
 from __future__ import annotations
 
+from typing import cast
+
 from transformers import AutoTokenizer, GenerationConfig
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
@@ -62,8 +64,11 @@ def encode_prompt(loaded: LoadedModel, text: str, *, chat: bool | None = None) -
     if use_chat:
         if not has_chat_template(loaded):
             raise ModelSourceError(f"{loaded.name!r} has no chat template; use --no-chat")
-        text = loaded.tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+        text = cast(  # tokenize=False: the templated text
+            str,
+            loaded.tokenizer.apply_chat_template(
+                [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+            ),
         )
         return loaded.tokenizer.encode(text, add_special_tokens=False)
     return loaded.tokenizer.encode(text)

@@ -276,7 +276,7 @@ class TransformerScorer:
 
     def _run_work(
         self,
-        work: list[tuple[int, SessionCache, ForestPlan]],
+        work: Sequence[tuple[int, SessionCache, ForestPlan]],
         roots: torch.Tensor | None,
         outs: list[torch.Tensor],
     ) -> None:
@@ -305,7 +305,7 @@ class TransformerScorer:
 
     def _forward_sessions(
         self,
-        work: list[tuple[int, SessionCache, ForestPlan]],
+        work: Sequence[tuple[int, SessionCache, ForestPlan]],
         roots: torch.Tensor | None,
         outs: list[torch.Tensor],
     ) -> None:

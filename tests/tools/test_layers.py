@@ -19,8 +19,11 @@ enough to read: no source file over 500 lines, no function over 60 statements.
 from __future__ import annotations
 
 import ast
+import io
+import re
 import subprocess
 import sys
+import tokenize
 from collections import defaultdict
 from pathlib import Path
 
@@ -79,6 +82,8 @@ GROUPS: dict[str, list[tuple[str, tuple[str, ...], int]]] = {
 }
 MAX_LINES = 500
 MAX_STATEMENTS = 60
+# A silenced type error says which one and why (mypy, .ci/run): `# type: ignore[code]  # reason`.
+TYPE_IGNORE = re.compile(r"# type: ignore\[[a-z-]+(, [a-z-]+)*\]  # \S")
 
 
 def _modules() -> dict[str, Path]:
@@ -253,6 +258,17 @@ def test_files_and_functions_are_small() -> None:
                     long_functions.append(f"{name}:{node.lineno} {node.name}: {n} statements")
     assert not long_files, "\n".join(long_files)
     assert not long_functions, "\n".join(long_functions)
+
+
+def test_type_ignores_name_their_error_and_reason() -> None:
+    bare = []
+    for path in _modules().values():
+        tokens = tokenize.generate_tokens(io.StringIO(path.read_text()).readline)
+        for token in tokens:
+            if token.type == tokenize.COMMENT and "type: ignore" in token.string:
+                if not TYPE_IGNORE.match(token.string):
+                    bare.append(f"{path.relative_to(REPO)}:{token.start[0]}: {token.string}")
+    assert not bare, "a type: ignore without [code]  # reason:\n" + "\n".join(bare)
 
 
 @pytest.mark.slow

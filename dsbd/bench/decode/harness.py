@@ -19,10 +19,16 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import cast
 
 import torch
 
-from dsbd.bench.decode.humaneval import check_completion, default_sandbox, truncate_completion
+from dsbd.bench.decode.humaneval import (
+    SandboxMode,
+    check_completion,
+    default_sandbox,
+    truncate_completion,
+)
 from dsbd.bench.decode.measure import EnergyMeter, measured
 from dsbd.bench.decode.methods import MethodSpec, parse_methods
 from dsbd.bench.decode.quality import answer_log_likelihood
@@ -74,7 +80,7 @@ def run_bench(
     say(f"loading target {config.target} and draft {config.draft} ...")
     draft_name = config.draft if config.draft and any(s.uses_draft_model for s in specs) else None
     options = DraftOptions(
-        quantize=config.draft_quantize,  # type: ignore[arg-type]
+        quantize=config.draft_quantize,
         head_tokens=config.draft_head_tokens,
         ngram_max=config.ngram_max,
     )
@@ -112,7 +118,8 @@ def run_bench(
     prompt_ids = [encode_prompt(loaded.target, p.text, chat=p.chat) for p in prompts]
     _write_prompts(out_dir / "prompts.jsonl", prompts, prompt_ids)
     energy = EnergyMeter(device)
-    sandbox = config.sandbox or default_sandbox()
+    # a str in the schema, one of `dsbd bench --sandbox`'s choices
+    sandbox = cast("SandboxMode | None", config.sandbox) or default_sandbox()
 
     def base_config(index: int, max_new_tokens: int | None = None) -> SamplingConfig:
         return SamplingConfig(
@@ -276,7 +283,7 @@ def _measure_one(
     index: int,
     order: int,
     energy: EnergyMeter,
-    sandbox: str,
+    sandbox: SandboxMode,
 ) -> MethodRecord:
     """One measured decode, then its quality (outside the timed block)."""
     pair.reset_counters()
@@ -287,7 +294,9 @@ def _measure_one(
     draft_counter = pair.draft_counter
     with pair.target_counter.paused():
         loglik = answer_log_likelihood(pair.target.model, ids, decoded.answer_ids)
-    answer = pair.target.tokenizer.decode(decoded.answer_ids, skip_special_tokens=True)
+    answer = cast(  # one sequence's ids: one text
+        str, pair.target.tokenizer.decode(decoded.answer_ids, skip_special_tokens=True)
+    )
     completion = passed = execution = None
     if prompt.task_id is not None:
         completion = truncate_completion(answer)
@@ -367,7 +376,7 @@ def _hf_settings(specs: list[MethodSpec], pair: Pair, base: SamplingConfig) -> d
         return {}
     settings = hf_generation_config(hf[0], base, pair).to_diff_dict()
     settings.pop("num_beams", None)
-    lookups = sorted({s.gamma for s in hf if s.family == "hf-lookup"})
+    lookups = sorted({s.gamma for s in hf if s.family == "hf-lookup"})  # type: ignore[type-var]  # hf-lookup specs carry a gamma
     if lookups:
         settings["prompt_lookup"] = {
             "prompt_lookup_num_tokens": lookups,

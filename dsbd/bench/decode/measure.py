@@ -37,7 +37,7 @@ def cache_shape_and_bytes(cache: object) -> tuple[int, int, int]:
     pairs = (
         [(getattr(x, "keys", None), getattr(x, "values", None)) for x in layers]
         if layers is not None
-        else list(cache)  # type: ignore[call-overload]
+        else list(cache)  # type: ignore[call-overload]  # legacy caches: tuples of (keys, values)
     )
     rows = columns = total = 0
     for keys, values in pairs:

@@ -168,7 +168,7 @@ _OPTION = re.compile(r"^(w|g|t|ws|wmin)(\d+(?:\.\d+)?)$")
 def parse_method(text: str, *, gamma: int) -> MethodSpec:
     """Parse one method name; `gamma` fills in a left-out `g<G>`."""
     name = text.strip()
-    families = (
+    families: tuple[Family, ...] = (
         "hf-sample",
         "hf-assisted",
         "hf-lookup",
@@ -188,7 +188,7 @@ def parse_method(text: str, *, gamma: int) -> MethodSpec:
     raise MethodNameError(f"method={text!r}: unknown method; allowed: {GRAMMAR}")
 
 
-def _build(family: str, rest: list[str], gamma: int, text: str) -> MethodSpec:
+def _build(family: Family, rest: list[str], gamma: int, text: str) -> MethodSpec:
     values: dict[str, float] = {}
     flags = set()
     for part in rest:
@@ -227,7 +227,7 @@ def _build(family: str, rest: list[str], gamma: int, text: str) -> MethodSpec:
         raise MethodNameError(f"method={text!r}: dsbd needs exactly one of -fixed or -t<T>")
     width = int(values.get("w", 1))
     spec = MethodSpec(
-        family=family,  # type: ignore[arg-type]
+        family=family,
         width=width,
         gamma=int(values.get("g", gamma))
         if family in ("sps", "dsbd", "spec-search", "hf-lookup")

@@ -115,7 +115,9 @@ def _summary(
         rss_peak_delta_bytes_max=max(r.rss_peak_delta_bytes for r in rows),
         cuda_peak_bytes_max=max(cuda) if cuda else None,
         energy_joules_per_token=(
-            sum(energies) / tokens if all(e is not None for e in energies) else None  # type: ignore[misc]
+            sum(e for e in energies if e is not None) / tokens
+            if all(e is not None for e in energies)
+            else None
         ),
         loglik_per_token=statistics.fmean(per_token) if per_token else float("nan"),
         loglik_vs_reference=_interval(loglik_diff),
@@ -127,7 +129,7 @@ def _summary(
 
 def _speculation(rows: list[MethodRecord], tokens: int) -> dict:
     """Acceptance, accepted lengths and widths: from DecodeStats (ours) or derived (assisted)."""
-    none = {
+    none: dict[str, Any] = {
         "acceptance_rate": None,
         "mean_accepted_length": None,
         "accepted_length_histogram": None,
@@ -136,8 +138,8 @@ def _speculation(rows: list[MethodRecord], tokens: int) -> dict:
         "width_histogram": None,
         "forward_counts_match_engine": None,
     }
-    stats = [r.engine_stats for r in rows]
-    if not all(s is not None for s in stats):
+    stats = [r.engine_stats for r in rows if r.engine_stats is not None]
+    if len(stats) < len(rows):  # some row has none
         if any(r.draft_forward_passes for r in rows):  # transformers' assisted generation
             calls = sum(r.target_forward_passes for r in rows)
             none["mean_accepted_length"] = tokens / calls - 1 if calls else None

@@ -151,12 +151,12 @@ def run_hf(
     ids = torch.tensor([prompt_ids], dtype=torch.long, device=pair.device)
     kwargs: dict[str, object] = {}
     if spec.family == "hf-assisted":
-        kwargs = {"assistant_model": pair.draft.model}  # type: ignore[union-attr]
+        kwargs = {"assistant_model": pair.draft.model}  # type: ignore[union-attr]  # hf-assisted has a draft (checked above)
     elif spec.family == "hf-lookup":
         kwargs = {"prompt_lookup_num_tokens": spec.gamma, "max_matching_ngram_size": pair.ngram_max}
     torch.manual_seed(seed)
     with torch.inference_mode():
-        out = pair.target.model.generate(
+        out = pair.target.model.generate(  # type: ignore[operator]  # a causal LM's GenerationMixin.generate
             input_ids=ids,
             attention_mask=torch.ones_like(ids),
             generation_config=hf_generation_config(spec, base, pair),
@@ -202,7 +202,7 @@ def probe_assisted_beams(pair: Pair, prompt_ids: list[int], base: SamplingConfig
     ids = torch.tensor([prompt_ids], dtype=torch.long, device=pair.device)
     try:
         with torch.inference_mode():
-            pair.target.model.generate(
+            pair.target.model.generate(  # type: ignore[operator]  # a causal LM's GenerationMixin.generate
                 input_ids=ids,
                 attention_mask=torch.ones_like(ids),
                 generation_config=config,

@@ -20,9 +20,11 @@ from __future__ import annotations
 
 from typing import TypeVar
 
+import numpy as np
 import torch
 
-Word = TypeVar("Word", int, torch.Tensor)
+# numpy uint32 arrays too: the host path of streams.counter_uniforms
+Word = TypeVar("Word", int, torch.Tensor, np.ndarray)
 
 MASK = 0xFFFFFFFF
 _C1, _C2 = 0xCC9E2D51, 0x1B873593

@@ -25,7 +25,7 @@ ones 23, (2k + 1) / 2^24 (a hash of 2^32 - 1 mapped to 1.0 would force an imposs
 from __future__ import annotations
 
 import math
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -59,8 +59,10 @@ def side_key(seed: int, iteration: int, side: int) -> int:
 class Streams:
     """One side of one iteration: hands out the draws of a (layer, purpose)."""
 
-    def __init__(self, key: Word) -> None:
-        self.key = key  # `side_key`: a Python int on the host, a 0-d int64 tensor in a graph
+    def __init__(self, key: int | torch.Tensor) -> None:
+        # `side_key`: a Python int on the host, a 0-d int64 tensor in a graph (Any: murmur's
+        # functions take either, and mix them)
+        self.key: Any = key
 
     @classmethod
     def side(cls, seed: int, iteration: int, side: int) -> Streams:
@@ -81,8 +83,9 @@ class Draws:
     """The draws of one (layer, purpose), in order: the k-th `uniform` call is draw k. Rows are
     sessions, counted from `first_row`."""
 
-    def __init__(self, key: Word, first_row: int = 0, calls: int = 0) -> None:
-        self.key, self.first_row, self.calls = key, first_row, calls
+    def __init__(self, key: int | torch.Tensor, first_row: int = 0, calls: int = 0) -> None:
+        self.key: Any = key  # as Streams.key
+        self.first_row, self.calls = first_row, calls
 
     @classmethod
     def seeded(cls, seed: int) -> Draws:
@@ -128,7 +131,7 @@ def counter_uniforms(
         return torch.from_numpy(_host_uniforms(key, rows, cols, words, first_row)).reshape(shape)
     row = torch.arange(first_row, first_row + rows, dtype=torch.int64, device=device)
     index = torch.arange(cols * words, dtype=torch.int64, device=device)
-    state = absorb(key, row)[:, None]
+    state = absorb(key, row)[:, None]  # type: ignore[type-var, index]  # int key, tensor row
     h = finish(absorb_scrambled(state, scramble(index)[None, :]), WORDS)
     return hash_uniforms(h.view(rows, cols, words), dtype).reshape(shape)
 
@@ -139,7 +142,7 @@ def _host_uniforms(key: int, rows: int, cols: int, words: int, first_row: int) -
     takes ~50 small ones, each a few microseconds on the CPU)."""
     row = np.arange(first_row, first_row + rows, dtype=np.uint32)
     index = np.arange(cols * words, dtype=np.uint32)
-    state = absorb(key, row)[:, None]
+    state = absorb(key, row)[:, None]  # type: ignore[type-var, index]  # int key, array row
     h = finish(absorb_scrambled(state, scramble(index)[None, :]), WORDS).reshape(rows, cols, words)
     if words == 2:
         high, low = (h[..., k].astype(np.uint64) >> np.uint64(6) for k in (0, 1))

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Generator
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -41,6 +41,8 @@ from dsbd_core.algorithm.sequences.state import (
     deepest_layer,
 )
 from dsbd_core.algorithm.sequences.stops import StopStrings
+
+R = TypeVar("R")
 
 
 @dataclass
@@ -92,7 +94,9 @@ class IterationCall:
             return self.engine(vocab_size).verify(self.state, forest, scorer)
         return drive(scorer, self.verify_steps(vocab_size, forest))
 
-    def _processed(self, steps: Generator, vocab_size: int) -> Generator:
+    def _processed(
+        self, steps: Generator[ScoreCall, ForestLogprobs, R], vocab_size: int
+    ) -> Generator[ScoreCall, ForestLogprobs, R]:
         procs = processors_for(self.config, vocab_size)
         if procs is None:
             return steps

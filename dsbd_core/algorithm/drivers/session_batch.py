@@ -131,14 +131,14 @@ class SessionBatcher:
         if not members:
             return results, report
         roots = [calls[i].roots for i in members]
-        sizes = [r.tokens.shape[0] for r in roots]  # type: ignore[union-attr]
-        widths = [r.tokens.shape[1] for r in roots]  # type: ignore[union-attr]
-        cached = self._take_caches(jobs, members, roots, sizes, report)  # type: ignore[arg-type]
+        sizes = [r.tokens.shape[0] for r in roots]  # type: ignore[union-attr]  # a first call carries its roots
+        widths = [r.tokens.shape[1] for r in roots]  # type: ignore[union-attr]  # a first call carries its roots
+        cached = self._take_caches(jobs, members, roots, sizes, report)  # type: ignore[arg-type]  # a first call carries its roots
         report.requests, report.sessions = len(members), sum(sizes)
         failed: set[int] = set()
         try:
             self.scorer.import_sessions(cached)
-            self.scorer.set_roots(_stack_roots(roots))  # type: ignore[arg-type]
+            self.scorer.set_roots(_stack_roots(roots))  # type: ignore[arg-type]  # a first call carries its roots
             self._rounds(jobs, members, sizes, widths, calls, results, failed, report)
         except Exception as error:  # the shared forward failed: every job of the batch fails
             for i in members:
@@ -176,11 +176,11 @@ class SessionBatcher:
             job, entry = jobs[i], self._store.pop(jobs[i].key, None)
             usable = entry is not None and root.origin is not None and len(entry.sessions) == size
             if job.iteration is not None:  # tracked: only the cache its previous call left
-                usable = usable and job.after is not None and entry.iteration == job.after  # type: ignore[union-attr]
+                usable = usable and job.after is not None and entry.iteration == job.after  # type: ignore[union-attr]  # usable: there is an entry
             report.reused += int(usable and job.key not in report.replayed)
             if entry is not None and not usable:
                 _discard(self.scorer, entry.sessions)
-            cached += entry.sessions if usable else [None] * size  # type: ignore[union-attr]
+            cached += entry.sessions if usable else [None] * size  # type: ignore[union-attr]  # usable: there is an entry
         return cached
 
     def _rounds(
@@ -267,7 +267,7 @@ class SessionBatcher:
                 lost.append(i)
         for r in range(max((len(jobs[i].history or []) for i in lost), default=0)):
             now = [i for i in lost if i in calls and r < len(jobs[i].history or [])]
-            past = [jobs[i].history[r] for i in now]  # type: ignore[index]
+            past = [jobs[i].history[r] for i in now]  # type: ignore[index]  # r < len(history): it has one
             values, _ = self.run(
                 [
                     Job(jobs[i].key, p.steps(), p.iteration, p.after)

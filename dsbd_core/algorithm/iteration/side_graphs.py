@@ -161,7 +161,12 @@ def _cloned(tree: Any) -> Any:
     each would be as many launches on a GPU after the replay. They are copied instead with one
     `_foreach_copy_` per device and dtype (a few multi-tensor launches)."""
     sources: list[torch.Tensor] = []
-    _mapped(tree, lambda t: sources.append(t) or t)
+
+    def collect(t: torch.Tensor) -> torch.Tensor:
+        sources.append(t)
+        return t
+
+    _mapped(tree, collect)
     copies = [torch.empty_like(t) for t in sources]
     groups: dict[tuple[torch.device, torch.dtype], tuple[list, list]] = {}
     for source, copy in zip(sources, copies, strict=True):

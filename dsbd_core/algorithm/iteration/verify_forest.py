@@ -107,6 +107,7 @@ def verify_scored(
     batch = state.alive.shape[0]
     counters = zero_counters(batch, state.alive.device)
     counters["target"] += state.alive.any(dim=1).long()
+    assert state.depth is not None, "plan the iteration first (Engine.next_iteration)"
     counters["draft"] += state.depth  # layers drafted: 0 where a session does not decode
     for layer in forest.layers:
         counters["proposed"] += layer.exists.sum(dim=1)
@@ -286,6 +287,7 @@ class _Walk:
         slots = self.forest.layers[level - 1].token.shape[1]
         if cfg.fixed_width:
             return self.remaining.clone()
+        assert cfg.threshold is not None  # not fixed_width
         if self.distinct:  # the DP assumes i.i.d. drafts: simulate the distinct rule
             return distinct_layer_width(
                 target,

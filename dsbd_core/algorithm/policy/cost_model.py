@@ -20,17 +20,17 @@ The controller picks the depth that saves the most time over the tokens the requ
 emit, less the draft's catch-up (the prompt, before the draft's first run), so speculation is
 off wherever the request's pass rates say it would not pay; what a draft that disappoints them
 can cost is bounded below. The pass rates are the request's own: Beta priors updated with every
-verified layer, older evidence fading by `memory` per iteration. The priors are the pair's pass rates measured
-at calibration where the calibration has them (a draft that rarely agrees is not drafted on
-hope at the start of every request; a request that drafts one beam, SpS, starts from the rates
-measured with one), else the policy's. A request that turned speculation off
-drafts one layer after `probe_every` iterations, so that it notices when its draft starts to
-agree again; while the probes find it still does not pay, the interval doubles (up to
-`probe_backoff` times); and a probe is made only while it costs at most `probe_budget` of the
-time since the draft last ran (a large draft's catch-up is dear: the Qwen pair's int8 0.5B draft
-adds ~10 ms per step it sat out to a 110 ms beam step on an AMD EPYC, so once it stops paying
-it is not probed again). A pair whose measured rates say speculation does not pay starts at the
-longest interval.
+verified layer, older evidence fading by `memory` per iteration. The priors are the pair's pass
+rates measured at calibration where the calibration has them (a draft that rarely agrees is not
+drafted on hope at the start of every request; a request that drafts one beam, SpS, starts from
+the rates measured with one), else the policy's. A request that turned speculation off drafts
+one layer after `probe_every` iterations, so that it notices when its draft starts to agree
+again; while the probes find it still does not pay, the interval doubles (up to `probe_backoff`
+times); and a probe is made only while it costs at most `probe_budget` of the time since the
+draft last ran (a large draft's catch-up is dear: the Qwen pair's int8 0.5B draft adds ~10 ms
+per step it sat out to a 110 ms beam step on an AMD EPYC, so once it stops paying it is not
+probed again). A pair whose measured rates say speculation does not pay starts at the longest
+interval.
 
 Per request, the drafted iterations may cost at most `loss_budget` (2 %) of what beam sampling
 would take for max_new_tokens beyond the beam steps they stand in for, counted in the same

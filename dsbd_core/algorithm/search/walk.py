@@ -185,7 +185,7 @@ class _SearchWalk:
         drawn = None
         if self.config.selection == "transformers":  # transformers' law (sampled_search.py)
             assert self.streams is not None, "a sampled step draws"
-            verifying = self.pending & (state.depth >= level)  # type: ignore[operator]
+            verifying = self.pending & (state.depth >= level)  # type: ignore[operator]  # a planned state has its depth
             drawn = verified_candidates(
                 level,
                 self.parent_score,
@@ -213,7 +213,7 @@ class _SearchWalk:
             pending[:, None], step.finished_scores, self.finished_scores
         )
         self._pool(level, step, pending)
-        onward = pending & ~step.done & (self.state.depth >= level)  # type: ignore[operator]
+        onward = pending & ~step.done & (self.state.depth >= level)  # type: ignore[operator]  # a planned state has its depth
         if level <= len(self.forest.layers) and (not may_read(onward) or bool(onward.any())):
             onward = onward & self._follow(level, step, onward)
         else:

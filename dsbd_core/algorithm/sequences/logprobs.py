@@ -175,6 +175,7 @@ def prefix_logprobs(
     if rows is None:
         return None
     live = alive[0].nonzero().flatten()
+    pick: TokenLogprobs | None
     if live.numel():
         pick = rows.rows(torch.zeros(1, dtype=torch.long, device=live.device), live[:1])
     else:

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
@@ -181,11 +182,14 @@ def process(
     return x.to(logp.dtype)
 
 
+R = TypeVar("R")
+
+
 def processed_steps(
-    steps: Generator[ScoreCall, ForestLogprobs, object],
+    steps: Generator[ScoreCall, ForestLogprobs, R],
     procs: Processors | None,
     prompt_len: torch.Tensor,
-) -> Generator[ScoreCall, ForestLogprobs, object]:
+) -> Generator[ScoreCall, ForestLogprobs, R]:
     """A side's calls as they are, its answers processed per node: the side sees the
     processed model. `prompt_len` [B]: the sessions' prompt lengths (the state's)."""
     if procs is None:

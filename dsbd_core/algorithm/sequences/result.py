@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -107,7 +108,7 @@ def collect_results(
     """Every session's pooled beams ranked best-first (the best `keep` of them when given), and
     its statistics from the counters and the per-iteration records (tensors become Python
     numbers once, here, at the end, after one copy to the host)."""
-    parts = [
+    parts: list[Any] = [
         pool.session,
         pool.tokens,
         pool.length,
@@ -117,7 +118,15 @@ def collect_results(
         pool.kept,
     ]
     parts, steps, counters, history = on_host((parts, steps, counters, history))
-    pool = Pool(*parts[:5], logprobs=[TokenLogprobs(*p) for p in parts[5]], kept=parts[6])
+    pool = Pool(
+        parts[0],
+        parts[1],
+        parts[2],
+        parts[3],
+        parts[4],
+        logprobs=[TokenLogprobs(*p) for p in parts[5]],
+        kept=parts[6],
+    )
     beams: list[list[Beam]] = [[] for _ in range(batch)]
     if pool.session:
         kept = torch.cat(pool.kept)  # rows a device pooled under a mask: only these are beams

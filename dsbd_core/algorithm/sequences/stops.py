@@ -103,7 +103,7 @@ class StopStrings:
         return {"stops": self.stops, "texts": self.texts, "min_tokens": self.min_tokens}
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__(state["stops"], state["texts"], state.get("min_tokens", 0))  # type: ignore[misc]
+        self.__init__(state["stops"], state["texts"], state.get("min_tokens", 0))  # type: ignore[misc]  # unpickling re-runs this class's __init__
 
     def finished(
         self, seq: torch.Tensor, seq_len: torch.Tensor, prompt_len: torch.Tensor
