@@ -1,8 +1,7 @@
 """Does the cost model price an iteration as it costs on this machine?
 
-The cost model (dsbd_core/algorithm/policy/cost_model.py) picks each iteration's draft depth gamma
-by
-expected tokens per predicted second, the seconds being `CostController.iteration_seconds`:
+The cost model (dsbd_core/algorithm/policy/cost_model.py) picks each iteration's draft depth
+gamma by expected tokens per predicted second, the seconds being `CostController.iteration_seconds`:
 the target's forward over W + gamma x W_S tokens, the draft's passes and the engine's work, from
 this machine's calibration, scaled at each depth to the whole iterations the calibration timed
 (on other prompts, 16 tokens each). This script decodes the same prompts with DSBD at every depth
@@ -10,7 +9,10 @@ this machine's calibration, scaled at each depth to the whole iterations the cal
 per depth the measured seconds per iteration, the predicted ones and their ratio, with the
 pass rates measured on the way and the tokens per second each depth really gave. A depth whose
 measured/predicted ratio exceeds depth 0's is under-priced: the cost model drafts it where it
-does not pay.
+does not pay. The prompts are not the calibration's, so the check also says what the
+calibration predicts of them before any evidence of their own: tokens per iteration from the
+calibration's pass rates, tokens per second, and the depth it would choose, beside what each
+depth measured (`--report JSON` prints this again from a saved run).
 
     .venv/bin/python benchmarks/cost_model_check.py --pair qwen-coder --prompt-set held-out \\
         --prompts 4 --max-new-tokens 32 --json benchmarks/results/cost_model_check_qwen.json
@@ -31,7 +33,7 @@ from dsbd.bench.decode.pairs import PAIRS
 from dsbd.prompts import prompt_set
 from dsbd_core import SamplingConfig, generate
 from dsbd_core.algorithm.policy.control import FixedKnobs, Knobs
-from dsbd_core.algorithm.policy.cost_model import CostController
+from dsbd_core.algorithm.policy.cost_model import CostController, expected_tokens
 from dsbd_core.algorithm.sequences.state import DecodeState
 from dsbd_core.models.calibrate import PassCounter
 from dsbd_core.models.pair import load_pair
@@ -44,8 +46,52 @@ class _DepthZero(FixedKnobs):
         return Knobs(gamma=0, draft_width=self._knobs.draft_width)
 
 
+def held_out_prediction(run: dict) -> dict:
+    """What the calibration's pass rates predict of these prompts at each depth (tokens per
+    iteration and per second, at the predicted seconds) against what each depth measured, and
+    the depth each says is fastest: the cost model's choice before a request's own evidence."""
+    rates = run["calibration_pass_rates"]
+    rows = []
+    for row in run["depths"]:
+        gamma = 0 if row["gamma"] == "dsbd at 0" else int(row["gamma"])
+        predicted = expected_tokens(rates, gamma)
+        rows.append(
+            {
+                "gamma": row["gamma"],
+                "tokens_per_iteration": {
+                    "predicted": predicted,
+                    "measured": row["tokens_per_s"] * row["measured_s"],
+                },
+                "tokens_per_s": {
+                    "predicted": predicted / row["predicted_s"],
+                    "measured": row["tokens_per_s"],
+                },
+            }
+        )
+    ranked = [r for r in rows if r["gamma"] != "dsbd at 0"]
+    best = {
+        side: max(ranked, key=lambda r: r["tokens_per_s"][side])["gamma"]
+        for side in ("predicted", "measured")
+    }
+    return {"depths": rows, "fastest_depth": best}
+
+
+def print_prediction(prediction: dict) -> None:
+    for row in prediction["depths"]:
+        name = "dsbd at 0" if row["gamma"] == "dsbd at 0" else f"gamma {row['gamma']}"
+        per_iteration, per_second = row["tokens_per_iteration"], row["tokens_per_s"]
+        print(
+            f"{name:9}: tokens/iteration {per_iteration['predicted']:.2f} predicted, "
+            f"{per_iteration['measured']:.2f} measured; tokens/s {per_second['predicted']:.2f} "
+            f"predicted, {per_second['measured']:.2f} measured"
+        )
+    best = prediction["fastest_depth"]
+    print(f"fastest depth: predicted {best['predicted']}, measured {best['measured']}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--report", type=Path, help="print a saved run's held-out prediction")
     parser.add_argument("--pair", default="smollm2", choices=sorted(PAIRS))
     parser.add_argument("--prompt-set", default="held-out")
     parser.add_argument("--prompts", type=int, default=4)
@@ -55,6 +101,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--selection", default="paper", choices=["paper", "transformers"])
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
+    if args.report:
+        print_prediction(held_out_prediction(json.loads(args.report.read_text())))
+        return 0
     torch.set_num_threads(1)
     preset = PAIRS[args.pair]
     pair = load_pair(preset.target, preset.draft)
@@ -135,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
             "load_average": load,
             "depths": rows,
         }
+        out["held_out_prediction"] = held_out_prediction(out)
+        print_prediction(out["held_out_prediction"])
         args.json.write_text(json.dumps(out, indent=2) + "\n")
     return 0
 
