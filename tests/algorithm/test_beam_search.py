@@ -23,7 +23,7 @@ from dsbd_core.algorithm.drivers.session_batch import SessionBatcher
 from dsbd_core.algorithm.scorers.ngram_draft import NgramDraft
 from dsbd_core.models import load_causal_lm, load_tokenizer
 from dsbd_core.models.transformer_scorer import TransformerScorer
-from tests.tiny_models import build_pair, tiny_model
+from tests.support.tiny_models import build_pair, tiny_model
 
 
 def random_llama(seed: int, vocab: int = 24, eos_boost: float = 0.0) -> torch.nn.Module:

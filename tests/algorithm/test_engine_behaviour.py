@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from dsbd_core import SamplingConfig, TableScorer, generate, generate_batch
-from tests.exact_reference import random_table
+from tests.support.exact_reference import random_table
 
 V, EOS = 6, 0
 

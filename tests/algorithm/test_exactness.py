@@ -15,7 +15,7 @@ import torch
 
 from dsbd_core import ForestScorer, SamplingConfig, TableScorer, generate_batch
 from dsbd_core.algorithm.scorers.ngram_draft import NgramDraft
-from tests.exact_reference import (
+from tests.support.exact_reference import (
     TableLM,
     assert_matches,
     beam_sampling_outcomes,

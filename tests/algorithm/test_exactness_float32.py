@@ -17,7 +17,12 @@ import torch
 
 from dsbd_core import ForestLayer, ForestLogprobs, SamplingConfig, TableScorer, generate_batch
 from dsbd_core.algorithm.scorer import Roots
-from tests.exact_reference import TableLM, assert_matches, beam_sampling_outcomes, random_table
+from tests.support.exact_reference import (
+    TableLM,
+    assert_matches,
+    beam_sampling_outcomes,
+    random_table,
+)
 
 RUNS = 100_000
 V = 4

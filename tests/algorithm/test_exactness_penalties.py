@@ -1,8 +1,8 @@
 """Exactness with the per-beam processors (issue 52 item 2): min_tokens, logit_bias, the
 frequency, presence and repetition penalties. Every decoder follows the penalised law exactly.
 
-The penalised law is stated by `tests/exact_penalties.PenalisedLM` (code of its own, from the
-fields' definitions) around the n-gram table, and enumerated by the references the other
+The penalised law is stated by `tests/support/exact_penalties.PenalisedLM` (code of its own,
+from the fields' definitions) around the n-gram table, and enumerated by the references the other
 exactness tests use: `exact_reference` for the paper's law and sampling (rows renormalised),
 `exact_transformers` for transformers' law (rows as transformers' processors leave them). 1e5
 sessions per decode, as in test_exactness.py. The prompt holds tokens 2 and 1, so the repetition
@@ -17,15 +17,15 @@ import pytest
 import torch
 
 from dsbd_core import SamplingConfig, TableScorer, generate_batch
-from tests.exact_penalties import PenalisedLM
-from tests.exact_reference import (
+from tests.support.exact_penalties import PenalisedLM
+from tests.support.exact_reference import (
     TableLM,
     assert_matches,
     beam_sampling_outcomes,
     multinomial_outcomes,
     random_table,
 )
-from tests.exact_transformers import transformers_beam_outcomes
+from tests.support.exact_transformers import transformers_beam_outcomes
 
 RUNS = 100_000
 V = 4

@@ -16,14 +16,14 @@ import torch
 
 from dsbd_core import SamplingConfig, TableScorer, generate_batch
 from dsbd_core.algorithm.sequences.stops import ExplicitTexts, StopStrings
-from tests.exact_reference import (
+from tests.support.exact_reference import (
     TableLM,
     assert_matches,
     beam_sampling_outcomes,
     multinomial_outcomes,
     random_table,
 )
-from tests.exact_transformers import transformers_beam_outcomes
+from tests.support.exact_transformers import transformers_beam_outcomes
 
 RUNS = 100_000
 V = 4

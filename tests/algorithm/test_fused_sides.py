@@ -32,7 +32,7 @@ from dsbd_core.algorithm.draws.host_reads import computing_everywhere
 from dsbd_core.algorithm.drivers.loop import Decode, Propose, run_decode
 from dsbd_core.algorithm.iteration.side_graphs import SideGraph
 from dsbd_core.algorithm.methods import method_config
-from tests.exact_reference import random_table
+from tests.support.exact_reference import random_table
 
 VOCAB, EOS = 12, 0
 PROMPTS = [[3, 5, 7], [1, 2], [9, 4, 4, 8]]

@@ -35,9 +35,9 @@ from dsbd_core.algorithm.sequences.penalties import Processors, processors_for
 from dsbd_core.algorithm.sequences.stops import ExplicitTexts, StopStrings
 from tests.algorithm.test_beam_search import assert_same_hypotheses, noisy_copy, ours, random_llama
 from tests.algorithm.test_transformers_law import _as_sets, _ModelLM, _until_eos
-from tests.exact_penalties import PenalisedLM
-from tests.exact_reference import assert_matches
-from tests.exact_transformers import transformers_beam_outcomes
+from tests.support.exact_penalties import PenalisedLM
+from tests.support.exact_reference import assert_matches
+from tests.support.exact_transformers import transformers_beam_outcomes
 
 
 class OpenAIPenalties(LogitsProcessor):

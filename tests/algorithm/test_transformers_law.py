@@ -1,11 +1,11 @@
 """Beam sampling under transformers' law (`selection='transformers'`) follows it exactly.
 
-The law is enumerated independently (`tests/exact_transformers.py`, written from transformers'
-`_beam_search`); 5e4 sessions decoded in one batched call on exact n-gram tables must be within
-the null run's TV quantile at the same sample size, for the processors and stopping rules that
-change the law (temperature, top-k, top-p, length penalty, early stopping). And transformers'
-own `generate(do_sample=True, num_beams=W)` on a tiny Llama follows the same enumeration (run
-on the model's float64 log-probs), which ties the reference to transformers itself.
+The law is enumerated independently (`tests/support/exact_transformers.py`, written from
+transformers' `_beam_search`); 5e4 sessions decoded in one batched call on exact n-gram tables must
+be within the null run's TV quantile at the same sample size, for the processors and stopping rules
+that change the law (temperature, top-k, top-p, length penalty, early stopping). And transformers'
+own `generate(do_sample=True, num_beams=W)` on a tiny Llama follows the same enumeration (run on the
+model's float64 log-probs), which ties the reference to transformers itself.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from dsbd_core import SamplingConfig, TableScorer, generate_batch
 from dsbd_core.algorithm.methods import MethodConfigError, method_config
 from dsbd_core.algorithm.scorers.ngram_draft import NgramDraft
-from tests.exact_reference import TableLM, assert_matches, random_table
-from tests.exact_transformers import transformers_beam_outcomes
+from tests.support.exact_reference import TableLM, assert_matches, random_table
+from tests.support.exact_transformers import transformers_beam_outcomes
 
 RUNS = 50_000
 V, EOS, PROMPT, MAX_NEW, WIDTH = 4, 0, [1], 3, 2

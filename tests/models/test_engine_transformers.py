@@ -12,7 +12,7 @@ import torch
 from dsbd_core import ForestLayer, ForestLogprobs, SamplingConfig, generate_batch
 from dsbd_core.algorithm.scorer import Roots
 from dsbd_core.models.transformer_scorer import TransformerScorer
-from tests.tiny_models import tiny_model
+from tests.support.tiny_models import tiny_model
 
 VOCAB = 16
 

@@ -16,7 +16,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from dsbd_core.algorithm.scorer import ForestLayer, ForestScorer
 from dsbd_core.algorithm.scorer import Roots as ForestRoots
 from dsbd_core.models.transformer_scorer import TransformerScorer
-from tests.forest_cases import MODELS, TOL, VOCAB, check_forest, get_model, standard_case
+from tests.support.forest_cases import MODELS, TOL, VOCAB, check_forest, get_model, standard_case
 
 torch.set_num_threads(1)
 

@@ -15,7 +15,7 @@ import torch
 from dsbd_core.algorithm.scorer import ForestLayer, Origin
 from dsbd_core.algorithm.scorer import Roots as ForestRoots
 from dsbd_core.models.transformer_scorer import TransformerScorer
-from tests.forest_cases import (
+from tests.support.forest_cases import (
     TOL,
     VOCAB,
     Pick,

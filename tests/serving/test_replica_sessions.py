@@ -27,7 +27,7 @@ from dsbd_core import SamplingConfig
 from dsbd_core.algorithm.engine import Engine
 from dsbd_core.algorithm.methods import method_config
 from dsbd_core.algorithm.policy.control import Knobs
-from tests.tiny_models import build_pair
+from tests.support.tiny_models import build_pair
 
 
 def test_a_cancelled_callers_queued_call_never_runs() -> None:

@@ -22,7 +22,7 @@ from dsbd.bench.decode.quality import paired_bootstrap, ratio_bootstrap
 from dsbd.bench.decode.report import compare
 from dsbd.bench.decode.schema import BenchConfig, BenchResult, MethodRecord
 from dsbd.cli import main as dsbd_main
-from tests.tiny_models import build_pair
+from tests.support.tiny_models import build_pair
 
 METHODS = [
     "sample",

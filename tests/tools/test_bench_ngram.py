@@ -11,7 +11,7 @@ import pytest
 from dsbd.bench.decode.harness import run_bench
 from dsbd.bench.decode.methods import MethodNameError, parse_method
 from dsbd.cli import main as dsbd_main
-from tests.tiny_models import build_pair
+from tests.support.tiny_models import build_pair
 from tests.tools.test_bench import bench_config
 
 METHODS = [

@@ -193,7 +193,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     sys.path.insert(0, ".")
-    from tests.exact_reference import random_table  # the exactness tests' tables
+    from tests.support.exact_reference import random_table  # the exactness tests' tables
 
     rng = np.random.default_rng(0)
     target = TableScorer(torch.from_numpy(random_table(rng, args.vocab, 3, concentration=0.5)))

@@ -43,7 +43,7 @@ REPO = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(REPO))  # the repository, for tests/
 from dsbd.bench.decode.harness import git_info  # noqa: E402
 from dsbd.bench.served import launch  # noqa: E402
-from tests.tiny_models import build_tokenizer  # noqa: E402
+from tests.support.tiny_models import build_tokenizer  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "results" / "served_iteration_cost"
 VOCABS = (320, 49_152)

@@ -39,7 +39,7 @@ from tests.serving.test_local_ray import is_loopback, peers
 
 from .tiny_models import build_pair
 
-REPO = Path(__file__).parent.parent
+REPO = Path(__file__).parents[2]
 MODEL = "tiny"
 API_KEY = "sk-test-7f3a9"
 GUARD = {
