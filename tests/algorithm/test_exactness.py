@@ -15,6 +15,7 @@ import torch
 
 from dsbd_core import ForestScorer, SamplingConfig, TableScorer, generate_batch
 from dsbd_core.algorithm.scorers.ngram_draft import NgramDraft
+from tests.support.beam_search import outcomes_of
 from tests.support.exact_reference import (
     TableLM,
     assert_matches,
@@ -38,10 +39,6 @@ def tables(seed: int, draft_zero_prob: float = 0.3) -> tuple[np.ndarray, np.ndar
     target = random_table(rng, V, 2, concentration=1.0)
     draft = random_table(rng, V, 2, concentration=1.0, zero_prob=draft_zero_prob)
     return target, draft
-
-
-def outcomes_of(results: list) -> list[tuple[tuple[int, ...], ...]]:
-    return [tuple(sorted(tuple(beam.token_ids) for beam in r.beams)) for r in results]
 
 
 def decode(

@@ -17,6 +17,7 @@ import torch
 
 from dsbd_core import ForestLayer, ForestLogprobs, SamplingConfig, TableScorer, generate_batch
 from dsbd_core.algorithm.scorer import Roots
+from tests.support.beam_search import outcomes_of
 from tests.support.exact_reference import (
     TableLM,
     assert_matches,
@@ -60,10 +61,6 @@ def _decode(method: str, target: Float32Scorer, draft: Float32Scorer | None, **f
     return generate_batch(method, target, [PROMPT] * RUNS, config, draft)
 
 
-def _outcomes(results: list) -> list[tuple[tuple[int, ...], ...]]:
-    return [tuple(sorted(tuple(beam.token_ids) for beam in r.beams)) for r in results]
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("mode", "width", "gamma"),
@@ -84,7 +81,7 @@ def test_fixed_width_dsbd_on_float32_tables_equals_target_beam_sampling(
     )
     assert all(r.beams[0].log_likelihood <= 0 for r in results[:100])
     exact = beam_sampling_outcomes(TableLM(target.table), PROMPT, width, MAX_NEW, mode, {EOS})
-    assert_matches(_outcomes(results), exact, f"float32 dsbd {mode} W={width} gamma={gamma}")
+    assert_matches(outcomes_of(results), exact, f"float32 dsbd {mode} W={width} gamma={gamma}")
     assert any(sum(r.stats.accepted_layers) > 0 for r in results[:1000])
 
 

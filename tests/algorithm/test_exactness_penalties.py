@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from dsbd_core import SamplingConfig, TableScorer, generate_batch
+from tests.support.beam_search import as_sets, outcomes_of
 from tests.support.exact_penalties import PenalisedLM
 from tests.support.exact_reference import (
     TableLM,
@@ -75,17 +76,6 @@ def decode(method: str, target: np.ndarray, draft: np.ndarray | None, **config) 
     return generate_batch(
         method, TableScorer(torch.from_numpy(target)), [PROMPT] * RUNS, cfg, draft_scorer
     )
-
-
-def outcomes_of(results: list) -> list[tuple[tuple[int, ...], ...]]:
-    return [tuple(sorted(tuple(beam.token_ids) for beam in r.beams)) for r in results]
-
-
-def _as_sets(exact: dict) -> dict:
-    merged: dict = {}
-    for key, p in exact.items():
-        merged[tuple(sorted(key))] = merged.get(tuple(sorted(key)), 0.0) + p
-    return merged
 
 
 def test_the_penalties_change_the_law() -> None:
@@ -148,7 +138,7 @@ def test_transformers_law_with_penalties_is_exact(method: str, extra: dict) -> N
     exact = transformers_beam_outcomes(
         penalised(target, normalise=False), PROMPT, 2, MAX_NEW, {EOS}
     )
-    assert_matches(outcomes_of(results), _as_sets(exact), f"{method} transformers' law penalised")
+    assert_matches(outcomes_of(results), as_sets(exact), f"{method} transformers' law penalised")
 
 
 # min_tokens with stop strings: test_exactness_stops.py's case (tokens "", "a", "b", "ba",

@@ -15,7 +15,7 @@ from dsbd_core import SamplingConfig, generate
 from dsbd_core.algorithm.drivers.lockstep import Request, decode_lockstep
 from dsbd_core.algorithm.drivers.session_batch import SessionBatcher
 from dsbd_core.models.transformer_scorer import TransformerScorer
-from tests.algorithm.test_beam_search import noisy_copy, random_llama
+from tests.support.tiny_models import noisy_copy, random_llama
 
 ROW = {
     "prompt_ids": [3, 1],

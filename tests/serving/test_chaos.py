@@ -27,7 +27,7 @@ import yaml
 
 from dsbd.bench import soak, soak_trends
 from dsbd.cli import main as dsbd_main
-from tests.serving.test_local_ray import is_loopback, peers
+from tests.support.loopback import is_loopback, peers
 from tests.support.serving_harness import REPO, tiny_app
 from tests.support.tiny_models import build_pair
 

@@ -20,7 +20,7 @@ import requests
 import yaml
 
 from dsbd import server_process
-from tests.serving.test_local_ray import is_loopback, peers, strace
+from tests.support.loopback import is_loopback, peers, strace
 from tests.support.serving_harness import free_port, stop
 from tests.support.tiny_models import build_pair
 

@@ -33,7 +33,7 @@ import pytest
 import requests
 
 from dsbd_core.models import load_tokenizer
-from tests.serving.test_local_ray import is_loopback
+from tests.support.loopback import is_loopback
 from tests.support.serving_harness import (
     CASES,
     IN_FLIGHT,
