@@ -33,7 +33,7 @@ from dsbd.bench.decode.pairs import PAIRS
 from dsbd.prompts import prompt_set
 from dsbd_core import SamplingConfig, generate
 from dsbd_core.algorithm.policy.control import FixedKnobs, Knobs
-from dsbd_core.algorithm.policy.cost_model import CostController, expected_tokens
+from dsbd_core.algorithm.policy.cost_model import Calibration, CostController, expected_tokens
 from dsbd_core.algorithm.sequences.state import DecodeState
 from dsbd_core.models.calibrate import PassCounter
 from dsbd_core.models.pair import load_pair
@@ -174,20 +174,27 @@ def main(argv: list[str] | None = None) -> int:
         f"{calibration.catch_up_s}; load average {load}"
     )
     if args.json:
-        out = {
-            "args": {k: str(v) for k, v in vars(args).items()},
-            "cpu": platform.processor() or platform.machine(),
-            "models": pair.describe(),
-            "calibration_pass_rates": calibration.pass_rates,
-            "calibration_iteration_s": calibration.iteration_s,
-            "calibration_catch_up_s": calibration.catch_up_s,
-            "load_average": load,
-            "depths": rows,
-        }
-        out["held_out_prediction"] = held_out_prediction(out)
-        print_prediction(out["held_out_prediction"])
-        args.json.write_text(json.dumps(out, indent=2) + "\n")
+        _write(args, pair.describe(), calibration, load, rows)
     return 0
+
+
+def _write(
+    args: argparse.Namespace, models: str, calibration: Calibration, load: list, rows: list
+) -> None:
+    """The run's JSON, with what the calibration predicted of these prompts."""
+    out = {
+        "args": {k: str(v) for k, v in vars(args).items()},
+        "cpu": platform.processor() or platform.machine(),
+        "models": models,
+        "calibration_pass_rates": calibration.pass_rates,
+        "calibration_iteration_s": calibration.iteration_s,
+        "calibration_catch_up_s": calibration.catch_up_s,
+        "load_average": load,
+        "depths": rows,
+    }
+    out["held_out_prediction"] = held_out_prediction(out)
+    print_prediction(out["held_out_prediction"])
+    args.json.write_text(json.dumps(out, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """`dsbd serve` as a child process: the one launcher the tests and the benchmarks share
-(tests/serving_harness.py; `dsbd bench chaos` kills its processes, `dsbd bench soak` samples
+(tests/support/serving_harness.py; `dsbd bench chaos` kills its processes, `dsbd bench soak` samples
 them for half an hour, `dsbd bench serve` times requests through it: dsbd/bench/).
 
 The server is started the way users start it (`dsbd serve [--config FILE]`), bound to

@@ -16,7 +16,7 @@ from dsbd.acceptance import (
     sample_continuations,
 )
 from dsbd.cli import main
-from tests.models.test_models import save_tiny_model, tiny_tokens
+from tests.support.tiny_models import save_tiny_model, tiny_tokens
 
 torch.set_num_threads(1)
 

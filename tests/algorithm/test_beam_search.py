@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import GenerationConfig, LlamaForCausalLM
+from transformers import GenerationConfig
 
 from dsbd_core import SamplingConfig, generate
 from dsbd_core.algorithm.drivers.lockstep import Request, decode_lockstep
@@ -23,26 +23,8 @@ from dsbd_core.algorithm.drivers.session_batch import SessionBatcher
 from dsbd_core.algorithm.scorers.ngram_draft import NgramDraft
 from dsbd_core.models import load_causal_lm, load_tokenizer
 from dsbd_core.models.transformer_scorer import TransformerScorer
-from tests.tiny_models import build_pair, tiny_model
-
-
-def random_llama(seed: int, vocab: int = 24, eos_boost: float = 0.0) -> torch.nn.Module:
-    """A random 2-layer float64 Llama; `eos_boost` makes token 0 (the EOS here) likelier."""
-    model = tiny_model(vocab, seed=seed).to(torch.float64)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(4.0)
-        model.lm_head.weight[0] += eos_boost * model.lm_head.weight[0].sign()
-    return model
-
-
-def noisy_copy(model: torch.nn.Module, scale: float, seed: int = 9) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    copy = LlamaForCausalLM(model.config).to(torch.float64).eval()
-    copy.load_state_dict(model.state_dict())
-    with torch.no_grad():
-        for parameter in copy.parameters():
-            parameter.add_(scale * torch.randn_like(parameter) * parameter.std())
-    return copy
+from tests.support.beam_search import assert_same_hypotheses, ours
+from tests.support.tiny_models import build_pair, noisy_copy, random_llama
 
 
 def hf_search(
@@ -82,33 +64,6 @@ def hf_search(
         ends = [i for i, t in enumerate(generated) if t in eos]
         hypotheses.append((generated[: ends[0] + 1] if ends else generated, score))
     return hypotheses
-
-
-def ours(
-    method: str,
-    target: torch.nn.Module,
-    prompt: list[int],
-    draft: torch.nn.Module | None,
-    **knobs: Any,
-):
-    config = SamplingConfig(**knobs)
-    return generate(
-        method,
-        TransformerScorer(target),
-        prompt,
-        config,
-        TransformerScorer(draft) if draft is not None else None,
-    )
-
-
-def assert_same_hypotheses(
-    result, expected: list[tuple[list[int], float | None]], context: Any
-) -> None:
-    assert [b.token_ids for b in result.beams] == [ids for ids, _ in expected], context
-    for beam, (_, score) in zip(result.beams, expected, strict=True):
-        if score is not None:
-            assert beam.score == pytest.approx(score, abs=1e-4, rel=1e-5), context
-        assert beam.finished == (beam.token_ids[-1] in context["eos"]), context
 
 
 # (W, length_penalty, early_stopping, max_new_tokens)

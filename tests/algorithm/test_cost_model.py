@@ -28,7 +28,7 @@ from dsbd_core.algorithm.scorers.ngram_draft import NgramDraft
 from dsbd_core.models.calibrate import calibrate, measure_iteration_seconds, measure_pass_rates
 from dsbd_core.models.lookup_calibration import LOOKUP_COSTS
 from dsbd_core.models.transformer_scorer import TransformerScorer
-from tests.models.test_engine_transformers import tiny
+from tests.support.tiny_models import tiny
 
 # a draft call costs a fifth of a target call, the target's cost grows slowly with its tokens
 COSTS = {

@@ -7,7 +7,7 @@ import torch
 
 from dsbd_core.algorithm.draws.distributions import draw_distinct, joint_filter, residual
 from dsbd_core.algorithm.draws.streams import Draws
-from tests.exact_reference import assert_matches
+from tests.support.exact_reference import assert_matches
 
 
 def test_joint_filter_without_filters_is_the_normalised_sequence_probability() -> None:

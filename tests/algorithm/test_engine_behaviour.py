@@ -7,16 +7,10 @@ import pytest
 import torch
 
 from dsbd_core import SamplingConfig, TableScorer, generate, generate_batch
-from tests.exact_reference import random_table
+from tests.support.exact_reference import random_table
+from tests.support.table_scorers import scorers
 
 V, EOS = 6, 0
-
-
-def scorers(seed: int = 0) -> tuple[TableScorer, TableScorer]:
-    rng = np.random.default_rng(seed)
-    target = random_table(rng, V, 3, concentration=0.8)
-    draft = random_table(rng, V, 3, concentration=0.8)
-    return TableScorer(torch.from_numpy(target)), TableScorer(torch.from_numpy(draft))
 
 
 CONFIGS = [

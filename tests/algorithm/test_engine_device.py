@@ -11,20 +11,18 @@ side is not under test here); the tokens must be those of the plain decode.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import replace
 
 import pytest
 import torch
 
 from dsbd_core import SamplingConfig, generate_batch
-from dsbd_core.algorithm.scorer import ForestLayer, ForestLogprobs, Roots
 from dsbd_core.models.draft_variants import restrict_head
 from dsbd_core.models.static_scorer import StaticScorer
 from dsbd_core.models.transformer_scorer import TransformerScorer
-from tests.models.test_engine_transformers import tiny
+from tests.support.meta_device import PROMPTS, same_decodes
+from tests.support.tiny_models import tiny
 
-PROMPTS = [[1, 2, 3, 4], [5, 6], [8, 9, 10, 11, 12, 13]]
 CASES = [
     ("sample", {}),
     ("sps", {"gamma": 3}),
@@ -39,39 +37,13 @@ CASES = [
 ]
 
 
-class _OnHost:
-    """A scorer whose calls run with the CPU as the default device again."""
-
-    def __init__(self, inner: TransformerScorer) -> None:
-        self.inner = inner
-
-    @property
-    def vocab_size(self) -> int:
-        return self.inner.vocab_size
-
-    @property
-    def engine_device(self) -> torch.device:
-        return torch.device("cpu")
-
-    def set_roots(self, roots: Roots) -> None:
-        with torch.device("cpu"):
-            self.inner.set_roots(roots)
-
-    def forward(self, layers: Sequence[ForestLayer]) -> ForestLogprobs:
-        with torch.device("cpu"):
-            return self.inner.forward(layers)
-
-    def release(self) -> None:
-        self.inner.release()
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("scorer", [TransformerScorer, StaticScorer])
 @pytest.mark.parametrize(("method", "fields"), CASES)
 def test_the_engine_makes_no_tensor_off_its_state_device(
     method: str, fields: dict, scorer: type[TransformerScorer]
 ) -> None:
-    _same_decodes(method, fields, scorer, tiny("llama", 2).float())
+    same_decodes(method, fields, scorer, tiny("llama", 2).float())
 
 
 @pytest.mark.slow
@@ -83,23 +55,7 @@ def test_a_restricted_draft_head_keeps_its_tables_on_the_state_device(
     draft = tiny("llama", 2).float()
     restrict_head(draft, torch.tensor([0, 2, 3, 5, 7, 11, 13]))
     fields = {"width": 3, "gamma": 2, "threshold": threshold}
-    _same_decodes("dsbd", fields, StaticScorer, draft)
-
-
-def _same_decodes(
-    method: str, fields: dict, scorer: type[TransformerScorer], draft: torch.nn.Module
-) -> None:
-    target = tiny("llama", 1).float()
-    config = SamplingConfig(max_new_tokens=10, eos_token_ids=(0,), seed=3, **fields)
-    plain = generate_batch(method, scorer(target), PROMPTS, config, scorer(draft))
-    with torch.device("meta"):
-        placed = generate_batch(
-            method, _OnHost(scorer(target)), PROMPTS, config, _OnHost(scorer(draft))
-        )
-    for got, want in zip(placed, plain, strict=True):
-        assert [b.token_ids for b in got.beams] == [b.token_ids for b in want.beams]
-        assert [b.log_likelihood for b in got.beams] == [b.log_likelihood for b in want.beams]
-        assert got.stats == want.stats
+    same_decodes("dsbd", fields, StaticScorer, draft)
 
 
 def test_an_in_process_decode_keeps_its_state_beside_the_model() -> None:
@@ -151,7 +107,7 @@ def test_the_device_branches_match_the_host_over_many_sessions(method: str, fiel
     """The same on an exact n-gram table with 300 sessions in one batch: rejections, refills,
     EOS in accepted drafts and every width rule meet both branch sets many times over."""
     from dsbd_core.algorithm.draws.host_reads import computing_everywhere
-    from tests.algorithm.test_engine_behaviour import scorers
+    from tests.support.table_scorers import scorers
 
     prompts = [[1 + i % 5, 2 + i % 3] for i in range(300)]
     config = SamplingConfig(max_new_tokens=8, eos_token_ids=(0,), seed=7, **fields)

@@ -19,7 +19,7 @@ from dsbd_core.algorithm.engine import Engine
 from dsbd_core.algorithm.methods import method_config
 from dsbd_core.algorithm.scorer import drive
 from dsbd_core.algorithm.sequences.state import Forest, Outcome
-from tests.exact_reference import random_table
+from tests.support.exact_reference import random_table
 
 
 def scorers(seed: int) -> tuple[TableScorer, TableScorer]:

@@ -1,4 +1,4 @@
-"""Tests of the exact reference itself (``tests/exact_reference.py``).
+"""Tests of the exact reference itself (``tests/support/exact_reference.py``).
 
 Why: every statistical exactness test of the engine trusts this reference, so it must be
 checked independently — by hand-computed small cases, by an identity (W = 1 is ordinary
@@ -15,7 +15,7 @@ from collections import defaultdict
 import numpy as np
 import pytest
 
-from tests.exact_reference import (
+from tests.support.exact_reference import (
     MODES,
     TableLM,
     assert_matches,

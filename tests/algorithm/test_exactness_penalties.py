@@ -1,8 +1,8 @@
 """Exactness with the per-beam processors (issue 52 item 2): min_tokens, logit_bias, the
 frequency, presence and repetition penalties. Every decoder follows the penalised law exactly.
 
-The penalised law is stated by `tests/exact_penalties.PenalisedLM` (code of its own, from the
-fields' definitions) around the n-gram table, and enumerated by the references the other
+The penalised law is stated by `tests/support/exact_penalties.PenalisedLM` (code of its own,
+from the fields' definitions) around the n-gram table, and enumerated by the references the other
 exactness tests use: `exact_reference` for the paper's law and sampling (rows renormalised),
 `exact_transformers` for transformers' law (rows as transformers' processors leave them). 1e5
 sessions per decode, as in test_exactness.py. The prompt holds tokens 2 and 1, so the repetition
@@ -17,15 +17,16 @@ import pytest
 import torch
 
 from dsbd_core import SamplingConfig, TableScorer, generate_batch
-from tests.exact_penalties import PenalisedLM
-from tests.exact_reference import (
+from tests.support.beam_search import as_sets, outcomes_of
+from tests.support.exact_penalties import PenalisedLM
+from tests.support.exact_reference import (
     TableLM,
     assert_matches,
     beam_sampling_outcomes,
     multinomial_outcomes,
     random_table,
 )
-from tests.exact_transformers import transformers_beam_outcomes
+from tests.support.exact_transformers import transformers_beam_outcomes
 
 RUNS = 100_000
 V = 4
@@ -75,17 +76,6 @@ def decode(method: str, target: np.ndarray, draft: np.ndarray | None, **config) 
     return generate_batch(
         method, TableScorer(torch.from_numpy(target)), [PROMPT] * RUNS, cfg, draft_scorer
     )
-
-
-def outcomes_of(results: list) -> list[tuple[tuple[int, ...], ...]]:
-    return [tuple(sorted(tuple(beam.token_ids) for beam in r.beams)) for r in results]
-
-
-def _as_sets(exact: dict) -> dict:
-    merged: dict = {}
-    for key, p in exact.items():
-        merged[tuple(sorted(key))] = merged.get(tuple(sorted(key)), 0.0) + p
-    return merged
 
 
 def test_the_penalties_change_the_law() -> None:
@@ -148,7 +138,7 @@ def test_transformers_law_with_penalties_is_exact(method: str, extra: dict) -> N
     exact = transformers_beam_outcomes(
         penalised(target, normalise=False), PROMPT, 2, MAX_NEW, {EOS}
     )
-    assert_matches(outcomes_of(results), _as_sets(exact), f"{method} transformers' law penalised")
+    assert_matches(outcomes_of(results), as_sets(exact), f"{method} transformers' law penalised")
 
 
 # min_tokens with stop strings: test_exactness_stops.py's case (tokens "", "a", "b", "ba",

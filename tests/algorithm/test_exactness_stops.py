@@ -16,14 +16,15 @@ import torch
 
 from dsbd_core import SamplingConfig, TableScorer, generate_batch
 from dsbd_core.algorithm.sequences.stops import ExplicitTexts, StopStrings
-from tests.exact_reference import (
+from tests.support.beam_search import outcomes_of
+from tests.support.exact_reference import (
     TableLM,
     assert_matches,
     beam_sampling_outcomes,
     multinomial_outcomes,
     random_table,
 )
-from tests.exact_transformers import transformers_beam_outcomes
+from tests.support.exact_transformers import transformers_beam_outcomes
 
 RUNS = 100_000
 V = 4
@@ -59,10 +60,6 @@ def decode(method: str, target: np.ndarray, draft: np.ndarray | None, **config) 
         draft_scorer,
         stop=StopStrings(STOPS, ExplicitTexts(TEXTS)),
     )
-
-
-def outcomes_of(results: list) -> list[tuple[tuple[int, ...], ...]]:
-    return [tuple(sorted(tuple(beam.token_ids) for beam in r.beams)) for r in results]
 
 
 def exact_beam(target: np.ndarray, width: int, mode: str) -> dict:

@@ -1,5 +1,5 @@
 """Same seeds, same tokens: every method and decoder path decodes the recorded tokens (recorded
-by `python -m tests.golden_tokens`, see there): a refactor must not move a single draw."""
+by `python -m tests.support.golden_tokens`, see there): a refactor must not move a single draw."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from tests.golden_tokens import PATH, record
+from tests.support.golden_tokens import PATH, record
 
 
 @pytest.mark.slow

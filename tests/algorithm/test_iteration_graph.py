@@ -37,8 +37,8 @@ from dsbd_core.algorithm.scorer import Roots, drive
 from dsbd_core.algorithm.sequences.state import NO_FOREST, Outcome, deepest_layer
 from dsbd_core.models.static_scorer import StaticScorer
 from dsbd_core.models.transformer_scorer import TransformerScorer
-from tests.exact_reference import random_table
-from tests.models.test_engine_transformers import tiny
+from tests.support.exact_reference import random_table
+from tests.support.tiny_models import tiny
 
 VOCAB, EOS = 12, 0
 PROMPTS = [[3, 5, 7], [1, 2], [9, 4, 4, 8]]

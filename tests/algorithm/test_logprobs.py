@@ -19,7 +19,7 @@ from dsbd_core.algorithm.drivers.lockstep import Request, decode_lockstep
 from dsbd_core.algorithm.drivers.session_batch import SessionBatcher
 from dsbd_core.algorithm.methods import METHODS_WITH_DRAFT
 from dsbd_core.models.transformer_scorer import TransformerScorer
-from tests.tiny_models import tiny_model
+from tests.support.tiny_models import tiny_model
 
 VOCAB = 24
 EOS = (0,)

@@ -33,11 +33,17 @@ from dsbd_core import SamplingConfig
 from dsbd_core.algorithm.config import config_error_message
 from dsbd_core.algorithm.sequences.penalties import Processors, processors_for
 from dsbd_core.algorithm.sequences.stops import ExplicitTexts, StopStrings
-from tests.algorithm.test_beam_search import assert_same_hypotheses, noisy_copy, ours, random_llama
-from tests.algorithm.test_transformers_law import _as_sets, _ModelLM, _until_eos
-from tests.exact_penalties import PenalisedLM
-from tests.exact_reference import assert_matches
-from tests.exact_transformers import transformers_beam_outcomes
+from tests.support.beam_search import (
+    ModelLM,
+    as_sets,
+    assert_same_hypotheses,
+    ours,
+    until_eos,
+)
+from tests.support.exact_penalties import PenalisedLM
+from tests.support.exact_reference import assert_matches
+from tests.support.exact_transformers import transformers_beam_outcomes
+from tests.support.tiny_models import noisy_copy, random_llama
 
 
 class OpenAIPenalties(LogitsProcessor):
@@ -242,9 +248,9 @@ def test_transformers_beam_sampling_with_processors_follows_the_enumeration() ->
         )
         for i in range(10_000):
             rows = out[i * width : (i + 1) * width, len(prompt) :].tolist()
-            samples.append(tuple(sorted(_until_eos(row) for row in rows)))
+            samples.append(tuple(sorted(until_eos(row, 0) for row in rows)))
     lm = PenalisedLM(
-        _ModelLM(model),
+        ModelLM(model),
         len(prompt),
         eos=(0,),
         min_tokens=fields["min_tokens"],
@@ -255,7 +261,7 @@ def test_transformers_beam_sampling_with_processors_follows_the_enumeration() ->
         normalise=False,
     )
     exact = transformers_beam_outcomes(lm, prompt, width, max_new, {0})
-    assert_matches(samples, _as_sets(exact), "transformers' generate with processors")
+    assert_matches(samples, as_sets(exact), "transformers' generate with processors")
 
 
 def test_bad_fields_are_named_with_what_is_allowed() -> None:
@@ -318,10 +324,10 @@ def test_processing_keeps_every_tensor_on_the_state_device(method: str) -> None:
     a draft head restricted to K tokens (compact rows: the counts read at its support)."""
     from dsbd_core.models.draft_variants import restrict_head
     from dsbd_core.models.static_scorer import StaticScorer
-    from tests.algorithm.test_engine_device import _same_decodes
-    from tests.models.test_engine_transformers import tiny
+    from tests.support.meta_device import same_decodes
+    from tests.support.tiny_models import tiny
 
     draft = tiny("llama", 2).float()
     restrict_head(draft, torch.tensor([0, 2, 3, 5, 7, 11, 13]))
     width = 1 if method == "sps" else 3
-    _same_decodes(method, {"width": width, "gamma": 2, **PROCESSORS}, StaticScorer, draft)
+    same_decodes(method, {"width": width, "gamma": 2, **PROCESSORS}, StaticScorer, draft)

@@ -11,7 +11,7 @@ from dsbd_core.algorithm.scorer import drive
 from dsbd_core.algorithm.sequences.prompt_logprobs import prompt_logprob_steps
 from dsbd_core.models.static_scorer import StaticScorer
 from dsbd_core.models.transformer_scorer import TransformerScorer
-from tests.models.test_engine_transformers import tiny
+from tests.support.tiny_models import tiny
 
 PROMPT = [5, 9, 2, 11, 7, 7, 3, 14, 1, 6]
 

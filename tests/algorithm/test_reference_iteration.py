@@ -20,7 +20,7 @@ import torch
 from dsbd_core import SamplingConfig, TableScorer, generate
 from dsbd_core.algorithm.reference import Model, reference_decode
 from dsbd_core.algorithm.scorers.ngram_draft import NgramDraft
-from tests.exact_reference import random_table
+from tests.support.exact_reference import random_table
 
 EOS = 0
 SEEDS = (0, 1, 4, 5)  # every case meets a failed layer with these draws

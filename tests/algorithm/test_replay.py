@@ -28,8 +28,8 @@ from dsbd_core.algorithm.methods import method_config
 from dsbd_core.algorithm.sequences.state import NO_FOREST
 from dsbd_core.models.loading import load_causal_lm
 from dsbd_core.models.transformer_scorer import TransformerScorer
-from tests.models.test_row_chunks import needs_amx
-from tests.tiny_models import build_pair
+from tests.support.cpu import needs_amx
+from tests.support.tiny_models import build_pair
 
 
 @dataclass

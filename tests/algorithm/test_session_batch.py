@@ -18,7 +18,7 @@ from dsbd_core.algorithm.engine import Engine
 from dsbd_core.algorithm.methods import method_config
 from dsbd_core.algorithm.sequences.state import NO_FOREST
 from dsbd_core.models.transformer_scorer import TransformerScorer
-from tests.models.test_engine_transformers import VOCAB, tiny
+from tests.support.tiny_models import VOCAB, tiny
 
 REQUESTS = [
     ([1, 2, 3, 4], {"width": 3, "gamma": 3, "threshold": 0.6, "seed": 1}),

@@ -27,7 +27,7 @@ from dsbd_core.algorithm.sequences.stops import (
 )
 from dsbd_core.models import load_tokenizer
 from dsbd_core.models.token_bytes import TokenizerTexts, token_bytes
-from tests.exact_reference import random_table
+from tests.support.exact_reference import random_table
 
 TEXTS = ("", "a", "b", "ba", "é", "c")
 STOPS = ("aba", "bb", "cc")

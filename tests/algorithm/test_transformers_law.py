@@ -1,11 +1,11 @@
 """Beam sampling under transformers' law (`selection='transformers'`) follows it exactly.
 
-The law is enumerated independently (`tests/exact_transformers.py`, written from transformers'
-`_beam_search`); 5e4 sessions decoded in one batched call on exact n-gram tables must be within
-the null run's TV quantile at the same sample size, for the processors and stopping rules that
-change the law (temperature, top-k, top-p, length penalty, early stopping). And transformers'
-own `generate(do_sample=True, num_beams=W)` on a tiny Llama follows the same enumeration (run
-on the model's float64 log-probs), which ties the reference to transformers itself.
+The law is enumerated independently (`tests/support/exact_transformers.py`, written from
+transformers' `_beam_search`); 5e4 sessions decoded in one batched call on exact n-gram tables must
+be within the null run's TV quantile at the same sample size, for the processors and stopping rules
+that change the law (temperature, top-k, top-p, length penalty, early stopping). And transformers'
+own `generate(do_sample=True, num_beams=W)` on a tiny Llama follows the same enumeration (run on the
+model's float64 log-probs), which ties the reference to transformers itself.
 """
 
 from __future__ import annotations
@@ -18,8 +18,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from dsbd_core import SamplingConfig, TableScorer, generate_batch
 from dsbd_core.algorithm.methods import MethodConfigError, method_config
 from dsbd_core.algorithm.scorers.ngram_draft import NgramDraft
-from tests.exact_reference import TableLM, assert_matches, random_table
-from tests.exact_transformers import transformers_beam_outcomes
+from tests.support.beam_search import ModelLM, as_sets, outcomes_of, until_eos
+from tests.support.exact_reference import TableLM, assert_matches, random_table
+from tests.support.exact_transformers import transformers_beam_outcomes
 
 RUNS = 50_000
 V, EOS, PROMPT, MAX_NEW, WIDTH = 4, 0, [1], 3, 2
@@ -31,19 +32,6 @@ CASES = [
     ("early-stopping", {"early_stopping": True, "length_penalty": 2.0}),
     ("never", {"early_stopping": "never", "temperature": 1.5}),
 ]
-
-
-def _outcomes(results: list) -> list[tuple[tuple[int, ...], ...]]:
-    """The W returned sequences of each session, as a set (sorted): n-gram tables give exact
-    ties in score (the same transitions in another order), whose order is arbitrary."""
-    return [tuple(sorted(tuple(beam.token_ids) for beam in r.beams)) for r in results]
-
-
-def _as_sets(exact: dict) -> dict:
-    merged: dict = {}
-    for key, p in exact.items():
-        merged[tuple(sorted(key))] = merged.get(tuple(sorted(key)), 0.0) + p
-    return merged
 
 
 @pytest.mark.slow
@@ -62,7 +50,7 @@ def test_beam_under_transformers_law_is_exact(name: str, knobs: dict) -> None:
     )
     results = generate_batch("beam", TableScorer(torch.from_numpy(table)), [PROMPT] * RUNS, config)
     exact = transformers_beam_outcomes(TableLM(table), PROMPT, WIDTH, MAX_NEW, {EOS}, **knobs)
-    assert_matches(_outcomes(results), _as_sets(exact), f"transformers' law, {name}")
+    assert_matches(outcomes_of(results), as_sets(exact), f"transformers' law, {name}")
 
 
 SPECULATIVE = [
@@ -104,7 +92,7 @@ def test_dsbd_under_transformers_law_is_exact(name: str, knobs: dict, tables: di
     )
     filters = {k: v for k, v in knobs.items() if k in ("temperature", "top_k", "top_p")}
     exact = transformers_beam_outcomes(TableLM(target), PROMPT, WIDTH, MAX_NEW, {EOS}, **filters)
-    assert_matches(_outcomes(results), _as_sets(exact), f"dsbd under transformers' law, {name}")
+    assert_matches(outcomes_of(results), as_sets(exact), f"dsbd under transformers' law, {name}")
     passes = sum(r.stats.target_forward_passes for r in results) / RUNS
     steps = sum(r.stats.tokens_emitted for r in results) / RUNS
     assert passes < steps, f"no step was saved ({passes:.2f} passes for {steps:.2f} steps)"
@@ -132,7 +120,7 @@ def test_dsbd_with_the_ngram_draft_under_transformers_law_is_exact(
         "dsbd", TableScorer(torch.from_numpy(target)), [prompt] * RUNS, config, NgramDraft(V, 2)
     )
     exact = transformers_beam_outcomes(TableLM(target), prompt, WIDTH, MAX_NEW, {EOS})
-    assert_matches(_outcomes(results), _as_sets(exact), f"dsbd ngram, transformers' law {prompt}")
+    assert_matches(outcomes_of(results), as_sets(exact), f"dsbd ngram, transformers' law {prompt}")
     assert any(r.stats.accepted_tokens > 0 for r in results[:1000])
 
 
@@ -145,23 +133,7 @@ def test_the_paper_law_is_not_transformers_law() -> None:
     results = generate_batch("beam", TableScorer(torch.from_numpy(table)), [PROMPT] * RUNS, config)
     exact = transformers_beam_outcomes(TableLM(table), PROMPT, WIDTH, MAX_NEW, {EOS})
     with pytest.raises(AssertionError):
-        assert_matches(_outcomes(results), _as_sets(exact), "the paper's law")
-
-
-class _ModelLM:
-    """The tiny model's next-token log-probs (float64) with `TableLM`'s interface."""
-
-    def __init__(self, model: LlamaForCausalLM) -> None:
-        self.model, self.vocab_size = model, model.config.vocab_size
-        self.cache: dict[tuple[int, ...], np.ndarray] = {}
-
-    def next_logprobs(self, seq: tuple[int, ...]) -> np.ndarray:
-        key = tuple(seq)
-        if key not in self.cache:
-            with torch.no_grad():
-                logits = self.model(torch.tensor([key])).logits[0, -1].to(torch.float64)
-            self.cache[key] = torch.log_softmax(logits, -1).numpy()
-        return self.cache[key]
+        assert_matches(outcomes_of(results), as_sets(exact), "the paper's law")
 
 
 @pytest.mark.slow
@@ -202,14 +174,9 @@ def test_transformers_generate_follows_the_enumeration() -> None:
         )
         for i in range(10_000):
             rows = out.sequences[i * WIDTH : (i + 1) * WIDTH, len(prompt) :].tolist()
-            samples.append(tuple(sorted(_until_eos(row) for row in rows)))
-    exact = transformers_beam_outcomes(_ModelLM(model), prompt, WIDTH, MAX_NEW, {EOS})
-    assert_matches(samples, _as_sets(exact), "transformers' generate(do_sample=True, num_beams=2)")
-
-
-def _until_eos(row: list[int]) -> tuple[int, ...]:
-    """A returned row's generated tokens up to and including its EOS (the rest is padding)."""
-    return tuple(row[: row.index(EOS) + 1]) if EOS in row else tuple(row)
+            samples.append(tuple(sorted(until_eos(row, EOS) for row in rows)))
+    exact = transformers_beam_outcomes(ModelLM(model), prompt, WIDTH, MAX_NEW, {EOS})
+    assert_matches(samples, as_sets(exact), "transformers' generate(do_sample=True, num_beams=2)")
 
 
 def test_what_transformers_law_refuses_is_named() -> None:

@@ -14,7 +14,7 @@ import torch
 from dsbd_core.algorithm.draws.distributions import draw_distinct, draw_with_replacement
 from dsbd_core.algorithm.draws.streams import Draws
 from dsbd_core.algorithm.iteration.verify import fill_failed_layer, verify_layer
-from tests.exact_reference import assert_matches
+from tests.support.exact_reference import assert_matches
 
 RUNS = 200_000
 V = 3

@@ -34,9 +34,9 @@ from dsbd_core.algorithm.sequences.stops import StopStrings
 from dsbd_core.models import encode_prompt, load_causal_lm, stop_token_ids
 from dsbd_core.models.token_bytes import LoadedTexts, token_bytes
 from dsbd_core.models.transformer_scorer import TransformerScorer
-from tests.serving_harness import leftovers
-from tests.terminal import Terminal
-from tests.tiny_models import build_pair
+from tests.support.serving_harness import leftovers
+from tests.support.terminal import Terminal
+from tests.support.tiny_models import build_pair
 
 REPO = Path(__file__).parents[2]
 DEFAULTS = {"max_new_tokens": 6, "width": 3, "gamma": 2}

@@ -22,7 +22,7 @@ import deployments.batch_job.job
 import dsbd.batch_command
 from deployments.batch_job.job import interruptible
 from dsbd.cli import main
-from tests.tiny_models import build_pair
+from tests.support.tiny_models import build_pair
 
 
 @pytest.fixture

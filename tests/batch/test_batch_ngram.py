@@ -20,7 +20,7 @@ from dsbd_core.algorithm.methods import METHODS_WITH_DRAFT
 from dsbd_core.algorithm.scorers.ngram_draft import NgramDraft
 from dsbd_core.models import encode_prompt, load_causal_lm, stop_token_ids
 from dsbd_core.models.transformer_scorer import TransformerScorer
-from tests.tiny_models import build_pair
+from tests.support.tiny_models import build_pair
 
 ROWS = [
     {"prompt": "one two three one two three one two", "chat": False, "seed": 1},

@@ -37,8 +37,8 @@ from deployments.batch_job.inputs import InputError, find_input, plan_input, spl
 from deployments.batch_job.keys import KeySet
 from deployments.batch_job.rows import input_format
 from dsbd.cli import main
-from tests.serving_harness import leftovers
-from tests.tiny_models import build_pair
+from tests.support.serving_harness import leftovers
+from tests.support.tiny_models import build_pair
 
 REPO = Path(__file__).parents[2]
 

@@ -15,7 +15,7 @@ from dsbd_core import SamplingConfig, generate
 from dsbd_core.algorithm.drivers.lockstep import Request, decode_lockstep
 from dsbd_core.algorithm.drivers.session_batch import SessionBatcher
 from dsbd_core.models.transformer_scorer import TransformerScorer
-from tests.algorithm.test_beam_search import noisy_copy, random_llama
+from tests.support.tiny_models import noisy_copy, random_llama
 
 ROW = {
     "prompt_ids": [3, 1],
@@ -83,7 +83,7 @@ def test_a_row_with_a_bias_key_outside_the_vocabulary_is_an_invalid_row(tmp_path
     """The actor refuses it before decoding, worded as the HTTP API's 400; a good row with
     the processors becomes a request carrying them."""
     from deployments.batch_job.decoder import BatchDecoder
-    from tests.tiny_models import build_pair
+    from tests.support.tiny_models import build_pair
 
     target_dir, draft_dir = build_pair(tmp_path)
     decoder = BatchDecoder(

@@ -32,7 +32,7 @@ from dsbd.distill import (
 )
 from dsbd.prompts import Prompt
 from dsbd_core.models import LoadedModel, load_causal_lm
-from tests.models.test_models import save_tiny_model, tiny_tokens
+from tests.support.tiny_models import save_tiny_model, tiny_tokens
 
 torch.set_num_threads(1)
 

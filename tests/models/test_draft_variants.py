@@ -34,8 +34,13 @@ from dsbd_core.models.draft_variants import (
     restrict_head,
 )
 from dsbd_core.models.transformer_scorer import TransformerScorer
-from tests.exact_reference import TableLM, assert_matches, beam_sampling_outcomes, random_table
-from tests.tiny_models import tiny_model
+from tests.support.exact_reference import (
+    TableLM,
+    assert_matches,
+    beam_sampling_outcomes,
+    random_table,
+)
+from tests.support.tiny_models import tiny_model
 
 V, EOS, PROMPT, MAX_NEW, RUNS = 6, 0, [1], 3, 100_000
 

@@ -12,16 +12,7 @@ import torch
 from dsbd_core import ForestLayer, ForestLogprobs, SamplingConfig, generate_batch
 from dsbd_core.algorithm.scorer import Roots
 from dsbd_core.models.transformer_scorer import TransformerScorer
-from tests.tiny_models import tiny_model
-
-VOCAB = 16
-
-
-def tiny(arch: str, seed: int) -> torch.nn.Module:
-    model = tiny_model(VOCAB, arch=arch, seed=seed, attn_implementation="sdpa").to(torch.float64)
-    with torch.no_grad():  # sharper distributions than the default init, so beams differ
-        model.lm_head.weight.mul_(8.0)
-    return model
+from tests.support.tiny_models import VOCAB, tiny
 
 
 class RecomputeScorer:

@@ -11,9 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from tokenizers import Tokenizer, pre_tokenizers
-from tokenizers.models import WordLevel
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from dsbd_core import models
 from dsbd_core.models import (
@@ -27,38 +24,9 @@ from dsbd_core.models import (
     loading,
     stop_token_ids,
 )
+from tests.support.tiny_models import save_tiny_model, tiny_tokens
 
 torch.set_num_threads(1)
-
-
-def tiny_tokens(size: int) -> list[str]:
-    """`<unk>`, `</s>` and words `w0 w1 ...`: `size` tokens in all."""
-    return ["<unk>", "</s>"] + [f"w{i}" for i in range(size - 2)]
-
-
-def save_tiny_model(path: Path, tokens: list[str], *, layers: int = 2, seed: int = 0) -> Path:
-    """Save a random tiny Llama (logits size = len(tokens)) and its word-level tokenizer."""
-    backend = Tokenizer(WordLevel({t: i for i, t in enumerate(tokens)}, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend, unk_token="<unk>", eos_token="</s>"
-    )
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=len(tokens),
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=layers,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=128,
-        eos_token_id=1,
-        bos_token_id=None,
-        pad_token_id=None,
-    )
-    LlamaForCausalLM(config).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
 
 
 def test_loads_a_saved_directory(tmp_path: Path) -> None:

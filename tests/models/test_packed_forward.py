@@ -3,7 +3,7 @@
 `packed_forward` replaces a mostly-padded forest input by one row of real tokens whose keys are
 the rows' caches end to end. It must change nothing but the cost: every root's and node's
 log-probabilities equal the model run on the node's whole sequence without a cache (tolerance of
-tests/forest_cases.py), and a decode with packing draws exactly what one without draws.
+tests/support/forest_cases.py), and a decode with packing draws exactly what one without draws.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from dsbd_core.algorithm.scorer import ForestLayer
 from dsbd_core.algorithm.scorer import Roots as ForestRoots
 from dsbd_core.models import packed_forward as packed_module
 from dsbd_core.models.transformer_scorer import TransformerScorer
-from tests.forest_cases import MODELS, TOL, check_forest, get_model, random_roots
+from tests.support.forest_cases import MODELS, TOL, check_forest, get_model, random_roots
 
 
 def uneven_forest(seed: int) -> tuple:

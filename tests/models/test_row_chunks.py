@@ -26,9 +26,7 @@ from dsbd_core.models.row_chunks import (
     rows_as_alone,
 )
 from dsbd_core.models.transformer_scorer import TransformerScorer
-
-AMX = bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
-needs_amx = pytest.mark.skipif(not AMX, reason="row classes measured on AMX-BF16 kernels only")
+from tests.support.cpu import needs_amx
 
 
 def _linear(features: int = 576, out: int = 1536) -> RowChunkedLinear:

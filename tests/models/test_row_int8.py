@@ -15,8 +15,7 @@ from torch import nn
 
 from dsbd_core.models.draft_variants import use_int8_engine
 from dsbd_core.models.row_int8 import RowScaledInt8Linear, quantize_linears
-
-AMX = bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
+from tests.support.cpu import AMX
 
 
 @pytest.fixture(autouse=True)

@@ -22,7 +22,7 @@ from dsbd_core.algorithm.drivers.lockstep import Request, decode_lockstep
 from dsbd_core.algorithm.drivers.session_batch import SessionBatcher
 from dsbd_core.models import static_scorer
 from dsbd_core.models.static_scorer import StaticScorer
-from tests.models.test_engine_transformers import tiny
+from tests.support.tiny_models import tiny
 
 READS = ("item", "__bool__", "__int__", "__float__", "__index__", "tolist", "nonzero")
 PROMPTS = [[1, 2, 3, 4], [5, 6], [8, 9, 10, 11, 12, 13]]

@@ -27,9 +27,8 @@ from dsbd_core.models.static_step import (
     step_function,
 )
 from dsbd_core.models.transformer_scorer import TransformerScorer
-from tests import golden_tokens as golden
-from tests.models.test_engine_transformers import tiny
-from tests.tiny_models import tiny_model
+from tests.support import golden_tokens as golden
+from tests.support.tiny_models import tiny, tiny_model
 
 
 @pytest.mark.slow
@@ -233,15 +232,15 @@ def test_a_serving_replica_on_the_static_path_reports_it_and_frees_released_sess
     proposal runs on the pool, `info` (what /v1/dsbd/status shows) reports the ladder, and a
     released session hands its rows back."""
     from deployments.replicas.draft import Draft
-    from tests.serving.test_replica_sessions import _call
-    from tests.tiny_models import build_pair
+    from tests.support.iteration_calls import first_call
+    from tests.support.tiny_models import build_pair
 
     source = build_pair(tmp_path)[1]
     replica = Draft.func_or_class(
         {"source": str(source), "dtype": "float64", "decode_path": "static"}
     )
     assert isinstance(replica.scorer, StaticScorer)
-    call = _call(replica.vocab_size, [5, 6, 7])
+    call = first_call(replica.vocab_size, [5, 6, 7])
 
     async def scenario() -> dict:
         await replica.propose("one", call)

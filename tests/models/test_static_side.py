@@ -23,8 +23,8 @@ from dsbd_core.algorithm.draws.host_reads import computing_everywhere
 from dsbd_core.algorithm.drivers.loop import Decode, Propose, run_decode
 from dsbd_core.algorithm.methods import method_config
 from dsbd_core.models.static_scorer import StaticScorer
-from tests.algorithm.test_fused_sides import _counting, _Ops
-from tests.models.test_engine_transformers import VOCAB, tiny
+from tests.support.host_work import Ops, counting
+from tests.support.tiny_models import VOCAB, tiny
 
 PROMPTS = [[1, 2, 3, 4], [8, 9, 10, 11, 12, 13]]
 CASES = [
@@ -39,7 +39,7 @@ def _config(method: str, fields: dict) -> Any:
     return method_config(method, config)
 
 
-def _scorer_work(ops: _Ops, work: collections.Counter) -> list[tuple[str, Any]]:
+def _scorer_work(ops: Ops, work: collections.Counter) -> list[tuple[str, Any]]:
     """Wrap the scorer's work around its graphs: its operations and reads are left out of the
     engine's (`ops`, the reads), its calls counted in `work`. Returns what to restore."""
     saved = [(name, getattr(StaticScorer, name)) for name in ("prepare_side", "finish_side")]
@@ -89,9 +89,9 @@ def test_a_real_model_inside_the_side_graphs_decodes_the_eager_tokens(
     steps, answer, counted = run.steps(), None, 0
     with computing_everywhere():
         while True:
-            ops, calls, reads = _Ops(), collections.Counter(), collections.Counter()
+            ops, calls, reads = Ops(), collections.Counter(), collections.Counter()
             work: collections.Counter = collections.Counter()
-            with _counting(ops, calls, reads):
+            with counting(ops, calls, reads):
                 saved = _scorer_work(ops, work)
                 try:
                     try:

@@ -4,7 +4,7 @@ compaction, batching several sessions, and caches handed out and back as handles
 
 Tiny fp32 Llama (untied head) and Qwen2 (q/k/v biases, tied embeddings) with random weights,
 built here. The decode is recorded once on one device and replayed on the ranks, so both sides
-see the same calls (see tests/tp_harness.py).
+see the same calls (see tests/support/tp_harness.py).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from dsbd_core.models.tensor_parallel import (
     load_sharded,
     model_config,
 )
-from tests.tp_harness import max_difference, record_decode, run_on_ranks, save_tiny
+from tests.support.tp_harness import max_difference, record_decode, run_on_ranks, save_tiny
 
 # "What is the capital of France?" and "def add(a, b): return a + b" in SmolLM2 token ids
 SMOL_PROMPTS = [

@@ -17,7 +17,7 @@ from deployments.api.models import ChatCompletionRequest, CompletionRequest, Gen
 from deployments.api.responses import BeamText, completion_response
 from dsbd_core.algorithm.sequences.result import Beam
 from dsbd_core.models import load_tokenizer
-from tests.tiny_models import build_tokenizer
+from tests.support.tiny_models import build_tokenizer
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 

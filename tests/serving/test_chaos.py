@@ -27,9 +27,9 @@ import yaml
 
 from dsbd.bench import soak, soak_trends
 from dsbd.cli import main as dsbd_main
-from tests.serving.test_local_ray import is_loopback, peers
-from tests.serving_harness import REPO, tiny_app
-from tests.tiny_models import build_pair
+from tests.support.loopback import is_loopback, peers
+from tests.support.serving_harness import REPO, tiny_app
+from tests.support.tiny_models import build_pair
 
 
 def test_replicas_killed_under_load_lose_no_request(tmp_path: Path) -> None:

@@ -33,7 +33,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from deployments import faults
 from deployments.decode.session import RETRY_WINDOW_S
 from deployments.replicas.memory import WORKING_COPIES, kv_bytes_per_token
-from tests.serving_harness import (
+from tests.support.serving_harness import (
     assert_loopback_only,
     assert_same,
     in_process_decoder,
@@ -41,7 +41,7 @@ from tests.serving_harness import (
     serving,
     status,
 )
-from tests.tiny_models import build_pair, build_tokenizer
+from tests.support.tiny_models import build_pair, build_tokenizer
 
 FAULTS = {
     "fdraft": "draft:propose:15",

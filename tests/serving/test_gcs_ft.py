@@ -33,8 +33,15 @@ import yaml
 from deployments.gcs_ft import PASSWORD_ENV
 from dsbd.bench.chaos import gcs_pid
 from dsbd.bench.local_redis import LocalRedis, local_redis
-from tests.serving_harness import MODEL, SMALL_REPLICA, serving, status, tiny_app, wait_drained
-from tests.tiny_models import build_pair
+from tests.support.serving_harness import (
+    MODEL,
+    SMALL_REPLICA,
+    serving,
+    status,
+    tiny_app,
+    wait_drained,
+)
+from tests.support.tiny_models import build_pair
 
 CLIENTS = 12
 RECOVERY_S = 60  # a GCS not listening again by then is a failure, not a slow machine
@@ -90,8 +97,8 @@ def _complete(url: str, body: dict[str, Any], timeout_s: float = 120) -> list[tu
 
 def _compare(i: int, got: list[tuple], want: list[tuple]) -> str:
     """ "ok" when the choices have the quiet run's texts, and its token log-probs within 1e-9
-    (float64: a batch of another shape may sum in another order, as tests/serving_harness.py's
-    `assert_same` allows); else what differs."""
+    (float64: a batch of another shape may sum in another order, as
+    tests/support/serving_harness.py's `assert_same` allows); else what differs."""
     if [c[:2] for c in got] != [c[:2] for c in want]:
         return f"client {i}: other text {[c[1] for c in got]} vs {[c[1] for c in want]}"
     for (_, _, a), (_, _, b) in zip(got, want, strict=True):

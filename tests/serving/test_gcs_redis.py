@@ -14,7 +14,7 @@ import pytest
 from deployments.gcs_ft import PASSWORD_ENV, GcsRedis, GcsRedisError
 from dsbd.bench.local_redis import local_redis
 from dsbd.server_process import free_port
-from tests.serving_harness import REPO
+from tests.support.serving_harness import REPO
 
 DSBD = [sys.executable, "-m", "dsbd"]
 

@@ -24,7 +24,7 @@ import pytest
 import requests
 import yaml
 
-from tests.serving_harness import MODEL, serving
+from tests.support.serving_harness import MODEL, serving
 
 CHOICES = [
     {"question": "one two three", "choices": [" four", " five", " ten"], "answer": 0},

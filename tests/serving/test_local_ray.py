@@ -8,9 +8,7 @@ deployed and called over HTTP on loopback while it is traced.
 
 from __future__ import annotations
 
-import ipaddress
 import json
-import re
 import shutil
 import subprocess
 import sys
@@ -19,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from dsbd import server_process
+from tests.support.loopback import is_loopback, peers, strace
 
 SCRIPT = textwrap.dedent(
     """
@@ -42,26 +40,6 @@ SCRIPT = textwrap.dedent(
         stop_local_ray()
     """
 )
-
-ADDRESS = re.compile(r'inet_(?:addr|pton)\((?:AF_INET6?, )?"([^"]+)"')
-
-
-strace = server_process.strace_prefix  # the prefix every traced test runs under
-
-
-def peers(trace_dir: Path) -> set[str]:
-    """Every IP address any traced process tried to reach."""
-    found: set[str] = set()
-    for path in trace_dir.iterdir():
-        for line in path.read_text(errors="replace").splitlines():
-            found.update(ADDRESS.findall(line))
-    return found
-
-
-def is_loopback(address: str) -> bool:
-    ip = ipaddress.ip_address(address)
-    mapped = getattr(ip, "ipv4_mapped", None)  # ::ffff:127.0.0.1 is loopback over IPv6 sockets
-    return ip.is_loopback or (mapped is not None and mapped.is_loopback)
 
 
 @pytest.mark.skipif(shutil.which("strace") is None, reason="strace not installed")

@@ -30,7 +30,7 @@ from dsbd_core.algorithm.scorers.ngram_draft import NgramDraft
 from dsbd_core.models import load_causal_lm
 from dsbd_core.models.lookup_calibration import LOOKUP_COSTS
 from dsbd_core.models.transformer_scorer import TransformerScorer
-from tests.tiny_models import build_pair
+from tests.support.tiny_models import build_pair
 
 PROMPT = [5, 17, 42, 5, 17, 42, 5, 17]
 

@@ -32,8 +32,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from deployments.observability.metrics import METRIC_NAMES, prometheus_name
 from dsbd import server_process
-from tests.observability_harness import PROMPT, Receiver
-from tests.tiny_models import build_pair
+from tests.support.observability_harness import PROMPT, Receiver
+from tests.support.tiny_models import build_pair
 
 KNOBS = {
     "method": "dsbd",

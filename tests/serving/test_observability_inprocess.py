@@ -31,9 +31,9 @@ from dsbd_core.algorithm.methods import method_config
 from dsbd_core.algorithm.scorer import drive
 from dsbd_core.models import load_causal_lm, load_tokenizer
 from dsbd_core.models.transformer_scorer import TransformerScorer
-from tests.observability_harness import PROMPT
-from tests.serving_harness import REPO
-from tests.tiny_models import build_pair
+from tests.support.observability_harness import PROMPT
+from tests.support.serving_harness import REPO
+from tests.support.tiny_models import build_pair
 
 
 @pytest.fixture(scope="module")

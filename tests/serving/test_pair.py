@@ -26,8 +26,8 @@ from dsbd_core.algorithm.drivers.decoders import generate
 from dsbd_core.algorithm.methods import method_config
 from dsbd_core.models import load_causal_lm, load_tokenizer
 from dsbd_core.models.transformer_scorer import TransformerScorer
-from tests.serving_harness import CASES
-from tests.tiny_models import build_pair
+from tests.support.serving_harness import CASES
+from tests.support.tiny_models import build_pair
 
 
 @pytest.fixture(scope="module")

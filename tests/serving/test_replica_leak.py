@@ -29,7 +29,7 @@ from deployments.replicas.draft import Draft
 from deployments.replicas.verifier import Verifier
 from dsbd_core import SamplingConfig
 from dsbd_core.algorithm.methods import method_config
-from tests.tiny_models import build_pair
+from tests.support.tiny_models import build_pair
 
 ROUND = 48  # decodes per round
 CONCURRENT = 8  # of them at once (continuous batching shares the forwards)

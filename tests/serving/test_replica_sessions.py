@@ -19,15 +19,12 @@ from deployments.decode import session_registry
 from deployments.decode.local_handles import LocalHandle
 from deployments.decode.session_registry import SessionRegistry
 from deployments.decode.state import Handles, RouterState
-from deployments.messages import IterationCall
 from deployments.replicas.continuous_batch import ContinuousBatcher
 from deployments.replicas.draft import Draft
 from deployments.replicas.model_replica import SessionReleased
-from dsbd_core import SamplingConfig
-from dsbd_core.algorithm.engine import Engine
-from dsbd_core.algorithm.methods import method_config
 from dsbd_core.algorithm.policy.control import Knobs
-from tests.tiny_models import build_pair
+from tests.support.iteration_calls import first_call
+from tests.support.tiny_models import build_pair
 
 
 def test_a_cancelled_callers_queued_call_never_runs() -> None:
@@ -62,24 +59,13 @@ def draft_source(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_pair(tmp_path_factory.mktemp("models"))[1]
 
 
-def _call(vocab: int, prompt: list[int]) -> IterationCall:
-    """The router's first iteration of a DSBD request (what `DecodeSession` sends the draft)."""
-    config = method_config(
-        "dsbd", SamplingConfig(width=2, gamma=2, max_new_tokens=8, seed=0, eos_token_ids=(0,))
-    )
-    engine = Engine(config, vocab)
-    state = engine.start([prompt])
-    assert engine.next_iteration(state)
-    return IterationCall(state.for_models(), config)
-
-
 def test_a_release_that_overtakes_a_queued_call_leaves_no_cache(draft_source: Path) -> None:
     """The draft call of a cancelled request is never awaited by the router, so nothing
     cancels it: it can sit in the replica's queue behind a running batch while the router's
     release arrives and frees the session. Running it afterwards must not cache the session
     again; a call that arrives after the release is refused."""
     replica = Draft.func_or_class({"source": str(draft_source), "dtype": "float64"})
-    call = _call(replica.vocab_size, [5, 6, 7])
+    call = first_call(replica.vocab_size, [5, 6, 7])
     hold, run = threading.Event(), replica.batcher.run
 
     def slow_run(jobs):  # the batch of session "busy" runs until the test lets it go

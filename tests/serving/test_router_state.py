@@ -23,7 +23,7 @@ from dsbd_core.algorithm.policy.cost_model import CostController, CostPolicy
 from dsbd_core.models import load_causal_lm
 from dsbd_core.models.calibrate import PassCounter, pass_rate_config
 from dsbd_core.models.transformer_scorer import TransformerScorer
-from tests.tiny_models import build_pair
+from tests.support.tiny_models import build_pair
 
 
 def test_a_router_measures_the_pairs_pass_rates_once_per_machine(

@@ -14,7 +14,7 @@ import yaml
 
 from deployments.app import AppArgs, Resources
 from dsbd.serve_command import load_config
-from tests.tp_harness import save_tiny
+from tests.support.tp_harness import save_tiny
 
 REPO = Path(__file__).parents[2]
 DSBD = [sys.executable, "-m", "dsbd"]

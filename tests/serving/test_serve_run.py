@@ -20,9 +20,9 @@ import requests
 import yaml
 
 from dsbd import server_process
-from tests.serving.test_local_ray import is_loopback, peers, strace
-from tests.serving_harness import free_port, stop
-from tests.tiny_models import build_identity_pair
+from tests.support.loopback import is_loopback, peers, strace
+from tests.support.serving_harness import free_port, stop
+from tests.support.tiny_models import build_identity_pair
 
 REPO = Path(__file__).parents[2]
 DSBD = [sys.executable, "-m", "dsbd"]

@@ -14,7 +14,7 @@ contacted; this process's own sockets are watched by an audit hook. Two applicat
 The models run in float64, so a batched forward equals a lone one to ~1e-16 and "the
 distributed path returns the same beams as the in-process engine" can be checked draw for draw
 even for concurrent requests. The server, its config and the helpers the tests share are in
-tests/serving_harness.py.
+tests/support/serving_harness.py.
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ import pytest
 import requests
 
 from dsbd_core.models import load_tokenizer
-from tests.serving.test_local_ray import is_loopback
-from tests.serving_harness import (
+from tests.support.loopback import is_loopback
+from tests.support.serving_harness import (
     CASES,
     IN_FLIGHT,
     MODEL,

@@ -19,8 +19,8 @@ from deployments.api.responses import BeamText
 from deployments.replicas.allocator import jemalloc_library
 from dsbd.server_process import descendants, process_name
 from dsbd_core.models import load_tokenizer
-from tests.serving.api_choices import choice_text, per_choice, stop_case
-from tests.serving_harness import MODEL, assert_same, client, in_process_decoder, native
+from tests.support.api_choices import choice_text, per_choice, stop_case
+from tests.support.serving_harness import MODEL, assert_same, client, in_process_decoder, native
 
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 KNOBS = {"width": 2, "gamma": 2, "adaptive": False}

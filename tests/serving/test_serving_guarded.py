@@ -1,7 +1,7 @@
 """The shared server's `/guarded` application over HTTP: an API key and tight limits (width,
 tokens, prompt, n, concurrency, a 1.5 s deadline), each refused with the field, its value and
 the limit, and nothing left running after a refusal or a deadline; the key never written to a
-log. The server and its config are in tests/serving_harness.py (tests/conftest.py `served`).
+log. The server and its config are in tests/support/serving_harness.py (tests/conftest.py `served`).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import openai
 import pytest
 import requests
 
-from tests.serving_harness import API_KEY, MODEL, client, guarded
+from tests.support.serving_harness import API_KEY, MODEL, client, guarded
 
 
 @pytest.fixture(scope="module")

@@ -16,8 +16,8 @@ import requests
 
 from deployments.api.responses import BeamText
 from dsbd_core.models import load_tokenizer
-from tests.serving.api_choices import choice_text
-from tests.serving_harness import MODEL, assert_same, client, in_process_decoder, native
+from tests.support.api_choices import choice_text
+from tests.support.serving_harness import MODEL, assert_same, client, in_process_decoder, native
 
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 KNOBS = {"width": 2, "gamma": 2, "adaptive": False}

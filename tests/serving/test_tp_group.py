@@ -21,7 +21,7 @@ REPO = Path(__file__).parents[2]
 
 def test_group_on_ray(tmp_path: Path) -> None:
     completed = subprocess.run(
-        [sys.executable, "-m", "tests.tp_ray_checks", str(tmp_path)],
+        [sys.executable, "-m", "tests.support.tp_ray_checks", str(tmp_path)],
         capture_output=True,
         text=True,
         timeout=600,

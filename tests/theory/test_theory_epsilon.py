@@ -22,8 +22,13 @@ from dsbd_core import SamplingConfig, TableScorer, config_error_message, generat
 from dsbd_core.algorithm.draws.distributions import draw_distinct, draw_with_replacement
 from dsbd_core.algorithm.draws.streams import Draws
 from dsbd_core.algorithm.iteration.verify import fill_failed_layer, verify_layer
-from tests.exact_reference import TableLM, assert_matches, multinomial_outcomes, null_tv_quantile
-from tests.exact_reference import tv as dict_tv
+from tests.support.exact_reference import (
+    TableLM,
+    assert_matches,
+    multinomial_outcomes,
+    null_tv_quantile,
+)
+from tests.support.exact_reference import tv as dict_tv
 
 RUNS = 200_000
 TARGET = np.array([0.30, 0.25, 0.20, 0.15, 0.07, 0.03])

@@ -26,7 +26,7 @@ from dsbd.theory import (
     tv,
 )
 from dsbd.theory.sd import mean_and_standard_error
-from tests.exact_reference import assert_matches
+from tests.support.exact_reference import assert_matches
 
 RUNS = 20_000
 

@@ -20,57 +20,15 @@ from dsbd.bench.decode.humaneval import (
 from dsbd.bench.decode.methods import MethodNameError, parse_method, parse_methods
 from dsbd.bench.decode.quality import paired_bootstrap, ratio_bootstrap
 from dsbd.bench.decode.report import compare
-from dsbd.bench.decode.schema import BenchConfig, BenchResult, MethodRecord
+from dsbd.bench.decode.schema import BenchResult, MethodRecord
 from dsbd.cli import main as dsbd_main
-from tests.tiny_models import build_pair
-
-METHODS = [
-    "sample",
-    "sps-g2",
-    "sps-g2-fk",
-    "beam-w2",
-    "dsbd-w2-g2-fixed",
-    # fixed knobs (-fk): drafting every iteration, which the cost model, starting from this
-    # tiny pair's measured pass rates, does not choose (the drafting figures are checked there)
-    "dsbd-w2-g2-fixed-fk",
-    "dsbd-w2-g2-t0.7-lean",
-    "hf-sample",
-    "hf-beam-w2",
-    "hf-assisted",
-]
+from tests.support.bench_configs import METHODS, bench_config
+from tests.support.tiny_models import build_pair
 
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory) -> tuple[Path, Path]:
     return build_pair(tmp_path_factory.mktemp("bench-models"))
-
-
-def bench_config(pair: tuple[Path, Path], **update) -> BenchConfig:
-    """A quick float64 run of this module's METHODS on the tiny pair, `update` overriding any
-    field (tests/tools/test_bench_search.py runs its searches with it)."""
-    values = dict(
-        pair="custom",
-        target=str(pair[0]),
-        draft=str(pair[1]),
-        mode="quick",
-        prompt_set="held-out",
-        prompts=2,
-        methods=METHODS,
-        max_new_tokens=8,
-        gamma=2,
-        seed=0,
-        temperature=1.0,
-        top_k=0,
-        top_p=1.0,
-        device="cpu",
-        dtype="float64",
-        threads=1,
-        warmup_tokens=0,
-        humaneval_timeout_s=10.0,
-        sandbox=None,
-    )
-    values.update(update)
-    return BenchConfig(**values)
 
 
 @pytest.mark.slow

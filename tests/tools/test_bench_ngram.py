@@ -11,8 +11,8 @@ import pytest
 from dsbd.bench.decode.harness import run_bench
 from dsbd.bench.decode.methods import MethodNameError, parse_method
 from dsbd.cli import main as dsbd_main
-from tests.tiny_models import build_pair
-from tests.tools.test_bench import bench_config
+from tests.support.bench_configs import bench_config
+from tests.support.tiny_models import build_pair
 
 METHODS = [
     "dsbd-w2-g2-fixed",  # the model draft, beside the look-up

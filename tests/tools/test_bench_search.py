@@ -11,8 +11,8 @@ import pytest
 from dsbd.bench.decode.harness import run_bench
 from dsbd.bench.decode.methods import MethodNameError, parse_method, with_references
 from dsbd_core import SamplingConfig
-from tests.tiny_models import build_pair
-from tests.tools.test_bench import bench_config
+from tests.support.bench_configs import bench_config
+from tests.support.tiny_models import build_pair
 
 METHODS = ["search-w2", "spec-search-w2-g2-fk", "hf-search-w2"]
 

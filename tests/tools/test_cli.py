@@ -12,7 +12,7 @@ import pytest
 
 from dsbd.cli import build_parser, config_from_args, main
 from dsbd_core.algorithm.config import SamplingConfig
-from tests.models.test_models import save_tiny_model, tiny_tokens
+from tests.support.tiny_models import save_tiny_model, tiny_tokens
 
 
 def run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:

@@ -13,7 +13,9 @@ packages' docstrings draw them): a module imports its own group, or groups on lo
 
 Every import in every module counts, also the ones inside functions (a lazy import is still a
 dependency), so a cycle cannot hide behind one. The size rules keep files and functions small
-enough to read: no source file over 500 lines, no function over 60 statements.
+enough to read: no source file over 500 lines, no function over 60 statements. And the tests
+share helpers through tests/support/ (fixtures through a conftest.py), never by importing a test
+module.
 """
 
 from __future__ import annotations
@@ -77,7 +79,7 @@ GROUPS: dict[str, list[tuple[str, tuple[str, ...], int]]] = {
         ("decode", ("decode",), 2),
         ("api", ("api",), 3),
         ("batch_job", ("batch_job",), 4),
-        ("the application", ("app", "llm_serving", "local_serve", ""), 4),
+        ("the application", ("app", "deployment_options", "llm_serving", "local_serve", ""), 4),
     ],
 }
 MAX_LINES = 500
@@ -291,3 +293,40 @@ def test_every_layer_is_a_known_package(graph: dict[str, set[str]]) -> None:
     for module in graph:
         by_layer[_layer(module)[0]] += 1
     assert set(by_layer) == {name for name, _, _ in LAYERS}
+
+
+def _test_module_imports(path: Path) -> list[str]:
+    """The `tests.<...>.test_*` modules that `path` imports anywhere (relative imports resolved)."""
+    package = list(path.relative_to(REPO).parent.parts)
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package[: len(package) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            names = [base] if _is_test_module(base) else [f"{base}.{a.name}" for a in node.names]
+        found.extend(name for name in names if _is_test_module(name))
+    return found
+
+
+def _is_test_module(name: str) -> bool:
+    parts = name.split(".")
+    return parts[0] == "tests" and any(part.startswith("test_") for part in parts[1:])
+
+
+def test_no_test_module_imports_another() -> None:
+    """A test module is an entry point, not a library: what two of them share lives in
+    tests/support/ (a shared fixture in a conftest.py), so a test module, a support module or a
+    conftest.py imports no `tests.<...>.test_*` module."""
+    paths = sorted((REPO / "tests").rglob("*.py"))
+    assert any(path.name == "test_layers.py" for path in paths)
+    wrong = [
+        f"{path.relative_to(REPO)} imports {name}"
+        for path in paths
+        for name in _test_module_imports(path)
+    ]
+    assert not wrong, "\n".join(wrong)

@@ -67,7 +67,7 @@ def ranked(
     Equal scores (exact ties: an n-gram table's same transitions in another order) are ordered
     by candidate index, not by draw order: which of two tied candidates runs on or finishes
     then depends on no random number, so the law is the one an enumeration states
-    (tests/exact_transformers.py); transformers leaves that order to `torch.sort`."""
+    (tests/support/exact_transformers.py); transformers leaves that order to `torch.sort`."""
     flat = weights.reshape(weights.shape[0], -1)
     index, by_index = index.sort(dim=1)
     exists = exists.gather(1, by_index)

@@ -1,13 +1,13 @@
 """Seeded decodes recorded once, compared forever: a refactor must not move a single draw.
 
-`python -m tests.golden_tokens` (from the repository root) writes `tests/data/golden_tokens.json`
-with the tokens and scores of every method and decoder path for fixed seeds, and
-`tests/algorithm/test_golden_tokens.py` decodes the same cases again and compares. The file was
-recorded last when every uniform became a hash of its counters, with no generator (`streams.py`),
-and the distinct draw a sequential inverse transform instead of a Gumbel top-k; a change that
-moves a draw on purpose records it again, with the exactness tests passing. The models are
-built here deterministically: an exact n-gram table and a tiny float64 Llama target/draft pair with
-KV caches.
+`python -m tests.support.golden_tokens` (from the repository root) writes
+`tests/data/golden_tokens.json` with the tokens and scores of every method and decoder path for
+fixed seeds, and `tests/algorithm/test_golden_tokens.py` decodes the same cases again and compares.
+The file was recorded last when every uniform became a hash of its counters, with no generator
+(`streams.py`), and the distinct draw a sequential inverse transform instead of a Gumbel top-k; a
+change that moves a draw on purpose records it again, with the exactness tests passing. The models
+are built here deterministically: an exact n-gram table and a tiny float64 Llama target/draft pair
+with KV caches.
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from tests.exact_reference import random_table
-from tests.tiny_models import tiny_model
+from tests.support.exact_reference import random_table
+from tests.support.tiny_models import tiny_model
 
-PATH = Path(__file__).parent / "data" / "golden_tokens.json"
+PATH = Path(__file__).parents[1] / "data" / "golden_tokens.json"  # tests/data
 VOCAB = 24
 EOS = 0
 
@@ -118,7 +118,7 @@ def record() -> dict[str, Any]:
 
 def record_lockstep() -> dict[str, Any]:
     """The lockstep batch decoder: every case as one request each, decoded together."""
-    from tests.golden_paths import lockstep_decode
+    from tests.support.golden_paths import lockstep_decode
 
     out: dict[str, Any] = {}
     requests = []

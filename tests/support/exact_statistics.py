@@ -1,7 +1,7 @@
 """The statistical harness of the exactness tests: do samples look like i.i.d. draws from an
 exactly known distribution (ALGORITHM.md §12.1)?
 
-Split from tests/exact_reference.py (which re-exports these names), with which it shares the
+Split from tests/support/exact_reference.py (which re-exports these names), with which it shares the
 rule: plain Python + numpy, no import of ``dsbd_core``, small enough to audit by reading.
 """
 

@@ -35,11 +35,11 @@ from dsbd_core.algorithm.drivers.decoders import generate
 from dsbd_core.algorithm.methods import METHODS_WITH_DRAFT
 from dsbd_core.models import load_causal_lm, load_tokenizer
 from dsbd_core.models.transformer_scorer import TransformerScorer
-from tests.serving.test_local_ray import is_loopback, peers
+from tests.support.loopback import is_loopback, peers
 
 from .tiny_models import build_pair
 
-REPO = Path(__file__).parent.parent
+REPO = Path(__file__).parents[2]
 MODEL = "tiny"
 API_KEY = "sk-test-7f3a9"
 GUARD = {

@@ -14,7 +14,7 @@ Contents
 * ``best_answer_distribution`` / ``best_answer``: the final selection rule.
 * ``multinomial_outcomes``: exact distribution of plain ancestral sampling.
 * ``empirical``, ``tv``, ``null_tv_quantile``, ``assert_matches``: the statistical harness
-  (in tests/exact_statistics.py, re-exported here).
+  (in tests/support/exact_statistics.py, re-exported here).
 
 Outcome format: an outcome of beam sampling is the multiset of *all* final beams (finished and
 still active), written as a sorted tuple of generated-token tuples (the prompt is not included,

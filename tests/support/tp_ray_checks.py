@@ -2,7 +2,7 @@
 tests/serving/test_tp_group.py (Ray changes HOME and other environment of the process that starts
 it).
 
-    python -m tests.tp_ray_checks WORK_DIR   -> prints one JSON line "RESULT {...}"
+    python -m tests.support.tp_ray_checks WORK_DIR   -> prints one JSON line "RESULT {...}"
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from tests.tp_harness import max_difference, record_decode, save_tiny
+from tests.support.tp_harness import max_difference, record_decode, save_tiny
 
 
 def _alive(pid: int) -> bool:

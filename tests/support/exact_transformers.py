@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from tests.exact_reference import TableLM
+from tests.support.exact_reference import TableLM
 
 BIG = 1.0e9  # transformers' stand-in for "impossible"
 

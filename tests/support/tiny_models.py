@@ -5,6 +5,11 @@ Everything is built in the test (seconds, no download): the serving stack loads 
 as it loads SmolLM2 (`load_causal_lm` on a directory), so HTTP, tokenization, chat templates,
 stop tokens and the KV-cache paths are the real ones. The draft is the target with a little
 noise on its weights, so acceptance is high but not 1.
+
+The in-process tests' models are built here too: `tiny_model` (TINY_SHAPE, any vocabulary),
+`tiny` (the engine tests' float64 model of VOCAB tokens), `random_llama` and `noisy_copy` (the
+beam-search tests' float64 target and draft), and `save_tiny_model` (a tiny Llama with the
+word-level tokenizer of `tiny_tokens`, saved as a directory).
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from tokenizers import decoders as tok_decoders
+from tokenizers.models import WordLevel
 from transformers import (
     GenerationConfig,
     LlamaConfig,
@@ -152,3 +158,65 @@ def build_identity_pair(root: Path, *, extra_layers: int = 30, seed: int = 0) ->
     target.generation_config = generation
     target.save_pretrained(target_dir)
     return target_dir, draft_dir
+
+
+# The engine tests' model (`tiny`): VOCAB tokens.
+VOCAB = 16
+
+
+def tiny(arch: str, seed: int) -> torch.nn.Module:
+    """A TINY_SHAPE model of VOCAB tokens in float64 (sdpa), its head sharpened."""
+    model = tiny_model(VOCAB, arch=arch, seed=seed, attn_implementation="sdpa").to(torch.float64)
+    with torch.no_grad():  # sharper distributions than the default init, so beams differ
+        model.lm_head.weight.mul_(8.0)
+    return model
+
+
+def random_llama(seed: int, vocab: int = 24, eos_boost: float = 0.0) -> torch.nn.Module:
+    """A random 2-layer float64 Llama; `eos_boost` makes token 0 (the EOS here) likelier."""
+    model = tiny_model(vocab, seed=seed).to(torch.float64)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(4.0)
+        model.lm_head.weight[0] += eos_boost * model.lm_head.weight[0].sign()
+    return model
+
+
+def noisy_copy(model: torch.nn.Module, scale: float, seed: int = 9) -> torch.nn.Module:
+    """A float64 copy of a Llama with noise of `scale` times each weight's spread: a draft."""
+    torch.manual_seed(seed)
+    copy = LlamaForCausalLM(model.config).to(torch.float64).eval()
+    copy.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        for parameter in copy.parameters():
+            parameter.add_(scale * torch.randn_like(parameter) * parameter.std())
+    return copy
+
+
+def tiny_tokens(size: int) -> list[str]:
+    """`<unk>`, `</s>` and words `w0 w1 ...`: `size` tokens in all."""
+    return ["<unk>", "</s>"] + [f"w{i}" for i in range(size - 2)]
+
+
+def save_tiny_model(path: Path, tokens: list[str], *, layers: int = 2, seed: int = 0) -> Path:
+    """Save a random tiny Llama (logits size = len(tokens)) and its word-level tokenizer."""
+    backend = Tokenizer(WordLevel({t: i for i, t in enumerate(tokens)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, unk_token="<unk>", eos_token="</s>"
+    )
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=len(tokens),
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=layers,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=128,
+        eos_token_id=1,
+        bos_token_id=None,
+        pad_token_id=None,
+    )
+    LlamaForCausalLM(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
