@@ -3,11 +3,11 @@ config.
 
 `build_app(args)` is the Ray Serve application builder that `serve_config.yaml` names
 (`import_path: deployments.app:build_app`); `dsbd serve` deploys the same config. Every
-deployment gets its own resources and autoscaling from `AppArgs` (`Resources`: typed fields where
-dsbd gives them meaning: CPUs and GPUs, the tensor-parallel placement group, the allocator, the
-autoscaling policy), any other Serve deployment option through `serve_options`, checked by
-Serve's own schema, and a `deployments:` section of a Serve config file can still override them
-by name (Ingress, Router, Draft, Verifier, SessionRegistry), as with any Serve application.
+deployment gets its own resources, replicas and Serve options from `AppArgs` (`Resources`,
+deployments/deployment_options.py: one route per Serve option, typed fields only where dsbd
+gives an option a meaning of its own, every other one through `serve_options` over dsbd's
+values), and a `deployments:` section of a Serve config file can still override them by name
+(Ingress, Router, Draft, Verifier, SessionRegistry), as with any Serve application.
 """
 
 from __future__ import annotations
@@ -19,156 +19,17 @@ from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
 from deployments.api.ingress import Ingress, Limits, RouterOptions
-from deployments.autoscaling import POLICY_PATH as AUTOSCALING_POLICY
 from deployments.decode.pair import Pair
 from deployments.decode.router import Router
 from deployments.decode.session_registry import SessionRegistry
+from deployments.deployment_options import Resources
 from deployments.replicas.affinity import ROUTER_CLASS
-from deployments.replicas.allocator import Allocator, replica_runtime_env
+from deployments.replicas.allocator import Allocator
 from deployments.replicas.draft import Draft
 from deployments.replicas.model_replica import ModelOptions
-from deployments.replicas.tp_group import worker_bundle
 from deployments.replicas.verifier import Verifier
 from dsbd_core.algorithm.policy.cost_model import CostPolicy
 from dsbd_core.algorithm.scorers.ngram_draft import LOOKUP_DRAFT
-
-# Resources Ray schedules by name that `Resources` sets through its own fields.
-BUILTIN_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
-
-
-class Resources(BaseModel):
-    """Replicas and resources of one deployment."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    num_cpus: float = Field(1.0, ge=0)
-    num_gpus: float = Field(0.0, ge=0)
-    min_replicas: int = Field(1, ge=0)
-    max_replicas: int = Field(1, ge=1)
-    target_ongoing_requests: float = Field(
-        16.0, gt=0, description="Autoscaling target per replica."
-    )
-    max_ongoing_requests: int = Field(64, ge=1)
-    health_check_period_s: float = Field(
-        10.0, gt=0, description="How often Serve checks a replica (a lost TP rank fails it)."
-    )
-    health_check_timeout_s: float = Field(30.0, gt=0)
-    resources: dict[str, float] = Field(
-        default_factory=dict,
-        description="Custom Ray resources per replica, e.g. {dsbd_draft: 1} to keep a deployment "
-        "on the nodes (KubeRay worker group) that advertise that resource.",
-    )
-    serve_options: dict[str, Any] = Field(
-        default_factory=dict,
-        description="Any other Ray Serve deployment option, passed to Serve as given and checked "
-        "by Serve's own schema (ray.serve.schema.DeploymentSchema), e.g. "
-        "{graceful_shutdown_timeout_s: 60, max_queued_requests: 200, autoscaling_config: "
-        "{upscale_delay_s: 5}}. A mapping merges into the one dsbd sets (autoscaling_config, "
-        "ray_actor_options); any other value replaces dsbd's (num_replicas and "
-        "autoscaling_config replace each other).",
-    )
-
-    @field_validator("resources")
-    @classmethod
-    def _custom_resources_only(cls, value: dict[str, float]) -> dict[str, float]:
-        for name, amount in value.items():
-            if name in BUILTIN_RESOURCES:
-                raise ValueError(f"resources.{name}: use num_cpus/num_gpus; {name} is built in")
-            if amount <= 0:
-                raise ValueError(f"resources.{name}={amount}: must be > 0")
-        return value
-
-    @field_validator("serve_options")
-    @classmethod
-    def _serve_schema(cls, value: dict[str, Any]) -> dict[str, Any]:
-        """Serve's own schema decides what a deployment option may be."""
-        from ray.serve.schema import DeploymentSchema
-
-        allowed = sorted(set(DeploymentSchema.model_fields) - {"name"})
-        for name in value:
-            if name not in allowed:
-                raise ValueError(
-                    f"serve_options.{name}: not a Ray Serve deployment option (the name is "
-                    f"dsbd's); allowed: {', '.join(allowed)}"
-                )
-        try:
-            DeploymentSchema.model_validate({"name": "check", **value})
-        except ValidationError as error:
-            first = error.errors()[0]
-            where = ".".join(str(part) for part in first["loc"])
-            raise ValueError(
-                f"serve_options.{where}={first.get('input')!r}: {first['msg']} (Ray Serve's "
-                "deployment schema)"
-            ) from None
-        return value
-
-    def options(
-        self,
-        model: ModelOptions | None = None,
-        inherited_env: dict[str, Any] | None = None,
-        allocator: Allocator | None = None,
-    ) -> dict[str, Any]:
-        """Serve deployment options; a model with `tp_size > 1` adds its placement group: the
-        replica's own bundle first, then one bundle per rank (deployments/replicas/tp_group.py).
-        A deployment without a model gets `allocator` (None: the environment's malloc)."""
-        actor: dict[str, Any] = {"num_cpus": self.num_cpus}
-        if model is not None:
-            allocator, primitive_cache = model.allocator, model.primitive_cache
-        else:
-            primitive_cache = None  # no matmuls outside the model replicas
-        if allocator:  # the replicas' memory (deployments/replicas/allocator.py)
-            actor["runtime_env"] = replica_runtime_env(allocator, primitive_cache, inherited_env)
-        if self.num_gpus:
-            actor["num_gpus"] = self.num_gpus
-        if self.resources:
-            actor["resources"] = dict(self.resources)
-        placement: dict[str, Any] = {}
-        if model is not None and model.tp_size > 1:
-            # A bundle may not be empty; the replica's own resources must fit in bundle 0.
-            own = {"CPU": self.num_cpus or 0.01, **self.resources}
-            rank = worker_bundle(model.threads, model.device)
-            placement = {
-                "placement_group_bundles": [own] + [rank] * model.tp_size,
-                "placement_group_strategy": model.tp_placement,
-            }
-        scaling: dict[str, Any]
-        if self.min_replicas == self.max_replicas:
-            scaling = {"num_replicas": self.max_replicas}
-        else:
-            scaling = {
-                "autoscaling_config": {
-                    "min_replicas": self.min_replicas,
-                    "max_replicas": self.max_replicas,
-                    "target_ongoing_requests": self.target_ongoing_requests,
-                    "policy": {"policy_function": AUTOSCALING_POLICY},  # no flapping
-                }
-            }
-        options = {
-            "ray_actor_options": actor,
-            "max_ongoing_requests": self.max_ongoing_requests,
-            "health_check_period_s": self.health_check_period_s,
-            "health_check_timeout_s": self.health_check_timeout_s,
-            **placement,
-            **scaling,
-        }
-        return with_serve_options(options, self.serve_options)
-
-
-def with_serve_options(options: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
-    """`options` with a deployment's pass-through Serve options over them: a mapping merges
-    into dsbd's, any other value replaces it; num_replicas and autoscaling_config exclude each
-    other, so the one given replaces the other."""
-    merged = dict(options)
-    for name, value in extra.items():
-        if isinstance(value, dict) and isinstance(merged.get(name), dict):
-            merged[name] = {**merged[name], **value}
-        else:
-            merged[name] = value
-    exclusive = ("num_replicas", "autoscaling_config")
-    for given, other in (exclusive, exclusive[::-1]):
-        if given in extra:
-            merged.pop(other, None)
-    return merged
 
 
 class AppArgs(BaseModel):
@@ -189,12 +50,9 @@ class AppArgs(BaseModel):
         CostPolicy(), description="Priors of the cost model that chooses each iteration's depth."
     )
     ingress_resources: Resources = Resources(
-        num_cpus=0.05,
-        max_replicas=2,
-        max_ongoing_requests=256,
-        target_ongoing_requests=64,
+        num_cpus=0.05, max_replicas=2, target_ongoing_requests=64
     )  # parses, checks, admits and streams; the decode loops run in the routers
-    router_resources: Resources = Resources(num_cpus=0.1, max_replicas=4, max_ongoing_requests=256)
+    router_resources: Resources = Resources(num_cpus=0.1, max_replicas=4)
     allocator: Allocator = Field(
         "jemalloc",
         description="The ingress and router replicas' malloc: jemalloc (Ray's, "
@@ -326,11 +184,14 @@ def model_deployments(
     if config.colocated:  # the pair's caches die with its loops: nothing to release from outside
         controller = SessionRegistry.options(name=controller_name).bind(policy, ttl)  # type: ignore[attr-defined]  # @serve.deployment: mypy keeps the class
         pair = Pair.options(
-            name=f"Pair{suffix}", **config.verifier_resources.options(config.target, inherited)
+            name=f"Pair{suffix}",
+            **config.verifier_resources.options(config.target, inherited, kind="pair"),
         ).bind(config.target.model_dump(), config.draft.model_dump(), controller)
         return pair, pair, pair, controller, router_options
     draft = Draft.options(  # type: ignore[misc, operator]  # @serve.deployment: mypy keeps the class
-        name=f"Draft{suffix}", **config.draft_resources.options(config.draft, inherited), **routing
+        name=f"Draft{suffix}",
+        **config.draft_resources.options(config.draft, inherited, kind="draft"),
+        **routing,
     ).bind(config.draft.model_dump(), config.target.source)  # the look-up: the target's vocab
     verifier = Verifier.options(  # type: ignore[misc, operator]  # @serve.deployment: mypy keeps the class
         name=f"Verifier{suffix}",
@@ -341,7 +202,7 @@ def model_deployments(
     controller = SessionRegistry.options(name=controller_name).bind(policy, ttl, draft, verifier)  # type: ignore[attr-defined]  # @serve.deployment: mypy keeps the class
     serving: dict[str, Any] = {"inherited_env": inherited, "allocator": config.allocator}  # loops
     router = Router.options(  # type: ignore[attr-defined]  # @serve.deployment: mypy keeps the class
-        name=f"Router{suffix}", **config.router_resources.options(**serving)
+        name=f"Router{suffix}", **config.router_resources.options(**serving, kind="router")
     ).bind(draft, verifier, controller)
     return router, draft, verifier, controller, router_options
 
@@ -351,5 +212,5 @@ def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
     config = AppArgs.model_validate(args or {})
     inherited = _application_runtime_env()
     serving: dict[str, Any] = {"inherited_env": inherited, "allocator": config.allocator}  # HTTP
-    ingress = Ingress.options(**config.ingress_resources.options(**serving))  # type: ignore[attr-defined]  # @serve.deployment: mypy keeps the class
+    ingress = Ingress.options(**config.ingress_resources.options(**serving, kind="ingress"))  # type: ignore[attr-defined]  # @serve.deployment: mypy keeps the class
     return ingress.bind([model_deployments(config, inherited)])

@@ -48,7 +48,8 @@ from ray.serve import Application
 
 from deployments.api.ingress import Ingress
 from deployments.api.models import DecodingKnobs
-from deployments.app import AppArgs, Resources, _application_runtime_env, model_deployments
+from deployments.app import AppArgs, _application_runtime_env, model_deployments
+from deployments.deployment_options import Resources, resources_from_serve_options
 from dsbd_core.algorithm.scorers.ngram_draft import LOOKUP_DRAFT
 
 NOT_SUPPORTED = "not supported by dsbd"
@@ -57,6 +58,8 @@ RENAMED = (
     ("request_defaults.", "engine_kwargs."),
     ("draft_resources.serve_options.", "deployment_config."),
     ("verifier_resources.serve_options.", "deployment_config."),
+    ("draft_resources.", "deployment_config."),
+    ("verifier_resources.", "deployment_config."),
     ("target.tp_size", "engine_kwargs.tensor_parallel_size"),
     ("target.source", "model_loading_config.model_source"),
     ("draft.source", "engine_kwargs.speculative_config.model"),
@@ -256,9 +259,9 @@ def app_args(config: LLMConfig, where: str) -> AppArgs:
         serve_options["ray_actor_options"] = actor
     gpus = 1.0 if target.get("device") == "cuda" and target.get("tp_size", 1) == 1 else 0.0
     draft_gpus = 1.0 if draft.get("device") == "cuda" else 0.0
-    args["verifier_resources"] = {"num_gpus": gpus, "serve_options": serve_options}
-    args["draft_resources"] = {"num_gpus": draft_gpus, "num_cpus": 0.5}
-    args["draft_resources"]["serve_options"] = serve_options
+    given = resources_from_serve_options(serve_options)  # Serve's options, each by its route
+    args["verifier_resources"] = {"num_gpus": gpus, **given}
+    args["draft_resources"] = {"num_gpus": draft_gpus, "num_cpus": 0.5, **given}
     try:
         return AppArgs.model_validate(args)
     except ValidationError as error:  # named as the LLMConfig names it
@@ -334,14 +337,16 @@ def build_openai_app(args: dict[str, Any] | LLMServingArgs) -> Application:
         ingress = Resources.model_validate(
             {
                 **AppArgs().ingress_resources.model_dump(),
-                "serve_options": serving.ingress_deployment_config,
+                **resources_from_serve_options(serving.ingress_deployment_config),
             }
         )
     except ValidationError as error:
         message = _first(error).replace("serve_options.", "ingress_deployment_config.")
         raise ValueError(message) from None
     bound = [model_deployments(config, inherited, _suffix(config.model_name)) for config in models]
-    options = ingress.options(inherited_env=inherited, allocator=models[0].allocator)
+    options = ingress.options(
+        inherited_env=inherited, allocator=models[0].allocator, kind="ingress"
+    )
     return Ingress.options(**options).bind(bound)  # type: ignore[attr-defined]  # @serve.deployment: mypy keeps the class
 
 

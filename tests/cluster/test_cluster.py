@@ -271,7 +271,8 @@ def test_drift_is_reported_with_its_path() -> None:
     assert edited != text
     drift = serve_sync.differences(serve_sync.embedded(edited), serve_sync.cluster_serve_config())
     assert drift == [
-        "applications[0].args.ingress_resources.max_ongoing_requests: manifest 512, merge 256"
+        "applications[0].args.ingress_resources.serve_options.max_ongoing_requests: manifest 512,"
+        " merge 256"
     ]
     with pytest.raises(ValueError, match=r"applications\[name='other'\] is not in"):
         serve_sync.merge({"applications": [{"name": "a"}]}, {"applications": [{"name": "other"}]})
@@ -300,7 +301,8 @@ def test_cluster_serve_config_is_valid_for_serve_and_for_the_app(app_args: Any) 
 
 
 def test_custom_resources_reach_the_replica_and_its_placement_group() -> None:
-    from deployments.app import AppArgs, Resources
+    from deployments.app import AppArgs
+    from deployments.deployment_options import Resources
     from deployments.replicas.model_replica import ModelOptions
 
     draft = Resources(num_cpus=0.5, num_gpus=1, resources={"dsbd_draft": 1})

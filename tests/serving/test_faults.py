@@ -34,6 +34,7 @@ from deployments import faults
 from deployments.decode.session import RETRY_WINDOW_S
 from deployments.replicas.memory import WORKING_COPIES, kv_bytes_per_token
 from tests.support.serving_harness import (
+    QUICK_HEALTH_CHECKS,
     assert_loopback_only,
     assert_same,
     in_process_decoder,
@@ -91,7 +92,7 @@ def write_config(root: Path, target: Path, draft: Path, wide: Path) -> Path:
         "router_resources": {**small, "max_replicas": 1},
         "ingress_resources": {**small, "max_replicas": 1},
         "draft_resources": small,
-        "verifier_resources": {**small, "health_check_period_s": 1, "health_check_timeout_s": 20},
+        "verifier_resources": {**small, "serve_options": QUICK_HEALTH_CHECKS},
     }
     apps = []
     for name, spec in FAULTS.items():

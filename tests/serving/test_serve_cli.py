@@ -5,6 +5,7 @@ that serve are tests/serving/test_serve_run.py)."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +13,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from deployments.app import AppArgs, Resources
+from deployments.app import AppArgs
+from deployments.deployment_options import (
+    SERVE_DEFAULTS,
+    Resources,
+    resources_from_serve_options,
+)
 from dsbd.serve_command import load_config
 from tests.support.tp_harness import save_tiny
 
@@ -45,6 +51,11 @@ def test_the_shipped_serve_config_is_valid_and_matches_the_defaults() -> None:
             "serve_options.graceful_shutdown_timeout_s=-1",
         ),
         ({"draft_resources": {"serve_options": {"name": "x"}}}, "serve_options.name"),
+        (
+            {"router_resources": {"max_ongoing_requests": 8}},
+            "max_ongoing_requests: a Ray Serve option dsbd has no field for; give it as "
+            "serve_options.max_ongoing_requests",
+        ),
     ],
 )
 def test_bad_configs_exit_2_naming_the_field(tmp_path: Path, args: dict, fragment: str) -> None:
@@ -156,8 +167,8 @@ def test_ray_env_prints_the_loopback_settings() -> None:
 
 
 def test_serve_options_pass_through_to_serve_over_dsbds_own() -> None:
-    """Any Serve deployment option reaches Serve as given (checked by Serve's schema); a
-    mapping merges into what dsbd sets, num_replicas and autoscaling_config replace each other."""
+    """Any Serve deployment option dsbd has no field for reaches Serve as given (checked by
+    Serve's schema) over dsbd's values for it; a mapping merges into what dsbd sets."""
     scaled = Resources(
         min_replicas=1,
         max_replicas=3,
@@ -167,12 +178,57 @@ def test_serve_options_pass_through_to_serve_over_dsbds_own() -> None:
             "autoscaling_config": {"upscale_delay_s": 5},
             "ray_actor_options": {"max_restarts": 2},
         },
-    ).options()
+    ).options(kind="router")
     assert scaled["graceful_shutdown_timeout_s"] == 60 and scaled["max_queued_requests"] == 200
     assert scaled["autoscaling_config"]["upscale_delay_s"] == 5
     assert scaled["autoscaling_config"]["max_replicas"] == 3  # dsbd's stays beside it
     assert scaled["ray_actor_options"] == {"num_cpus": 1.0, "max_restarts": 2}
-    fixed = Resources(max_replicas=3, serve_options={"num_replicas": 2}).options()
-    assert fixed["num_replicas"] == 2 and "autoscaling_config" not in fixed
+    assert scaled["max_ongoing_requests"] == SERVE_DEFAULTS["router"]["max_ongoing_requests"]
+    mine = Resources(serve_options={"max_ongoing_requests": 8, "health_check_period_s": 1})
+    assert mine.options(kind="draft")["max_ongoing_requests"] == 8
+    assert mine.options(kind="draft")["health_check_period_s"] == 1
+    fixed = Resources(max_replicas=3, serve_options={"autoscaling_config": {"upscale_delay_s": 5}})
+    assert fixed.options()["autoscaling_config"]["min_replicas"] == 1  # autoscaling asked for
+    assert "num_replicas" not in fixed.options()
     with pytest.raises(ValueError, match="serve_options.bogus: not a Ray Serve deployment option"):
         Resources(serve_options={"bogus": 1})
+
+
+@pytest.mark.parametrize(
+    ("given", "field"),
+    [
+        ({"num_replicas": 2}, "min_replicas = max_replicas"),
+        ({"autoscaling_config": {"max_replicas": 4}}, "max_replicas"),
+        ({"autoscaling_config": {"target_ongoing_requests": 2}}, "target_ongoing_requests"),
+        ({"ray_actor_options": {"num_cpus": 2}}, "num_cpus"),
+        ({"ray_actor_options": {"num_gpus": 1}}, "num_gpus"),
+        ({"ray_actor_options": {"resources": {"x": 1}}}, "resources"),
+    ],
+)
+def test_a_serve_option_a_field_owns_is_refused_in_serve_options(given: dict, field: str) -> None:
+    """One route per Serve option: what dsbd's typed fields set is refused in serve_options,
+    naming the field to use."""
+    with pytest.raises(ValueError, match=f"set by dsbd's field {re.escape(field)}; give it there"):
+        Resources(serve_options=given)
+
+
+def test_ray_serve_llm_deployment_options_land_on_their_routes() -> None:
+    """Ray Serve LLM's `deployment_config` holds all of Serve's options: what a typed field owns
+    moves to it, the rest stays in serve_options, and the result is the same Serve options."""
+    given = {
+        "num_replicas": 2,
+        "ray_actor_options": {"num_cpus": 0.5, "max_restarts": 1},
+        "max_ongoing_requests": 16,
+    }
+    fields = resources_from_serve_options(given)
+    assert fields == {
+        "min_replicas": 2,
+        "max_replicas": 2,
+        "num_cpus": 0.5,
+        "serve_options": {"ray_actor_options": {"max_restarts": 1}, "max_ongoing_requests": 16},
+    }
+    options = Resources(**fields).options(kind="verifier")
+    assert options["num_replicas"] == 2 and options["max_ongoing_requests"] == 16
+    assert options["ray_actor_options"] == {"num_cpus": 0.5, "max_restarts": 1}
+    scaled = resources_from_serve_options({"autoscaling_config": {"max_replicas": 3, "x": 1}})
+    assert scaled == {"max_replicas": 3, "serve_options": {"autoscaling_config": {"x": 1}}}

@@ -57,6 +57,10 @@ GUARD = {
 _connections: list[Any] = []
 
 
+# Serve's health checks every second: a lost replica (or TP rank) is replaced in seconds.
+QUICK_HEALTH_CHECKS = {"health_check_period_s": 1, "health_check_timeout_s": 20}
+
+
 def _audit(event: str, args: tuple) -> None:
     if event == "socket.connect":
         _connections.append(args[1])
@@ -122,11 +126,7 @@ def write_config(root: Path, target: Path, draft: Path) -> Path:
                     "draft": models["draft"],
                     "router_resources": small,
                     "draft_resources": small,
-                    "verifier_resources": {
-                        **small,
-                        "health_check_period_s": 1,
-                        "health_check_timeout_s": 20,
-                    },
+                    "verifier_resources": {**small, "serve_options": QUICK_HEALTH_CHECKS},
                 },
             },
             {
@@ -153,7 +153,7 @@ def write_config(root: Path, target: Path, draft: Path) -> Path:
 
 # A replica of the tiny pair's applications: a tenth of a CPU, health-checked every second (a
 # killed one is noticed at once).
-SMALL_REPLICA = {"num_cpus": 0.1, "health_check_period_s": 1, "health_check_timeout_s": 20}
+SMALL_REPLICA = {"num_cpus": 0.1, "serve_options": QUICK_HEALTH_CHECKS}
 
 
 def tiny_app(target: Path, draft: Path, **args: Any) -> dict[str, Any]:
