@@ -20,6 +20,11 @@ SIGKILL) inside its N-th CALL, after accepting it:
 Every process counts its own calls, so a replacement replica would die again at its N-th
 call; with `DSBD_FAULT_INJECT_DIR` set, each fault fires once per folder (the first process to
 create its claim file there dies, the others live): give each run a fresh folder.
+
+`DSBD_FAULT_INJECT=@PATH` reads the list from the file PATH at every counted call instead, so a
+test arms and disarms faults in a running application (one application for several faults):
+whenever the list a process reads differs from the last one it saw, its counts start again, so
+N counts the calls after arming.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ EXIT_CODE = 86  # what the process exits with (shows in Ray's logs as the worker
 REPLICA_CALLS = {"draft": ("propose",), "verifier": ("verify",), "router": ("decode", "stream")}
 _ROLE = re.compile(r"^(draft|verifier|router|tp-rank\d+)$")
 _counts: dict[tuple[str, str], int] = {}  # (role, call) -> calls counted in this process
+_armed = [""]  # the list of faults this process counted its calls under
 
 
 def parse(spec: str) -> list[tuple[str, str, int]]:
@@ -61,6 +67,16 @@ def fault_point(role: str, call: str | None = None, calls: int = 1) -> None:
 
     Costs one dictionary lookup when `DSBD_FAULT_INJECT` is unset (the default)."""
     spec = os.environ.get(ENV)
+    if not spec:
+        return
+    if spec.startswith("@"):  # armed from a file (module docstring)
+        try:
+            spec = Path(spec[1:]).read_text().strip()
+        except OSError:
+            spec = ""
+    if spec != _armed[0]:
+        _armed[0] = spec
+        _counts.clear()
     if not spec:
         return
     call = call or REPLICA_CALLS[role][0]

@@ -4,10 +4,12 @@ One server for the module (tiny float64 models, so a served decode equals the in
 draw for draw), started as users start it, under `strace -f` when strace exists; the last test
 checks that nothing but loopback was contacted. Applications:
 
-* `/fdraft`, `/fverifier`, `/ftp`: a draft replica, a verifier replica and rank 1 of a
-  tensor-parallel verifier (2 ranks) that exit inside a chosen call (deployments/faults.py,
-  enabled per application through `runtime_env.env_vars`, once per run through a claim
-  folder). A SIGKILL from outside may land between calls and lose none; this cannot.
+* `/fsplit`: a draft replica, a verifier replica or the router that exits inside a chosen call
+  (deployments/faults.py), each test arming its fault in the running application through a
+  file (`DSBD_FAULT_INJECT=@file`), once per run through a claim folder; `/ftp`: rank 1 of a
+  tensor-parallel verifier (2 ranks), its fault set per application through
+  `runtime_env.env_vars`. A SIGKILL from outside may land between calls and lose none; this
+  cannot.
 * `/fpair`: the co-located layout (deployments/decode/pair.py), its verifier exiting inside a
   call: the pair replica's decode loops die with it and the ingress hands them over.
 * `/memory`: a pair with large KV caches per token (16 layers) and a small session-memory
@@ -50,6 +52,14 @@ FAULTS = {
     "ftp": "tp-rank1:forward:6",
     "frouter": "router:decode:5",
     "fpair": "verifier:verify:15",  # inside a co-located pair: the loops die with the models
+}
+# The application each fault runs in: the split layout's three share one, armed per test.
+APPS = {
+    "fdraft": "fsplit",
+    "fverifier": "fsplit",
+    "frouter": "fsplit",
+    "ftp": "ftp",
+    "fpair": "fpair",
 }
 WIDE = {
     "num_hidden_layers": 16,
@@ -95,9 +105,10 @@ def write_config(root: Path, target: Path, draft: Path, wide: Path) -> Path:
         "verifier_resources": {**small, "serve_options": QUICK_HEALTH_CHECKS},
     }
     apps = []
-    for name, spec in FAULTS.items():
+    for name in sorted(set(APPS.values())):
         (root / f"claims-{name}").mkdir()
         target_options = {**models["target"], "tp_size": 2 if name == "ftp" else 1}
+        spec = FAULTS[name] if name in FAULTS else f"@{root / f'armed-{name}'}"
         env = {faults.ENV: spec, faults.DIR_ENV: str(root / f"claims-{name}")}
         apps.append(
             {
@@ -148,7 +159,10 @@ def test_a_replica_that_dies_inside_a_call_costs_a_retry_not_the_request(server,
     completes, equal draw for draw to the in-process decode (what the no-fault run returns),
     and the lost iterations show in `serving.retries`, the decodes the ingress handed to a new
     router in `serving.handovers`."""
-    prefix = f"/{app}"
+    name = APPS[app]
+    prefix = f"/{name}"
+    armed = server["root"] / f"armed-{name}"
+    claims_before = set(os.listdir(server["root"] / f"claims-{name}"))
     before = status(server, prefix)
     bodies = [
         {
@@ -164,8 +178,14 @@ def test_a_replica_that_dies_inside_a_call_costs_a_retry_not_the_request(server,
     # a decode may wait up to the router's retry window for the replacement replica, then
     # decodes: the client waits that long and the decode's own time beside it
     wait_s = RETRY_WINDOW_S + 120
-    with ThreadPoolExecutor(len(bodies)) as pool:
-        results = list(pool.map(lambda body: native(server, body, prefix, wait_s), bodies))
+    if name != app:  # a shared application: this test's fault, armed while it runs
+        armed.write_text(FAULTS[app])
+    try:
+        with ThreadPoolExecutor(len(bodies)) as pool:
+            results = list(pool.map(lambda body: native(server, body, prefix, wait_s), bodies))
+    finally:
+        if name != app:
+            armed.write_text("")
     for body, got in zip(bodies, results, strict=True):
         knobs = {k: v for k, v in body.items() if k not in ("prompt_ids", "adaptive")}
         assert_same(got, reference("dsbd", body["prompt_ids"], **knobs))
@@ -176,8 +196,8 @@ def test_a_replica_that_dies_inside_a_call_costs_a_retry_not_the_request(server,
     assert retries, f"no {what}: the injected fault did not cost a call"
     lost = ("TensorParallelBroken", "ActorDied") if app == "ftp" else ("ActorDied",)
     assert all(any(word in r for word in lost) for r in retries), retries
-    claims = os.listdir(server["root"] / f"claims-{app}")
-    assert claims == ["-".join(FAULTS[app].split(":"))], claims  # the fault fired, once
+    claims = set(os.listdir(server["root"] / f"claims-{name}")) - claims_before
+    assert claims == {"-".join(FAULTS[app].split(":"))}, claims  # the fault fired, once
     after = status(server, prefix)
     side = {"fdraft": "draft", "frouter": "router", "fpair": "router"}.get(app, "verifier")
     assert after[side]["replica"] != before[side]["replica"], "the replica was not replaced"
