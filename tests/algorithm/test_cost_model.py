@@ -191,16 +191,19 @@ def test_an_iteration_timer_runs_its_schedule_and_knows_how_far_the_draft_is_beh
         IterationTimer(config, [4])
 
 
-def _decode_with_budget(loss_budget: float, seed: int) -> CostController:
+def _hopeful_decode(
+    seed: int,
+    policy: CostPolicy,
+    catch_up_s: float = 0.0005,
+    controller_class: type[CostController] = CostController,
+) -> CostController:
     """A 48-token request on a tiny pair whose draft rarely agrees, under a calibration that
-    promises it agrees 95 % of the time and that a drafted layer costs half a beam step (no
-    bets beyond the budget: `bet_ratio` out of reach)."""
+    promises it agrees 95 % of the time and that a drafted layer costs half a beam step."""
     cal = Calibration(
-        **COSTS, pass_rates=[0.95], iteration_s=[0.010, 0.015, 0.020, 0.025], catch_up_s=0.0005
+        **COSTS, pass_rates=[0.95], iteration_s=[0.010, 0.015, 0.020, 0.025], catch_up_s=catch_up_s
     )
     config = SamplingConfig(max_new_tokens=48, seed=seed)
-    policy = CostPolicy(loss_budget=loss_budget, memory=1.0, bet_ratio=1e9)
-    controller = CostController(config, cal, policy)
+    controller = controller_class(config, cal, policy)
     generate(
         "dsbd",
         TransformerScorer(tiny("llama", 1)),
@@ -210,6 +213,11 @@ def _decode_with_budget(loss_budget: float, seed: int) -> CostController:
         controller=controller,
     )
     return controller
+
+
+def _decode_with_budget(loss_budget: float, seed: int) -> CostController:
+    """`_hopeful_decode` with no bets beyond the budget (`bet_ratio` out of reach)."""
+    return _hopeful_decode(seed, CostPolicy(loss_budget=loss_budget, memory=1.0, bet_ratio=1e9))
 
 
 def test_a_request_loses_at_most_its_budget_to_a_draft_that_does_not_agree() -> None:
@@ -323,22 +331,8 @@ def test_the_default_rule_loses_at_most_its_budget_or_half_of_what_it_bet_on(
     so the budget alone is not the bound."""
     past_budget = False
     for seed in range(3):
-        cal = Calibration(
-            **COSTS,
-            pass_rates=[0.95],
-            iteration_s=[0.010, 0.015, 0.020, 0.025],
-            catch_up_s=catch_up_s,
-        )
-        config = SamplingConfig(max_new_tokens=48, seed=seed)
-        controller = _BoundChecked(config, cal, CostPolicy())
-        generate(
-            "dsbd",
-            TransformerScorer(tiny("llama", 1)),
-            [1, 2, 3],
-            config,
-            draft=TransformerScorer(tiny("llama", 7)),
-            controller=controller,
-        )
+        controller = _hopeful_decode(seed, CostPolicy(), catch_up_s, _BoundChecked)
+        assert isinstance(controller, _BoundChecked)
         assert controller.checked, "nothing was drafted: the bound was not exercised"
         for loss, bound in controller.checked:
             assert loss <= bound + 1e-12, (loss, bound)
