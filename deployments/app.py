@@ -28,6 +28,7 @@ from deployments.replicas.allocator import Allocator
 from deployments.replicas.draft import Draft
 from deployments.replicas.model_replica import ModelOptions
 from deployments.replicas.verifier import Verifier
+from dsbd_core.algorithm.config import first_error
 from dsbd_core.algorithm.policy.cost_model import CostPolicy
 from dsbd_core.algorithm.scorers.ngram_draft import LOOKUP_DRAFT
 
@@ -104,11 +105,7 @@ class AppArgs(BaseModel):
         try:
             GenerateRequest.model_validate({"prompt_ids": [0], **value})
         except ValidationError as error:
-            first = error.errors()[0]
-            where = ".".join(str(part) for part in first["loc"]) or "request_defaults"
-            raise ValueError(
-                f"request_defaults.{where}={first.get('input')!r}: {first['msg']}"
-            ) from None
+            raise ValueError(first_error(error, "request_defaults")) from None
         return value
 
     @model_validator(mode="after")

@@ -21,6 +21,7 @@ from deployments.autoscaling import POLICY_PATH as AUTOSCALING_POLICY
 from deployments.replicas.allocator import Allocator, replica_runtime_env
 from deployments.replicas.model_replica import ModelOptions
 from deployments.replicas.tp_group import worker_bundle
+from dsbd_core.algorithm.config import first_error
 
 # Resources Ray schedules by name that `Resources` sets through its own fields.
 BUILTIN_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
@@ -118,12 +119,8 @@ class Resources(BaseModel):
         try:
             DeploymentSchema.model_validate({"name": "check", **value})
         except ValidationError as error:
-            first = error.errors()[0]
-            where = ".".join(str(part) for part in first["loc"])
-            raise ValueError(
-                f"serve_options.{where}={first.get('input')!r}: {first['msg']} (Ray Serve's "
-                "deployment schema)"
-            ) from None
+            message = first_error(error, "serve_options")
+            raise ValueError(f"{message} (Ray Serve's deployment schema)") from None
         return value
 
     def options(

@@ -253,3 +253,11 @@ def config_error_message(error: ValidationError) -> str:
         shown = "" if isinstance(value, dict) else f"={value!r}"
         lines.append(f"{field}{shown}: {item['msg']}")
     return "\n".join(lines)
+
+
+def first_error(error: ValidationError, prefix: str) -> str:
+    """The first invalid field of `error` as `prefix.field=value: what is allowed`: a nested
+    config's error named from its parent's field (a Serve option, a request default)."""
+    first = error.errors()[0]
+    where = ".".join([prefix, *(str(part) for part in first["loc"])])
+    return f"{where}={first.get('input')!r}: {first['msg']}"
