@@ -7,7 +7,7 @@ starts when the ongoing requests read just above the multiple, stops after Serve
 delay when they read just below, and starts again (seen in a soak:
 docs/history/RELIABILITY-chronicle.md section 10). Each start costs a process (hundreds of MiB
 for a router) and its warm-up, and leaves the new worker's metric series in Ray's node metrics
-agent for the agent's life (benchmarks/smaps_census.py). Flapping is churn for
+agent for the agent's life (dsbd/bench/smaps_census.py). Flapping is churn for
 the user and a slow leak for the node.
 
 The rule: up as Serve's (ceil(ongoing / target), so a burst is met as fast as before); down only

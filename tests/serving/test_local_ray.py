@@ -80,8 +80,7 @@ MEMORY_SCRIPT = textwrap.dedent(
     import json, os, psutil, sys, time
     from deployments.local_ray import GCS_HISTORY_CAPS, start_local_ray, stop_local_ray
 
-    sys.path.append("benchmarks")
-    from smaps_census import census  # glibc's thread arenas among a process's mappings
+    from dsbd.bench.smaps_census import census  # glibc's thread arenas among the mappings
 
     def thread_arenas(pid):
         return census(pid).get("malloc_arenas", {}).get("count", 0)

@@ -17,9 +17,9 @@ mapping says whose pages grew:
   libraries); `shmem`: shared memory (Ray's object store).
 
     # beside a soak: the first process with an argument ending in --match, every 60 s
-    .venv/bin/python benchmarks/smaps_census.py --match dashboard/agent.py \\
+    .venv/bin/python -m dsbd.bench.smaps_census --match dashboard/agent.py \\
         --match ray::DashboardAgent --out census.jsonl
-    .venv/bin/python benchmarks/smaps_census.py --report census.jsonl --window 1200
+    .venv/bin/python -m dsbd.bench.smaps_census --report census.jsonl --window 1200
 
 Ray's agents rename themselves (`ray::DashboardAgent`) once started, hence the two --match;
 a process matched once is followed by pid. The report is the growth of each kind over the last
