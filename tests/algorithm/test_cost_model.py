@@ -156,6 +156,7 @@ def test_the_catch_up_is_paid_only_where_enough_tokens_are_left_to_win_it_back()
     assert nearly_done.best_gamma() == 0
 
 
+@pytest.mark.slow  # over a second: outside the quick loop
 def test_whole_iterations_and_a_probe_are_timed_through_the_decode_loop() -> None:
     target, draft = tiny("llama", 1), tiny("llama", 7)
     timed = measure_iteration_seconds(
@@ -220,6 +221,7 @@ def _decode_with_budget(loss_budget: float, seed: int) -> CostController:
     return _hopeful_decode(seed, CostPolicy(loss_budget=loss_budget, memory=1.0, bet_ratio=1e9))
 
 
+@pytest.mark.slow  # over a second: outside the quick loop
 def test_a_request_loses_at_most_its_budget_to_a_draft_that_does_not_agree() -> None:
     """Hopeful priors keep drafting while the request's own evidence piles up; the loss budget
     stops it once the worst case of another drafted iteration would pass 2 % of a beam decode."""

@@ -213,6 +213,7 @@ def test_a_lost_cache_is_replayed_bit_for_bit_tiny_float32(tmp_path: Path) -> No
 
 
 @needs_amx
+@pytest.mark.slow  # loads SmolLM2: ~27 s, outside the quick loop
 @pytest.mark.real_model
 def test_a_lost_cache_is_replayed_bit_for_bit_smollm2_bfloat16() -> None:
     """The serving default here (bfloat16, AMX): three requests batched, caches lost and

@@ -112,6 +112,7 @@ def _table(seed: int) -> np.ndarray:
         ("spec_beam_search", {"width": 3, "gamma": 3}),
     ],
 )
+@pytest.mark.slow  # over a second: outside the quick loop
 def test_every_beam_finishes_exactly_at_its_first_stop(method: str, extra: dict) -> None:
     """Whichever method, each returned beam's text holds a stop only at its very end, a beam
     that holds one is finished, and stops were met (spelled by several tokens, mid-decode)."""

@@ -124,6 +124,7 @@ def test_the_reduced_layer_gives_the_full_layers_count_distribution(name: str, m
 
 
 @pytest.mark.parametrize("name", sorted(LAYERS))
+@pytest.mark.slow  # over a second: outside the quick loop
 def test_the_default_estimate_is_within_its_noise(name: str) -> None:
     p, q, valid = LAYERS[name]
     real = reference(name, 3)

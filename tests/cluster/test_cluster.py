@@ -147,6 +147,7 @@ def test_manifest_sets_no_field_kuberay_ignores(name: str) -> None:
         assert field not in doc["spec"], f"{name}: spec.{field} is deprecated and unused"
 
 
+@pytest.mark.slow  # over a second: outside the quick loop
 def test_validator_refuses_what_kubernetes_and_kuberay_refuse() -> None:
     """Each mutation is a mistake the API server or the operator would reject."""
     good = load("rayservice.yaml")

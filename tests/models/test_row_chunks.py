@@ -117,6 +117,7 @@ def _layer(sessions: int, width: int, seed: int) -> ForestLayer:
 @pytest.mark.real_model
 @pytest.mark.parametrize("pack", [True, False])
 @pytest.mark.parametrize("width", [1, 3])
+@pytest.mark.slow  # over a second: outside the quick loop
 def test_a_batched_forward_gives_each_session_its_bits_alone(pack: bool, width: int) -> None:
     from dsbd_core.models.loading import load_causal_lm
 

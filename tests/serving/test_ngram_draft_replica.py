@@ -76,6 +76,7 @@ def test_served_decodes_with_the_lookup_draft_are_the_in_process_ones(
     assert want.stats.drafted_tokens > 0
 
 
+@pytest.mark.slow  # over a second: outside the quick loop
 def test_the_router_calibrates_the_pair_through_the_lookup_replica(
     served: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

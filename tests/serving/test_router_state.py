@@ -26,6 +26,7 @@ from dsbd_core.models.transformer_scorer import TransformerScorer
 from tests.support.tiny_models import build_pair
 
 
+@pytest.mark.slow  # over a second: outside the quick loop
 def test_a_router_measures_the_pairs_pass_rates_once_per_machine(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -76,6 +77,7 @@ def test_a_router_measures_the_pairs_pass_rates_once_per_machine(
     assert priors == [measured[min(k, len(measured) - 1)] for k in range(config.gamma)]
 
 
+@pytest.mark.slow  # over a second: outside the quick loop
 def test_a_failed_calibration_shows_in_the_status_and_is_retried(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -106,6 +106,7 @@ def test_harness_figures_are_consistent_and_written(pair, tmp_path):
     assert rebuilt.summary["reference:dsbd-ref"].reference == result.records[0].reference
 
 
+@pytest.mark.slow  # over a second: outside the quick loop
 def test_timing_rounds_time_the_same_decodes_again_and_keep_their_median(pair, tmp_path):
     """Per-request ratios on a shared machine need more than one timing: each round decodes
     the prompt again with every method, interleaved as in the first; the tokens are the same."""

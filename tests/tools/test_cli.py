@@ -180,6 +180,7 @@ def test_generate_on_tiny_models(
 
 
 @pytest.mark.parametrize("method", ["dsbd", "sps", "spec_beam_search"])
+@pytest.mark.slow  # over a second: outside the quick loop
 def test_generate_with_the_ngram_draft(
     method: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
