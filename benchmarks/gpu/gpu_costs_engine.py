@@ -1,8 +1,7 @@
 """The engine runs that benchmarks/gpu/gpu_costs.py times: every decode it times is here.
 
 The project's one decode loop (`dsbd_core.algorithm.drivers.loop.Decode`) decodes a random prompt
-of the
-given context length with `TimedScorer`s (gpu_costs_timing.py) over the two models, one
+of the given context length with `TimedScorer`s (gpu_costs_timing.py) over the two models, one
 iteration at a time as `run_decode` drives it, so what is timed is the engine's own path, not
 an approximation.
 """

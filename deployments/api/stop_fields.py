@@ -3,8 +3,7 @@ route and (`StopFields` only) `dsbd batch` rows: stop strings matched on the tex
 `stop_token_ids` and `ignore_eos`, which change the set of tokens that finish a beam.
 
 Each is the EOS rule with another set or on the text (dsbd_core/algorithm/sequences/stops.py), so
-every
-method's law stays exact; bad values are refused naming the field, the value and what is
+every method's law stays exact; bad values are refused naming the field, the value and what is
 allowed (HTTP 400, or a batch row's error).
 """
 

@@ -1,8 +1,7 @@
 """One request's decode, driven from the router: the decode loop's side calls go to deployments.
 
 The loop is `dsbd_core.algorithm.drivers.loop.Decode` (the same loop `generate` and `dsbd batch`
-run);
-this module is its serving driver. Per iteration the loop asks for the draft side
+run); this module is its serving driver. Per iteration the loop asks for the draft side
 (`Draft.propose`) and the target side (`Verifier.verify`). The router holds only the small
 `DecodeState`; the forest goes from the draft to the verifier as the draft's
 `DeploymentResponse`, passed into the verifier call without being awaited here, so it travels

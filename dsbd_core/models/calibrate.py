@@ -1,8 +1,7 @@
 """Measure what a target/draft pair costs here, once: the cost model's calibration.
 
 The cost model (`dsbd_core.algorithm.policy.cost_model`) needs three things of the machine it runs
-on:
-a target forward's time by the tokens it feeds, a draft forward's, and the engine's own work per
+on: a target forward's time by the tokens it feeds, a draft forward's, and the engine's own work per
 vocabulary-wide table. They depend on the models, their dtype, the device, the thread count and
 the CPU; they are measured once and kept in `<cache>/calibration/<key>.json`, so every process
 on the same machine decodes with the same calibration and a seeded request gives the same

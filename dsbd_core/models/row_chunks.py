@@ -7,8 +7,7 @@ once. On these CPUs (oneDNN, AMX-BF16) a bfloat16 matmul computes a row with one
 call has 1 to 32 rows and with another, whose last bits differ, from 33 rows on (every q/k/v,
 MLP and output layer of SmolLM2 on real activations;
 `benchmarks/investigations/batch_invariance/attention_gap.py` at commit 637ed2c). A session whose
-forward alone
-has at most `ROW_CHUNK` rows must therefore get its rows computed in a call of at most
+forward alone has at most `ROW_CHUNK` rows must therefore get its rows computed in a call of at most
 `ROW_CHUNK` rows when batched too, and a larger one in a call of more.
 
 Inside `rows_as_alone(layout)` (set by `packed_forward` for a batched forward) a

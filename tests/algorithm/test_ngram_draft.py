@@ -1,6 +1,5 @@
 """The prompt-lookup draft's distributions (issue 48, dsbd_core/algorithm/scorers/ngram_draft.py):
-the
-followers of the longest earlier suffix, counted; no match, no children; a compact support of
+the followers of the longest earlier suffix, counted; no match, no children; a compact support of
 the context's tokens padded with tokens of no mass."""
 
 from __future__ import annotations

@@ -98,31 +98,39 @@ def tiny_model(
     return model_class(config).eval()
 
 
-def build_pair(root: Path, *, seed: int = 0) -> tuple[Path, Path]:
-    """Write `root/target` and `root/draft` (same tokenizer); returns their paths."""
+def _pair_folders(root: Path) -> tuple[Path, Path, int, dict[str, int]]:
+    """`root/target` and `root/draft`, each with the tests' tokenizer: their paths, the
+    vocabulary size and the special token ids a model of the pair is built with."""
     target_dir, draft_dir = root / "target", root / "draft"
     for path in (target_dir, draft_dir):
         path.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(target_dir)
     tokenizer.save_pretrained(draft_dir)
-    vocab = len(tokenizer)
     special = {
         "eos_token_id": tokenizer.convert_tokens_to_ids("<|im_end|>"),
         "bos_token_id": tokenizer.convert_tokens_to_ids("<|endoftext|>"),
     }
+    return target_dir, draft_dir, len(tokenizer), special
+
+
+def _save(model: PreTrainedModel, path: Path, eos_token_id: int) -> None:
+    model.generation_config = GenerationConfig(eos_token_id=eos_token_id)
+    model.save_pretrained(path)
+
+
+def build_pair(root: Path, *, seed: int = 0) -> tuple[Path, Path]:
+    """Write `root/target` and `root/draft` (same tokenizer); returns their paths."""
+    target_dir, draft_dir, vocab, special = _pair_folders(root)
     target = tiny_model(vocab, seed=seed, positions=256, **special)
     with torch.no_grad():
         target.lm_head.weight.mul_(4.0)  # peakier than the default init: beams differ
-    generation = GenerationConfig(eos_token_id=special["eos_token_id"])
-    target.generation_config = generation
-    target.save_pretrained(target_dir)
+    _save(target, target_dir, special["eos_token_id"])
     draft = tiny_model(vocab, positions=256, **special)
     draft.load_state_dict(target.state_dict())
     with torch.no_grad():
         for parameter in draft.parameters():
             parameter.add_(0.05 * torch.randn_like(parameter) * parameter.std())
-    draft.generation_config = generation
-    draft.save_pretrained(draft_dir)
+    _save(draft, draft_dir, special["eos_token_id"])
     return target_dir, draft_dir
 
 
@@ -132,31 +140,20 @@ def build_identity_pair(root: Path, *, extra_layers: int = 30, seed: int = 0) ->
     decoder layers whose output projections (attention's o_proj, the MLP's down_proj) are zero,
     so each adds exactly 0 to the residual stream. Every drafted token passes, and drafting
     pays: a pair on which the cost model must draft (tests of the adaptive path)."""
-    target_dir, draft_dir = root / "target", root / "draft"
-    for path in (target_dir, draft_dir):
-        path.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer(draft_dir)
-    tokenizer.save_pretrained(target_dir)
-    special = {
-        "eos_token_id": tokenizer.convert_tokens_to_ids("<|im_end|>"),
-        "bos_token_id": tokenizer.convert_tokens_to_ids("<|endoftext|>"),
-    }
-    generation = GenerationConfig(eos_token_id=special["eos_token_id"])
-    draft = tiny_model(len(tokenizer), seed=seed, positions=256, **special)
+    target_dir, draft_dir, vocab, special = _pair_folders(root)
+    draft = tiny_model(vocab, seed=seed, positions=256, **special)
     with torch.no_grad():
         draft.lm_head.weight.mul_(4.0)  # peakier than the default init, as build_pair's
-    draft.generation_config = generation
-    draft.save_pretrained(draft_dir)
+    _save(draft, draft_dir, special["eos_token_id"])
     layers = TINY_SHAPE["num_hidden_layers"] + extra_layers
-    target = tiny_model(len(tokenizer), positions=256, num_hidden_layers=layers, **special)
+    target = tiny_model(vocab, positions=256, num_hidden_layers=layers, **special)
     missing, unexpected = target.load_state_dict(draft.state_dict(), strict=False)
     assert not unexpected and all(".layers." in name for name in missing)
     with torch.no_grad():
         for layer in target.model.layers[TINY_SHAPE["num_hidden_layers"] :]:
             layer.self_attn.o_proj.weight.zero_()
             layer.mlp.down_proj.weight.zero_()
-    target.generation_config = generation
-    target.save_pretrained(target_dir)
+    _save(target, target_dir, special["eos_token_id"])
     return target_dir, draft_dir
 
 

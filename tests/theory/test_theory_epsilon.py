@@ -1,8 +1,7 @@
 """The ε over-acceptance knob in the product (THEORY.md §5.4, §9.3 item 6).
 
 Measured through the real verifier (`dsbd_core.algorithm.iteration.verify.verify_layer`, one beam)
-and
-compared with the closed forms of `dsbd.theory.overaccept`: rejection `Σ (Q - P - ε)_+`,
+and compared with the closed forms of `dsbd.theory.overaccept`: rejection `Σ (Q - P - ε)_+`,
 least bias `Σ min(ε, (Q - P)_+)` and Decoding-OPT's output law (target P, draft Q). Then the engine:
 ε = 0 reports no bias, ε > 0 accepts more, reports a bias bound, and the bias it really introduces
 stays below that bound. (ε = 0 exactness itself is the unchanged tests/algorithm/test_exactness.py.)

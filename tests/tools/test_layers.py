@@ -106,25 +106,30 @@ def _layer(module: str) -> tuple[str, int]:
     raise AssertionError(f"{module} belongs to no layer")
 
 
-def _imports(module: str, path: Path, known: set[str]) -> set[str]:
-    """Project modules and top-level third-party packages `module` imports anywhere."""
-    tree = ast.parse(path.read_text())
-    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
-    found: set[str] = set()
-    for node in ast.walk(tree):
-        names: list[str] = []
+def _imported_names(path: Path, package: str) -> set[str]:
+    """Every dotted name `path` imports anywhere: `a.b` for `import a.b`, `a` and `a.x` for
+    `from a import x`, a relative import resolved against `package`."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
-            names = [alias.name for alias in node.names]
+            names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
                 anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
                 base = ".".join(anchor + ([base] if base else []))
-            names = [f"{base}.{alias.name}" for alias in node.names] + [base]
-        for name in names:
-            while name and name not in known and "." in name:
-                name = name.rpartition(".")[0]
-            found.add(name if name in known else name.split(".")[0])
+            names.update([f"{base}.{alias.name}" for alias in node.names] + [base])
+    return names
+
+
+def _imports(module: str, path: Path, known: set[str]) -> set[str]:
+    """Project modules and top-level third-party packages `module` imports anywhere."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found: set[str] = set()
+    for name in _imported_names(path, package):
+        while name and name not in known and "." in name:
+            name = name.rpartition(".")[0]
+        found.add(name if name in known else name.split(".")[0])
     found.discard(module)
     return found
 
@@ -297,25 +302,15 @@ def test_every_layer_is_a_known_package(graph: dict[str, set[str]]) -> None:
 
 def _test_module_imports(path: Path) -> list[str]:
     """The `tests.<...>.test_*` modules that `path` imports anywhere (relative imports resolved)."""
-    package = list(path.relative_to(REPO).parent.parts)
-    found = []
-    for node in ast.walk(ast.parse(path.read_text())):
-        names: list[str] = []
-        if isinstance(node, ast.Import):
-            names = [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                anchor = package[: len(package) - node.level + 1]
-                base = ".".join(anchor + ([base] if base else []))
-            names = [base] if _is_test_module(base) else [f"{base}.{a.name}" for a in node.names]
-        found.extend(name for name in names if _is_test_module(name))
-    return found
-
-
-def _is_test_module(name: str) -> bool:
-    parts = name.split(".")
-    return parts[0] == "tests" and any(part.startswith("test_") for part in parts[1:])
+    package = ".".join(path.relative_to(REPO).parent.parts)
+    found = set()
+    for name in _imported_names(path, package):
+        parts = name.split(".")
+        if parts[0] == "tests":
+            tested = [i for i, part in enumerate(parts) if i and part.startswith("test_")]
+            if tested:
+                found.add(".".join(parts[: tested[0] + 1]))  # the module, not a name in it
+    return sorted(found)
 
 
 def test_no_test_module_imports_another() -> None:

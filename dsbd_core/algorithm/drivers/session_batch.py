@@ -13,8 +13,7 @@ KV caches stay here between iterations, keyed by the request's session id, and g
 scorer in the order of the next batch. A missing cache (first iteration, another replica, an
 eviction) costs a re-prefill from the token ids the call carries, never a wrong result; for an
 exact job (a seeded request, `dsbd_core.algorithm.drivers.replay`) it costs a replay of the
-session's
-past iterations instead, which rebuilds the cache bit for bit. Entries
+session's past iterations instead, which rebuilds the cache bit for bit. Entries
 are dropped on `release`, when a job fails, after `ttl_s` without use, and least-recently-used
 beyond `max_sessions`. A scorer that keeps the caches itself and exports only handles (the
 tensor-parallel `ShardedScorer`: the shards stay on the ranks) is told of every dropped entry

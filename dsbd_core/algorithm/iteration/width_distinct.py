@@ -1,8 +1,8 @@
 """Dynamic width for distinct drafts: Pr[N >= k] of the without-replacement rule, by simulation.
 
 The width DP of ALGORITHM.md §5.1 (`dsbd_core.algorithm.iteration.width`) is exact for i.i.d.
-drafts. In
-`distinct` mode (the default) the drafts are drawn without replacement and verified with the
+drafts. In `distinct` mode (the default) the drafts are drawn without replacement and verified with
+the
 conditional rule of ALGORITHM.md §4.5, and there the DP is only an approximation (§4.5 says so;
 decision 9 of the same page). It is a good one when the layer's mass is spread over many
 candidates, and a bad one when it is concentrated: the i.i.d. chain may accept the one likely token
