@@ -19,6 +19,7 @@ from collections.abc import Callable, Coroutine, Iterable
 from typing import Any, TypeVar
 
 from opentelemetry import trace
+from ray.exceptions import RayError
 
 from deployments.api.admission import MemoryLedger, router_view, session_charge
 from deployments.api.errors import APIError, requested_config, timeout_body
@@ -52,8 +53,32 @@ from dsbd_core.algorithm.sequences.stops import StopStrings
 from dsbd_core.models import load_tokenizer
 from dsbd_core.models.token_bytes import TokenizerTexts
 
+# How long the status waits for one replica's answer. A replica that died is not answered for
+# until Serve has started its replacement (the handle holds the call for a live replica), which
+# on a loaded machine takes longer than an operator's poll should hang.
+REPLICA_ANSWER_S = 10.0
+
+
+async def _answer(call: Any, timeout_s: float = REPLICA_ANSWER_S) -> dict[str, Any]:
+    """A replica's `info` answer, or {"replica": None, "pid": None, "unanswered": why} when it
+    does not answer in `timeout_s` (died, being replaced, unreachable while Ray's GCS is
+    away): the status reports the others instead of failing or hanging with it."""
+    try:
+        return await asyncio.wait_for(_awaited(call), timeout_s)
+    except (TimeoutError, RayError) as error:
+        if hasattr(call, "cancel"):
+            call.cancel()  # not left queued for the replacement replica
+        why = f"no answer in {timeout_s:g} s" if isinstance(error, TimeoutError) else str(error)
+        return {"replica": None, "pid": None, "unanswered": (why.splitlines() or [repr(error)])[0]}
+
+
+async def _awaited(call: Any) -> Any:
+    return await call
+
 
 def _replica_status(info: dict[str, Any]) -> dict[str, Any]:
+    if "unanswered" in info:
+        return {**info, "cached_sessions": None}
     out = {
         "replica": info["replica"],
         "pid": info["pid"],
@@ -135,11 +160,15 @@ class ServedModel:
         """Load as the session registry sees it, and one verifier, one draft and one router
         replica: id, pid, cached sessions and, when tensor-parallel, its ranks (pids, device);
         the ingress replica that answers (id, pid, decodes and session memory it admitted).
-        `dsbd bench chaos` kills replicas by these pids."""
+        A replica that does not answer in `REPLICA_ANSWER_S` (one just killed, whose replacement
+        is starting) is reported with pid None and why. `dsbd bench chaos` kills replicas by
+        these pids."""
         load = await self.handles.controller.load.remote()
-        verifier = await self.handles.verifier.info.remote()
-        draft = await self.handles.draft.info.remote()
-        router = await self.router.info.remote()
+        verifier, draft, router = await asyncio.gather(
+            _answer(self.handles.verifier.info.remote()),
+            _answer(self.handles.draft.info.remote()),
+            _answer(self.router.info.remote()),
+        )
         ingress = {
             "replica": replica_id(),
             "pid": os.getpid(),

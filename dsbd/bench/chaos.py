@@ -190,8 +190,10 @@ async def status(http: aiohttp.ClientSession, url: str) -> dict[str, Any] | None
     return None
 
 
-def pid_of(state: dict[str, Any], side: str) -> int:
-    return int(state[side]["pid"])
+def pid_of(state: dict[str, Any], side: str) -> int | None:
+    """The side's replica pid in a status, None while it does not answer (being replaced)."""
+    pid = state[side]["pid"]
+    return None if pid is None else int(pid)
 
 
 def gcs_pid(server_pid: int) -> int | None:
@@ -229,6 +231,8 @@ async def kill_one(http: aiohttp.ClientSession, run: Run, side: str) -> Kill | N
         if state is None:
             return None
         pid = pid_of(state, side)
+        if pid is None:
+            return None
         if pid not in server_process.descendants(run.server_pid):
             raise RuntimeError(f"{side} pid {pid} is not a process of the server we started")
     os.kill(pid, signal.SIGKILL)
