@@ -88,6 +88,16 @@ class Resources(BaseModel):
                     )
         return value
 
+    @model_validator(mode="after")
+    def _replicas_in_order(self) -> Resources:
+        """Named here, not by Serve's DeploymentConfig when the application is built."""
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(
+                f"min_replicas={self.min_replicas} > max_replicas={self.max_replicas}; "
+                "allowed: min_replicas <= max_replicas"
+            )
+        return self
+
     @field_validator("resources")
     @classmethod
     def _custom_resources_only(cls, value: dict[str, float]) -> dict[str, float]:

@@ -49,7 +49,7 @@ from ray.serve import Application
 from deployments.api.ingress import Ingress
 from deployments.api.models import DecodingKnobs
 from deployments.app import AppArgs, _application_runtime_env, model_deployments
-from deployments.deployment_options import Resources, resources_from_serve_options
+from deployments.deployment_options import OWNED, Resources, resources_from_serve_options
 from dsbd_core.algorithm.scorers.ngram_draft import LOOKUP_DRAFT
 
 NOT_SUPPORTED = "not supported by dsbd"
@@ -265,10 +265,34 @@ def app_args(config: LLMConfig, where: str) -> AppArgs:
     try:
         return AppArgs.model_validate(args)
     except ValidationError as error:  # named as the LLMConfig names it
+        written = _as_written(error, config.deployment_config)
+        if written is not None:
+            raise ValueError(f"{where}.{written}") from None
         message = _first(error)
         for ours, theirs in RENAMED:
             message = message.replace(ours, theirs)
         raise ValueError(f"{where}.{message}") from None
+
+
+def _as_written(error: ValidationError, deployment_config: dict[str, Any]) -> str | None:
+    """A typed `Resources` field's error named where the LLMConfig's `deployment_config` gave
+    it (`num_replicas`, `autoscaling_config.max_replicas`, `ray_actor_options.num_cpus`, ...),
+    with the value; None for any other error."""
+    first = error.errors()[0]
+    loc = first["loc"]
+    message = first["msg"].removeprefix("Value error, ")
+    if loc and loc[0] in ("draft_resources", "verifier_resources") and len(loc) == 1:
+        return f"deployment_config.autoscaling_config: {message}"  # min above max replicas
+    if len(loc) != 2 or loc[0] not in ("draft_resources", "verifier_resources"):
+        return None
+    for path, owner in OWNED.items():
+        fields = ("min_replicas", "max_replicas") if path == ("num_replicas",) else (owner,)
+        value: Any = deployment_config
+        for part in path:
+            value = value.get(part) if isinstance(value, dict) else None
+        if loc[1] in fields and value is not None:
+            return f"deployment_config.{'.'.join(path)}={value!r}: {message}"
+    return None
 
 
 def _draft(speculative: SpeculativeConfig, target: str, where: str) -> dict[str, Any]:

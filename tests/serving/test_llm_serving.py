@@ -95,6 +95,19 @@ def _one(**fields) -> dict:
             "speculative_config.method='eagle': not supported by dsbd; allowed: ngram",
         ),
         (_one(deployment_config={"num_replica": 2}), "deployment_config.num_replica: not a Ray"),
+        (_one(deployment_config={"num_replicas": 0}), "deployment_config.num_replicas=0: Input"),
+        (
+            _one(deployment_config={"autoscaling_config": {"max_replicas": 0}}),
+            "deployment_config.autoscaling_config.max_replicas=0: Input should be greater",
+        ),
+        (
+            _one(deployment_config={"ray_actor_options": {"num_cpus": -1}}),
+            "deployment_config.ray_actor_options.num_cpus=-1: Input should be greater",
+        ),
+        (
+            _one(deployment_config={"autoscaling_config": {"min_replicas": 3, "max_replicas": 2}}),
+            "deployment_config.autoscaling_config: min_replicas=3 > max_replicas=2; allowed",
+        ),
         (_one(placement_group_config={"bundles": [{"GPU": 1}]}), "placement_group_config.bundl"),
         (
             {"llm_configs": [{"model_loading_config": {"model_id": "m"}}] * 2},

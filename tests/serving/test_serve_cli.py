@@ -44,6 +44,10 @@ def test_the_shipped_serve_config_is_valid_and_matches_the_defaults() -> None:
     [
         ({"target": {"source": "smollm2", "dtype": "float8"}}, "target.dtype='float8'"),
         ({"draft_resources": {"max_replicas": 0}}, "draft_resources.max_replicas=0"),
+        (
+            {"draft_resources": {"min_replicas": 3, "max_replicas": 2}},
+            "draft_resources: min_replicas=3 > max_replicas=2; allowed: min_replicas <= max",
+        ),
         ({"widht": 3}, "widht"),
         ({"target": {"source": "/no/such/model"}}, "/no/such/model"),
         (
@@ -121,6 +125,20 @@ def test_an_object_store_below_rays_minimum_exits_2_before_ray_starts() -> None:
     assert done.returncode == 2, done.stderr
     assert "--object-store-mib=10: allowed 0 (Ray's default size) or >= 75" in done.stderr
     assert "ray" not in done.stdout.lower()
+
+
+@pytest.mark.parametrize(("given", "why"), [("2.5", "'2.5'"), ("0", "0")])
+def test_num_cpus_of_the_local_ray_is_a_whole_number(
+    given: str, why: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Ray refuses fractional node resources with a traceback once it starts; the flag is
+    checked first (exit 2, naming it)."""
+    from dsbd.cli import main as dsbd_main
+
+    with pytest.raises(SystemExit) as exited:
+        dsbd_main(["serve", "--num-cpus", given])
+    assert exited.value.code == 2
+    assert f"argument --num-cpus: {why}: allowed: a whole number >= 1" in capsys.readouterr().err
 
 
 def test_tp_size_gives_the_verifier_a_placement_group_of_ranks() -> None:
