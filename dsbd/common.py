@@ -23,6 +23,18 @@ def fail(message: str) -> int:
     return 2
 
 
+def ray_cpus(text: str) -> int:
+    """`--num-cpus` of a local Ray: a whole number >= 1 (Ray refuses fractional node
+    resources with a traceback; here argparse names the flag and exits 2)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: allowed: a whole number >= 1") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value}: allowed: a whole number >= 1")
+    return value
+
+
 def add_device_flag(parser: argparse.ArgumentParser) -> None:
     """`--device`, read by `resolve_device` (eval-acceptance and distill)."""
     parser.add_argument(

@@ -20,7 +20,7 @@ from pydantic import ValidationError
 
 from deployments.local_ray import OBJECT_STORE_MINIMUM_MIB
 from deployments.local_serve import DEFAULT_IMPORT_PATH, LLM_IMPORT_PATH
-from dsbd.common import fail
+from dsbd.common import fail, ray_cpus
 from dsbd_core.algorithm.config import config_error_message
 
 
@@ -49,7 +49,7 @@ def add_arguments(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--config", type=Path, help="Serve config YAML (default: embedded models)")
     serve.add_argument("--host", default="127.0.0.1", help="HTTP host (default: 127.0.0.1)")
     serve.add_argument("--port", type=int, default=8000, help="HTTP port (default: 8000)")
-    serve.add_argument("--num-cpus", type=float, default=None, help="CPUs Ray may schedule on")
+    serve.add_argument("--num-cpus", type=ray_cpus, default=None, help="CPUs Ray may schedule on")
     serve.add_argument(
         "--ready-file",
         type=Path,

@@ -78,7 +78,7 @@ def start(
     config: Path | None = None,
     *,
     app_name: str | None = None,
-    num_cpus: float | None = None,
+    num_cpus: int | None = None,
     strace_dir: Path | None = None,
     env: dict[str, str] | None = None,
     timeout_s: float = 900.0,

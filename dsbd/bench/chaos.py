@@ -60,7 +60,7 @@ from dsbd.bench.chaos_report import (
     summarise,
 )
 from dsbd.bench.load import MIX, LoadConfig, Record, body_for, send
-from dsbd.common import fail
+from dsbd.common import fail, ray_cpus
 
 if TYPE_CHECKING:
     import aiohttp
@@ -372,7 +372,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=2,
         help="attempts added after 0/408/409/429/5xx, as openai",
     )
-    parser.add_argument("--num-cpus", type=float, help="CPUs Ray may schedule on")
+    parser.add_argument("--num-cpus", type=ray_cpus, help="CPUs Ray may schedule on")
     parser.add_argument("--strace", type=Path, help="run the server under strace -f, into DIR")
     parser.add_argument("--workdir", type=Path, help="server log and ready file (default: tmp)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/chaos.json"))

@@ -59,7 +59,7 @@ import psutil
 from dsbd.bench import load
 from dsbd.bench.load import ABANDONED, LoadConfig, Record, every, percentiles
 from dsbd.bench.soak_trends import growth, show_trends
-from dsbd.common import fail
+from dsbd.common import fail, ray_cpus
 
 
 def sample(pid: int) -> dict[str, dict[str, Any]]:
@@ -235,7 +235,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sample-s", type=float, default=10.0)
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--request-timeout", type=float, default=300.0)
-    parser.add_argument("--num-cpus", type=float, help="CPUs Ray may schedule on")
+    parser.add_argument("--num-cpus", type=ray_cpus, help="CPUs Ray may schedule on")
     parser.add_argument("--workdir", type=Path, help="server log and ready file (default: tmp)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/soak.json"))
     trends = parser.add_argument_group("saved soaks side by side (no run)")
