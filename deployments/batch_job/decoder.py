@@ -132,7 +132,8 @@ class BatchDecoder:
         self.max_positions = int(getattr(config, "max_position_embeddings", 0) or 1 << 20)
         target, draft = pair.scorers()
         self.target_batcher = SessionBatcher(target)
-        self.draft_batcher = SessionBatcher(draft)  # type: ignore[arg-type]  # None for a draftless pair
+        assert draft is not None  # pair.has_draft, above
+        self.draft_batcher = SessionBatcher(draft)
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         """Decode a batch of `ROWS_SCHEMA` rows; one `OUTPUT_SCHEMA` record each."""
