@@ -15,6 +15,9 @@ run at once and no in-process test competes with a server's start for long."""
 from __future__ import annotations
 
 import contextlib
+import os
+import shutil
+import tempfile
 from collections.abc import Iterator
 from typing import Any
 
@@ -24,6 +27,7 @@ import torch
 torch.set_num_threads(1)
 
 _OPEN: dict[str, contextlib.ExitStack] = {}
+_CALIBRATION = pytest.StashKey[str]()
 
 
 @pytest.fixture(scope="session")
@@ -62,6 +66,23 @@ RAY_MODULES = frozenset(
 
 def _module(nodeid: str) -> str:
     return nodeid.split("::", 1)[0]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The calibrations the tests make go to one temporary folder per run, not the user's cache:
+    their pairs live in temporary folders, so every run would add new files under
+    ~/.cache/dsbd (servers and Ray replicas inherit the variable; xdist's workers start after
+    this and inherit it too; the folder is removed at the end)."""
+    if os.environ.get("PYTEST_XDIST_WORKER") is None:
+        folder = tempfile.mkdtemp(prefix="dsbd-test-calibration-")
+        config.stash[_CALIBRATION] = folder
+        os.environ["DSBD_CALIBRATION_DIR"] = folder
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    folder = config.stash.get(_CALIBRATION, None)
+    if folder is not None:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.hookimpl(tryfirst=True)
