@@ -37,6 +37,11 @@ class ContinuousBatcher:
         self._arrived = asyncio.Event()
         self._worker: asyncio.Task | None = None
 
+    @property
+    def idle(self) -> bool:
+        """No call queued and no batch running."""
+        return not self._pending and (self._worker is None or self._worker.done())
+
     async def submit(self, item: Any) -> Any:
         """Queue one call and wait for its result; a call's exception is raised to its caller."""
         future = asyncio.get_running_loop().create_future()

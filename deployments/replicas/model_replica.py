@@ -264,6 +264,11 @@ class ModelReplica:
         self.costs = LOOKUP_COSTS
         self.identity = {"model": f"{LOOKUP_DRAFT}-{ngram_max}", "variant": self.variant}
 
+    def idle(self) -> bool:
+        """No call queued and no batch running: a late call of an ended request (a retried
+        iteration's first attempt, say) may still run after its request has returned."""
+        return not self._lock.locked() and (self._batcher is None or self._batcher.idle)
+
     async def run_jobs(self, jobs: list[Job]) -> tuple[list[Any], SideReport]:
         """Run one batch (one at a time) in a worker thread; returns values and the report."""
         if self._sweeper is None:

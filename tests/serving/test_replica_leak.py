@@ -16,6 +16,10 @@ from __future__ import annotations
 import asyncio
 import gc
 import heapq
+import threading
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -70,6 +74,31 @@ async def _round(router: RouterState, vocab: int, first_seed: int) -> None:
     await router.drained()
 
 
+WORKERS = 2  # the replicas' batches run in worker threads, one batch per replica at a time
+
+
+def _in_every_worker(executor: ThreadPoolExecutor) -> None:
+    """Block until every worker thread of `executor` runs a task of this call at once: each has
+    then finished (and let go of) whatever it ran before. Starts the pool's threads too."""
+    barrier = threading.Barrier(WORKERS + 1)
+    for _ in range(WORKERS):
+        executor.submit(barrier.wait)
+    barrier.wait(timeout=30)
+
+
+async def _idle(executor: ThreadPoolExecutor, *replicas: Any, timeout_s: float = 30.0) -> None:
+    """Wait until no replica has a call queued or a batch running, then until every worker
+    thread has dropped its last batch: a thread publishes a batch's result before it lets go
+    of the work item (the batch's jobs: their step generators, pools and tensors), so on a
+    loaded machine the loop runs on while a thread still holds them, and a census counts that
+    batch once."""
+    deadline = time.monotonic() + timeout_s
+    while not all(replica.idle() for replica in replicas):
+        assert time.monotonic() < deadline, "a replica still runs calls after the round"
+        await asyncio.sleep(0.01)
+    _in_every_worker(executor)
+
+
 def _tensors() -> int:
     return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor))
 
@@ -94,10 +123,17 @@ def _drop_cancelled_timers(loop: asyncio.AbstractEventLoop) -> None:
     loop._timer_cancelled_count = 0  # type: ignore[attr-defined]
 
 
-def _census() -> tuple[int, int]:
+def _census() -> tuple[int, int, Counter[str]]:
+    """Objects, tensors, and objects by type (what a failure names)."""
     _drop_cancelled_timers(asyncio.get_running_loop())
     gc.collect()
-    return len(gc.get_objects()), _tensors()
+    objects = gc.get_objects()
+    return len(objects), _tensors(), Counter(type(o).__qualname__ for o in objects)
+
+
+def _changed(before: Counter[str], after: Counter[str]) -> dict[str, int]:
+    """The types whose count changed between two censuses, by how much."""
+    return {k: after[k] - before[k] for k in before | after if after[k] != before[k]}
 
 
 @pytest.mark.slow
@@ -106,10 +142,16 @@ def test_rounds_of_decodes_leave_nothing_behind(replicas) -> None:
     handles = Handles(draft=Handle(draft), verifier=Handle(verifier), controller=Handle(controller))
     router = RouterState(handles)  # one router process across the rounds
 
-    async def scenario() -> list[tuple[int, int]]:
+    async def scenario() -> list[tuple[int, int, Counter[str]]]:
+        # the pool's threads all started up front: it starts one whenever none has yet marked
+        # itself idle, so on a loaded machine a round could add one (~30 objects, bounded)
+        executor = ThreadPoolExecutor(max_workers=WORKERS)
+        _in_every_worker(executor)
+        asyncio.get_running_loop().set_default_executor(executor)  # shut down by asyncio.run
         censuses = []
         for index in range(4):  # round 0 warms up (caches, lazily built objects)
             await _round(router, verifier.vocab_size, first_seed=index * ROUND)
+            await _idle(executor, draft, verifier)
             assert draft.batcher.cached == [] and verifier.batcher.cached == []
             assert (await controller.load())["open_sessions"] == 0
             assert len(draft._recent) <= 4 * draft.options.max_batch_size
@@ -122,10 +164,12 @@ def test_rounds_of_decodes_leave_nothing_behind(replicas) -> None:
     objects = [c[0] for c in censuses[1:]]
     tensors = [c[1] for c in censuses[1:]]
     print(f"after rounds 1..3 of {ROUND} decodes: objects {objects}, tensors {tensors}")
-    assert max(tensors) - min(tensors) == 0, f"tensors kept per request: {tensors}"
+    types = [c[2] for c in censuses[1:]]
+    changed = [_changed(a, b) for a, b in zip(types, types[1:], strict=False)]
+    assert max(tensors) - min(tensors) == 0, f"tensors kept per request: {tensors}: {changed}"
     # one object kept per request would add >= ROUND per round; noise (interned caches) is small
     growth = [b - a for a, b in zip(objects, objects[1:], strict=False)]
-    assert all(g < ROUND // 2 for g in growth), f"objects grow per round: {objects}"
+    assert all(g < ROUND // 2 for g in growth), f"objects grow per round: {objects}: {changed}"
 
 
 def test_the_router_times_each_iteration_around_its_replicas_compute(replicas) -> None:
