@@ -246,5 +246,5 @@ def _flag_errors(error: ValidationError) -> str:
         flag = "--" + parts[-1].replace("_", "-") if parts else "flags"
         value = item.get("input")
         shown = "" if isinstance(value, dict) else f"={value!r}"
-        lines.append(f"{flag}{shown}: {item['msg']}")
+        lines.append(f"{flag}{shown}: {str(item['msg']).removeprefix('Value error, ')}")
     return "\n".join(lines)

@@ -251,7 +251,8 @@ def config_error_message(error: ValidationError) -> str:
         field = ".".join(str(part) for part in item["loc"]) or "config"
         value = item.get("input")
         shown = "" if isinstance(value, dict) else f"={value!r}"
-        lines.append(f"{field}{shown}: {item['msg']}")
+        message = str(item["msg"]).removeprefix("Value error, ")  # a validator's own words
+        lines.append(f"{field}{shown}: {message}")
     return "\n".join(lines)
 
 
@@ -260,4 +261,4 @@ def first_error(error: ValidationError, prefix: str) -> str:
     config's error named from its parent's field (a Serve option, a request default)."""
     first = error.errors()[0]
     where = ".".join([prefix, *(str(part) for part in first["loc"])])
-    return f"{where}={first.get('input')!r}: {first['msg']}"
+    return f"{where}={first.get('input')!r}: {str(first['msg']).removeprefix('Value error, ')}"

@@ -75,7 +75,7 @@ def test_the_batch_actor_decodes_rows_with_the_ngram_draft_as_alone(tmp_path: Pa
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (["--ngram-max", "0"], "--ngram-max=0: Value error, allowed 1..16"),
+        (["--ngram-max", "0"], "--ngram-max=0: allowed 1..16"),
         (["--draft", "ngrams"], "--draft 'ngrams': unknown model source 'ngrams'"),
     ],
 )
