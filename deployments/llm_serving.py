@@ -50,6 +50,7 @@ from deployments.api.ingress import Ingress
 from deployments.api.models import DecodingKnobs
 from deployments.app import AppArgs, _application_runtime_env, model_deployments
 from deployments.deployment_options import OWNED, Resources, resources_from_serve_options
+from dsbd_core.algorithm.config import error_words
 from dsbd_core.algorithm.scorers.ngram_draft import LOOKUP_DRAFT
 
 NOT_SUPPORTED = "not supported by dsbd"
@@ -197,7 +198,7 @@ def _first(error: ValidationError) -> str:
     """'field.path: message' of a validation error's first problem."""
     first = error.errors()[0]
     loc = ".".join(str(part) for part in first["loc"])
-    message = first["msg"].removeprefix("Value error, ")
+    message = error_words(first)
     if first["type"] == "extra_forbidden":
         message = f"{NOT_SUPPORTED} or misspelled (Ray Serve LLM's LLMConfig fields dsbd takes)"
     elif loc and message.startswith(loc.split(".")[-1]):
@@ -280,7 +281,7 @@ def _as_written(error: ValidationError, deployment_config: dict[str, Any]) -> st
     with the value; None for any other error."""
     first = error.errors()[0]
     loc = first["loc"]
-    message = first["msg"].removeprefix("Value error, ")
+    message = error_words(first)
     if loc and loc[0] in ("draft_resources", "verifier_resources") and len(loc) == 1:
         return f"deployment_config.autoscaling_config: {message}"  # min above max replicas
     if len(loc) != 2 or loc[0] not in ("draft_resources", "verifier_resources"):

@@ -32,6 +32,7 @@ from deployments.batch_job.output import EXTENSIONS, OutputDir, OutputFormat
 from deployments.batch_job.rows import INPUT_SUFFIXES
 from dsbd.common import DEFAULT_DRAFT, DEFAULT_TARGET, add_pair_flags, fail
 from dsbd.sampling_flags import add_config_flags, config_from_args
+from dsbd_core.algorithm.config import error_words
 from dsbd_core.algorithm.methods import METHODS, method_config
 from dsbd_core.models.pair import DraftOptions
 
@@ -246,5 +247,5 @@ def _flag_errors(error: ValidationError) -> str:
         flag = "--" + parts[-1].replace("_", "-") if parts else "flags"
         value = item.get("input")
         shown = "" if isinstance(value, dict) else f"={value!r}"
-        lines.append(f"{flag}{shown}: {str(item['msg']).removeprefix('Value error, ')}")
+        lines.append(f"{flag}{shown}: {error_words(item)}")
     return "\n".join(lines)

@@ -15,7 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
-from dsbd_core.algorithm.config import SamplingConfig, config_error_message
+from dsbd_core.algorithm.config import SamplingConfig, config_error_message, error_words
 
 
 class APIError(Exception):
@@ -57,7 +57,7 @@ async def validation_error_handler(request: Request, error: RequestValidationErr
         field = ".".join(loc) or "body"
         param = param or field
         value = item.get("input")
-        message = str(item.get("msg", "invalid")).removeprefix("Value error, ")
+        message = error_words(item)
         if not loc:  # a model-level rule: its message names the fields itself
             lines.append(message)
             continue

@@ -64,16 +64,12 @@ async def _answer(call: Any, timeout_s: float = REPLICA_ANSWER_S) -> dict[str, A
     does not answer in `timeout_s` (died, being replaced, unreachable while Ray's GCS is
     away): the status reports the others instead of failing or hanging with it."""
     try:
-        return await asyncio.wait_for(_awaited(call), timeout_s)
+        return await asyncio.wait_for(call, timeout_s)
     except (TimeoutError, RayError) as error:
         if hasattr(call, "cancel"):
             call.cancel()  # not left queued for the replacement replica
         why = f"no answer in {timeout_s:g} s" if isinstance(error, TimeoutError) else str(error)
         return {"replica": None, "pid": None, "unanswered": (why.splitlines() or [repr(error)])[0]}
-
-
-async def _awaited(call: Any) -> Any:
-    return await call
 
 
 def _replica_status(info: dict[str, Any]) -> dict[str, Any]:

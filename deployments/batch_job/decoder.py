@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from deployments.api.responses import BeamText
 from deployments.batch_job.output import OUTPUT_SCHEMA, error_record
 from deployments.batch_job.rows import BatchRow, parse_row
-from dsbd_core.algorithm.config import SamplingConfig
+from dsbd_core.algorithm.config import SamplingConfig, error_words
 from dsbd_core.algorithm.methods import BEAM_METHODS, MethodConfig, method_config
 from dsbd_core.algorithm.sequences.penalties import bias_problem
 from dsbd_core.algorithm.sequences.stops import StopStrings
@@ -88,7 +88,7 @@ def row_error_message(error: Exception) -> str:
             clauses.append(f"{field}={value!r}: unknown field; allowed: {allowed}")
             continue
         shown = "" if isinstance(value, dict) else f"={value!r}"
-        message = str(item["msg"]).removeprefix("Value error, ")  # as the HTTP API words it
+        message = error_words(item)  # as the HTTP API words it
         clauses.append(f"{field}{shown}: {message}")
     return "; ".join(clauses)
 

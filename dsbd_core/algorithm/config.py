@@ -8,7 +8,8 @@ names the field, the value given and what is allowed (used by the CLI and, later
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Mapping
+from typing import Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -244,6 +245,12 @@ class SamplingConfig(BaseModel):
         return self.threshold is None
 
 
+def error_words(item: Mapping[str, Any]) -> str:
+    """A pydantic error's message without the "Value error, " it puts before a validator's
+    own words (every error dsbd shows, CLI or HTTP, words them the same)."""
+    return str(item.get("msg", "invalid")).removeprefix("Value error, ")
+
+
 def config_error_message(error: ValidationError) -> str:
     """One line per invalid field: `field=value: what is allowed`."""
     lines = []
@@ -251,8 +258,7 @@ def config_error_message(error: ValidationError) -> str:
         field = ".".join(str(part) for part in item["loc"]) or "config"
         value = item.get("input")
         shown = "" if isinstance(value, dict) else f"={value!r}"
-        message = str(item["msg"]).removeprefix("Value error, ")  # a validator's own words
-        lines.append(f"{field}{shown}: {message}")
+        lines.append(f"{field}{shown}: {error_words(item)}")
     return "\n".join(lines)
 
 
@@ -261,4 +267,4 @@ def first_error(error: ValidationError, prefix: str) -> str:
     config's error named from its parent's field (a Serve option, a request default)."""
     first = error.errors()[0]
     where = ".".join([prefix, *(str(part) for part in first["loc"])])
-    return f"{where}={first.get('input')!r}: {str(first['msg']).removeprefix('Value error, ')}"
+    return f"{where}={first.get('input')!r}: {error_words(first)}"
