@@ -125,6 +125,40 @@ def test_whole_iterations_timed_at_calibration_are_the_prices_at_their_widths() 
     )
 
 
+def test_a_drafted_iteration_is_never_priced_below_a_beam_step() -> None:
+    """The look-up's calibration on an AMD EPYC without AVX-512 (the embedded pair in float32,
+    the measured figures): its iterations were timed with mostly empty layers (the calibration's
+    prompts rarely repeat), so scaling the full forest's parts by them priced a drafted SpS
+    iteration below a plain step, and SpS drafted every iteration at 0.055 passes. Floored at a
+    beam step plus the target's forward over the forest, drafting does not pay at that rate."""
+    lookup = Calibration(
+        target=ForwardCosts(
+            tokens=[1, 4, 8, 16, 32, 48],
+            seconds=[0.0544, 0.0870, 0.1439, 0.1986, 0.2095, 0.2896],
+        ),
+        draft=LOOKUP_COSTS,
+        engine_step_s=0.00259,
+        engine_layer_s=0.00324,
+        engine_width=3,
+        pass_rates=[0.0],
+        single_pass_rates=[0.055, 0.8, 0.25],
+        iteration_s=[0.1247, 0.1273, 0.1326, 0.1340],
+        catch_up_s=0.0001,
+    )
+    sps = CostController(method_config("sps", SamplingConfig(max_new_tokens=48)), lookup)
+    target = lookup.target
+    for gamma in (1, 2, 3):
+        scaled = sps.parts_seconds(gamma, 1, 1) * sps.scale(gamma)
+        assert scaled < sps.iteration_seconds(0)  # what the scaled parts alone said
+        floor = sps.iteration_seconds(0) + target.at(1 + gamma) - target.at(1)
+        assert sps.iteration_seconds(gamma) == pytest.approx(floor)
+    assert sps.best_gamma() == 0
+    assert sps.knobs(None).gamma == 0  # type: ignore[arg-type]
+    # where the timed iterations cost more than the floor, they stand (the timed pair above)
+    timed = CostController(SamplingConfig(max_new_tokens=64), _timed(None))
+    assert timed.iteration_seconds(1) == pytest.approx(0.025)
+
+
 def _controller(catch_up_s: float, since_draft: int) -> CostController:
     """A request that drafted, found its draft not paying, and has sat it out since."""
     cheap = Calibration(**COSTS, pass_rates=[0.9], catch_up_s=catch_up_s)
