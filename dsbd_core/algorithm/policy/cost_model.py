@@ -11,8 +11,9 @@ target forward over the W roots, one token.
 The prices come from a `Calibration`, measured once per machine, models, dtype and device
 (`dsbd_core.models.calibrate`, cached on disk): the forwards' costs by the tokens they feed,
 scaled at each depth to what whole iterations took when timed (`iteration_timer`: the work
-around the forwards grows with the drafted layers, and the sum of the parts misses it), and the
-draft's catch-up per beam step it sat out. The choice is a deterministic function of the
+around the forwards grows with the drafted layers, and the sum of the parts misses it) but never
+below a beam step plus the target's forward over the forest (a look-up's timed layers were
+mostly empty), and the draft's catch-up per beam step it sat out. The choice is a deterministic function of the
 calibration and the request's own history: the same seed, settings and machine decode the same
 tokens.
 
