@@ -13,9 +13,9 @@ The prices come from a `Calibration`, measured once per machine, models, dtype a
 scaled at each depth to what whole iterations took when timed (`iteration_timer`: the work
 around the forwards grows with the drafted layers, and the sum of the parts misses it) but never
 below a beam step plus the target's forward over the forest (a look-up's timed layers were
-mostly empty), and the draft's catch-up per beam step it sat out. The choice is a deterministic function of the
-calibration and the request's own history: the same seed, settings and machine decode the same
-tokens.
+mostly empty), and the draft's catch-up per beam step it sat out. The choice is a deterministic
+function of the calibration and the request's own history: the same seed, settings and machine
+decode the same tokens.
 
 The controller picks the depth that saves the most time over the tokens the request may still
 emit, less the draft's catch-up (the prompt, before the draft's first run), so speculation is
