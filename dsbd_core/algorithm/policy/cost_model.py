@@ -241,9 +241,7 @@ class CostController:
         self.gamma_max = config.gamma if calibration.draft is not None else 0
         self.draft_width = config.effective_draft_width
         # an iteration's price at each depth 0..gamma: fixed by the calibration and the request
-        self.prices: list[float] = []
-        for gamma in range(config.gamma + 1):
-            self.prices.append(self._price(gamma))
+        self.prices = [self._price(gamma) for gamma in range(config.gamma + 1)]
         self.rates = [_Rate(prior, self.policy.prior_weight) for prior in self.priors()]
         self.since_draft = 0  # iterations since the last one that drafted
         self.drafted = False  # whether the draft has run (fed the prompt) yet
@@ -390,9 +388,9 @@ class CostController:
         price = self.parts_seconds(gamma, width, draft_width) * self.scale(gamma)
         if gamma == 0:
             return price
+        step = self._price(0)
         target = self.calibration.target
-        forest = target.at(width + gamma * draft_width) - target.at(width)
-        return max(price, self.prices[0] + forest)
+        return max(price, step + target.at(width + gamma * draft_width) - target.at(width))
 
     def parts_seconds(self, gamma: int, width: int, draft_width: int) -> float:
         """The sum of an iteration's parts: the target's forward over W + gamma x W_S tokens,
