@@ -140,8 +140,15 @@ def start(
 
 def strace_prefix(trace_dir: Path) -> list[str]:
     """The command prefix that records every connect()/sendto()/sendmsg() of a process tree,
-    one file per process in `trace_dir`."""
-    syscalls = ["-e", "trace=connect,sendto,sendmsg"]
+    one file per thread in `trace_dir`.
+
+    `set_robust_list` is traced too, though no check reads it, because every new thread calls
+    it first: strace 6.1's --seccomp-bpf stops a thread at each of its system calls until its
+    first traced one, so a thread that never sent (Ray's and Serve's worker threads) ran
+    stopped at every call, doubling a traced server's CPU (the tests' 22-replica server took
+    232 s to start traced, 122 s untraced, 122 s traced with this; docs/ARCHITECTURE.md,
+    "Tests")."""
+    syscalls = ["-e", "trace=connect,sendto,sendmsg,set_robust_list"]
     return ["strace", "-f", "-ff", "-qq", "--seccomp-bpf", *syscalls, "-o", str(trace_dir / "t")]
 
 
