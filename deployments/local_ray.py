@@ -15,6 +15,9 @@ replaces any loopback address by the machine's routable one (found by a UDP "con
 replacement: every process then uses 127.0.0.1. A single-node Ray is what a local `dsbd serve`
 needs; clusters (KubeRay) start Ray their own way.
 
+The temporary HOME `start_local_ray` makes is removed, and the process's own HOME restored,
+when Ray stops (`stop_local_ray`, `release_home`).
+
 Because HOME is replaced, the model caches are passed on explicitly (`DSBD_CACHE_DIR`,
 `HF_HOME`, resolved with the user's HOME): otherwise every replica would look for installed
 presets in the empty temporary HOME (found when serving the Qwen pair).
@@ -50,6 +53,7 @@ glibc (`allocator: system`) get glibc's own count back (deployments.replicas.all
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -77,6 +81,10 @@ GCS_HISTORY_CAPS = {
 GLIBC_MALLOC_ARENAS = "2"
 # Ray refuses a smaller object store (ray_constants.OBJECT_STORE_MINIMUM_MEMORY_BYTES).
 OBJECT_STORE_MINIMUM_MIB = 75
+
+# The temporary HOMEs `start_local_ray` made, each with the HOME it replaced, until
+# `release_home` removes them.
+_MADE_HOMES: list[tuple[Path, str | None]] = []
 
 
 def loopback_environment(home: Path | None = None) -> dict[str, str]:
@@ -149,6 +157,9 @@ def start_local_ray(
     `gcs_redis`: the GCS keeps its tables in that Redis and can be started again without losing
     the cluster (deployments/gcs_ft.py; `GcsWatch` does the restarting).
     """
+    if home is None:  # a HOME of its own, removed when Ray stops (`release_home`)
+        home = Path(tempfile.mkdtemp(prefix="dsbd-ray-home-"))
+        _MADE_HOMES.append((home, os.environ.get("HOME")))
     os.environ.update(loopback_environment(home))
     if gcs_redis is not None:
         os.environ.update(gcs_redis.environment())
@@ -202,3 +213,17 @@ def stop_local_ray(*, shut_serve_down: bool = True) -> None:
                 serve.shutdown()
         finally:
             ray.shutdown()
+    release_home()
+
+
+def release_home() -> None:
+    """Remove the temporary HOMEs `start_local_ray` made and give this process its HOME back,
+    once Ray is down (the HOME holds Ray's bootstrap config and auth token, which nothing reads
+    after that): every server start and batch job left one folder under /tmp."""
+    while _MADE_HOMES:
+        home, previous = _MADE_HOMES.pop()
+        if previous is None:
+            os.environ.pop("HOME", None)
+        else:
+            os.environ["HOME"] = previous
+        shutil.rmtree(home, ignore_errors=True)

@@ -254,12 +254,13 @@ def _start_ray(address: str | None, options: JobOptions) -> bool:
     if address:
         ray.init(address=address, configure_logging=False)
         return True
-    from deployments.local_ray import start_local_ray
+    from deployments.local_ray import release_home, start_local_ray
 
     try:
         start_local_ray(num_cpus=options.ray_num_cpus, namespace="dsbd-batch")
     except BaseException:  # Ctrl-C or a failure midway: no Ray processes left behind
         ray.shutdown()
+        release_home()
         raise
     return True
 
@@ -270,7 +271,10 @@ def _stop_ray(initialized_here: bool) -> None:
     if initialized_here:
         import ray
 
+        from deployments.local_ray import release_home
+
         ray.shutdown()
+        release_home()
 
 
 def _execute(

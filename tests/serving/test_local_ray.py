@@ -21,11 +21,13 @@ from tests.support.loopback import is_loopback, peers, strace
 
 SCRIPT = textwrap.dedent(
     """
-    import json, urllib.request
+    import json, os, urllib.request
     from ray import serve
     from deployments.local_ray import start_local_ray, stop_local_ray
 
+    before = os.environ.get("HOME")
     start_local_ray(num_cpus=2)
+    made = os.environ["HOME"]
     try:
         @serve.deployment
         class Echo:
@@ -38,6 +40,7 @@ SCRIPT = textwrap.dedent(
         print("RESPONSE", urllib.request.urlopen(req, timeout=60).read().decode())
     finally:
         stop_local_ray()
+    print("HOMES", json.dumps([before, made, os.environ.get("HOME"), os.path.exists(made)]))
     """
 )
 
@@ -56,6 +59,11 @@ def test_ray_serve_round_trip_touches_only_loopback(tmp_path: Path) -> None:
     assert completed.returncode == 0, completed.stderr[-3000:]
     response = next(x for x in completed.stdout.splitlines() if x.startswith("RESPONSE "))
     assert json.loads(response.removeprefix("RESPONSE ")) == {"ok": True, "body": {"x": 1}}
+    # Ray ran with a HOME of its own, removed once Ray stopped; the process has its HOME back
+    homes = next(x for x in completed.stdout.splitlines() if x.startswith("HOMES "))
+    before, made, after, left = json.loads(homes.removeprefix("HOMES "))
+    assert made != before and Path(made).name.startswith("dsbd-ray-home-"), homes
+    assert after == before and not left, homes
     addresses = peers(trace_dir)
     assert addresses, "the trace saw no network address at all: is strace recording?"
     outside = sorted(a for a in addresses if not is_loopback(a))
@@ -108,6 +116,7 @@ MEMORY_SCRIPT = textwrap.dedent(
         print("SEEN", json.dumps(seen))
     finally:
         stop_local_ray()
+    print("HOMES", json.dumps([before, made, os.environ.get("HOME"), os.path.exists(made)]))
     """
 )
 
