@@ -116,7 +116,6 @@ MEMORY_SCRIPT = textwrap.dedent(
         print("SEEN", json.dumps(seen))
     finally:
         stop_local_ray()
-    print("HOMES", json.dumps([before, made, os.environ.get("HOME"), os.path.exists(made)]))
     """
 )
 
