@@ -219,7 +219,7 @@ def stop_local_ray(*, shut_serve_down: bool = True) -> None:
 def release_home() -> None:
     """Remove the temporary HOMEs `start_local_ray` made and give this process its HOME back,
     once Ray is down (the HOME holds Ray's bootstrap config and auth token, which nothing reads
-    after that): every server start and batch job left one folder under /tmp."""
+    after that), so that no server start or batch job leaves a folder under /tmp."""
     while _MADE_HOMES:
         home, previous = _MADE_HOMES.pop()
         if previous is None:

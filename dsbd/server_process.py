@@ -144,10 +144,10 @@ def strace_prefix(trace_dir: Path) -> list[str]:
 
     `set_robust_list` is traced too, though no check reads it, because every new thread calls
     it first: strace 6.1's --seccomp-bpf stops a thread at each of its system calls until its
-    first traced one, so a thread that never sent (Ray's and Serve's worker threads) ran
-    stopped at every call, doubling a traced server's CPU (the tests' 22-replica server took
-    232 s to start traced, 122 s untraced, 122 s traced with this; docs/ARCHITECTURE.md,
-    "Tests")."""
+    first traced one, so without it a thread that never sends (Ray's and Serve's worker
+    threads) is stopped at every call and a traced server uses twice the CPU (the tests'
+    22-replica server starts in 232 s traced without it, 143 s with it, 122 s untraced;
+    docs/ARCHITECTURE.md, "Tests")."""
     syscalls = ["-e", "trace=connect,sendto,sendmsg,set_robust_list"]
     return ["strace", "-f", "-ff", "-qq", "--seccomp-bpf", *syscalls, "-o", str(trace_dir / "t")]
 
