@@ -87,6 +87,11 @@ OBJECT_STORE_MINIMUM_MIB = 75
 _MADE_HOMES: list[tuple[Path, str | None]] = []
 
 
+def _temporary_home() -> Path:
+    """A new folder under the system's temporary directory to serve as Ray's HOME."""
+    return Path(tempfile.mkdtemp(prefix="dsbd-ray-home-"))
+
+
 def loopback_environment(home: Path | None = None) -> dict[str, str]:
     """Environment variables that keep Ray (and its child processes) on loopback.
 
@@ -98,7 +103,7 @@ def loopback_environment(home: Path | None = None) -> dict[str, str]:
     # Resolved with the user's HOME, before it is replaced: replicas must find the models that
     # `dsbd models prepare/install` put there (presets, converted GGUFs, the HF cache).
     models, hugging_face = cache_root(), Path.home() / ".cache" / "huggingface"
-    home = home or Path(tempfile.mkdtemp(prefix="dsbd-ray-home-"))
+    home = home or _temporary_home()
     home.mkdir(parents=True, exist_ok=True)
     (home / "ray_bootstrap_config.yaml").write_text(BOOTSTRAP_CONFIG)
     return {
@@ -158,7 +163,7 @@ def start_local_ray(
     the cluster (deployments/gcs_ft.py; `GcsWatch` does the restarting).
     """
     if home is None:  # a HOME of its own, removed when Ray stops (`release_home`)
-        home = Path(tempfile.mkdtemp(prefix="dsbd-ray-home-"))
+        home = _temporary_home()
         _MADE_HOMES.append((home, os.environ.get("HOME")))
     os.environ.update(loopback_environment(home))
     if gcs_redis is not None:
@@ -201,15 +206,17 @@ def metrics_url() -> str | None:
 def stop_local_ray(*, shut_serve_down: bool = True) -> None:
     """Shut Serve (if running) and Ray down; leaves no Ray process behind.
 
-    `shut_serve_down=False` skips Serve's own shutdown, for a driver that would wait its full
-    30 s for a controller exit it cannot hear (after a GCS restart: deployments/gcs_ft.py);
-    Ray's shutdown then stops the replicas with everything else."""
+    `shut_serve_down=False` skips Serve's own shutdown: for a driver that would wait its full
+    30 s for a controller exit it cannot hear (after a GCS restart: deployments/gcs_ft.py;
+    Ray's shutdown then stops the replicas with everything else), and for one that ran no
+    Serve (a batch job)."""
     import ray
-    from ray import serve
 
     if ray.is_initialized():
         try:
             if shut_serve_down:
+                from ray import serve
+
                 serve.shutdown()
         finally:
             ray.shutdown()

@@ -267,14 +267,11 @@ def _start_ray(address: str | None, options: JobOptions) -> bool:
 
 def _stop_ray(initialized_here: bool) -> None:
     """Disconnect from a cluster, or shut down the local Ray this job started (no Serve runs
-    here, so not `stop_local_ray`, which would say so); a caller's Ray is left as it was."""
+    here: Serve's shutdown is skipped); a caller's Ray is left as it was."""
     if initialized_here:
-        import ray
+        from deployments.local_ray import stop_local_ray
 
-        from deployments.local_ray import release_home
-
-        ray.shutdown()
-        release_home()
+        stop_local_ray(shut_serve_down=False)
 
 
 def _execute(

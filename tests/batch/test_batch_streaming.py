@@ -242,7 +242,7 @@ import signal, sys
 print(f"driver SIGINT ignored at start: {signal.getsignal(signal.SIGINT) is signal.SIG_IGN}")
 import pyarrow.parquet, ray.data  # imported by the job anyway: not what is measured
 import deployments.batch_job.job as job, deployments.batch_job.decoder, deployments.batch_job.source
-from deployments.local_ray import release_home, start_local_ray
+from deployments.local_ray import start_local_ray, stop_local_ray
 from dsbd.cli import main
 
 def kib(key):
@@ -262,10 +262,7 @@ start_local_ray(num_cpus=2, namespace="dsbd-batch")
 try:
     status = main(sys.argv[1:])
 finally:
-    import ray
-
-    ray.shutdown()
-    release_home()
+    stop_local_ray(shut_serve_down=False)
 print(f"driver RSS KiB: {marks['start']} {kib('VmHWM')}", file=sys.stderr)
 sys.exit(status)
 """
