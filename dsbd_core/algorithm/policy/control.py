@@ -10,12 +10,14 @@ may choose them per iteration (gamma = 0: a plain beam-sampling step). The decod
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from dsbd_core.algorithm.config import SamplingConfig
-from dsbd_core.algorithm.sequences.state import DecodeState, Outcome
+
+if TYPE_CHECKING:  # annotations only: the session registry imports this module without torch
+    from dsbd_core.algorithm.sequences.state import DecodeState, Outcome
 
 
 class Knobs(BaseModel):

@@ -50,12 +50,15 @@ whose long forwards are dear, before a long prompt) is not run at all.
 from __future__ import annotations
 
 import bisect
+from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from dsbd_core.algorithm.config import SamplingConfig
 from dsbd_core.algorithm.policy.control import Knobs
-from dsbd_core.algorithm.sequences.state import DecodeState, Outcome
+
+if TYPE_CHECKING:  # annotations only: the session registry imports this module without torch
+    from dsbd_core.algorithm.sequences.state import DecodeState, Outcome
 
 
 class ForwardCosts(BaseModel):
