@@ -14,27 +14,22 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
 
-from deployments.batch_job.decoder import DecoderSettings, RowDefaults, check_n
-from deployments.batch_job.inputs import InputError, find_input
-from deployments.batch_job.job import (
-    BatchJob,
-    JobOptions,
-    UsageError,
-    check_models,
-    check_output,
-    interruptible,
-    run_job,
-)
 from deployments.batch_job.output import EXTENSIONS, OutputDir, OutputFormat
 from deployments.batch_job.rows import INPUT_SUFFIXES
 from dsbd.common import DEFAULT_DRAFT, DEFAULT_TARGET, add_pair_flags, fail
 from dsbd.sampling_flags import add_config_flags, config_from_args
 from dsbd_core.algorithm.config import error_words
 from dsbd_core.algorithm.methods import METHODS, method_config
-from dsbd_core.models.pair import DraftOptions
+
+if TYPE_CHECKING:
+    from deployments.batch_job.job import BatchJob
+
+# The job's modules (its decoder imports torch and transformers' model code) are imported by
+# `run` and the checks: `dsbd --help` and every other command parse without them.
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
@@ -125,6 +120,8 @@ def _add_ray_arguments(ray: argparse._ArgumentGroup) -> None:
 def run(args: argparse.Namespace) -> int:
     """`dsbd batch`: check everything, then run the job; returns the exit status (130 for
     Ctrl-C, also during the checks, e.g. while a preset is converted)."""
+    from deployments.batch_job.job import UsageError, interruptible, run_job
+
     with interruptible():
         try:
             job = _plan(args)
@@ -138,6 +135,17 @@ def run(args: argparse.Namespace) -> int:
 
 def _plan(args: argparse.Namespace) -> BatchJob:
     """Everything checked and read before Ray starts; raises UsageError."""
+    from deployments.batch_job.decoder import DecoderSettings, RowDefaults, check_n
+    from deployments.batch_job.inputs import InputError, find_input
+    from deployments.batch_job.job import (
+        BatchJob,
+        JobOptions,
+        UsageError,
+        check_models,
+        check_output,
+    )
+    from dsbd_core.models.pair import DraftOptions
+
     try:
         listing = find_input(args.input)
     except InputError as error:
@@ -221,6 +229,8 @@ def _plan(args: argparse.Namespace) -> BatchJob:
 
 
 def _output_format(path: str, flag: OutputFormat | None) -> OutputFormat:
+    from deployments.batch_job.job import UsageError
+
     name = path.rstrip("/").rsplit("/", 1)[-1]
     suffix = "." + name.rsplit(".", 1)[-1].lower() if "." in name else ""
     by_suffix: dict[str, OutputFormat] = {

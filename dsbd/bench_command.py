@@ -39,7 +39,6 @@ from dsbd.bench.decode.pairs import PAIRS
 from dsbd.common import add_pair_flags
 from dsbd.prompts import PROMPT_SETS
 from dsbd_core.algorithm.config import config_error_message
-from dsbd_core.algorithm.scorers.ngram_draft import LOOKUP_DRAFT
 
 if TYPE_CHECKING:
     from dsbd.bench.decode.schema import BenchConfig
@@ -167,8 +166,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def build_config(args: argparse.Namespace) -> BenchConfig:
     """BenchConfig from the flags (raises ValueError / ValidationError naming the flag)."""
+    # imported here, not at the top: it imports torch, which `dsbd --help` does without
     from dsbd.bench.decode.schema import BenchConfig
     from dsbd.prompts import EVAL_PROMPTS, HUMANEVAL_SUBSET
+    from dsbd_core.algorithm.scorers.ngram_draft import LOOKUP_DRAFT
 
     preset = PAIRS.get(args.pair)
     if preset is None and not (args.target and args.methods):

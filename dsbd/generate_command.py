@@ -26,10 +26,8 @@ from dsbd.common import (
 )
 from dsbd.sampling_flags import add_config_flags, config_from_args
 from dsbd_core.algorithm.config import SamplingConfig, config_error_message
-from dsbd_core.algorithm.drivers.decoders import generate
 from dsbd_core.algorithm.methods import METHODS, drafts
-from dsbd_core.algorithm.sequences.penalties import bias_problem
-from dsbd_core.algorithm.sequences.stops import first_stop, stop_problem, text_floor
+from dsbd_core.algorithm.sequences.stop_text import first_stop, stop_problem, text_floor
 
 if TYPE_CHECKING:
     from dsbd_core.algorithm.sequences.result import DecodeResult
@@ -96,7 +94,9 @@ def _generate(args: argparse.Namespace, config: SamplingConfig, options: DraftOp
     import torch
     from transformers.utils import logging as hf_logging
 
+    from dsbd_core.algorithm.drivers.decoders import generate
     from dsbd_core.algorithm.policy.cost_model import CostController
+    from dsbd_core.algorithm.sequences.penalties import bias_problem
     from dsbd_core.models import ModelSourceError, VocabularyMismatchError
     from dsbd_core.models.pair import load_pair
 

@@ -31,7 +31,7 @@ from deployments.api.models import (
 )
 from dsbd_core.algorithm.sequences.prompt_logprobs import PromptLogprobs
 from dsbd_core.algorithm.sequences.result import Beam
-from dsbd_core.algorithm.sequences.stops import first_stop, text_floor
+from dsbd_core.algorithm.sequences.stop_text import first_stop, text_floor
 
 # OpenAI's stand-in for a log-probability of minus infinity (JSON has no infinity).
 FLOOR = -9999.0
@@ -73,7 +73,7 @@ class BeamText:
         return view
 
     def stop_floor(self, token_ids: list[int]) -> int:
-        """Characters of the text no stop match may end within (`stops.text_floor`)."""
+        """Characters of the text no stop match may end within (`stop_text.text_floor`)."""
         if not self.stops:
             return 0
         return text_floor(self.decode, token_ids, self.min_tokens)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, Field, field_validator
 
-from dsbd_core.algorithm.sequences.stops import MAX_STOPS, stop_problem
+from dsbd_core.algorithm.sequences.stop_text import MAX_STOPS, stop_problem
 
 
 class StopFields(BaseModel):

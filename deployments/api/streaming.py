@@ -8,7 +8,7 @@ caches (`DecodeStream`). With logprobs asked, every chunk carries the log-probs 
 whose text it adds (taken from the decode's state: the committed tokens' values are final too).
 With stop strings, a chunk never sends text a later stop match would cut: the committed text is
 cut at a stop string in it, and the longest end of it that begins a stop string is held back
-until the next tokens show whether the stop follows (`stops.held_back`).
+until the next tokens show whether the stop follows (`stop_text.held_back`).
 The router replica that runs the decode sends the committed tokens (deployments/decode/router.py); a
 router that dies mid-stream is replaced without the client noticing (deployments/decode/client.py).
 """
@@ -28,7 +28,7 @@ from deployments.api.models import ChatLogprobs, CompletionLogprobs
 from deployments.api.responses import BeamText, finish_reason, usage
 from deployments.decode.client import ReplayDiverged
 from deployments.messages import Committed, DecodeEnd
-from dsbd_core.algorithm.sequences.stops import first_stop, held_back
+from dsbd_core.algorithm.sequences.stop_text import first_stop, held_back
 
 
 class DecodeStream(StreamingResponse):

@@ -16,15 +16,14 @@ import pytest
 import torch
 
 from dsbd_core import SamplingConfig, TableScorer, generate_batch
-from dsbd_core.algorithm.sequences.stops import (
+from dsbd_core.algorithm.sequences.stop_text import (
     MAX_STOP_CHARS,
     MAX_STOPS,
-    ExplicitTexts,
-    StopStrings,
     first_stop,
     held_back,
     stop_problem,
 )
+from dsbd_core.algorithm.sequences.stops import ExplicitTexts, StopStrings
 from dsbd_core.models import load_tokenizer
 from dsbd_core.models.token_bytes import TokenizerTexts, token_bytes
 from tests.support.exact_reference import random_table

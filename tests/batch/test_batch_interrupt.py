@@ -19,7 +19,6 @@ from typing import Any
 import pytest
 
 import deployments.batch_job.job
-import dsbd.batch_command
 from deployments.batch_job.job import interruptible
 from dsbd.cli import main
 from tests.support.tiny_models import build_pair
@@ -91,7 +90,7 @@ def test_ctrl_c_during_the_checks_or_planning_exits_130(
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
     with monkeypatch.context() as patched:
-        patched.setattr(dsbd.batch_command, "check_models", ctrl_c)
+        patched.setattr(deployments.batch_job.job, "check_models", ctrl_c)  # the checks
         assert main(argv) == 130
     assert "dsbd batch: interrupted before the job started" in capsys.readouterr().err
 
