@@ -11,7 +11,7 @@ after the last of them (its replicas hold gigabytes). The suite runs on three py
 (`-n 3 --dist loadgroup`, pyproject.toml): the in-process tests on all three; then the `ray` tests
 as one unit on the first worker (`RAY_WORKER`), so no two clusters run at once, while the others
 run the algorithm's and the theory's tests (`BESIDE_RAY`: computation only, no subprocess, time-out
-or timing) on the CPU the Ray unit leaves idle (`_yield_cpu`)."""
+or timing) at a lower CPU priority (`BESIDE_NICE`), in the CPU the Ray unit leaves idle."""
 
 from __future__ import annotations
 
@@ -66,13 +66,12 @@ RAY_MODULES = frozenset(
 
 
 # The in-process tests that run beside the Ray unit: pure computation, so that a test there
-# slowed by a server's start fails no time-out. Their worker yields the CPU to everything else
-# (`_yield_cpu`): Ray runs its workers at nice 15, and the kernel's autogroups (one per
-# session: a `dsbd serve` starts its own) share the CPU between sessions whatever the nice
-# values inside them, so a plain nice 10 took 1.3-1.7 of the 2 cores from a starting server.
+# slowed by a server's start fails no time-out, and a server's replicas are not slowed by them:
+# their worker runs them at `BESIDE_NICE` (a worker's niceness only ever goes up, and its tests
+# after that are all of these).
 BESIDE_RAY = ("tests/algorithm/", "tests/theory/")
+BESIDE_NICE = 10
 RAY_WORKER = "gw0"
-_YIELDED = False
 
 
 def _module(nodeid: str) -> str:
@@ -134,26 +133,10 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
-    """A worker other than `RAY_WORKER` yields the CPU from its first `BESIDE_RAY` test on (its
-    tests after that are all of these)."""
-    global _YIELDED
+    """A worker other than `RAY_WORKER` lowers its CPU priority at its first `BESIDE_RAY` test."""
     worker = os.environ.get("PYTEST_XDIST_WORKER")
-    if worker not in (None, RAY_WORKER) and _beside(item.nodeid) and not _YIELDED:
-        _yield_cpu()
-        _YIELDED = True
-
-
-def _yield_cpu() -> None:
-    """This process runs only on CPU nothing else wants: a session (autogroup) of its own at
-    the lowest weight, and SCHED_IDLE for kernels without autogroups (measured: two busy
-    processes so placed got 0.3 CPU-seconds of 12 beside two at Ray's nice 15)."""
-    with contextlib.suppress(OSError):
-        os.setsid()
-    with contextlib.suppress(OSError):
-        with open("/proc/self/autogroup", "w") as autogroup:
-            autogroup.write("19")
-    with contextlib.suppress(OSError, AttributeError):
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    if worker not in (None, RAY_WORKER) and _beside(item.nodeid) and os.nice(0) < BESIDE_NICE:
+        os.nice(BESIDE_NICE - os.nice(0))
 
 
 @pytest.hookimpl(optionalhook=True)
