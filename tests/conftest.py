@@ -7,11 +7,10 @@ a `dsbd serve` (marked `ray`), in file order, and last those of `served`, the fo
 server (tests/support/serving_harness.py) that tests/serving/test_lm_eval.py,
 tests/serving/test_serving.py and tests/serving/test_serving_api.py share: starting its 22 replicas
 takes minutes of CPU on two cores, so it starts once, its tests run back to back, and it stops right
-after the last of them (its replicas hold gigabytes). The suite runs on three pytest-xdist workers
-(`-n 3 --dist loadgroup`, pyproject.toml): the in-process tests on all three; then the `ray` tests
-as one unit on the first worker (`RAY_WORKER`), so no two clusters run at once, while the others
-run the algorithm's and the theory's tests (`BESIDE_RAY`: computation only, no subprocess, time-out
-or timing) at a lower CPU priority (`BESIDE_NICE`), in the CPU the Ray unit leaves idle."""
+after the last of them (its replicas hold gigabytes). The suite runs on two pytest-xdist workers
+(`-n 2 --dist loadgroup`, pyproject.toml): the in-process tests, one core each, on both; the `ray`
+tests as one unit on one worker once every in-process test has been handed out, so no two clusters
+run at once and no in-process test competes with a server's start for long."""
 
 from __future__ import annotations
 
@@ -65,21 +64,8 @@ RAY_MODULES = frozenset(
 )
 
 
-# The in-process tests that run beside the Ray unit: pure computation, so that a test there
-# slowed by a server's start fails no time-out, and a server's replicas are not slowed by them:
-# their worker runs them at `BESIDE_NICE` (a worker's niceness only ever goes up, and its tests
-# after that are all of these).
-BESIDE_RAY = ("tests/algorithm/", "tests/theory/")
-BESIDE_NICE = 10
-RAY_WORKER = "gw0"
-
-
 def _module(nodeid: str) -> str:
     return nodeid.split("::", 1)[0]
-
-
-def _beside(nodeid: str) -> bool:
-    return nodeid.startswith(BESIDE_RAY)
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -102,17 +88,11 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 @pytest.hookimpl(tryfirst=True)
 def pytest_cmdline_main(config: pytest.Config) -> None:
     """`-s` (print what the tests print) runs in this process: xdist's workers' output never
-    reaches the terminal. A run that leaves the `ray` tests out (`-m "not ray ..."`) has no
-    Ray unit to run beside: two workers, one per core (the quick loop, 45 s against 52 s on
-    three). An explicit `-n` still wins."""
+    reaches the terminal. An explicit `-n` still wins."""
     args = config.invocation_params.args
     explicit = any(a.startswith(("-n", "--numprocesses")) for a in args)
-    if explicit:
-        return
-    if config.getoption("capture", "fd") == "no":
+    if config.getoption("capture", "fd") == "no" and not explicit:
         config.option.numprocesses = 0
-    elif "not ray" in (config.option.markexpr or "") and config.option.numprocesses:
-        config.option.numprocesses = min(config.option.numprocesses, 2)
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` selects by markers
@@ -122,50 +102,30 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         item.add_marker(pytest.mark.ray)
     served = [item for item in ray if "served" in getattr(item, "fixturenames", ())]
     rest = [item for item in ray if item not in served]
-    # the modules with slow tests first, so that the workers end each phase together (each
-    # module's tests stay together: its module-scoped fixtures are built once)
+    # the modules with slow tests first, so that the two workers end the in-process phase
+    # together (each module's tests stay together: its module-scoped fixtures are built once)
     inprocess = [item for item in items if item not in ray]
     slow = {_module(item.nodeid) for item in inprocess if item.get_closest_marker("slow")}
     inprocess.sort(key=lambda item: _module(item.nodeid) not in slow)  # stable
-    first = [item for item in inprocess if not _beside(item.nodeid)]
-    beside = [item for item in inprocess if _beside(item.nodeid)]
-    items[:] = first + rest + served + beside
-
-
-def pytest_runtest_setup(item: pytest.Item) -> None:
-    """A worker other than `RAY_WORKER` lowers its CPU priority at its first `BESIDE_RAY` test."""
-    worker = os.environ.get("PYTEST_XDIST_WORKER")
-    if worker not in (None, RAY_WORKER) and _beside(item.nodeid) and os.nice(0) < BESIDE_NICE:
-        os.nice(BESIDE_NICE - os.nice(0))
+    items[:] = inprocess + rest + served
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
-    """Under `--dist loadgroup`: each in-process test a unit of its own and every `ray` test in
-    one unit, handed out in collection order, except that only `RAY_WORKER` takes the `ray` unit
-    (when no other is left before it) and the other workers go past it to the `BESIDE_RAY` tests
-    (xdist's own `xdist_group` marks rename test ids, which pytest 9.2's ids no longer allow)."""
+    """Under `--dist loadgroup`: each in-process test a unit of its own, handed out in
+    collection order, and every `ray` test in one unit, last (xdist's own `xdist_group` marks
+    rename test ids, which pytest 9.2's ids no longer allow)."""
     if config.getvalue("dist") != "loadgroup":
         return None
     from xdist.scheduler import LoadScopeScheduling
 
-    config.option.loadscopereorder = False  # keep the collection order
+    config.option.loadscopereorder = False  # keep the collection order: `ray` last
 
-    class RayOnOneWorker(LoadScopeScheduling):
+    class RayLast(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             return "ray" if _module(nodeid) in RAY_MODULES else nodeid
 
-        def _assign_work_unit(self, node: Any) -> None:
-            scopes = list(self.workqueue)
-            if scopes[0] == "ray" and node.workerinput["workerid"] != RAY_WORKER:
-                if len(scopes) > 1:  # past the Ray unit: the tests beside it
-                    self.workqueue.move_to_end(scopes[1], last=False)
-                elif any(n.workerinput["workerid"] == RAY_WORKER for n in self.nodes):
-                    node.shutdown()  # the Ray unit is all that is left, and not for this one
-                    return
-            super()._assign_work_unit(node)
-
-    return RayOnOneWorker(config, log)
+    return RayLast(config, log)
 
 
 @pytest.hookimpl(trylast=True)
