@@ -12,8 +12,9 @@
 
 Every `SamplingConfig` field is a flag (`--top-p`, `--w-min`, ...); the flags are only parsed
 here, the config model validates them, so the CLI and (later) HTTP reject the same values with
-the same message. Usage and config errors exit with status 2, before any model is loaded
-(transformers and the models are imported only after the flags are known to be valid).
+the same message. Usage and config errors exit with status 2, before any model is loaded.
+Parsing imports neither torch, transformers nor Ray (`dsbd --help` answers at once;
+tests/tools/test_layers.py checks): each command imports what it runs when it runs.
 
 This module is the parser and the dispatch only; each subcommand's flags and handler live in
 its own module of this package (generate_command, models_command, theory_command,

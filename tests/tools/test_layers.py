@@ -293,6 +293,25 @@ def test_the_algorithm_imports_nothing_heavy() -> None:
     assert out.stdout.strip() == ""
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("module", "absent"),
+    [
+        ("dsbd.cli", ("torch", "transformers", "ray")),
+        ("deployments.decode.session_registry", ("torch", "transformers")),
+    ],
+)
+def test_entry_points_import_only_what_they_use(module: str, absent: tuple[str, ...]) -> None:
+    """The CLI parses (`dsbd --help`, flag errors, `dsbd ray-env`) without torch, transformers
+    or Ray, and Serve's SessionRegistry replica starts without torch: what a process imports is
+    most of the CPU it spends starting (a server starts a dozen replicas at once)."""
+    code = f"import sys, {module}; print(','.join(m for m in {absent!r} if m in sys.modules))"
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == "", f"{module} imports {out.stdout.strip()}"
+
+
 def test_every_layer_is_a_known_package(graph: dict[str, set[str]]) -> None:
     by_layer: dict[str, int] = defaultdict(int)
     for module in graph:
