@@ -178,10 +178,12 @@ def test_ray_env_prints_the_loopback_settings() -> None:
     assert settings["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "0"
     assert (Path(settings["HOME"]) / "ray_bootstrap_config.yaml").is_file()
     assert settings["MALLOC_ARENA_MAX"] == "2"  # Ray's glibc processes (deployments.local_ray)
-    # the user's own memory settings win, as in `dsbd serve`
-    mine = {**os.environ, "MALLOC_ARENA_MAX": "4"}
+    assert settings["RAY_SERVE_CONTROL_LOOP_INTERVAL_S"] == "0.5"  # Serve's controller's walk
+    # the user's own memory settings and controller interval win, as in `dsbd serve`
+    mine = {**os.environ, "MALLOC_ARENA_MAX": "4", "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.2"}
     done = subprocess.run([*DSBD, "ray-env"], capture_output=True, text=True, timeout=60, env=mine)
     assert "MALLOC_ARENA_MAX=4" in done.stdout.split(), done.stdout
+    assert "RAY_SERVE_CONTROL_LOOP_INTERVAL_S=0.2" in done.stdout.split(), done.stdout
 
 
 def test_serve_options_pass_through_to_serve_over_dsbds_own() -> None:
