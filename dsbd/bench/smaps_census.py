@@ -11,8 +11,11 @@ main thread's arena is the `[heap]` (brk). Python's small objects live in pymall
 arenas (anonymous mmaps) and big buffers in mmaps of their own. So `/proc/PID/smaps` split by
 mapping says whose pages grew:
 
-- `heap`: glibc's main arena; `malloc_arenas`: the threads' arenas (anonymous, rw, start aligned
-  to 64 MiB); `stacks`: 8 MiB anonymous mappings behind a guard page; `anon`: every other
+- `heap`: glibc's main arena; `malloc_arenas`: the heaps of the threads' arenas (anonymous, rw,
+  starting at a multiple of 64 MiB, and with the rest of those 64 MiB reserved right after them
+  as an inaccessible mapping, or grown over all of them: glibc reserves a heap's whole 64 MiB
+  and opens it as the arena grows; an anonymous mapping that merely starts aligned is not one);
+  `stacks`: 8 MiB anonymous mappings behind a guard page; `anon`: every other
   anonymous mapping (pymalloc arenas, large mallocs); `files`: file-backed (code, data of
   libraries); `shmem`: shared memory (Ray's object store).
 
@@ -45,8 +48,11 @@ FIELDS = ("Rss", "Pss", "Anonymous", "Private_Dirty")
 ARENA_ALIGN = 64 << 20  # glibc's HEAP_MAX_SIZE on 64-bit: a thread arena starts at a multiple
 
 
-def kind(start: int, size: int, perms: str, path: str, previous_guard: bool) -> str:
-    """The kind of one mapping (see the module docstring)."""
+def kind(
+    start: int, size: int, perms: str, path: str, previous_guard: bool, reserved_to: int = 0
+) -> str:
+    """The kind of one mapping (see the module docstring); `reserved_to` is the end of the
+    inaccessible anonymous mapping right after it (0 if none follows)."""
     if path == "[heap]":
         return "heap"
     if path.startswith("[stack"):
@@ -55,8 +61,10 @@ def kind(start: int, size: int, perms: str, path: str, previous_guard: bool) -> 
         return "shmem"
     if path.startswith("/") or path.startswith("[v"):
         return "files"
+    arena_end = start + ARENA_ALIGN
     if perms.startswith("rw") and start % ARENA_ALIGN == 0 and size <= ARENA_ALIGN:
-        return "malloc_arenas"
+        if size == ARENA_ALIGN or reserved_to == arena_end:
+            return "malloc_arenas"
     if perms.startswith("rw") and previous_guard and size >= 8 << 20:
         return "stacks"
     return "anon"
@@ -64,21 +72,27 @@ def kind(start: int, size: int, perms: str, path: str, previous_guard: bool) -> 
 
 def census(pid: int) -> dict[str, dict[str, int]]:
     """kB per kind and field of `pid`'s mappings now, with a count of mappings per kind."""
-    totals: dict[str, dict[str, int]] = defaultdict(lambda: dict.fromkeys((*FIELDS, "count"), 0))
-    current: dict[str, int] | None = None
-    previous_guard = False
+    mappings: list[tuple[int, int, str, str, dict[str, int]]] = []
     with open(f"/proc/{pid}/smaps") as smaps:
         for line in smaps:
             head = line.split(None, 5)
             if "-" in head[0] and len(head) >= 5 and not head[0].endswith(":"):
                 low, high = (int(part, 16) for part in head[0].split("-"))
-                perms, path = head[1], head[5].strip() if len(head) > 5 else ""
-                name = kind(low, high - low, perms, path, previous_guard)
-                previous_guard = perms.startswith("---") and not path
-                current = totals[name]
-                current["count"] += 1
-            elif current is not None and head[0].rstrip(":") in FIELDS:
-                current[head[0].rstrip(":")] += int(head[1])
+                path = head[5].strip() if len(head) > 5 else ""
+                mappings.append((low, high, head[1], path, dict.fromkeys(FIELDS, 0)))
+            elif mappings and head[0].rstrip(":") in FIELDS:
+                mappings[-1][4][head[0].rstrip(":")] += int(head[1])
+    totals: dict[str, dict[str, int]] = defaultdict(lambda: dict.fromkeys((*FIELDS, "count"), 0))
+    previous_guard = False
+    for at, (low, high, perms, path, fields) in enumerate(mappings):
+        after = mappings[at + 1] if at + 1 < len(mappings) else None
+        reserved = after is not None and after[0] == high and after[2].startswith("---")
+        reserved_to = after[1] if reserved and after is not None and not after[3] else 0
+        current = totals[kind(low, high - low, perms, path, previous_guard, reserved_to)]
+        current["count"] += 1
+        for field, kib in fields.items():
+            current[field] += kib
+        previous_guard = perms.startswith("---") and not path
     return dict(totals)
 
 
