@@ -26,15 +26,15 @@ from torch._dynamo.testing import CompileCounter
 
 from dsbd_core import SamplingConfig, TableScorer
 from dsbd_core.algorithm.draws.host_reads import computing_everywhere
-from dsbd_core.algorithm.draws.streams import DRAFT, VERIFY_SIDE, Streams
+from dsbd_core.algorithm.draws.streams import DRAFT, Streams
 from dsbd_core.algorithm.drivers.loop import Decode, run_decode
 from dsbd_core.algorithm.engine import Engine
 from dsbd_core.algorithm.iteration.draft_forest import draft_layer
-from dsbd_core.algorithm.iteration.side_graphs import graph_for
+from dsbd_core.algorithm.iteration.side_graphs import SideGraph, graph_for
 from dsbd_core.algorithm.iteration.verify_forest import verify_scored
 from dsbd_core.algorithm.methods import method_config
-from dsbd_core.algorithm.scorer import Roots, drive
-from dsbd_core.algorithm.sequences.state import NO_FOREST, Outcome, deepest_layer
+from dsbd_core.algorithm.scorer import Roots
+from dsbd_core.algorithm.sequences.state import Outcome
 from dsbd_core.models.static_scorer import StaticScorer
 from dsbd_core.models.transformer_scorer import TransformerScorer
 from tests.support.exact_reference import random_table
@@ -103,49 +103,6 @@ def _flat(outcome: Outcome) -> dict[str, torch.Tensor]:
     return values
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize(("name", "fields", "drafts"), CASES, ids=[c[0] for c in CASES])
-def test_the_verify_side_compiles_as_one_graph_and_decodes_as_eager(
-    name: str, fields: dict, drafts: bool
-) -> None:
-    torch._dynamo.reset()
-    target, draft = _pair()
-    config = SamplingConfig(
-        **{"threshold": None, "max_new_tokens": 10, "seed": 4, "eos_token_ids": (EOS,)} | fields
-    )
-    engine = Engine(method_config("dsbd" if drafts else "beam", config), VOCAB)
-    counter = CompileCounter()
-    compiled = torch.compile(verify_scored, fullgraph=True, backend=counter, dynamic=False)
-    state = engine.start(PROMPTS)
-    iterations, pooled = 0, 0
-    with computing_everywhere():
-        while engine.next_iteration(state):
-            deepest = deepest_layer(state)
-            forest = NO_FOREST
-            if drafts and deepest > 0:
-                forest = drive(draft, engine.propose_steps(state))
-            target.set_roots(Roots(state.tokens, state.length, state.alive, state.origin))
-            scored = target.forward(forest.layers)
-            node_logp = [scored.roots] + list(scored.layers)
-            args = (config, VOCAB, engine.eos)
-            streams = Streams.side(config.seed, iterations, VERIFY_SIDE)
-            eager = verify_scored(state, forest, node_logp, *args, streams, deepest)
-            keyed = streams.on(torch.device("cpu"))
-            graph = compiled(state, forest, node_logp, *args, keyed, deepest)
-            expected, actual = _flat(eager), _flat(graph)
-            assert sorted(actual) == sorted(expected)
-            for key, value in expected.items():
-                assert torch.equal(actual[key], value), (name, iterations, key)
-            pooled += int(sum(int(k.sum()) for k in eager.finished.kept))
-            engine.advance(state, eager)
-            iterations += 1
-    assert iterations >= 3 and counter.frame_count >= 1 and counter.op_count > 100
-    # the key is an input: a new iteration's key is no new graph (shapes and depths are)
-    assert counter.frame_count < iterations
-    if name != "sample":
-        assert pooled > 0, "no beam finished at EOS: the pool's path was not exercised"
-
-
 @pytest.mark.parametrize("mode", ["distinct", "with_replacement"])
 def test_a_draft_layer_compiles_as_one_graph_and_draws_as_eager(mode: str) -> None:
     torch._dynamo.reset()
@@ -178,9 +135,14 @@ def test_a_draft_layer_compiles_as_one_graph_and_draws_as_eager(mode: str) -> No
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("name", "fields", "drafts"), CASES, ids=[c[0] for c in CASES])
-def test_a_decode_through_the_verify_graph_gives_the_eager_tokens(
-    name: str, fields: dict, drafts: bool
+def test_a_decode_through_the_side_graphs_gives_the_eager_tokens(
+    name: str, fields: dict, drafts: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Whole decodes through `SideGraph` for both sides give the eager decodes' tokens and
+    statistics, and every call of the verify side's graph returns what `verify_scored` returns
+    eagerly on the same inputs (every tensor of the outcome, the pool's and the record's too),
+    from fewer graphs than calls: the key is an input, so a new iteration's key is no new
+    graph (shapes and depths are)."""
     torch._dynamo.reset()
     target, draft = _pair()
     config = SamplingConfig(
@@ -188,7 +150,26 @@ def test_a_decode_through_the_verify_graph_gives_the_eager_tokens(
     )
     graph = graph_for(torch.device("cpu"), verify_scored)
     draft_graph = graph_for(torch.device("cpu"), draft_layer)
+    counter = CompileCounter()  # the verify side's graphs, run as Dynamo traced them
+    compiled = torch.compile(verify_scored, fullgraph=True, backend=counter, dynamic=False)
+    monkeypatch.setattr(graph, "compiled", compiled)
     before, draft_before = graph.replays, draft_graph.replays
+    calls, pooled = [0], [0]
+    through_graph = SideGraph.__call__
+
+    def checked(side: SideGraph, *args: object) -> object:
+        out = through_graph(side, *args)
+        if side is graph:
+            eager = verify_scored(*args)
+            expected, actual = _flat(eager), _flat(out)
+            assert sorted(actual) == sorted(expected)
+            for key, value in expected.items():
+                assert torch.equal(actual[key], value), (name, calls[0], key)
+            calls[0] += 1
+            pooled[0] += int(sum(int(k.sum()) for k in eager.finished.kept))
+        return out
+
+    monkeypatch.setattr(SideGraph, "__call__", checked)
 
     def decode(graphed: bool) -> list:
         run = Decode(
@@ -198,7 +179,11 @@ def test_a_decode_through_the_verify_graph_gives_the_eager_tokens(
 
     with computing_everywhere():
         eager, graphed = decode(False), decode(True)
-    assert graph.replays - before >= 2, "the graph was not replayed"
+    assert graph.replays - before == calls[0] >= 3, "the graph was not replayed"
+    assert counter.frame_count >= 1 and counter.op_count > 100
+    assert counter.frame_count < calls[0]
+    if name != "sample":
+        assert pooled[0] > 0, "no beam finished at EOS: the pool's path was not exercised"
     if drafts:  # and the draft's layers ran as their graph
         assert draft_graph.replays - draft_before >= 2, "the draft layer's graph was not replayed"
     for a, b in zip(eager, graphed, strict=True):
