@@ -86,8 +86,9 @@ def pytest_configure(config: pytest.Config) -> None:
 # (not 700), and the objects alive once the tests are collected (torch's, transformers', the
 # test modules') frozen out of every collection. The exactness tests make millions of objects
 # per decode of 1e5 sessions; with the defaults, collections over the whole heap took a fifth
-# of their CPU (tests/algorithm/test_exactness.py's fixed-width tests at width 3: 50.5 CPU-s
-# against 40.8, AMD EPYC, one process). Cycles are still collected, so memory stays bounded.
+# of their CPU (test_exactness's fixed-width tests at width 3, one process: 52.7 CPU-s against
+# 42.3, means of 3 interleaved rounds on the 2-core AMD EPYC; benchmarks/results/
+# suite_time_epyc.json, "gc_in_tests"). Cycles are still collected, so memory stays bounded.
 GC_THRESHOLDS = (10_000, 10, 10)
 
 

@@ -113,7 +113,8 @@ def collect_results(
     numbers once, here, at the end, after one copy to the host). Python's cyclic collector is
     paused meanwhile: the beams and statistics made here hold no cycles, and a batch call of
     1e5 sessions makes millions of objects, whose allocation set off full collections over the
-    whole heap that took two thirds of this function's time (`_collector_paused`)."""
+    whole heap that took about 60 % of this function's time (`_collector_paused`;
+    benchmarks/results/suite_time_epyc.json, "collect_results_collector_paused")."""
     parts: list[Any] = [
         pool.session,
         pool.tokens,
