@@ -2,7 +2,7 @@
 
 Pure torch (+ transformers for real models); knows nothing of Ray.
 
-The names below resolve on first use (PEP 562), as in `dsbd_core.models`: a process that needs
+The names below resolve on first use (PEP 562, `algorithm/lazy_names.py`): a process that needs
 only the request schema or the method catalogue (the CLI's parser, Serve's ingress and session
 registry) does not import torch for them; a Serve replica's imports are most of the CPU it
 spends starting, and a server starts a dozen at once on two cores.
@@ -10,8 +10,9 @@ spends starting, and a server starts a dozen at once on two cores.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from dsbd_core.algorithm.lazy_names import lazy_names
 
 if TYPE_CHECKING:
     from dsbd_core.algorithm.config import SamplingConfig, config_error_message
@@ -57,14 +58,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.algorithm.{module}"), name)
-    globals()[name] = value  # later lookups skip this function
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_names(f"{__name__}.algorithm", _EXPORTS, globals())

@@ -13,7 +13,7 @@ tests/tools/test_layers.py checks):
     policy/      gamma and draft width per iteration: control, cost model, iteration timing
     sequences/   state, log-probs, result, stops, penalties        scorers/   table, n-gram look-up
     draws/       counter-hash streams, distributions, candidates, host reads
-    config  methods  scorer
+    config  methods  scorer  lazy_names (the PEP 562 names of dsbd_core and dsbd_core.models)
 
 Pure torch: it imports neither transformers, Ray, `deployments` nor the CLI.
 """

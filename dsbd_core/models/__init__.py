@@ -4,15 +4,17 @@ Loading (presets, local directories, GGUF files, hub ids) and installing weights
 transformers scorer with its KV caches, tensor parallelism and draft variants. Imports the
 algorithm layer (`dsbd_core.algorithm`) and transformers; never Ray, `deployments` or the CLI.
 
-The names below resolve on first use (PEP 562): a process that needs only the tokenizer or the
-presets (Serve's ingress and router) does not pay for importing transformers' model code,
-which costs seconds of CPU in each of a server's replicas as they start together.
+The names below resolve on first use (PEP 562, `algorithm/lazy_names.py`): a process that
+needs only the tokenizer or the presets (Serve's ingress and router) does not pay for importing
+transformers' model code, which costs seconds of CPU in each of a server's replicas as they
+start together.
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from dsbd_core.algorithm.lazy_names import lazy_names
 
 if TYPE_CHECKING:
     from dsbd_core.models.deltas import build_from_delta, write_delta
@@ -112,14 +114,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value  # later lookups skip this function
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_names(__name__, _EXPORTS, globals())

@@ -56,7 +56,7 @@ FORBIDDEN = {
 # its own group and groups on lower floors, never a higher one nor another group of its floor.
 GROUPS: dict[str, list[tuple[str, tuple[str, ...], int]]] = {
     "dsbd_core.algorithm": [
-        ("door: config, scorer", ("config", "scorer"), 0),
+        ("door: config, scorer, lazy_names", ("config", "scorer", "lazy_names"), 0),
         ("draws", ("draws",), 0),
         ("door: methods", ("methods",), 1),
         ("sequences", ("sequences",), 1),
