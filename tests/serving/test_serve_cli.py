@@ -19,6 +19,7 @@ from deployments.deployment_options import (
     Resources,
     resources_from_serve_options,
 )
+from dsbd.cli import main
 from dsbd.serve_command import load_config
 from tests.support.tp_harness import save_tiny
 
@@ -38,7 +39,6 @@ def test_the_shipped_serve_config_is_valid_and_matches_the_defaults() -> None:
     assert args.verifier_resources.max_replicas > args.verifier_resources.min_replicas
 
 
-@pytest.mark.slow  # a `dsbd` process: imports torch, transformers and Ray
 @pytest.mark.parametrize(
     ("args", "fragment"),
     [
@@ -62,7 +62,13 @@ def test_the_shipped_serve_config_is_valid_and_matches_the_defaults() -> None:
         ),
     ],
 )
-def test_bad_configs_exit_2_naming_the_field(tmp_path: Path, args: dict, fragment: str) -> None:
+def test_bad_configs_exit_2_naming_the_field(
+    tmp_path: Path, args: dict, fragment: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`dsbd serve --config` run in this process (`dsbd.cli.main`, what the console script
+    calls; test_tp_size_is_checked_against_the_model_before_ray_starts runs the process)."""
+    import ray
+
     app = {
         "name": "dsbd",
         "route_prefix": "/",
@@ -72,16 +78,12 @@ def test_bad_configs_exit_2_naming_the_field(tmp_path: Path, args: dict, fragmen
     config = {"applications": [app]}
     path = tmp_path / "serve.yaml"
     path.write_text(yaml.safe_dump(config))
-    done = subprocess.run(
-        [*DSBD, "serve", "--config", str(path)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=REPO,
-    )
-    assert done.returncode == 2, done.stderr
-    assert fragment in done.stderr
-    assert "ray" not in done.stdout.lower()  # refused before Ray started
+    with pytest.raises(SystemExit) as exited:
+        main(["serve", "--config", str(path)])
+    captured = capsys.readouterr()
+    assert exited.value.code == 2, captured.err
+    assert fragment in captured.err
+    assert not ray.is_initialized() and "ray" not in captured.out.lower()  # before Ray started
 
 
 @pytest.mark.slow  # a `dsbd` process: imports torch, transformers and Ray
