@@ -69,6 +69,16 @@ def _module(nodeid: str) -> str:
     return nodeid.split("::", 1)[0]
 
 
+# Python's cyclic collector in the test processes: young collections every 10,000 allocations
+# (not 700), and the objects alive once the tests are collected (torch's, transformers', the
+# test modules') frozen out of every collection. The exactness tests make millions of objects
+# per decode of 1e5 sessions; with the defaults, collections over the whole heap took a fifth
+# of their CPU (test_exactness's fixed-width tests at width 3, one process: 52.7 CPU-s against
+# 42.3, means of 3 interleaved rounds on the 2-core AMD EPYC; benchmarks/results/
+# suite_time_epyc.json, "gc_in_tests"). Cycles are still collected, so memory stays bounded.
+GC_THRESHOLDS = (10_000, 10, 10)
+
+
 def pytest_configure(config: pytest.Config) -> None:
     """The calibrations the tests make go to one temporary folder per run, not the user's cache:
     their pairs live in temporary folders, so every run would add new files under
@@ -80,16 +90,6 @@ def pytest_configure(config: pytest.Config) -> None:
         folder = tempfile.mkdtemp(prefix="dsbd-test-calibration-")
         config.stash[_CALIBRATION] = folder
         os.environ["DSBD_CALIBRATION_DIR"] = folder
-
-
-# Python's cyclic collector in the test processes: young collections every 10,000 allocations
-# (not 700), and the objects alive once the tests are collected (torch's, transformers', the
-# test modules') frozen out of every collection. The exactness tests make millions of objects
-# per decode of 1e5 sessions; with the defaults, collections over the whole heap took a fifth
-# of their CPU (test_exactness's fixed-width tests at width 3, one process: 52.7 CPU-s against
-# 42.3, means of 3 interleaved rounds on the 2-core AMD EPYC; benchmarks/results/
-# suite_time_epyc.json, "gc_in_tests"). Cycles are still collected, so memory stays bounded.
-GC_THRESHOLDS = (10_000, 10, 10)
 
 
 @pytest.hookimpl(trylast=True)

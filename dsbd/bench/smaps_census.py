@@ -61,9 +61,8 @@ def kind(
         return "shmem"
     if path.startswith("/") or path.startswith("[v"):
         return "files"
-    arena_end = start + ARENA_ALIGN
-    if perms.startswith("rw") and start % ARENA_ALIGN == 0 and size <= ARENA_ALIGN:
-        if size == ARENA_ALIGN or reserved_to == arena_end:
+    if perms.startswith("rw") and start % ARENA_ALIGN == 0:
+        if size == ARENA_ALIGN or (size < ARENA_ALIGN and reserved_to == start + ARENA_ALIGN):
             return "malloc_arenas"
     if perms.startswith("rw") and previous_guard and size >= 8 << 20:
         return "stacks"
@@ -86,8 +85,8 @@ def census(pid: int) -> dict[str, dict[str, int]]:
     previous_guard = False
     for at, (low, high, perms, path, fields) in enumerate(mappings):
         after = mappings[at + 1] if at + 1 < len(mappings) else None
-        reserved = after is not None and after[0] == high and after[2].startswith("---")
-        reserved_to = after[1] if reserved and after is not None and not after[3] else 0
+        reserved = after and after[0] == high and after[2].startswith("---") and not after[3]
+        reserved_to = after[1] if after and reserved else 0
         current = totals[kind(low, high - low, perms, path, previous_guard, reserved_to)]
         current["count"] += 1
         for field, kib in fields.items():

@@ -22,15 +22,17 @@ libc.malloc.restype = ctypes.c_void_p
 libc.mmap.restype = ctypes.c_void_p
 libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
                       ctypes.c_int, ctypes.c_long]
-MAP_FIXED_NOREPLACE = 0x100000
-# an anonymous read-write mapping of 2 MiB at a multiple of 64 MiB, with nothing reserved behind
-hint = (libc.mmap(None, 4 * ARENA_ALIGN, 0, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
-        // ARENA_ALIGN + 1) * ARENA_ALIGN
-libc.munmap(ctypes.c_void_p(hint - ARENA_ALIGN), ctypes.c_size_t(4 * ARENA_ALIGN))
-aligned = libc.mmap(hint, 2 << 20, mmap.PROT_READ | mmap.PROT_WRITE,
-                    mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_FIXED_NOREPLACE, -1, 0)
+# an anonymous read-write mapping of 2 MiB at a multiple of 64 MiB, with nothing reserved behind:
+# placed inside a reservation of our own, whose rest is then given back
+SIZE, SPAN, MAP_FIXED = 2 << 20, 4 * ARENA_ALIGN, 0x10  # Linux's MAP_FIXED (not in 3.11's mmap)
+base = libc.mmap(None, SPAN, 0, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
+hint = (base // ARENA_ALIGN + 1) * ARENA_ALIGN
+aligned = libc.mmap(hint, SIZE, mmap.PROT_READ | mmap.PROT_WRITE,
+                    mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_FIXED, -1, 0)
 assert aligned == hint, (aligned, hint)
-ctypes.memset(aligned, 1, 2 << 20)
+libc.munmap(ctypes.c_void_p(base), ctypes.c_size_t(hint - base))
+libc.munmap(ctypes.c_void_p(hint + SIZE), ctypes.c_size_t(base + SPAN - hint - SIZE))
+ctypes.memset(aligned, 1, SIZE)
 ready, done = threading.Barrier(THREADS + 1), threading.Event()
 
 def work():
