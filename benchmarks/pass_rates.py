@@ -20,7 +20,8 @@ import torch
 from dsbd.bench.decode.harness import git_info, machine_info
 from dsbd.bench.decode.pairs import PAIRS
 from dsbd_core.models.calibrate import measure_pass_rates, pass_rate_inputs
-from dsbd_core.models.pair import DraftOptions, load_pair
+from dsbd_core.models.options import DraftOptions
+from dsbd_core.models.pair import load_pair
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -31,7 +31,8 @@ from dsbd.bench.decode.methods import parse_methods
 from dsbd.bench.decode.pairs import PAIRS
 from dsbd.prompts import prompt_set
 from dsbd_core.algorithm.drivers.decoders import generate
-from dsbd_core.models.pair import DraftOptions, load_pair
+from dsbd_core.models.options import DraftOptions
+from dsbd_core.models.pair import load_pair
 from dsbd_core.models.transformer_scorer import TransformerScorer
 
 

@@ -18,19 +18,15 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
-from deployments.api.ingress import Ingress, Limits, RouterOptions
-from deployments.decode.pair import Pair
-from deployments.decode.router import Router
-from deployments.decode.session_registry import SessionRegistry
+from deployments.api.limits import Limits, RouterOptions
+from deployments.definitions import DRAFT, INGRESS, PAIR, ROUTER, SESSION_REGISTRY, VERIFIER
 from deployments.deployment_options import Resources
 from deployments.replicas.affinity import ROUTER_CLASS
 from deployments.replicas.allocator import Allocator
-from deployments.replicas.draft import Draft
-from deployments.replicas.model_replica import ModelOptions
-from deployments.replicas.verifier import Verifier
+from deployments.replicas.model_options import ModelOptions
 from dsbd_core.algorithm.config import first_error
 from dsbd_core.algorithm.policy.cost_model import CostPolicy
-from dsbd_core.algorithm.scorers.ngram_draft import LOOKUP_DRAFT
+from dsbd_core.algorithm.scorers.ngram_bounds import LOOKUP_DRAFT
 
 
 class AppArgs(BaseModel):
@@ -179,26 +175,26 @@ def model_deployments(
         colocated=config.colocated,
     ).model_dump()
     if config.colocated:  # the pair's caches die with its loops: nothing to release from outside
-        controller = SessionRegistry.options(name=controller_name).bind(policy, ttl)  # type: ignore[attr-defined]  # @serve.deployment: mypy keeps the class
-        pair = Pair.options(
+        controller = SESSION_REGISTRY.options(name=controller_name).bind(policy, ttl)
+        pair = PAIR.options(
             name=f"Pair{suffix}",
             **config.verifier_resources.options(config.target, inherited, kind="pair"),
         ).bind(config.target.model_dump(), config.draft.model_dump(), controller)
         return pair, pair, pair, controller, router_options
-    draft = Draft.options(  # type: ignore[misc, operator]  # @serve.deployment: mypy keeps the class
+    draft = DRAFT.options(
         name=f"Draft{suffix}",
         **config.draft_resources.options(config.draft, inherited, kind="draft"),
         **routing,
     ).bind(config.draft.model_dump(), config.target.source)  # the look-up: the target's vocab
-    verifier = Verifier.options(  # type: ignore[misc, operator]  # @serve.deployment: mypy keeps the class
+    verifier = VERIFIER.options(
         name=f"Verifier{suffix}",
         **config.verifier_resources.options(config.target, inherited),
         **routing,
     ).bind(config.target.model_dump())
     # the controller frees a dead router's sessions on the draft and the verifier
-    controller = SessionRegistry.options(name=controller_name).bind(policy, ttl, draft, verifier)  # type: ignore[attr-defined]  # @serve.deployment: mypy keeps the class
+    controller = SESSION_REGISTRY.options(name=controller_name).bind(policy, ttl, draft, verifier)
     serving: dict[str, Any] = {"inherited_env": inherited, "allocator": config.allocator}  # loops
-    router = Router.options(  # type: ignore[attr-defined]  # @serve.deployment: mypy keeps the class
+    router = ROUTER.options(
         name=f"Router{suffix}", **config.router_resources.options(**serving, kind="router")
     ).bind(draft, verifier, controller)
     return router, draft, verifier, controller, router_options
@@ -209,5 +205,5 @@ def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
     config = AppArgs.model_validate(args or {})
     inherited = _application_runtime_env()
     serving: dict[str, Any] = {"inherited_env": inherited, "allocator": config.allocator}  # HTTP
-    ingress = Ingress.options(**config.ingress_resources.options(**serving, kind="ingress"))  # type: ignore[attr-defined]  # @serve.deployment: mypy keeps the class
+    ingress = INGRESS.options(**config.ingress_resources.options(**serving, kind="ingress"))
     return ingress.bind([model_deployments(config, inherited)])

@@ -19,8 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from deployments.autoscaling import POLICY_PATH as AUTOSCALING_POLICY
 from deployments.replicas.allocator import Allocator, replica_runtime_env
-from deployments.replicas.model_replica import ModelOptions
-from deployments.replicas.tp_group import worker_bundle
+from deployments.replicas.model_options import ModelOptions, worker_bundle
 from dsbd_core.algorithm.config import first_error
 
 # Resources Ray schedules by name that `Resources` sets through its own fields.

@@ -46,12 +46,12 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from ray.serve import Application
 
-from deployments.api.ingress import Ingress
 from deployments.api.models import DecodingKnobs
 from deployments.app import AppArgs, _application_runtime_env, model_deployments
+from deployments.definitions import INGRESS
 from deployments.deployment_options import OWNED, Resources, resources_from_serve_options
 from dsbd_core.algorithm.config import error_words
-from dsbd_core.algorithm.scorers.ngram_draft import LOOKUP_DRAFT
+from dsbd_core.algorithm.scorers.ngram_bounds import LOOKUP_DRAFT
 
 NOT_SUPPORTED = "not supported by dsbd"
 # AppArgs' names of what an LLMConfig names otherwise (its errors are given in the file's terms)
@@ -372,7 +372,7 @@ def build_openai_app(args: dict[str, Any] | LLMServingArgs) -> Application:
     options = ingress.options(
         inherited_env=inherited, allocator=models[0].allocator, kind="ingress"
     )
-    return Ingress.options(**options).bind(bound)  # type: ignore[attr-defined]  # @serve.deployment: mypy keeps the class
+    return INGRESS.options(**options).bind(bound)
 
 
 __all__ = ["LLMServingArgs", "build_openai_app", "serving_args"]

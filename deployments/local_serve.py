@@ -74,25 +74,37 @@ def prepare_models(schema: Any) -> None:
 
 
 def _prepare(name: str, args: Any) -> None:
-    """One model's pair, converted and checked (ServeSetupError naming the field)."""
-    from dsbd_core.algorithm.scorers.ngram_draft import LOOKUP_DRAFT
-    from dsbd_core.models import ModelSourceError, resolve_source
-    from dsbd_core.models.tensor_parallel import TensorParallelError, check_split, model_config
+    """One model's pair, converted and checked (ServeSetupError naming the field). Sources that
+    need no conversion are checked without importing torch or transformers."""
+    from dsbd_core.algorithm.scorers.ngram_bounds import LOOKUP_DRAFT
+    from dsbd_core.models.errors import ModelSourceError
+    from dsbd_core.models.presets import locate_source
 
     for side, model in (("target", args.target), ("draft", args.draft)):
         if side == "draft" and model.source == LOOKUP_DRAFT:
             continue  # the prompt-lookup draft: no weights to prepare
         try:
-            resolve_source(model.source)
-            if model.tp_size > 1:  # refused here, before any replica starts
-                check_split(model_config(model.source), model.tp_size)
+            kind, _ = locate_source(model.source)
+            if kind in ("preset", "gguf"):  # converted once, here, into the cache
+                from dsbd_core.models.loading import resolve_source
+
+                resolve_source(model.source)
         except ModelSourceError as error:
             allowed = f"; or {LOOKUP_DRAFT!r} (the prompt-lookup draft)" * (side == "draft")
             where = f"{name}.args.{side}.source={model.source!r}"
             raise ServeSetupError(f"{where}: {error}{allowed}") from None
-        except TensorParallelError as error:
-            where = f"{name}.args.{side}.tp_size={model.tp_size}"
-            raise ServeSetupError(f"{where}: {error}") from None
+        if model.tp_size > 1:  # refused here, before any replica starts
+            from dsbd_core.models.tensor_parallel import (
+                TensorParallelError,
+                check_split,
+                model_config,
+            )
+
+            try:
+                check_split(model_config(model.source), model.tp_size)
+            except TensorParallelError as error:
+                where = f"{name}.args.{side}.tp_size={model.tp_size}"
+                raise ServeSetupError(f"{where}: {error}") from None
 
 
 def serve(schema: Any, options: ServeOptions) -> int:

@@ -144,7 +144,7 @@ def _plan(args: argparse.Namespace) -> BatchJob:
         check_models,
         check_output,
     )
-    from dsbd_core.models.pair import DraftOptions
+    from dsbd_core.models.options import DraftOptions
 
     try:
         listing = find_input(args.input)

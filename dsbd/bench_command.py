@@ -169,7 +169,7 @@ def build_config(args: argparse.Namespace) -> BenchConfig:
     # imported here, not at the top: it imports torch, which `dsbd --help` does without
     from dsbd.bench.decode.schema import BenchConfig
     from dsbd.prompts import EVAL_PROMPTS, HUMANEVAL_SUBSET
-    from dsbd_core.algorithm.scorers.ngram_draft import LOOKUP_DRAFT
+    from dsbd_core.algorithm.scorers.ngram_bounds import LOOKUP_DRAFT
 
     preset = PAIRS.get(args.pair)
     if preset is None and not (args.target and args.methods):

@@ -32,7 +32,7 @@ from dsbd_core.algorithm.sequences.stop_text import first_stop, stop_problem, te
 if TYPE_CHECKING:
     from dsbd_core.algorithm.sequences.result import DecodeResult
     from dsbd_core.models import LoadedModel
-    from dsbd_core.models.pair import DraftOptions
+    from dsbd_core.models.options import DraftOptions
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
@@ -71,7 +71,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """`dsbd generate`: the config is checked first (exit 2 naming the field), then decoded."""
-    from dsbd_core.models.pair import DraftOptions
+    from dsbd_core.models.options import DraftOptions
 
     try:
         config = config_from_args(args)

@@ -72,7 +72,6 @@ app.add_exception_handler(Exception, unhandled_error_handler)  # a replica lost 
 ModelHandles = tuple[Any, Any, Any, Any, dict[str, Any]]
 
 
-@serve.deployment(name="Ingress", max_ongoing_requests=256)
 @serve.ingress(app)
 class Ingress:
     """Autoscaled HTTP ingress; hands each request's decode to its model's router replica."""

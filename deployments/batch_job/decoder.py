@@ -26,7 +26,7 @@ from dsbd_core.algorithm.config import SamplingConfig, error_words
 from dsbd_core.algorithm.methods import BEAM_METHODS, MethodConfig, method_config
 from dsbd_core.algorithm.sequences.penalties import bias_problem
 from dsbd_core.algorithm.sequences.stops import StopStrings
-from dsbd_core.models.pair import DraftOptions
+from dsbd_core.models.options import DraftOptions
 from dsbd_core.models.token_bytes import LoadedTexts, token_bytes
 
 

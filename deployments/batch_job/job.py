@@ -181,7 +181,7 @@ def _run(job: BatchJob, address: str | None, progress: bool) -> int:
 # --------------------------------------------------------------------------- checks
 def check_models(settings: DecoderSettings) -> None:
     """Presets converted once here (not in every actor at once); unknown sources refused."""
-    from dsbd_core.algorithm.scorers.ngram_draft import LOOKUP_DRAFT
+    from dsbd_core.algorithm.scorers.ngram_bounds import LOOKUP_DRAFT
     from dsbd_core.models import ModelSourceError, resolve_source
 
     for flag, source in (("--target", settings.target), ("--draft", settings.draft)):

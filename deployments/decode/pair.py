@@ -22,27 +22,24 @@ from __future__ import annotations
 
 from typing import Any
 
-from ray import serve
-
 from deployments.decode.local_handles import LocalHandle
 from deployments.decode.router import Router
 from deployments.replicas.draft import Draft
-from deployments.replicas.model_replica import ModelOptions
+from deployments.replicas.model_options import ModelOptions
 from deployments.replicas.verifier import Verifier
 from dsbd_core.algorithm.sequences.prompt_logprobs import PromptLogprobs
 
 
-@serve.deployment(name="Pair", max_ongoing_requests=256)
-class Pair(Router.func_or_class):  # type: ignore[name-defined]  # @serve.deployment: mypy keeps the class
+class Pair(Router):
     """The target, the draft and the decode loops of one replica (see the module docstring)."""
 
     LAYOUT = "colocated"  # its served iterations (the calibration's) cost no Serve calls
 
     def __init__(self, target: dict[str, Any], draft: dict[str, Any], controller: Any) -> None:
         source = ModelOptions.model_validate(target).source  # the look-up draft's vocabulary
-        self.draft = Draft.func_or_class(draft, source)  # type: ignore[attr-defined]  # @serve.deployment: mypy keeps the class
+        self.draft = Draft(draft, source)
         # last: its torch threads hold
-        self.verifier = Verifier.func_or_class(target)  # type: ignore[attr-defined]  # @serve.deployment: mypy keeps the class
+        self.verifier = Verifier(target)
         super().__init__(LocalHandle(self.draft), LocalHandle(self.verifier), controller)
 
     async def draft_info(self) -> dict[str, Any]:

@@ -21,7 +21,6 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from opentelemetry import context as otel_context
-from ray import serve
 
 from deployments.decode.session import DecodeSession, committed_tokens
 from deployments.decode.state import Handles, RouterState
@@ -60,7 +59,6 @@ def committed_logprobs(
     return beam_lists(values.reshape(1), 0, count)
 
 
-@serve.deployment(name="Router", max_ongoing_requests=256)
 class Router:
     """Autoscaled; one decode loop per call, all calls concurrent."""
 

@@ -31,8 +31,6 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from ray import serve
-
 from dsbd_core.algorithm.policy.control import Knobs
 from dsbd_core.algorithm.policy.cost_model import CostPolicy
 
@@ -48,9 +46,6 @@ class _SessionKnobs:
     opened: float
 
 
-@serve.deployment(
-    name="SessionRegistry", max_ongoing_requests=1000, ray_actor_options={"num_cpus": 0}
-)
 class SessionRegistry:
     """One replica: it is a small dict of sessions and a few arithmetic operations per call."""
 

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from ray import serve
-
 from deployments.messages import DraftReply, IterationCall
 from deployments.observability.tracing import DRAFT, forest_attributes
 from deployments.replicas.model_replica import ModelReplica
@@ -19,7 +17,6 @@ from dsbd_core.algorithm.drivers.replay import draft_job
 from dsbd_core.algorithm.sequences.state import Forest
 
 
-@serve.deployment(name="Draft", max_ongoing_requests=64)
 class Draft(ModelReplica):
     """Holds the draft model; one replica per accelerator in production."""
 

@@ -18,132 +18,36 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from typing import Any, Literal
+from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 
 from deployments.faults import fault_point
 from deployments.messages import IterationCall, SideReport
 from deployments.observability.tracing import BatchSpans, replica_id
 from deployments.replicas.allocator import (
-    Allocator,
     active_allocator,
     allocator_stats,
     primitive_cache_capacity,
 )
 from deployments.replicas.continuous_batch import ContinuousBatcher
 from deployments.replicas.memory import device_free_bytes, kv_bytes_per_token, replica_memory
+from deployments.replicas.model_options import ModelOptions
 from dsbd_core.algorithm.drivers.session_batch import Job, SessionBatcher
 from dsbd_core.algorithm.policy.cost_model import ForwardCosts
-from dsbd_core.algorithm.scorers.ngram_draft import LOOKUP_DRAFT, NgramDraft, describe_lookup
+from dsbd_core.algorithm.scorers.ngram_bounds import LOOKUP_DRAFT, describe_lookup
+from dsbd_core.algorithm.scorers.ngram_draft import NgramDraft
 from dsbd_core.models import load_causal_lm, stop_token_ids
 from dsbd_core.models.calibrate import model_costs, pass_rate_inputs
 from dsbd_core.models.decode_path import make_scorer, resolve_decode_path
 from dsbd_core.models.draft_variants import head_support
 from dsbd_core.models.dtypes import dtype_name, resolve_dtype
 from dsbd_core.models.lookup_calibration import LOOKUP_COSTS, LOOKUP_SUPPORT
-from dsbd_core.models.pair import DraftOptions, model_identity, prepare_draft
+from dsbd_core.models.pair import model_identity, prepare_draft
 from dsbd_core.models.static_scorer import StaticScorer
-from dsbd_core.models.tensor_parallel import INIT_TIMEOUT_S, model_config
+from dsbd_core.models.tensor_parallel import model_config
 
 _ACTIVE_S = 1.0  # a session with a call this recent is expected to call again soon
-
-
-class ModelOptions(BaseModel):
-    """How a model replica loads and runs its model."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    source: str = Field(
-        ...,
-        description="Preset, transformers directory, .gguf file or hub id; the draft may also "
-        "be 'ngram': the prompt-lookup draft (no weights; its bound: variant.ngram_max).",
-    )
-    dtype: str = Field(
-        "auto",
-        pattern="^(auto|float32|bfloat16|float64)$",
-        description="auto: bfloat16 on CUDA and on CPUs with AMX/AVX512-BF16, else float32.",
-    )
-    variant: DraftOptions = Field(
-        DraftOptions(),
-        description="Draft deployment only: int8 linear layers and a head restricted to the "
-        "most frequent tokens (exact either way; dsbd_core.models.pair.DraftOptions).",
-    )
-    threads: int = Field(1, ge=1, le=256, description="torch intra-op threads of the replica.")
-    session_ttl_s: float = Field(300.0, gt=0, description="Free a session's cache after this.")
-    max_sessions: int = Field(256, ge=1, description="Caches kept at most (LRU beyond).")
-    batch_wait_s: float = Field(
-        0.01, ge=0, le=1, description="How long a batch may wait for calls of active sessions."
-    )
-    max_batch_size: int = Field(32, ge=1, le=1024)
-    device: Literal["cpu", "cuda"] = Field(
-        "cpu", description="Where the model runs; cuda needs a GPU per replica (per TP rank)."
-    )
-    tp_size: int = Field(
-        1,
-        ge=1,
-        le=64,
-        description="Tensor-parallel ranks the model is sharded over (one GPU each on cuda); "
-        "must divide the model's attention heads, KV heads and MLP width.",
-    )
-    tp_placement: Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"] = Field(
-        "STRICT_PACK", description="Placement strategy of the replica and its TP ranks."
-    )
-    tp_init_timeout_s: float = Field(
-        INIT_TIMEOUT_S,
-        gt=0,
-        description="How long the TP group may take to form (the ranks' resources, loading "
-        "their shards, the barrier after it: ranks loading a large model finish minutes apart), "
-        "and the timeout of each collective of the group; a call that hangs is cut after 600 s.",
-    )
-    session_memory_bytes: int | None = Field(
-        None,
-        ge=1,
-        description="Memory the sessions' KV caches may take on this replica's device (per TP "
-        "rank), the copies a batched forward makes included; the router admits decodes "
-        "against it (HTTP 429 past it, 400 for one that never fits; deployments/api/admission.py). "
-        "None: session_memory_fraction of the device's free memory when the replica starts.",
-    )
-    allocator: Allocator = Field(
-        "jemalloc",
-        description="The replica process's malloc: jemalloc (Ray's, preloaded: "
-        "RSS flat under shapes that change batch to batch) or system (glibc's); "
-        "deployments/replicas/allocator.py.",
-    )
-    primitive_cache: int | None = Field(
-        128,
-        ge=0,
-        le=1_000_000,
-        description="Entries of each matmul primitive cache in the replica process (oneDNN's, "
-        "ONEDNN_PRIMITIVE_CACHE_CAPACITY, and PyTorch's in front of it, LRU_CACHE_CAPACITY): "
-        "one per matmul shape met, ~0.3 MiB each. Their default 1024 filled over ~20 minutes "
-        "of load; 0 rebuilds every primitive (a third slower); None: the libraries' default. "
-        "deployments/replicas/allocator.py.",
-    )
-    batch_invariant: bool = Field(
-        True,
-        description="A session's outputs in a batched forward are bit-identical to its forward "
-        "alone, so a seeded request draws the tokens it draws in-process whatever it is batched "
-        "with (bfloat16 on CPUs: small sessions' linear rows in calls of at most 32 rows). "
-        "false: large batches run faster and seeded tokens depend on the batch mates. "
-        "dsbd_core/models/row_chunks.py.",
-    )
-    decode_path: Literal["auto", "dynamic", "static"] = Field(
-        "auto",
-        description="dynamic: packed forests over growing per-session caches (batch-invariant "
-        "rows); static: fixed-shape buckets over a preallocated KV pool, captured as CUDA "
-        "graphs on cuda (a seeded request's last bits then depend on its batch mates); auto: "
-        "static on cuda, dynamic on cpu. A tensor-parallel model runs the dynamic path. "
-        "dsbd_core/models/decode_path.py.",
-    )
-    session_memory_fraction: float = Field(
-        0.5,
-        gt=0,
-        le=1,
-        description="The share of the device's free memory at start-up (after loading the "
-        "model) that is the session budget when session_memory_bytes is not set.",
-    )
 
 
 class SessionReleased(RuntimeError):

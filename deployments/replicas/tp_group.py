@@ -48,8 +48,9 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from deployments.faults import fault_point
 from deployments.messages import TensorParallelBroken
 from deployments.replicas.memory import device_free_bytes
+from deployments.replicas.model_options import worker_bundle
+from dsbd_core.models.options import INIT_TIMEOUT_S
 from dsbd_core.models.tensor_parallel import (
-    INIT_TIMEOUT_S,
     ShardedScorer,
     check_split,
     init_group,
@@ -60,14 +61,6 @@ from dsbd_core.models.tensor_parallel import (
 
 PLACEMENT_STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
-
-
-def worker_bundle(threads: int, device: str) -> dict[str, float]:
-    """The resources of one rank: its CPU threads, and one GPU when it runs on CUDA."""
-    bundle: dict[str, float] = {"CPU": float(threads)}
-    if device == "cuda":
-        bundle["GPU"] = 1.0
-    return bundle
 
 
 def actor_device(device: str, gpu_ids: list[Any], visible: str | None) -> str:

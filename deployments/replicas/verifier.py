@@ -11,8 +11,6 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-from ray import serve
-
 from deployments.messages import DraftReply, IterationCall, VerifyReply
 from deployments.observability.metrics import IterationSample
 from deployments.observability.tracing import VERIFIER
@@ -24,7 +22,6 @@ from dsbd_core.algorithm.sequences.prompt_logprobs import PromptLogprobs, prompt
 from dsbd_core.algorithm.sequences.state import NO_FOREST, Outcome
 
 
-@serve.deployment(name="Verifier", max_ongoing_requests=64)
 class Verifier(ModelReplica):
     """Holds the target model (tensor-parallel: a group of rank actors, model_replica.py)."""
 

@@ -39,15 +39,14 @@ from dsbd_core.models.errors import ModelSourceError, VocabularyMismatchError
 from dsbd_core.models.presets import (
     DEFAULT_DRAFT_LAYERS,
     DISTILLED_PRESET,
-    DRAFT_K,
     DRAFT_PRESET,
-    HUB_ID,
     INSTALLED_PRESETS,
     PRESETS,
     SHIPPED_DRAFTS,
     TARGET_PRESET,
     cache_root,
     draft_layers,
+    locate_source,
     smollm2_gguf_path,
 )
 
@@ -84,37 +83,12 @@ def resolve_source(source: str) -> Path | str:
     Presets are prepared (converted once into the cache), `.gguf` files converted; anything
     else that is not an existing directory or a hub id is refused with what is accepted.
     """
-    if (
-        source in (TARGET_PRESET, DRAFT_PRESET, DISTILLED_PRESET)
-        or source in INSTALLED_PRESETS
-        or DRAFT_K.match(source)
-    ):
+    kind, path = locate_source(source)
+    if kind == "preset":
         return prepare_preset(source)
-    path = Path(source).expanduser()
-    if path.is_dir():
-        ggufs = sorted(path.glob("*.gguf"))
-        if (path / "config.json").is_file() or not ggufs:
-            return path
-        if len(ggufs) > 1:
-            raise ModelSourceError(
-                f"{source!r} holds {len(ggufs)} .gguf files; pass the path of the one to load"
-            )
-        path = ggufs[0]
-    if path.is_file():
-        if path.suffix != ".gguf":
-            raise ModelSourceError(
-                f"{source!r} is a file but not a .gguf file; pass a .gguf file, a transformers "
-                "directory, a hub id or a preset"
-            )
+    if kind == "gguf" and path is not None:
         return converted_gguf(path)
-    if source.endswith(".gguf"):
-        raise ModelSourceError(f"GGUF file not found: {source!r}")
-    if HUB_ID.match(source):
-        return source
-    raise ModelSourceError(
-        f"unknown model source {source!r}: not a preset ({', '.join(PRESETS)}), not an existing "
-        "directory or .gguf file, and not a hub id of the form owner/name"
-    )
+    return path if kind == "directory" and path is not None else source
 
 
 def hub_offline() -> bool:

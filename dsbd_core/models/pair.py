@@ -19,74 +19,23 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from dsbd_core.algorithm.config import SamplingConfig
 from dsbd_core.algorithm.policy.cost_model import Calibration
-from dsbd_core.algorithm.scorers.ngram_draft import (
-    LOOKUP_DRAFT,
-    NGRAM_DEFAULT,
-    NGRAM_MAX,
-    NGRAM_MIN,
-    NgramDraft,
-    describe_lookup,
-    ngram_max_problem,
-)
+from dsbd_core.algorithm.scorers.ngram_bounds import LOOKUP_DRAFT, describe_lookup
+from dsbd_core.algorithm.scorers.ngram_draft import NgramDraft
 from dsbd_core.models.calibrate import calibrate, forward_costs, machine, pass_rate_inputs
 from dsbd_core.models.decode_path import make_scorer, resolve_decode_path
 from dsbd_core.models.draft_variants import head_support, quantize_int8, restrict_head
 from dsbd_core.models.dtypes import dtype_name, resolve_dtype
 from dsbd_core.models.errors import ModelSourceError
 from dsbd_core.models.loading import LoadedModel, check_same_vocabulary, load_causal_lm
+from dsbd_core.models.options import DraftOptions
 from dsbd_core.models.presets import cache_root
 from dsbd_core.models.row_chunks import chunk_linear_rows
 from dsbd_core.models.token_frequencies import frequent_tokens
 from dsbd_core.models.tokens import encode_prompt, stop_token_ids
 from dsbd_core.models.transformer_scorer import TransformerScorer
-
-# A vocabulary this large gets a restricted draft head by default: its output layer is then a
-# large share of a small draft's weights (Qwen2.5: 151936 x 896, 136M of 494M parameters).
-LARGE_VOCABULARY = 65536
-AUTO_HEAD_TOKENS = 32768
-
-
-class DraftOptions(BaseModel):
-    """How the draft is made cheap (config files, CLI flags). Exact whatever is chosen."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    quantize: Literal["none", "int8", "auto"] = Field(
-        "auto",
-        description="int8 dynamic quantisation of the draft's linear layers (CPU only). auto: "
-        "on a CPU, int8 where a draft step measures faster in int8 than in the model dtype "
-        "(measured once per machine and cached); never for float64 models.",
-    )
-    head_tokens: int | None = Field(
-        None,
-        ge=0,
-        description="Restrict the draft's output layer to this many most frequent tokens "
-        f"(FR-Spec; the draft never proposes another token). 0: the full vocabulary. None "
-        f"(auto): {AUTO_HEAD_TOKENS} when the vocabulary exceeds {LARGE_VOCABULARY}, else 0.",
-    )
-
-    ngram_max: int = Field(
-        NGRAM_DEFAULT,
-        description=f"The prompt-lookup draft (draft '{LOOKUP_DRAFT}') only: the longest suffix "
-        f"it matches in the context ({NGRAM_MIN}..{NGRAM_MAX}).",
-    )
-
-    @field_validator("ngram_max", mode="before")
-    @classmethod
-    def _ngram_range(cls, value: object) -> object:
-        problem = ngram_max_problem(value)
-        if problem is not None:
-            raise ValueError(problem)  # pydantic names the field and the value
-        return value
-
-    def head_for(self, vocab_size: int) -> int:
-        if self.head_tokens is not None:
-            return self.head_tokens
-        return AUTO_HEAD_TOKENS if vocab_size > LARGE_VOCABULARY else 0
 
 
 @dataclass

@@ -11,6 +11,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from dsbd_core.models.errors import ModelSourceError
 
@@ -115,3 +116,44 @@ def draft_layers(name: str) -> int:
             f"allowed 1 <= k < {_SMOLLM2_LAYERS}"
         )
     return layers
+
+
+SourceKind = Literal["preset", "directory", "gguf", "hub"]
+
+
+def locate_source(source: str) -> tuple[SourceKind, Path | None]:
+    """What kind of model source `source` is, and its path where it is a file or directory:
+    the rule `loading.resolve_source` prepares by, here without torch or transformers so that
+    `dsbd serve` checks a config's sources before it starts Ray without importing them.
+    Anything else is refused (ModelSourceError) with what is accepted."""
+    if (
+        source in (TARGET_PRESET, DRAFT_PRESET, DISTILLED_PRESET)
+        or source in INSTALLED_PRESETS
+        or DRAFT_K.match(source)
+    ):
+        return "preset", None
+    path = Path(source).expanduser()
+    if path.is_dir():
+        ggufs = sorted(path.glob("*.gguf"))
+        if (path / "config.json").is_file() or not ggufs:
+            return "directory", path
+        if len(ggufs) > 1:
+            raise ModelSourceError(
+                f"{source!r} holds {len(ggufs)} .gguf files; pass the path of the one to load"
+            )
+        path = ggufs[0]
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ModelSourceError(
+                f"{source!r} is a file but not a .gguf file; pass a .gguf file, a transformers "
+                "directory, a hub id or a preset"
+            )
+        return "gguf", path
+    if source.endswith(".gguf"):
+        raise ModelSourceError(f"GGUF file not found: {source!r}")
+    if HUB_ID.match(source):
+        return "hub", None
+    raise ModelSourceError(
+        f"unknown model source {source!r}: not a preset ({', '.join(PRESETS)}), not an existing "
+        "directory or .gguf file, and not a hub id of the form owner/name"
+    )

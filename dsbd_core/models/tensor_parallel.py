@@ -40,14 +40,10 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, Pre
 from dsbd_core.algorithm.scorer import ForestLayer, ForestLogprobs, Roots
 from dsbd_core.models.errors import ModelSourceError
 from dsbd_core.models.loading import hub_offline, resolve_source
+from dsbd_core.models.options import INIT_TIMEOUT_S
 from dsbd_core.models.transformer_scorer import SessionCache, TransformerScorer
 
 SPLIT_FIELDS = ("num_attention_heads", "num_key_value_heads", "intermediate_size")
-# How long a rank waits in a collective of its group. Generous because of loading: ranks that
-# load a large model finish minutes apart and must still meet at the barrier after it
-# (transformers uses the same 2 h for the groups it creates). A call that hangs is bounded by
-# the caller instead (deployments/replicas/tp_group.py breaks the group after its call timeout).
-INIT_TIMEOUT_S = 7200.0
 
 
 class TensorParallelError(ValueError):

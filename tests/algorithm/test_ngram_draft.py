@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from dsbd_core.algorithm.scorer import ForestLayer, Roots
-from dsbd_core.algorithm.scorers.ngram_draft import NgramDraft, check_ngram_max
+from dsbd_core.algorithm.scorers.ngram_bounds import check_ngram_max
+from dsbd_core.algorithm.scorers.ngram_draft import NgramDraft
 
 
 def _roots(rows: list[list[int]], length: int) -> Roots:

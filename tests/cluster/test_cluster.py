@@ -304,7 +304,7 @@ def test_cluster_serve_config_is_valid_for_serve_and_for_the_app(app_args: Any) 
 def test_custom_resources_reach_the_replica_and_its_placement_group() -> None:
     from deployments.app import AppArgs
     from deployments.deployment_options import Resources
-    from deployments.replicas.model_replica import ModelOptions
+    from deployments.replicas.model_options import ModelOptions
 
     draft = Resources(num_cpus=0.5, num_gpus=1, resources={"dsbd_draft": 1})
     assert draft.options()["ray_actor_options"] == {

@@ -236,9 +236,7 @@ def test_a_serving_replica_on_the_static_path_reports_it_and_frees_released_sess
     from tests.support.tiny_models import build_pair
 
     source = build_pair(tmp_path)[1]
-    replica = Draft.func_or_class(
-        {"source": str(source), "dtype": "float64", "decode_path": "static"}
-    )
+    replica = Draft({"source": str(source), "dtype": "float64", "decode_path": "static"})
     assert isinstance(replica.scorer, StaticScorer)
     call = first_call(replica.vocab_size, [5, 6, 7])
 

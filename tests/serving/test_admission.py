@@ -15,7 +15,7 @@ from transformers import LlamaConfig
 from deployments.api.admission import MemoryLedger, check_fits, router_view, session_charge
 from deployments.api.errors import APIError
 from deployments.replicas.memory import WORKING_COPIES, kv_bytes_per_token, replica_memory
-from deployments.replicas.model_replica import ModelOptions
+from deployments.replicas.model_options import ModelOptions
 from dsbd_core import SamplingConfig
 from dsbd_core.algorithm.methods import method_config
 

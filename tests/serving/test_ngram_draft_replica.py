@@ -39,14 +39,12 @@ PROMPT = [5, 17, 42, 5, 17, 42, 5, 17]
 def served(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     target, _ = build_pair(tmp_path_factory.mktemp("models"))
     options = {"dtype": "float64", "batch_wait_s": 0.0}
-    draft = Draft.func_or_class(
-        {"source": "ngram", "variant": {"ngram_max": 2}, **options}, str(target)
-    )
-    verifier = Verifier.func_or_class({"source": str(target), **options})
+    draft = Draft({"source": "ngram", "variant": {"ngram_max": 2}, **options}, str(target))
+    verifier = Verifier({"source": str(target), **options})
     handles = Handles(
         draft=Handle(draft),
         verifier=Handle(verifier),
-        controller=Handle(SessionRegistry.func_or_class(None, 60.0)),
+        controller=Handle(SessionRegistry(None, 60.0)),
     )
     return {"target": target, "draft": draft, "verifier": verifier, "handles": handles}
 

@@ -34,8 +34,8 @@ from tests.support.tiny_models import build_pair
 def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     target, draft = build_pair(tmp_path_factory.mktemp("pair") / "models")
     options = {"dtype": "float64", "batch_wait_s": 0.01}
-    controller = SessionRegistry.func_or_class(None, 60.0)
-    replica = Pair.func_or_class(
+    controller = SessionRegistry(None, 60.0)
+    replica = Pair(
         {"source": str(target), **options},
         {"source": str(draft), **options},
         LocalHandle(controller),

@@ -45,9 +45,9 @@ def replicas(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any, Any]:
     target, draft = build_pair(tmp_path_factory.mktemp("models"))
     options = {"dtype": "float64", "session_ttl_s": TTL_S, "batch_wait_s": 0.0}
     return (
-        Draft.func_or_class({"source": str(draft), **options}),
-        Verifier.func_or_class({"source": str(target), **options}),
-        SessionRegistry.func_or_class(None, TTL_S),
+        Draft({"source": str(draft), **options}),
+        Verifier({"source": str(target), **options}),
+        SessionRegistry(None, TTL_S),
     )
 
 

@@ -64,7 +64,7 @@ def test_a_release_that_overtakes_a_queued_call_leaves_no_cache(draft_source: Pa
     cancels it: it can sit in the replica's queue behind a running batch while the router's
     release arrives and frees the session. Running it afterwards must not cache the session
     again; a call that arrives after the release is refused."""
-    replica = Draft.func_or_class({"source": str(draft_source), "dtype": "float64"})
+    replica = Draft({"source": str(draft_source), "dtype": "float64"})
     call = first_call(replica.vocab_size, [5, 6, 7])
     hold, run = threading.Event(), replica.batcher.run
 
@@ -94,7 +94,7 @@ def test_a_release_that_overtakes_a_queued_call_leaves_no_cache(draft_source: Pa
 def test_an_open_that_arrives_after_its_close_registers_nothing() -> None:
     """A request cancelled while its `open` call is on the way closes its session; the open
     may still arrive afterwards and must not leave an open session (until the TTL)."""
-    controller = SessionRegistry.func_or_class()
+    controller = SessionRegistry()
 
     async def scenario() -> None:
         await controller.close("gone")
@@ -126,7 +126,7 @@ def test_the_sessions_of_a_router_that_stops_reporting_are_forgotten(monkeypatch
             return True
 
     draft, verifier = LocalHandle(Model("draft")), LocalHandle(Model("verifier"))
-    controller = SessionRegistry.func_or_class(None, 600.0, draft, verifier)
+    controller = SessionRegistry(None, 600.0, draft, verifier)
     knobs = Knobs(gamma=2, draft_width=2)
 
     async def scenario() -> dict[str, int]:

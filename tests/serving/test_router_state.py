@@ -36,9 +36,9 @@ def test_a_router_measures_the_pairs_pass_rates_once_per_machine(
     monkeypatch.setenv("DSBD_CALIBRATION_DIR", str(tmp_path / "calibration"))
     target, draft = build_pair(tmp_path / "models")
     options = {"dtype": "float64", "batch_wait_s": 0.0}
-    draft_replica = Draft.func_or_class({"source": str(draft), **options})
-    verifier = Verifier.func_or_class({"source": str(target), **options})
-    controller = SessionRegistry.func_or_class(None, 60.0)
+    draft_replica = Draft({"source": str(draft), **options})
+    verifier = Verifier({"source": str(target), **options})
+    controller = SessionRegistry(None, 60.0)
     handles = Handles(
         draft=Handle(draft_replica), verifier=Handle(verifier), controller=Handle(controller)
     )
@@ -92,10 +92,10 @@ def test_a_failed_calibration_shows_in_the_status_and_is_retried(
     monkeypatch.setattr(router_state, "CALIBRATION_RETRY_S", 0.0)
     target, draft = build_pair(tmp_path / "models")
     options = {"dtype": "float64", "batch_wait_s": 0.0}
-    router = Router.func_or_class(
-        Handle(Draft.func_or_class({"source": str(draft), **options})),
-        Handle(Verifier.func_or_class({"source": str(target), **options})),
-        Handle(SessionRegistry.func_or_class(None, 60.0)),
+    router = Router(
+        Handle(Draft({"source": str(draft), **options})),
+        Handle(Verifier({"source": str(target), **options})),
+        Handle(SessionRegistry(None, 60.0)),
     )
 
     async def lost(*_: object) -> None:

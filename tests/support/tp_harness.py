@@ -22,8 +22,8 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 
 from dsbd_core import SamplingConfig, generate_batch
 from dsbd_core.algorithm.scorer import ForestLayer, ForestLogprobs, Roots
+from dsbd_core.models.options import INIT_TIMEOUT_S
 from dsbd_core.models.tensor_parallel import (
-    INIT_TIMEOUT_S,
     ShardedScorer,
     init_group,
     load_sharded,

@@ -79,7 +79,11 @@ GROUPS: dict[str, list[tuple[str, tuple[str, ...], int]]] = {
         ("decode", ("decode",), 2),
         ("api", ("api",), 3),
         ("batch_job", ("batch_job",), 4),
-        ("the application", ("app", "deployment_options", "llm_serving", "local_serve", ""), 4),
+        (
+            "the application",
+            ("app", "definitions", "deployment_options", "llm_serving", "local_serve", ""),
+            4,
+        ),
     ],
 }
 MAX_LINES = 500
@@ -299,12 +303,16 @@ def test_the_algorithm_imports_nothing_heavy() -> None:
     [
         ("dsbd.cli", ("torch", "transformers", "ray")),
         ("deployments.decode.session_registry", ("torch", "transformers")),
+        ("deployments.app", ("torch", "transformers")),
+        ("deployments.llm_serving", ("torch", "transformers")),
     ],
 )
 def test_entry_points_import_only_what_they_use(module: str, absent: tuple[str, ...]) -> None:
     """The CLI parses (`dsbd --help`, flag errors, `dsbd ray-env`) without torch, transformers
-    or Ray, and Serve's SessionRegistry replica starts without torch: what a process imports is
-    most of the CPU it spends starting (a server starts a dozen replicas at once)."""
+    or Ray, Serve's SessionRegistry replica starts without torch, and an application is built
+    (`dsbd serve`'s config check, Serve's build task, `serve run`) without the replicas' code
+    (deployments/definitions.py): what a process imports is most of the CPU it spends starting
+    (a server starts a dozen replicas at once)."""
     code = f"import sys, {module}; print(','.join(m for m in {absent!r} if m in sys.modules))"
     out = subprocess.run(
         [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True

@@ -43,7 +43,7 @@ from dsbd.bench.decode.runners import (
 from dsbd.bench.decode.schema import BenchConfig, BenchResult, MethodRecord
 from dsbd.prompts import BenchPrompt, prompt_set
 from dsbd_core.algorithm.config import SamplingConfig
-from dsbd_core.algorithm.scorers.ngram_draft import describe_lookup
+from dsbd_core.algorithm.scorers.ngram_bounds import describe_lookup
 
 # Our methods on the static path keep their KV cache in a preallocated pool, not in forward
 # outputs: the KV peak column covers transformers' methods and the dynamic path only.
@@ -69,7 +69,8 @@ def run_bench(
 ) -> BenchResult:
     """Run (or resume) a benchmark and write its outputs into `out_dir`."""
     from dsbd_core.models import encode_prompt
-    from dsbd_core.models.pair import DraftOptions, load_pair
+    from dsbd_core.models.options import DraftOptions
+    from dsbd_core.models.pair import load_pair
 
     load_at_start = os.getloadavg()  # a quiet machine is part of the result (before and after)
     specs = parse_methods(",".join(config.methods), gamma=config.gamma)

@@ -29,7 +29,8 @@ from dsbd.bench.decode.methods import MethodSpec
 from dsbd_core.algorithm.config import SamplingConfig
 from dsbd_core.algorithm.drivers.decoders import generate, method_config
 from dsbd_core.algorithm.policy.cost_model import Calibration, CostController
-from dsbd_core.algorithm.scorers.ngram_draft import NGRAM_DEFAULT, NgramDraft
+from dsbd_core.algorithm.scorers.ngram_bounds import NGRAM_DEFAULT
+from dsbd_core.algorithm.scorers.ngram_draft import NgramDraft
 from dsbd_core.models import LoadedModel
 from dsbd_core.models.decode_path import make_scorer
 from dsbd_core.models.transformer_scorer import TransformerScorer
