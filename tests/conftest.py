@@ -3,11 +3,11 @@ anything else runs (docs/ARCHITECTURE.md, "Measured facts about CPUs"), and timi
 comparable.
 
 Order (docs/ARCHITECTURE.md, "Tests"): the in-process tests first, then the tests that start Ray or
-a `dsbd serve` (marked `ray`), in file order, and last those of `served`, the four-application
-server (tests/support/serving_harness.py) that tests/serving/test_lm_eval.py,
-tests/serving/test_serving.py and tests/serving/test_serving_api.py share: starting its 22 replicas
-takes minutes of CPU on two cores, so it starts once, its tests run back to back, and it stops right
-after the last of them (its replicas hold gigabytes). The suite runs on two pytest-xdist workers
+a `dsbd serve` (marked `ray`), in file order, and last those of `served`, the six-application
+server (tests/support/serving_harness.py) that tests/serving/test_faults.py, test_lm_eval.py,
+test_serving.py, test_serving_api.py and others share: starting its 30 replicas takes minutes of
+CPU on two cores, so it starts once, its tests run back to back, and it stops right after the
+last of them (its replicas hold gigabytes). The suite runs on two pytest-xdist workers
 (`-n 2 --dist loadgroup`, pyproject.toml): the in-process tests, one core each, on both; the `ray`
 tests as one unit on one worker once every in-process test has been handed out, so no two clusters
 run at once and no in-process test competes with a server's start for long."""

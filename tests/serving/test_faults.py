@@ -1,14 +1,13 @@
 """Certain failure paths and memory admission, end to end on `dsbd serve` (issue 21).
 
-One server for the module (tiny float64 models, so a served decode equals the in-process one
-draw for draw), started as users start it, under `strace -f` when strace exists; the last test
-checks that nothing but loopback was contacted. Applications:
+On the shared server (tests/support/serving_harness.py: tiny float64 models, so a served decode
+equals the in-process one draw for draw, under `strace -f` when strace exists; its loopback check
+is tests/serving/test_serving.py's last test). Its applications:
 
-* `/fsplit`: a draft replica, a verifier replica or the router that exits inside a chosen call
-  (deployments/faults.py), each test arming its fault in the running application through a
-  file (`DSBD_FAULT_INJECT=@file`), once per run through a claim folder; `/ftp`: rank 1 of a
-  tensor-parallel verifier (2 ranks), its fault set per application through
-  `runtime_env.env_vars`. A SIGKILL from outside may land between calls and lose none; this
+* `/` and `/tp`: a draft replica, a verifier replica, the router, or rank 1 of the tensor-parallel
+  verifier (2 ranks) that exits inside a chosen call (deployments/faults.py), each test arming its
+  fault in the running application through a file (`DSBD_FAULT_INJECT=@file`), once per run
+  through a claim folder. A SIGKILL from outside may land between calls and lose none; this
   cannot.
 * `/fpair`: the co-located layout (deployments/decode/pair.py), its verifier exiting inside a
   call: the pair replica's decode loops die with it and the ingress hands them over.
@@ -20,7 +19,6 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -29,22 +27,19 @@ import psutil
 import pytest
 import requests
 import torch
-import yaml
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig
 
 from deployments import faults
 from deployments.decode.session import RETRY_WINDOW_S
 from deployments.replicas.memory import WORKING_COPIES, kv_bytes_per_token
 from tests.support.serving_harness import (
-    QUICK_HEALTH_CHECKS,
-    assert_loopback_only,
+    MEMORY_BUDGET,
     assert_same,
     in_process_decoder,
     native,
-    serving,
     status,
 )
-from tests.support.tiny_models import build_pair, build_tokenizer
+from tests.support.tiny_models import WIDE
 
 FAULTS = {
     "fdraft": "draft:propose:15",
@@ -53,98 +48,26 @@ FAULTS = {
     "frouter": "router:decode:5",
     "fpair": "verifier:verify:15",  # inside a co-located pair: the loops die with the models
 }
-# The application each fault runs in: the split layout's three share one, armed per test.
+# The application each fault is armed in (its route prefix: `PREFIX`).
 APPS = {
-    "fdraft": "fsplit",
-    "fverifier": "fsplit",
-    "frouter": "fsplit",
-    "ftp": "ftp",
+    "fdraft": "dsbd",
+    "fverifier": "dsbd",
+    "frouter": "dsbd",
+    "ftp": "tp",
     "fpair": "fpair",
 }
-WIDE = {
-    "num_hidden_layers": 16,
-    "num_attention_heads": 2,
-    "num_key_value_heads": 2,
-    "hidden_size": 128,
-    "intermediate_size": 128,
-}  # head_dim 64
+PREFIX = {"dsbd": "", "tp": "/tp", "fpair": "/fpair"}
 # A decode of PROMPT tokens (+ 8 new + gamma 2 x W_S 2 columns, width 2) is charged
 # 2 x 612 x 32 KiB x WORKING_COPIES = 153 MiB on each side: two fit in BUDGET, a third does
 # not; a prompt of NEVER tokens (503 MiB) never fits.
-BUDGET = 400 * 2**20  # session_memory_bytes of the /memory replicas
+BUDGET = MEMORY_BUDGET  # session_memory_bytes of the /memory replicas
 PROMPT = 600  # tokens of the long prompts
 NEVER = 2000  # tokens of the prompt that can never fit
 
 
-def build_wide(root: Path) -> Path:
-    """A model whose KV cache is large per token (32 KiB in float64) and whose activations are
-    small (2 heads): memory is dominated by the sessions' caches, as with long prompts on a
-    real model."""
-    tokenizer = build_tokenizer(root)
-    torch.manual_seed(1)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        max_position_embeddings=4096,
-        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
-        **WIDE,
-    )
-    LlamaForCausalLM(config).eval().save_pretrained(root)
-    return root
-
-
-def write_config(root: Path, target: Path, draft: Path, wide: Path) -> Path:
-    models = {
-        "target": {"source": str(target), "dtype": "float64"},
-        "draft": {"source": str(draft), "dtype": "float64"},
-    }
-    small = {"num_cpus": 0.1}
-    resources = {
-        "router_resources": {**small, "max_replicas": 1},
-        "ingress_resources": {**small, "max_replicas": 1},
-        "draft_resources": small,
-        "verifier_resources": {**small, "serve_options": QUICK_HEALTH_CHECKS},
-    }
-    apps = []
-    for name in sorted(set(APPS.values())):
-        (root / f"claims-{name}").mkdir()
-        target_options = {**models["target"], "tp_size": 2 if name == "ftp" else 1}
-        spec = FAULTS[name] if name in FAULTS else f"@{root / f'armed-{name}'}"
-        env = {faults.ENV: spec, faults.DIR_ENV: str(root / f"claims-{name}")}
-        apps.append(
-            {
-                "name": name,
-                "route_prefix": f"/{name}",
-                "import_path": "deployments.app:build_app",
-                "runtime_env": {"env_vars": env},
-                "args": {
-                    "model_name": "tiny",
-                    **models,
-                    "target": target_options,
-                    **resources,
-                    "layout": "colocated" if name == "fpair" else "split",
-                },
-            }
-        )
-    budget = {"source": str(wide), "dtype": "float64", "session_memory_bytes": BUDGET}
-    apps.append(
-        {
-            "name": "memory",
-            "route_prefix": "/memory",
-            "import_path": "deployments.app:build_app",
-            "args": {"model_name": "wide", "target": budget, "draft": budget, **resources},
-        }
-    )
-    (root / "serve.yaml").write_text(yaml.safe_dump({"applications": apps}))
-    return root / "serve.yaml"
-
-
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    root = tmp_path_factory.mktemp("faults")
-    target, draft = build_pair(root / "models")
-    config = write_config(root, target, draft, build_wide(root / "wide"))
-    with serving(root, config) as info:
-        yield {**info, "target": target, "draft": draft}
+def server(served):
+    return served
 
 
 @pytest.fixture(scope="module")
@@ -160,7 +83,7 @@ def test_a_replica_that_dies_inside_a_call_costs_a_retry_not_the_request(server,
     and the lost iterations show in `serving.retries`, the decodes the ingress handed to a new
     router in `serving.handovers`."""
     name = APPS[app]
-    prefix = f"/{name}"
+    prefix = PREFIX[name]
     armed = server["root"] / f"armed-{name}"
     claims_before = set(os.listdir(server["root"] / f"claims-{name}"))
     before = status(server, prefix)
@@ -178,14 +101,12 @@ def test_a_replica_that_dies_inside_a_call_costs_a_retry_not_the_request(server,
     # a decode may wait up to the router's retry window for the replacement replica, then
     # decodes: the client waits that long and the decode's own time beside it
     wait_s = RETRY_WINDOW_S + 120
-    if name != app:  # a shared application: this test's fault, armed while it runs
-        armed.write_text(FAULTS[app])
+    armed.write_text(FAULTS[app])  # this test's fault, armed while it runs
     try:
         with ThreadPoolExecutor(len(bodies)) as pool:
             results = list(pool.map(lambda body: native(server, body, prefix, wait_s), bodies))
     finally:
-        if name != app:
-            armed.write_text("")
+        armed.write_text("")
     for body, got in zip(bodies, results, strict=True):
         knobs = {k: v for k, v in body.items() if k not in ("prompt_ids", "adaptive")}
         assert_same(got, reference("dsbd", body["prompt_ids"], **knobs))
@@ -286,10 +207,6 @@ def test_sessions_are_admitted_by_kv_bytes_and_peak_memory_stays_in_budget(serve
     assert after["ingress"]["admitted_memory_bytes"] == {"target": 0, "draft": 0}
     for side, peak in peaks.items():
         assert peak <= BUDGET, f"{side} grew {peak / 2**20:.0f} MiB over its idle level"
-
-
-def test_nothing_but_loopback_was_contacted(server) -> None:
-    assert_loopback_only(server)
 
 
 def test_an_injected_fault_is_off_unless_asked(monkeypatch, tmp_path: Path) -> None:

@@ -1,15 +1,18 @@
 """End to end over HTTP: `dsbd serve` on real Ray with tiny real models, the real openai client.
 
-One server for the module, started the way users start it (`dsbd serve --config FILE`), under
-`strace -f` (the whole Ray tree) so the last test can check that nothing but loopback was ever
-contacted; this process's own sockets are watched by an audit hook. Two applications:
+One server for the modules that share it, started the way users start it (`dsbd serve --config
+FILE`), under `strace -f` (the whole Ray tree) so the last test here can check that nothing but
+loopback was ever contacted; this process's own sockets are watched by an audit hook. Its
+applications:
 
-* `/`        session affinity on, one draft and one verifier replica;
+* `/`        session affinity on, one draft and one verifier replica (the verifier
+             health-checked every second);
 * `/spread`  affinity off, two draft and two verifier replicas: sessions land on replicas
              without their cache and must re-prefill;
 * `/tp`      the verifier tensor-parallel over 2 ranks (gloo), health-checked every second;
 * `/guarded` an API key and tight limits (width, tokens, concurrency, a 1.5 s deadline):
-             its tests are in tests/serving/test_serving_guarded.py.
+             its tests are in tests/serving/test_serving_guarded.py;
+* `/fpair`, `/memory`, and faults armed in `/` and `/tp`: tests/serving/test_faults.py.
 
 The models run in float64, so a batched forward equals a lone one to ~1e-16 and "the
 distributed path returns the same beams as the in-process engine" can be checked draw for draw

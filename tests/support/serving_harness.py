@@ -1,9 +1,10 @@
-"""The server of tests/serving/test_serving.py and the helpers its tests share (no tests here).
+"""The shared test server and the helpers its tests share (no tests here).
 
-`running_server` starts `dsbd serve --config FILE` with `write_config`'s four applications on tiny
+`running_server` starts `dsbd serve --config FILE` with `write_config`'s six applications on tiny
 float64 models, under `strace -f` when strace exists, and stops it with SIGINT, checking nothing was
-left running; tests/conftest.py's `served` runs it once for tests/serving/test_serving.py and
-tests/serving/test_serving_api.py. `stop`, `leftovers` and `free_port` are also used by other server
+left running; tests/conftest.py's `served` runs it once for the modules that share it
+(tests/serving/test_faults.py, test_lm_eval.py, test_serving.py, test_serving_api.py and the
+others that ask for `served`). `stop`, `leftovers` and `free_port` are also used by other server
 tests.
 """
 
@@ -29,6 +30,7 @@ import requests
 import torch
 import yaml
 
+from deployments import faults
 from dsbd import server_process
 from dsbd_core import SamplingConfig
 from dsbd_core.algorithm.drivers.decoders import generate
@@ -37,7 +39,7 @@ from dsbd_core.models import load_causal_lm, load_tokenizer
 from dsbd_core.models.transformer_scorer import TransformerScorer
 from tests.support.loopback import is_loopback, peers
 
-from .tiny_models import build_pair
+from .tiny_models import build_pair, build_wide
 
 REPO = Path(__file__).parents[2]
 MODEL = "tiny"
@@ -81,26 +83,50 @@ CASES = [
 ]
 
 
-def write_config(root: Path, target: Path, draft: Path) -> Path:
-    """The module's Serve config (four applications) and API key file, written under `root`;
-    also used to start the same server by hand (`DSBD_TEST_SERVER`)."""
+MEMORY_BUDGET = 400 * 2**20  # session_memory_bytes of the /memory application's replicas
+
+
+def armed_faults(root: Path, app: str) -> dict[str, Any]:
+    """The runtime_env with which tests/serving/test_faults.py arms a fault in application `app`
+    while it runs: deployments/faults.py reads the list from `root/armed-APP` at every counted
+    call (empty: off), and each fault fires once per run (its claim in `root/claims-APP`)."""
+    (root / f"claims-{app}").mkdir()
+    (root / f"armed-{app}").write_text("")
+    return {
+        "env_vars": {
+            faults.ENV: f"@{root / f'armed-{app}'}",
+            faults.DIR_ENV: str(root / f"claims-{app}"),
+        }
+    }
+
+
+def write_config(root: Path, target: Path, draft: Path, wide: Path) -> Path:
+    """The shared server's Serve config (six applications) and API key file, written under
+    `root`; also used to start the same server by hand (`DSBD_TEST_SERVER`). `/fpair` (the
+    co-located layout) and `/memory` (`wide`, whose KV cache is large per token, under a small
+    session-memory budget) serve tests/serving/test_faults.py, which also arms faults in `/` and
+    `/tp`."""
     models = {
         "target": {"source": str(target), "dtype": "float64"},
         "draft": {"source": str(draft), "dtype": "float64"},
     }
     small = {"num_cpus": 0.1}
+    quick = {**small, "serve_options": QUICK_HEALTH_CHECKS}
+    one = {**small, "max_replicas": 1}
+    budget = {"source": str(wide), "dtype": "float64", "session_memory_bytes": MEMORY_BUDGET}
     config = {
         "applications": [
             {
                 "name": "dsbd",
                 "route_prefix": "/",
                 "import_path": "deployments.app:build_app",
+                "runtime_env": armed_faults(root, "dsbd"),
                 "args": {
                     "model_name": MODEL,
                     **models,
                     "router_resources": small,
                     "draft_resources": small,
-                    "verifier_resources": small,
+                    "verifier_resources": quick,
                 },
             },
             {
@@ -120,13 +146,14 @@ def write_config(root: Path, target: Path, draft: Path) -> Path:
                 "name": "tp",
                 "route_prefix": "/tp",
                 "import_path": "deployments.app:build_app",
+                "runtime_env": armed_faults(root, "tp"),
                 "args": {
                     "model_name": MODEL,
                     "target": {**models["target"], "tp_size": 2},
                     "draft": models["draft"],
                     "router_resources": small,
                     "draft_resources": small,
-                    "verifier_resources": {**small, "serve_options": QUICK_HEALTH_CHECKS},
+                    "verifier_resources": quick,
                 },
             },
             {
@@ -142,6 +169,35 @@ def write_config(root: Path, target: Path, draft: Path) -> Path:
                     "default_max_tokens": 16,
                     "api_key_file": str(root / "key"),
                     "limits": GUARD,
+                },
+            },
+            {
+                "name": "fpair",
+                "route_prefix": "/fpair",
+                "import_path": "deployments.app:build_app",
+                "runtime_env": armed_faults(root, "fpair"),
+                "args": {
+                    "model_name": MODEL,
+                    **models,
+                    "layout": "colocated",
+                    "ingress_resources": one,
+                    "router_resources": small,
+                    "draft_resources": small,
+                    "verifier_resources": quick,
+                },
+            },
+            {
+                "name": "memory",
+                "route_prefix": "/memory",
+                "import_path": "deployments.app:build_app",
+                "args": {
+                    "model_name": "wide",
+                    "target": budget,
+                    "draft": budget,
+                    "ingress_resources": one,  # the whole budget admitted by one ingress
+                    "router_resources": small,
+                    "draft_resources": small,
+                    "verifier_resources": quick,
                 },
             },
         ]
@@ -185,6 +241,7 @@ def running_server(root: Path) -> Iterator[dict[str, Any]]:
         url, models_dir, *pid = external.split()
         yield {
             "url": url,
+            "root": Path(models_dir).parent,
             "target": Path(models_dir) / "target",
             "draft": Path(models_dir) / "draft",
             "trace": None,
@@ -193,7 +250,7 @@ def running_server(root: Path) -> Iterator[dict[str, Any]]:
         }
         return
     target, draft = build_pair(root / "models")
-    with serving(root, write_config(root, target, draft)) as info:
+    with serving(root, write_config(root, target, draft, build_wide(root / "wide"))) as info:
         yield {**info, "target": target, "draft": draft}
 
 

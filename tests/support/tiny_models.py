@@ -217,3 +217,29 @@ def save_tiny_model(path: Path, tokens: list[str], *, layers: int = 2, seed: int
     LlamaForCausalLM(config).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+# A model whose KV cache is large per token (16 layers x 2 heads x 64 x 2 x 8 bytes = 32 KiB in
+# float64) and whose activations are small: memory is dominated by the sessions' caches, as with
+# long prompts on a real model (tests/serving/test_faults.py's admission test).
+WIDE = {
+    "num_hidden_layers": 16,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+    "hidden_size": 128,
+    "intermediate_size": 128,
+}
+
+
+def build_wide(root: Path) -> Path:
+    """`WIDE` with the tiny pair's tokenizer, saved under `root`."""
+    tokenizer = build_tokenizer(root)
+    torch.manual_seed(1)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        max_position_embeddings=4096,
+        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        **WIDE,
+    )
+    LlamaForCausalLM(config).eval().save_pretrained(root)
+    return root
