@@ -26,7 +26,7 @@ fixture several modules use lives in a conftest.py.
 - `bench_configs`: `bench_config`, the `dsbd bench` tests' quick run on the tiny pair (METHODS).
 - `golden_tokens` (`python -m tests.support.golden_tokens` records tests/data/golden_tokens.json)
   and `golden_paths`: the seeded decodes a refactor must not move.
-- `serving_harness`: the shared four-application `dsbd serve` of tests/conftest.py's `served`,
+- `serving_harness`: the shared six-application `dsbd serve` of tests/conftest.py's `served`,
   its config and the server helpers (`stop`, `leftovers`, `free_port`, `tiny_app`).
 - `observability_harness`: the prompt and the loopback OTLP/HTTP receiver of the observability
   tests.

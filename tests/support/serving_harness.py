@@ -263,9 +263,9 @@ def serving(
     `assert_loopback_only`), stopped with SIGINT and checked to leave nothing running: url, pid,
     root, trace dir (or None) and log. `env`: added to the server's environment.
 
-    `start_s` (how long to wait for it) catches a server that never starts: the 22 replicas
-    of `write_config` took 239 s to start on two quiet cores, 349 s under pytest and strace, and
-    longer on a slower CI machine."""
+    `start_s` (how long to wait for it) catches a server that never starts: the 30 replicas
+    of `write_config` took ~230 s to start under pytest and strace on the 2-core AMD EPYC
+    (benchmarks/results/suite_time_epyc.json, "run_2ff5894"), and longer on a slower machine."""
     trace = root / "trace"
     trace.mkdir()
     traced = shutil.which("strace") is not None
@@ -382,7 +382,7 @@ def decode_while_killing(
         }
         for i in range(IN_FLIGHT)
     ]
-    # The 20 decodes share two cores with the server's 22 replicas and re-prefill what the kill
+    # The 20 decodes share two cores with the server's 30 replicas and re-prefill what the kill
     # lost (on /spread, every call to a replica without the session's cache replays it): the
     # three kill tests ran 114-124 s on an Intel Xeon with 2 cores, nearly all of it these
     # decodes, so each may take up to 5 minutes; the bound stays a hang detector.
