@@ -3,13 +3,14 @@ import path of its class, which only its replicas import.
 
 Why by path: a Serve deployment made from a class makes every process that builds the
 application import the class's module, and the replicas' modules import torch, transformers and
-the engine (`import deployments.app`: 9.2 CPU-s with the classes bound, 2.4 without, means of 3
+the engine (`import deployments.app`: 8.4 CPU-s with the classes bound, 1.9 without, means of 3
 interleaved runs on the 2-core AMD EPYC). That process is `dsbd serve` checking its config,
 Serve's build task of each application and Ray's `serve run`; each runs before any replica can
-start (a one-application server of the tiny pair: 37-46 s to ready against 50-58 s, 3
-interleaved rounds). Serve loads a path in the replica (`ray.serve._private.replica`), so a
-replica runs the class it names as it would a bound one; the options here are the deployments'
-defaults, which `app.py` overrides per application (`.options`).
+start (a one-application server of the tiny pair: 34-42 s to ready against 44-54 s, 3
+interleaved rounds; benchmarks/results/suite_time_epyc.json, "deployments_by_path"). Serve loads
+a path in the replica (`ray.serve._private.replica`), so a replica runs the class it names as it
+would a bound one; the options here are the deployments' defaults, which `app.py` overrides per
+application (`.options`).
 """
 
 from __future__ import annotations
