@@ -74,21 +74,16 @@ def prepare_models(schema: Any) -> None:
 
 
 def _prepare(name: str, args: Any) -> None:
-    """One model's pair, converted and checked (ServeSetupError naming the field). Sources that
-    need no conversion are checked without importing torch or transformers."""
+    """One model's pair, converted and checked (ServeSetupError naming the field)."""
     from dsbd_core.algorithm.scorers.ngram_bounds import LOOKUP_DRAFT
     from dsbd_core.models.errors import ModelSourceError
-    from dsbd_core.models.presets import locate_source
+    from dsbd_core.models.sources import prepare_source
 
     for side, model in (("target", args.target), ("draft", args.draft)):
         if side == "draft" and model.source == LOOKUP_DRAFT:
             continue  # the prompt-lookup draft: no weights to prepare
         try:
-            kind, _ = locate_source(model.source)
-            if kind in ("preset", "gguf"):  # converted once, here, into the cache
-                from dsbd_core.models.loading import resolve_source
-
-                resolve_source(model.source)
+            prepare_source(model.source)  # presets and GGUF converted once, here
         except ModelSourceError as error:
             allowed = f"; or {LOOKUP_DRAFT!r} (the prompt-lookup draft)" * (side == "draft")
             where = f"{name}.args.{side}.source={model.source!r}"

@@ -182,13 +182,14 @@ def _run(job: BatchJob, address: str | None, progress: bool) -> int:
 def check_models(settings: DecoderSettings) -> None:
     """Presets converted once here (not in every actor at once); unknown sources refused."""
     from dsbd_core.algorithm.scorers.ngram_bounds import LOOKUP_DRAFT
-    from dsbd_core.models import ModelSourceError, resolve_source
+    from dsbd_core.models.errors import ModelSourceError
+    from dsbd_core.models.sources import prepare_source
 
     for flag, source in (("--target", settings.target), ("--draft", settings.draft)):
         if flag == "--draft" and source == LOOKUP_DRAFT:
             continue  # the prompt-lookup draft: no weights
         try:
-            resolve_source(source)
+            prepare_source(source)
         except ModelSourceError as error:
             allowed = (
                 f"; or {LOOKUP_DRAFT!r} (the prompt-lookup draft)" if flag == "--draft" else ""

@@ -124,7 +124,7 @@ SourceKind = Literal["preset", "directory", "gguf", "hub"]
 def locate_source(source: str) -> tuple[SourceKind, Path | None]:
     """What kind of model source `source` is, and its path where it is a file or directory:
     the rule `loading.resolve_source` prepares by, here without torch or transformers so that
-    `dsbd serve` checks a config's sources before it starts Ray without importing them.
+    `sources.prepare_source` checks a source before any model is loaded without importing them.
     Anything else is refused (ModelSourceError) with what is accepted."""
     if (
         source in (TARGET_PRESET, DRAFT_PRESET, DISTILLED_PRESET)
