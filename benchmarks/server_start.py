@@ -1,0 +1,116 @@
+"""How long a `dsbd serve` takes to be ready, code against code, interleaved.
+
+    python benchmarks/server_start.py --trees /tmp/base /tmp/new --rounds 3
+    python benchmarks/server_start.py --trees . --readme
+
+Each tree is a checkout (a `git worktree` of the commit to measure, with `.venv` linked to this
+one's). Per round and tree, in a process whose PYTHONPATH is that tree: a one-application server
+of the tiny float64 pair (tests/support/serving_harness.tiny_app) started until ready, one decode,
+stopped; the wall seconds to ready and the machine's busy CPU seconds over the start (/proc/stat),
+and `import deployments.app`'s CPU seconds. `--readme`: `dsbd serve` with no options (the
+README's command) and test_the_readme_main_command's request twice, on a fresh calibration
+folder (the first adaptive request waits for the pair's served calibration). Prints JSON lines;
+results in benchmarks/results/suite_time_epyc.json ("deployments_by_path",
+"readme_command_first_request")."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+VENV_PYTHON = Path(__file__).resolve().parents[1] / ".venv/bin/python"
+ONE_START = """
+import json, sys, time, tempfile, requests, yaml
+from pathlib import Path
+from tests.support.serving_harness import tiny_app
+from tests.support.tiny_models import build_pair
+from dsbd import server_process
+def busy():
+    v = [int(x) for x in open("/proc/stat").readline().split()[1:8]]
+    return (v[0] + v[1] + v[2] + v[5] + v[6]) / 100
+root = Path(tempfile.mkdtemp())
+target, draft = build_pair(root / "models")
+config = root / "serve.yaml"
+config.write_text(yaml.safe_dump({"applications": [tiny_app(target, draft)]}))
+t0, c0 = time.time(), busy()
+server = server_process.start(root / "server", config, num_cpus=8)
+ready, cpu = time.time() - t0, busy() - c0
+body = {"prompt_ids": [5, 17, 42], "max_new_tokens": 8, "seed": 1, "adaptive": False}
+t1 = time.time()
+beams = requests.post(f"{server.base_url}/v1/dsbd/generate", json=body, timeout=300).json()["beams"]
+print(json.dumps({"ready_s": round(ready, 1), "machine_cpu_s": round(cpu, 1),
+                  "first_decode_s": round(time.time() - t1, 2), "beams": len(beams)}))
+server_process.stop(server)
+"""
+README = """
+import json, signal, time
+from pathlib import Path
+import openai
+from dsbd import server_process
+root = Path(__import__("tempfile").mkdtemp())
+t0 = time.time()
+server = server_process.start(root, timeout_s=900, exit_on_sigterm=False)
+out = {"ready_s": round(time.time() - t0, 1)}
+client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
+for name in ("first_request_s", "second_request_s"):
+    t = time.time()
+    client.chat.completions.create(model="smollm2", max_tokens=12, n=2, seed=0,
+        messages=[{"role": "user", "content": "What is 2 + 2?"}],
+        extra_body={"width": 3, "gamma": 2})
+    out[name] = round(time.time() - t, 1)
+t = time.time()
+server_process.stop(server, signal.SIGTERM)
+out["stop_s"] = round(time.time() - t, 1)
+print(json.dumps(out))
+"""
+
+
+def _run(tree: Path, code: str, env: dict[str, str]) -> str:
+    done = subprocess.run(
+        [str(VENV_PYTHON), "-c", code],
+        cwd=tree,
+        env={**env, "PYTHONPATH": str(tree)},
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=1800,
+    )
+    return done.stdout.strip().splitlines()[-1]
+
+
+def _import_cpu_s(tree: Path, env: dict[str, str]) -> float:
+    code = "import resource, deployments.app; u = resource.getrusage(resource.RUSAGE_SELF); "
+    code += "print(u.ru_utime + u.ru_stime)"
+    return round(float(_run(tree, code, env)), 2)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--trees", nargs="+", type=Path, required=True)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--readme", action="store_true", help="the README's command instead")
+    args = parser.parse_args()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    env["TOKENIZERS_PARALLELISM"] = "false"
+    print(json.dumps({"load_before": os.getloadavg()[0]}), flush=True)
+    for round_ in range(args.rounds):
+        for tree in args.trees:
+            record = {"round": round_ + 1, "tree": str(tree)}
+            if args.readme:
+                env["DSBD_CALIBRATION_DIR"] = tempfile.mkdtemp()
+                record.update(json.loads(_run(tree, README, env)))
+            else:
+                record.update(json.loads(_run(tree, ONE_START, env)))
+                record["import_app_cpu_s"] = _import_cpu_s(tree, env)
+            print(json.dumps(record), flush=True)
+    print(json.dumps({"load_after": os.getloadavg()[0]}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
