@@ -7,6 +7,7 @@ Each tree is a checkout (a `git worktree` of the commit to measure, with `.venv`
 one's). Per round and tree, in a process whose PYTHONPATH is that tree: a one-application server
 of the tiny float64 pair (tests/support/serving_harness.tiny_app) started until ready, one decode,
 stopped; the wall seconds to ready and the machine's busy CPU seconds over the start (/proc/stat),
+the wall seconds of the stop (SIGINT until no process of the server is left),
 and `import deployments.app`'s CPU seconds. `--readme`: `dsbd serve` with no options (the
 README's command) and test_the_readme_main_command's request twice, on a fresh calibration
 folder (the first adaptive request waits for the pair's served calibration). Prints JSON lines;
@@ -43,9 +44,12 @@ ready, cpu = time.time() - t0, busy() - c0
 body = {"prompt_ids": [5, 17, 42], "max_new_tokens": 8, "seed": 1, "adaptive": False}
 t1 = time.time()
 beams = requests.post(f"{server.base_url}/v1/dsbd/generate", json=body, timeout=300).json()["beams"]
+decode = time.time() - t1
+t2 = time.time()
+left = server_process.stop(server)
 print(json.dumps({"ready_s": round(ready, 1), "machine_cpu_s": round(cpu, 1),
-                  "first_decode_s": round(time.time() - t1, 2), "beams": len(beams)}))
-server_process.stop(server)
+                  "first_decode_s": round(decode, 2), "beams": len(beams),
+                  "stop_s": round(time.time() - t2, 1), "left": left}))
 """
 README = """
 import json, signal, time

@@ -27,12 +27,25 @@ def _by_path(path: str, **options: Any) -> Deployment:
     return serve.deployment(**options)(cast(Any, path))
 
 
+# The replicas behind the ingress, once told to stop, check for calls still running after 0.2 s
+# and every 0.2 s after that (Serve's default: 2 s). Their callers are dsbd's own deployments,
+# which Serve stops first (tier by tier, callers before callees) and which retry a call a stopped
+# replica did not answer (docs/RELIABILITY.md), so the wait protects no call. With Serve's
+# default each of the four tiers took ~2.5 s: a one-application server stopped in 13.5-14.5 s,
+# with 0.2 s in 8.9-9.4 s (3 interleaved rounds on the 2-core AMD EPYC;
+# benchmarks/results/suite_time_epyc.json, "drain_loop").
+_DRAINS: dict[str, Any] = {"graceful_shutdown_wait_loop_s": 0.2}
+
 INGRESS = _by_path("deployments.api.ingress.Ingress", name="Ingress", max_ongoing_requests=256)
-ROUTER = _by_path("deployments.decode.router.Router", name="Router", max_ongoing_requests=256)
-PAIR = _by_path("deployments.decode.pair.Pair", name="Pair", max_ongoing_requests=256)
-DRAFT = _by_path("deployments.replicas.draft.Draft", name="Draft", max_ongoing_requests=64)
+ROUTER = _by_path(
+    "deployments.decode.router.Router", name="Router", max_ongoing_requests=256, **_DRAINS
+)
+PAIR = _by_path("deployments.decode.pair.Pair", name="Pair", max_ongoing_requests=256, **_DRAINS)
+DRAFT = _by_path(
+    "deployments.replicas.draft.Draft", name="Draft", max_ongoing_requests=64, **_DRAINS
+)
 VERIFIER = _by_path(
-    "deployments.replicas.verifier.Verifier", name="Verifier", max_ongoing_requests=64
+    "deployments.replicas.verifier.Verifier", name="Verifier", max_ongoing_requests=64, **_DRAINS
 )
 # One replica: a small dict of sessions and a few arithmetic operations per call.
 SESSION_REGISTRY = _by_path(
@@ -40,4 +53,5 @@ SESSION_REGISTRY = _by_path(
     name="SessionRegistry",
     max_ongoing_requests=1000,
     ray_actor_options={"num_cpus": 0},
+    **_DRAINS,
 )
