@@ -18,6 +18,8 @@ starts a server of its own (one application, about a minute on two cores).
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -214,6 +216,25 @@ def _generations(results: dict, task: str) -> list[str]:
     return [s["filtered_resps"][0] for s in results["samples"][task]]
 
 
+# lm-eval's `hf` model on the same tasks, plain and with the chat template, in a process of its
+# own: it runs while the server starts and answers (one core each on two), not after it.
+HF_SIDE = """
+import json, sys
+import lm_eval
+from lm_eval.tasks import TaskManager
+weights, include, tasks, out = sys.argv[1], sys.argv[2], sys.argv[3].split(","), sys.argv[4]
+manager = TaskManager(include_path=include)
+found = {}
+for name, chat in (("plain", False), ("chat", True)):
+    results = lm_eval.simple_evaluate(
+        model="hf", model_args=f"pretrained={weights},dtype=float32", device="cpu", tasks=tasks,
+        task_manager=manager, apply_chat_template=chat, log_samples=True,
+    )
+    found[name] = {t: [s["filtered_resps"][0] for s in results["samples"][t]] for t in tasks}
+open(out, "w").write(json.dumps(found))
+"""
+
+
 @pytest.mark.real_model
 def test_lm_eval_generate_until_on_smollm2_equals_its_hf_model(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -233,66 +254,66 @@ def test_lm_eval_generate_until_on_smollm2_equals_its_hf_model(
     weights = str(prepare_preset("smollm2"))  # the directory the target replica loads
     manager = TaskManager(include_path=str(_generate_tasks(tmp_path / "tasks")))
     tasks = ["dsbd_gsm", "dsbd_code"]
-    (tmp_path / "server").mkdir()
-    with serving(tmp_path / "server", _smollm2_config(tmp_path / "server")) as server:
-        url = server["url"]
-        common = f"model=smollm2,tokenizer_backend=huggingface,tokenizer={weights},max_retries=1"
-        completions = lm_eval.simple_evaluate(
-            model="local-completions",
-            model_args=f"{common},base_url={url}/v1/completions,num_concurrent=1,batch_size=2",
-            tasks=tasks,
-            task_manager=manager,
-            log_samples=True,
-        )
-        chat = lm_eval.simple_evaluate(
-            model="local-chat-completions",
-            model_args=f"model=smollm2,base_url={url}/v1/chat/completions,max_retries=1",
-            tasks=tasks,
-            task_manager=manager,
-            apply_chat_template=True,
-            log_samples=True,
-        )
-        # the same requests with `include_stop_str_in_output`: which stop ended each one
-        kept = {
-            task: [
-                requests.post(
-                    f"{url}/v1/completions",
-                    json={
-                        "model": "smollm2",
-                        "prompt": s["arguments"][0][0],
-                        "max_tokens": tokens,
-                        "temperature": 0,
-                        "stop": until,
-                        "include_stop_str_in_output": True,
-                    },
-                    timeout=120,
-                ).json()["choices"][0]
-                for s in completions["samples"][task]
-            ]
-            for task, tokens, until in (("dsbd_gsm", 32, GSM_UNTIL), ("dsbd_code", 40, CODE_UNTIL))
-        }
-    hf_args = f"pretrained={weights},dtype=float32"
-    local = lm_eval.simple_evaluate(
-        model="hf",
-        model_args=hf_args,
-        device="cpu",
-        tasks=tasks,
-        task_manager=manager,
-        log_samples=True,
+    hf_out = tmp_path / "hf.json"
+    hf_side = subprocess.Popen(
+        [sys.executable, "-c", HF_SIDE, weights, str(tmp_path / "tasks"), ",".join(tasks)]
+        + [str(hf_out)],
+        stdout=subprocess.DEVNULL,
+        stderr=(tmp_path / "hf.log").open("w"),
     )
-    local_chat = lm_eval.simple_evaluate(
-        model="hf",
-        model_args=hf_args,
-        device="cpu",
-        tasks=tasks,
-        task_manager=manager,
-        apply_chat_template=True,
-        log_samples=True,
-    )
+    try:
+        (tmp_path / "server").mkdir()
+        with serving(tmp_path / "server", _smollm2_config(tmp_path / "server")) as server:
+            url = server["url"]
+            common = (
+                f"model=smollm2,tokenizer_backend=huggingface,tokenizer={weights},max_retries=1"
+            )
+            completions = lm_eval.simple_evaluate(
+                model="local-completions",
+                model_args=f"{common},base_url={url}/v1/completions,num_concurrent=1,batch_size=2",
+                tasks=tasks,
+                task_manager=manager,
+                log_samples=True,
+            )
+            chat = lm_eval.simple_evaluate(
+                model="local-chat-completions",
+                model_args=f"model=smollm2,base_url={url}/v1/chat/completions,max_retries=1",
+                tasks=tasks,
+                task_manager=manager,
+                apply_chat_template=True,
+                log_samples=True,
+            )
+            # the same requests with `include_stop_str_in_output`: which stop ended each one
+            kept = {
+                task: [
+                    requests.post(
+                        f"{url}/v1/completions",
+                        json={
+                            "model": "smollm2",
+                            "prompt": s["arguments"][0][0],
+                            "max_tokens": tokens,
+                            "temperature": 0,
+                            "stop": until,
+                            "include_stop_str_in_output": True,
+                        },
+                        timeout=120,
+                    ).json()["choices"][0]
+                    for s in completions["samples"][task]
+                ]
+                for task, tokens, until in (
+                    ("dsbd_gsm", 32, GSM_UNTIL),
+                    ("dsbd_code", 40, CODE_UNTIL),
+                )
+            }
+    except BaseException:  # no generation to compare with: stop it
+        hf_side.kill()
+        raise
+    assert hf_side.wait(timeout=600) == 0, (tmp_path / "hf.log").read_text()[-3000:]
+    local = json.loads(hf_out.read_text())
     for task, until in (("dsbd_gsm", GSM_UNTIL), ("dsbd_code", CODE_UNTIL)):
-        served, own = _generations(completions, task), _generations(local, task)
+        served, own = _generations(completions, task), local["plain"][task]
         assert served == own, (task, served, own)
-        assert _generations(chat, task) == _generations(local_chat, task), task
+        assert _generations(chat, task) == local["chat"][task], task
         # stops of several tokens ended generations: the text with the stop kept is the
         # generation and then the stop string that `stop_reason` names
         ended = [c for c in kept[task] if c["finish_reason"] == "stop"]
