@@ -9,8 +9,10 @@ test_serving.py, test_serving_api.py and others share: starting its 30 replicas 
 CPU on two cores, so it starts once, its tests run back to back, and it stops right after the
 last of them (its replicas hold gigabytes). The suite runs on two pytest-xdist workers
 (`-n 2 --dist loadgroup`, pyproject.toml): the in-process tests, one core each, on both; the `ray`
-tests as one unit on one worker once every in-process test has been handed out, so no two clusters
-run at once and no in-process test competes with a server's start for long."""
+tests as one unit on one worker once every in-process test has been handed out, so no two modules'
+clusters run at once and no in-process test competes with a server's start for long (within
+tests/serving/test_serve_run.py the README command's server runs beside the other test's, its
+first request waiting on one core for the embedded pair's calibration)."""
 
 from __future__ import annotations
 

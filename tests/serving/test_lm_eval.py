@@ -12,7 +12,8 @@ Issue 52 item 3: on generate_until tasks whose `until` strings are several token
 format, "Question:" and a blank line; HumanEval's "\\ndef", "\\nclass", "\\nif"),
 `local-completions` and `local-chat-completions` against a `dsbd serve` of the embedded SmolLM2
 pair in float32 give exactly the generations of lm-eval's `hf` model on the same weights. It
-starts a server of its own (one application, about a minute on two cores).
+starts a server of its own (one application, about a minute on two cores); lm-eval's `hf` side
+runs meanwhile in a process of its own (`HF_SIDE`).
 """
 
 from __future__ import annotations
@@ -255,12 +256,13 @@ def test_lm_eval_generate_until_on_smollm2_equals_its_hf_model(
     manager = TaskManager(include_path=str(_generate_tasks(tmp_path / "tasks")))
     tasks = ["dsbd_gsm", "dsbd_code"]
     hf_out = tmp_path / "hf.json"
-    hf_side = subprocess.Popen(
-        [sys.executable, "-c", HF_SIDE, weights, str(tmp_path / "tasks"), ",".join(tasks)]
-        + [str(hf_out)],
-        stdout=subprocess.DEVNULL,
-        stderr=(tmp_path / "hf.log").open("w"),
-    )
+    with (tmp_path / "hf.log").open("w") as log:  # the child keeps its own copy of the file
+        hf_side = subprocess.Popen(
+            [sys.executable, "-c", HF_SIDE, weights, str(tmp_path / "tasks"), ",".join(tasks)]
+            + [str(hf_out)],
+            stdout=subprocess.DEVNULL,
+            stderr=log,
+        )
     try:
         (tmp_path / "server").mkdir()
         with serving(tmp_path / "server", _smollm2_config(tmp_path / "server")) as server:
