@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -179,11 +180,13 @@ def test_ray_env_prints_the_loopback_settings() -> None:
     settings = dict(line.split("=", 1) for line in done.stdout.split())
     assert settings["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "0"
     assert (Path(settings["HOME"]) / "ray_bootstrap_config.yaml").is_file()
+    shutil.rmtree(settings["HOME"])  # the printed HOME outlives `dsbd ray-env` for `serve run`
     assert settings["MALLOC_ARENA_MAX"] == "2"  # Ray's glibc processes (deployments.local_ray)
     assert settings["RAY_SERVE_CONTROL_LOOP_INTERVAL_S"] == "0.5"  # Serve's controller's walk
     # the user's own memory settings and controller interval win, as in `dsbd serve`
     mine = {**os.environ, "MALLOC_ARENA_MAX": "4", "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.2"}
     done = subprocess.run([*DSBD, "ray-env"], capture_output=True, text=True, timeout=60, env=mine)
+    shutil.rmtree(dict(line.split("=", 1) for line in done.stdout.split())["HOME"])
     assert "MALLOC_ARENA_MAX=4" in done.stdout.split(), done.stdout
     assert "RAY_SERVE_CONTROL_LOOP_INTERVAL_S=0.2" in done.stdout.split(), done.stdout
 

@@ -188,6 +188,7 @@ def test_serve_run_of_ray_serve_llms_shape_serves_two_models_on_loopback_only(
         assert "'nope' does not exist; available: 'tiny', 'tiny-beam'" in response.text
     finally:
         stop(process, lambda: os.killpg(process.pid, signal.SIGINT))
+        shutil.rmtree(env["HOME"], ignore_errors=True)  # `dsbd ray-env`'s HOME, kept for Ray
     outside = sorted(a for a in peers(trace) if not is_loopback(a))
     assert not outside, f"serve run tried to reach: {outside}"
 
