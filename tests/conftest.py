@@ -2,17 +2,19 @@
 anything else runs (docs/ARCHITECTURE.md, "Measured facts about CPUs"), and timings stay
 comparable.
 
-Order (docs/ARCHITECTURE.md, "Tests"): the in-process tests first, then the tests that start Ray or
-a `dsbd serve` (marked `ray`), in file order, and last those of `served`, the six-application
-server (tests/support/serving_harness.py) that tests/serving/test_faults.py, test_lm_eval.py,
-test_serving.py, test_serving_api.py and others share: starting its 30 replicas takes minutes of
-CPU on two cores, so it starts once, its tests run back to back, and it stops right after the
-last of them (its replicas hold gigabytes). The suite runs on two pytest-xdist workers
-(`-n 2 --dist loadgroup`, pyproject.toml): the in-process tests, one core each, on both; the `ray`
-tests as one unit on one worker once every in-process test has been handed out, so no two modules'
-clusters run at once and no in-process test competes with a server's start for long (within
-tests/serving/test_serve_run.py the README command's server runs beside the other test's, its
-first request waiting on one core for the embedded pair's calibration)."""
+Order (docs/ARCHITECTURE.md, "Tests"): the tests that start Ray or a `dsbd serve` (marked `ray`)
+are one scheduling unit, handed out first, in file order, and last among them those of `served`,
+the six-application server (tests/support/serving_harness.py) that tests/serving/test_faults.py,
+test_lm_eval.py, test_serving.py, test_serving_api.py and others share: starting its 30 replicas
+takes minutes of CPU on two cores, so it starts once, its tests run back to back, and it stops
+right after the last of them (its replicas hold gigabytes). The suite runs on two pytest-xdist
+workers (`-n 2 --dist loadgroup`, pyproject.toml): one runs the `ray` unit, so no two modules'
+clusters run at once; the other runs the in-process tests (one core each) meanwhile, filling the
+core that the servers' replicas leave idle while they wait on each other, and both run what is left
+of them once the `ray` unit is done. The in-process modules with slow tests go first: the Qwen
+pair's (~9 GB) runs beside one-application servers, before the shared server's 13 GB is up
+(within tests/serving/test_serve_run.py the README command's server runs beside the other test's,
+its first request waiting on one core for the embedded pair's calibration)."""
 
 from __future__ import annotations
 
@@ -123,30 +125,31 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         item.add_marker(pytest.mark.ray)
     served = [item for item in ray if "served" in getattr(item, "fixturenames", ())]
     rest = [item for item in ray if item not in served]
-    # the modules with slow tests first, so that the two workers end the in-process phase
-    # together (each module's tests stay together: its module-scoped fixtures are built once)
+    # the `ray` unit first (one worker runs it from the start); then the in-process modules with
+    # slow tests, so the memory-heavy ones run before the shared server starts and the workers
+    # end together (each module's tests stay together: its module-scoped fixtures are built once)
     inprocess = [item for item in items if item not in ray]
     slow = {_module(item.nodeid) for item in inprocess if item.get_closest_marker("slow")}
     inprocess.sort(key=lambda item: _module(item.nodeid) not in slow)  # stable
-    items[:] = inprocess + rest + served
+    items[:] = rest + served + inprocess
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
-    """Under `--dist loadgroup`: each in-process test a unit of its own, handed out in
-    collection order, and every `ray` test in one unit, last (xdist's own `xdist_group` marks
-    rename test ids, which pytest 9.2's ids no longer allow)."""
+    """Under `--dist loadgroup`: every `ray` test in one unit, handed out first, and each
+    in-process test a unit of its own, handed out in collection order to whichever worker asks
+    (xdist's own `xdist_group` marks rename test ids, which pytest 9.2's ids no longer allow)."""
     if config.getvalue("dist") != "loadgroup":
         return None
     from xdist.scheduler import LoadScopeScheduling
 
-    config.option.loadscopereorder = False  # keep the collection order: `ray` last
+    config.option.loadscopereorder = False  # keep the collection order: `ray` first
 
-    class RayLast(LoadScopeScheduling):
+    class RayFirst(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             return "ray" if _module(nodeid) in RAY_MODULES else nodeid
 
-    return RayLast(config, log)
+    return RayFirst(config, log)
 
 
 @pytest.hookimpl(trylast=True)
