@@ -11,10 +11,10 @@ right after the last of them (its replicas hold gigabytes). The suite runs on tw
 workers (`-n 2 --dist loadgroup`, pyproject.toml): one runs the `ray` unit, so no two modules'
 clusters run at once; the other runs the in-process tests (one core each) meanwhile, filling the
 core that the servers' replicas leave idle while they wait on each other, and both run what is left
-of them once the `ray` unit is done. The in-process modules with slow tests go first: the Qwen
-pair's (~9 GB) runs beside one-application servers, before the shared server's 13 GB is up
-(within tests/serving/test_serve_run.py the README command's server runs beside the other test's,
-its first request waiting on one core for the embedded pair's calibration)."""
+of them once the `ray` unit is done. The in-process test that loads the Qwen pair (~9 GB) goes
+first, beside one-application servers, long before the shared server's 13 GB is up (within
+tests/serving/test_serve_run.py the README command's server runs beside the other test's, its
+first request waiting on one core for the embedded pair's calibration)."""
 
 from __future__ import annotations
 
@@ -67,6 +67,12 @@ RAY_MODULES = frozenset(
         "serving/test_tp_group",
     )
 )
+
+
+# The in-process module that loads the installed Qwen pair in float32 (~9 GB; skipped where
+# `dsbd models install qwen-coder` has not run): its tests go first, beside the one-application
+# servers of the `ray` unit's first modules, never beside the shared server's ~13 GB.
+MEMORY_FIRST = frozenset({"tests/models/test_real_drafts.py"})
 
 
 def _module(nodeid: str) -> str:
@@ -125,12 +131,17 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         item.add_marker(pytest.mark.ray)
     served = [item for item in ray if "served" in getattr(item, "fixturenames", ())]
     rest = [item for item in ray if item not in served]
-    # the `ray` unit first (one worker runs it from the start); then the in-process modules with
-    # slow tests, so the memory-heavy ones run before the shared server starts and the workers
-    # end together (each module's tests stay together: its module-scoped fixtures are built once)
+    # the `ray` unit first (one worker runs it from the start); then the in-process tests:
+    # `MEMORY_FIRST`, the modules with slow tests (so that the workers end together), the rest
+    # (each module's tests stay together: its module-scoped fixtures are built once)
     inprocess = [item for item in items if item not in ray]
     slow = {_module(item.nodeid) for item in inprocess if item.get_closest_marker("slow")}
-    inprocess.sort(key=lambda item: _module(item.nodeid) not in slow)  # stable
+    inprocess.sort(  # stable
+        key=lambda item: (
+            _module(item.nodeid) not in MEMORY_FIRST,
+            _module(item.nodeid) not in slow,
+        )
+    )
     items[:] = rest + served + inprocess
 
 
