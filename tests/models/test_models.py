@@ -7,6 +7,7 @@ but the `real_model` tests runs in seconds without weights.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -129,13 +130,31 @@ def test_cache_build_is_atomic(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) 
 
 @pytest.mark.slow
 @pytest.mark.real_model
-def test_presets_load_from_the_cache_and_share_a_vocabulary() -> None:
-    target = load_causal_lm("smollm2")  # converts the GGUF once (~20 s), then reads the cache
-    start = time.perf_counter()
+def test_presets_load_from_the_cache_and_share_a_vocabulary(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # the first load converts the GGUF once (~26 CPU-s with the draft), later ones read the cache
+    target = load_causal_lm("smollm2")
+    # Loading again builds no cache entry and costs this process ~0.8 CPU-s. Its wall time is not
+    # the check: the suite runs servers beside the in-process tests, and beside the shared
+    # server's start these loads once took 18.5 s.
+    builds: list[str] = []
+    cached_conversion = loading.cached_conversion
+
+    def counted(name: str, build: Callable[[Path], None]) -> Path:
+        def recorded(out: Path) -> None:
+            builds.append(name)
+            build(out)
+
+        return cached_conversion(name, recorded)
+
+    monkeypatch.setattr(loading, "cached_conversion", counted)
+    start = time.process_time()
     target = load_causal_lm("smollm2")
     draft = load_causal_lm("smollm2-draft")
-    reload_s = time.perf_counter() - start
-    assert reload_s < 10, f"cached loads took {reload_s:.1f} s"  # ~0.5 s on an idle machine
+    reload_cpu_s = time.process_time() - start
+    assert builds == [], f"loading the presets again rebuilt {builds}"
+    assert reload_cpu_s < 10, f"cached loads took {reload_cpu_s:.1f} s of CPU"
     assert target.vocab_size == draft.vocab_size == 49152
     assert target.model.config.num_hidden_layers == 30
     # the default draft is the shipped distilled one (4 trained layers), not a cut of the target
