@@ -12,7 +12,7 @@ workers (`-n 2 --dist loadgroup`, pyproject.toml): one runs the `ray` unit, so n
 clusters run at once; the other runs the in-process tests (one core each) meanwhile, filling the
 core that the servers' replicas leave idle while they wait on each other, and both run what is left
 of them once the `ray` unit is done. The in-process test that loads the Qwen pair (~9 GB) goes
-first, beside one-application servers, long before the shared server's 13 GB is up (within
+first, beside one-application servers, long before the shared server's ~13-16 GB is up (within
 tests/serving/test_serve_run.py the README command's server runs beside the other test's, its
 first request waiting on one core for the embedded pair's calibration)."""
 
@@ -71,7 +71,7 @@ RAY_MODULES = frozenset(
 
 # The in-process module that loads the installed Qwen pair in float32 (~9 GB; skipped where
 # `dsbd models install qwen-coder` has not run): its tests go first, beside the one-application
-# servers of the `ray` unit's first modules, never beside the shared server's ~13 GB.
+# servers of the `ray` unit's first modules, never beside the shared server's ~13-16 GB.
 MEMORY_FIRST = frozenset({"tests/models/test_real_drafts.py"})
 
 

@@ -174,10 +174,15 @@ def test_tp_init_timeout_defaults_to_two_hours_and_must_be_positive() -> None:
         AppArgs.model_validate({"target": {"source": "smollm2", "tp_init_timeout_s": 0}})
 
 
+def _printed(stdout: str) -> dict[str, str]:
+    """The NAME=VALUE settings `dsbd ray-env` printed."""
+    return dict(line.split("=", 1) for line in stdout.split())
+
+
 @pytest.mark.slow  # a `dsbd` process: imports torch, transformers and Ray
 def test_ray_env_prints_the_loopback_settings() -> None:
     done = subprocess.run([*DSBD, "ray-env"], capture_output=True, text=True, timeout=60)
-    settings = dict(line.split("=", 1) for line in done.stdout.split())
+    settings = _printed(done.stdout)
     assert settings["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "0"
     assert (Path(settings["HOME"]) / "ray_bootstrap_config.yaml").is_file()
     shutil.rmtree(settings["HOME"])  # the printed HOME outlives `dsbd ray-env` for `serve run`
@@ -186,7 +191,7 @@ def test_ray_env_prints_the_loopback_settings() -> None:
     # the user's own memory settings and controller interval win, as in `dsbd serve`
     mine = {**os.environ, "MALLOC_ARENA_MAX": "4", "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.2"}
     done = subprocess.run([*DSBD, "ray-env"], capture_output=True, text=True, timeout=60, env=mine)
-    shutil.rmtree(dict(line.split("=", 1) for line in done.stdout.split())["HOME"])
+    shutil.rmtree(_printed(done.stdout)["HOME"])
     assert "MALLOC_ARENA_MAX=4" in done.stdout.split(), done.stdout
     assert "RAY_SERVE_CONTROL_LOOP_INTERVAL_S=0.2" in done.stdout.split(), done.stdout
 
