@@ -1,6 +1,6 @@
 """How long a `dsbd serve` takes to be ready, code against code, interleaved.
 
-    python benchmarks/server_start.py --trees /tmp/base /tmp/new --rounds 3
+    python benchmarks/server_start.py --trees /tmp/base /tmp/new --rounds 3 [--idle-s 60]
     python benchmarks/server_start.py --trees . --readme
 
 Each tree is a checkout (a `git worktree` of the commit to measure, with `.venv` linked to this
@@ -8,9 +8,12 @@ one's). Per round and tree, in a process whose PYTHONPATH is that tree: a one-ap
 of the tiny float64 pair (tests/support/serving_harness.tiny_app) started until ready, one decode,
 stopped; the wall seconds to ready and the machine's busy CPU seconds over the start (/proc/stat),
 the wall seconds of the stop (SIGINT until no process of the server is left),
-and `import deployments.app`'s CPU seconds. `--readme`: `dsbd serve` with no options (the
-README's command) and test_the_readme_main_command's request twice, on a fresh calibration
-folder (the first adaptive request waits for the pair's served calibration). Prints JSON lines;
+and `import deployments.app`'s CPU seconds. `--idle-s S`: after the decode, the CPU its
+processes (the server's session) use in S seconds with no request, per minute and process
+kind (`ray::ServeReplica:...`, `ray::IDLE`, `raylet`, ...), and how many of each run.
+`--readme`: `dsbd serve` with no options (the README's command) and
+test_the_readme_main_command's request twice, on a fresh calibration folder (the first
+adaptive request waits for the pair's served calibration). Prints JSON lines;
 results in benchmarks/results/suite_time_epyc.json ("deployments_by_path",
 "readme_command_first_request")."""
 
@@ -26,14 +29,30 @@ from pathlib import Path
 
 VENV_PYTHON = Path(__file__).resolve().parents[1] / ".venv/bin/python"
 ONE_START = """
-import json, sys, time, tempfile, requests, yaml
+import collections, json, os, sys, time, tempfile, requests, yaml
 from pathlib import Path
 from tests.support.serving_harness import tiny_app
 from tests.support.tiny_models import build_pair
 from dsbd import server_process
+IDLE_S = float(sys.argv[1])
 def busy():
     v = [int(x) for x in open("/proc/stat").readline().split()[1:8]]
     return (v[0] + v[1] + v[2] + v[5] + v[6]) / 100
+def by_kind(session):  # CPU seconds and count of the server's processes, by process title
+    cpu, count = collections.Counter(), collections.Counter()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+            title = open(f"/proc/{pid}/cmdline").read().split("\\0")[0]
+        except OSError:
+            continue
+        if int(stat[3]) != session:
+            continue
+        # a Ray worker's title names its task too (ray::ServeController.listen_for_change)
+        kind = title.split(".")[0] if title.startswith("ray::") else Path(title).name
+        cpu[kind] += (int(stat[11]) + int(stat[12])) / os.sysconf("SC_CLK_TCK")
+        count[kind] += 1
+    return cpu, count
 root = Path(tempfile.mkdtemp())
 target, draft = build_pair(root / "models")
 config = root / "serve.yaml"
@@ -45,11 +64,21 @@ body = {"prompt_ids": [5, 17, 42], "max_new_tokens": 8, "seed": 1, "adaptive": F
 t1 = time.time()
 beams = requests.post(f"{server.base_url}/v1/dsbd/generate", json=body, timeout=300).json()["beams"]
 decode = time.time() - t1
+record = {"ready_s": round(ready, 1), "machine_cpu_s": round(cpu, 1),
+          "first_decode_s": round(decode, 2), "beams": len(beams)}
+if IDLE_S:  # the server's processes' CPU over IDLE_S seconds with no request, by kind
+    session = os.getsid(server.process.pid)
+    start, count = by_kind(session)
+    time.sleep(IDLE_S)
+    end, _ = by_kind(session)
+    record["processes"] = dict(count)
+    record["idle_cpu_s_per_min"] = {
+        kind: round((end[kind] - start[kind]) * 60 / IDLE_S, 2) for kind in sorted(end)
+    }
 t2 = time.time()
-left = server_process.stop(server)
-print(json.dumps({"ready_s": round(ready, 1), "machine_cpu_s": round(cpu, 1),
-                  "first_decode_s": round(decode, 2), "beams": len(beams),
-                  "stop_s": round(time.time() - t2, 1), "left": left}))
+record["left"] = server_process.stop(server)
+record["stop_s"] = round(time.time() - t2, 1)
+print(json.dumps(record))
 """
 README = """
 import json, signal, time
@@ -74,9 +103,9 @@ print(json.dumps(out))
 """
 
 
-def _run(tree: Path, code: str, env: dict[str, str]) -> str:
+def _run(tree: Path, code: str, env: dict[str, str], *args: str) -> str:
     done = subprocess.run(
-        [str(VENV_PYTHON), "-c", code],
+        [str(VENV_PYTHON), "-c", code, *args],
         cwd=tree,
         env={**env, "PYTHONPATH": str(tree)},
         capture_output=True,
@@ -98,6 +127,9 @@ def main() -> int:
     parser.add_argument("--trees", nargs="+", type=Path, required=True)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--readme", action="store_true", help="the README's command instead")
+    parser.add_argument(
+        "--idle-s", type=float, default=0, help="then this long idle: its CPU by process kind"
+    )
     args = parser.parse_args()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     env["TOKENIZERS_PARALLELISM"] = "false"
@@ -109,7 +141,7 @@ def main() -> int:
                 env["DSBD_CALIBRATION_DIR"] = tempfile.mkdtemp()
                 record.update(json.loads(_run(tree, README, env)))
             else:
-                record.update(json.loads(_run(tree, ONE_START, env)))
+                record.update(json.loads(_run(tree, ONE_START, env, str(args.idle_s))))
                 record["import_app_cpu_s"] = _import_cpu_s(tree, env)
             print(json.dumps(record), flush=True)
     print(json.dumps({"load_after": os.getloadavg()[0]}), flush=True)

@@ -85,6 +85,12 @@ GLIBC_MALLOC_ARENAS = "2"
 # A replica lost or a deployment changed is acted on at most 0.4 s later; requests never wait
 # on the walk.
 SERVE_CONTROL_LOOP_S = "0.5"
+# Ray starts idle Python workers when the first driver connects, for tasks that might come
+# (`prestart_worker_first_driver`); Serve's controller, proxy and replicas never took one, so
+# each local Ray carried two idle workers that cost ~1.4 CPU-s to start and ~0.9 CPU-s a minute
+# after (2-core AMD EPYC; benchmarks/results/suite_time_epyc.json, "idle_workers"). Off here;
+# a user's own setting wins.
+PRESTART_WORKERS = "0"
 # Ray refuses a smaller object store (ray_constants.OBJECT_STORE_MINIMUM_MEMORY_BYTES).
 OBJECT_STORE_MINIMUM_MIB = 75
 
@@ -128,6 +134,9 @@ def loopback_environment(home: Path | None = None) -> dict[str, str]:
         # a user's own interval wins
         "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": os.environ.get(
             "RAY_SERVE_CONTROL_LOOP_INTERVAL_S", SERVE_CONTROL_LOOP_S
+        ),
+        "RAY_prestart_worker_first_driver": os.environ.get(
+            "RAY_prestart_worker_first_driver", PRESTART_WORKERS
         ),
     }
 
