@@ -86,10 +86,10 @@ GLIBC_MALLOC_ARENAS = "2"
 # on the walk.
 SERVE_CONTROL_LOOP_S = "0.5"
 # Ray starts idle Python workers when the first driver connects, for tasks that might come
-# (`prestart_worker_first_driver`); Serve's controller, proxy and replicas never took one, so
-# each local Ray carried two idle workers that cost ~1.4 CPU-s to start and ~0.9 CPU-s a minute
-# after (2-core AMD EPYC; benchmarks/results/suite_time_epyc.json, "idle_workers"). Off here;
-# a user's own setting wins.
+# (`prestart_worker_first_driver`); Serve's controller, proxy and replicas never took one. Off,
+# a one-application server starts with one idle worker fewer (the one left ran the
+# application's build task): ~5 CPU-s less to start and ~0.5 CPU-s a minute less idle (2-core
+# AMD EPYC; benchmarks/results/suite_time_epyc.json, "idle_workers"). A user's setting wins.
 PRESTART_WORKERS = "0"
 # Ray refuses a smaller object store (ray_constants.OBJECT_STORE_MINIMUM_MEMORY_BYTES).
 OBJECT_STORE_MINIMUM_MIB = 75
