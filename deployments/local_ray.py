@@ -91,6 +91,11 @@ SERVE_CONTROL_LOOP_S = "0.5"
 # application's build task): ~5 CPU-s less to start and ~0.5 CPU-s a minute less idle (2-core
 # AMD EPYC; benchmarks/results/suite_time_epyc.json, "idle_workers"). A user's setting wins.
 PRESTART_WORKERS = "0"
+# The local node's settings above, each a default that a user's own value replaces.
+LOCAL_NODE_DEFAULTS = {
+    "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": SERVE_CONTROL_LOOP_S,
+    "RAY_prestart_worker_first_driver": PRESTART_WORKERS,
+}
 # Ray refuses a smaller object store (ray_constants.OBJECT_STORE_MINIMUM_MEMORY_BYTES).
 OBJECT_STORE_MINIMUM_MIB = 75
 
@@ -131,13 +136,7 @@ def loopback_environment(home: Path | None = None) -> dict[str, str]:
         # 2-core machine (measured: under strace and a parallel job) the proxy needs longer.
         "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60",
         "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "60",
-        # a user's own interval wins
-        "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": os.environ.get(
-            "RAY_SERVE_CONTROL_LOOP_INTERVAL_S", SERVE_CONTROL_LOOP_S
-        ),
-        "RAY_prestart_worker_first_driver": os.environ.get(
-            "RAY_prestart_worker_first_driver", PRESTART_WORKERS
-        ),
+        **{name: os.environ.get(name, value) for name, value in LOCAL_NODE_DEFAULTS.items()},
     }
 
 

@@ -184,16 +184,24 @@ def test_ray_env_prints_the_loopback_settings() -> None:
     done = subprocess.run([*DSBD, "ray-env"], capture_output=True, text=True, timeout=60)
     settings = _printed(done.stdout)
     assert settings["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "0"
+    assert settings["RAY_prestart_worker_first_driver"] == "0"  # no idle workers prestarted
     assert (Path(settings["HOME"]) / "ray_bootstrap_config.yaml").is_file()
     shutil.rmtree(settings["HOME"])  # the printed HOME outlives `dsbd ray-env` for `serve run`
     assert settings["MALLOC_ARENA_MAX"] == "2"  # Ray's glibc processes (deployments.local_ray)
     assert settings["RAY_SERVE_CONTROL_LOOP_INTERVAL_S"] == "0.5"  # Serve's controller's walk
-    # the user's own memory settings and controller interval win, as in `dsbd serve`
-    mine = {**os.environ, "MALLOC_ARENA_MAX": "4", "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.2"}
+    # the user's own memory settings, controller interval and worker prestart win, as in
+    # `dsbd serve`
+    mine = {
+        **os.environ,
+        "MALLOC_ARENA_MAX": "4",
+        "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.2",
+        "RAY_prestart_worker_first_driver": "1",
+    }
     done = subprocess.run([*DSBD, "ray-env"], capture_output=True, text=True, timeout=60, env=mine)
     shutil.rmtree(_printed(done.stdout)["HOME"])
     assert "MALLOC_ARENA_MAX=4" in done.stdout.split(), done.stdout
     assert "RAY_SERVE_CONTROL_LOOP_INTERVAL_S=0.2" in done.stdout.split(), done.stdout
+    assert "RAY_prestart_worker_first_driver=1" in done.stdout.split(), done.stdout
 
 
 def test_serve_options_pass_through_to_serve_over_dsbds_own() -> None:
