@@ -1,6 +1,6 @@
 """How long a `dsbd serve` takes to be ready, code against code, interleaved.
 
-    python benchmarks/server_start.py --trees /tmp/base /tmp/new --rounds 3 [--idle-s 60]
+    python benchmarks/server_start.py --trees /tmp/base /tmp/new --rounds 3 [--idle-s 60] [--shared]
     python benchmarks/server_start.py --trees . --readme
 
 Each tree is a checkout (a `git worktree` of the commit to measure, with `.venv` linked to this
@@ -11,6 +11,7 @@ the wall seconds of the stop (SIGINT until no process of the server is left),
 and `import deployments.app`'s CPU seconds. `--idle-s S`: after the decode, the CPU its
 processes (the server's session) use in S seconds with no request, per minute and process
 kind (`ray::ServeReplica:...`, `ray::IDLE`, `raylet`, ...), and how many of each run.
+`--shared`: the test suite's shared server (serving_harness.write_config) instead.
 `--readme`: `dsbd serve` with no options (the README's command) and
 test_the_readme_main_command's request twice, on a fresh calibration folder (the first
 adaptive request waits for the pair's served calibration). Prints JSON lines;
@@ -31,10 +32,10 @@ VENV_PYTHON = Path(__file__).resolve().parents[1] / ".venv/bin/python"
 ONE_START = """
 import collections, json, os, sys, time, tempfile, requests, yaml
 from pathlib import Path
-from tests.support.serving_harness import tiny_app
-from tests.support.tiny_models import build_pair
+from tests.support.serving_harness import tiny_app, write_config
+from tests.support.tiny_models import build_pair, build_wide
 from dsbd import server_process
-IDLE_S = float(sys.argv[1])
+IDLE_S, SHARED = float(sys.argv[1]), sys.argv[2] == "shared"
 def busy():
     v = [int(x) for x in open("/proc/stat").readline().split()[1:8]]
     return (v[0] + v[1] + v[2] + v[5] + v[6]) / 100
@@ -57,6 +58,9 @@ root = Path(tempfile.mkdtemp())
 target, draft = build_pair(root / "models")
 config = root / "serve.yaml"
 config.write_text(yaml.safe_dump({"applications": [tiny_app(target, draft)]}))
+if SHARED:  # the test suite's shared server: six applications, 33 replicas, 2 TP ranks
+    (root / "shared").mkdir()
+    config = write_config(root / "shared", target, draft, build_wide(root / "wide"))
 t0, c0 = time.time(), busy()
 server = server_process.start(root / "server", config, num_cpus=8)
 ready, cpu = time.time() - t0, busy() - c0
@@ -130,6 +134,9 @@ def main() -> int:
     parser.add_argument(
         "--idle-s", type=float, default=0, help="then this long idle: its CPU by process kind"
     )
+    parser.add_argument(
+        "--shared", action="store_true", help="the test suite's shared server instead"
+    )
     args = parser.parse_args()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     env["TOKENIZERS_PARALLELISM"] = "false"
@@ -141,7 +148,17 @@ def main() -> int:
                 env["DSBD_CALIBRATION_DIR"] = tempfile.mkdtemp()
                 record.update(json.loads(_run(tree, README, env)))
             else:
-                record.update(json.loads(_run(tree, ONE_START, env, str(args.idle_s))))
+                record.update(
+                    json.loads(
+                        _run(
+                            tree,
+                            ONE_START,
+                            env,
+                            str(args.idle_s),
+                            "shared" if args.shared else "one",
+                        )
+                    )
+                )
                 record["import_app_cpu_s"] = _import_cpu_s(tree, env)
             print(json.dumps(record), flush=True)
     print(json.dumps({"load_after": os.getloadavg()[0]}), flush=True)
