@@ -108,7 +108,6 @@ def serve(schema: Any, options: ServeOptions) -> int:
     Returns the exit status: 0 after a requested stop, 1 when the applications failed or were
     not running within `options.timeout`.
     """
-    from ray import serve as ray_serve
     from ray.serve._private import api as serve_api
 
     from deployments.local_ray import metrics_url, start_local_ray, stop_local_ray
@@ -147,7 +146,7 @@ def serve(schema: Any, options: ServeOptions) -> int:
         )
         client.deploy_apps(schema, _blocking=False)
         names = [app.name for app in schema.applications]
-        if not _wait_running(ray_serve, names, options.timeout, stopping):
+        if not _wait_running(client, names, options.timeout, stopping):
             return 1
         url = f"http://{options.host}:{options.port}"
         for app in schema.applications:
@@ -174,30 +173,30 @@ def serve(schema: Any, options: ServeOptions) -> int:
             print(f"dsbd: stopped what outlived Ray's shutdown: {', '.join(ended)}", flush=True)
 
 
-def _wait_running(serve: Any, names: list[str], timeout: float, stopping: list) -> bool:
-    """Poll until every application runs, one has failed, or `timeout` passes.
+def _wait_running(client: Any, names: list[str], timeout: float, stopping: list) -> bool:
+    """Poll every second until every application runs, one has failed, or `timeout` passes.
 
-    `serve.status()` is not cheap on the client: it rebuilds every deployment's request-router
-    config, cloudpickling the router class each time (~0.3 s of CPU with four applications).
-    Polled each second, it took ~70 of the ~480 s of CPU that starting the four-application
-    test server costs on two cores (py-spy, ps). The pause after a call is nine times the CPU
-    that call took (1-5 s), so polling stays within a tenth of one core while replicas start."""
+    Polled through the controller's status overviews (`list_serve_statuses`: an application's
+    status and message), not `serve.status()`, which builds every deployment's whole details
+    on the client (cloudpickling each request-router class): on the tests' six-application
+    server 0.37 CPU-s of this process per call against 0.001 (Serve's controller: 0.023
+    against 0.001; benchmarks/results/suite_time_epyc.json, "ready_polling")."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and not stopping:
-        asked = time.thread_time()
-        statuses = serve.status().applications
-        pause = min(5.0, max(1.0, 9 * (time.thread_time() - asked)))
-        states = {n: statuses[n].status if n in statuses else "NOT_STARTED" for n in names}
+        overviews = {
+            overview.name: overview.app_status for overview in client.list_serve_statuses()
+        }
+        states = {n: overviews[n].status if n in overviews else "NOT_STARTED" for n in names}
         failed = [n for n, s in states.items() if s in ("DEPLOY_FAILED", "UNHEALTHY")]
         if failed:
             for name in failed:
                 print(
-                    f"dsbd: application {name!r} failed: {statuses[name].message}", file=sys.stderr
+                    f"dsbd: application {name!r} failed: {overviews[name].message}", file=sys.stderr
                 )
             return False
         if all(s == "RUNNING" for s in states.values()):
             return True
-        time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
+        time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
     if not stopping:
         print(f"dsbd: the applications were not running after {timeout:.0f} s", file=sys.stderr)
     return False

@@ -32,7 +32,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
-from dsbd_core.models.conversion import cached_conversion, convert_gguf, converted_gguf
+from dsbd_core.models.conversion import cached_conversion, converted_gguf
 from dsbd_core.models.deltas import build_from_delta
 from dsbd_core.models.draft_variants import output_size
 from dsbd_core.models.errors import ModelSourceError, VocabularyMismatchError
@@ -107,9 +107,8 @@ def prepare_preset(name: str) -> Path:
                 "verifies their sha256 and converts them once)"
             )
         return path
-    if name == TARGET_PRESET:
-        gguf = smollm2_gguf_path()
-        return cached_conversion(TARGET_PRESET, lambda out: convert_gguf(gguf, out))
+    if name == TARGET_PRESET:  # the embedded GGUF file's own conversion, shared with its path
+        return converted_gguf(smollm2_gguf_path())
     if name == DISTILLED_PRESET:
         delta = SHIPPED_DRAFTS / name
         if not (delta / "delta.json").is_file():
