@@ -314,21 +314,27 @@ free_port = server_process.free_port
 
 
 def in_process_decoder(server: dict[str, Any]) -> Any:
-    """In-process decoding of the same models: what every distributed decode must equal."""
+    """In-process decoding of the same models: what every distributed decode must equal.
+    A seeded decode is a function of its arguments, so each is run once per module and its
+    result reused (the three kill tests decode the same 20 bodies)."""
     target = load_causal_lm(str(server["target"]), dtype=torch.float64)
     draft = load_causal_lm(str(server["draft"]), dtype=torch.float64)
     _, stop_ids = load_tokenizer(str(server["target"]))
+    decoded: dict[str, Any] = {}
 
     def decode(method: str, prompt_ids: list[int], stop: Any = None, **knobs: Any):
-        config = SamplingConfig(**{"eos_token_ids": stop_ids, **knobs})  # knobs may set it
-        return generate(
-            method,
-            TransformerScorer(target.model),
-            prompt_ids,
-            config,
-            draft=TransformerScorer(draft.model) if method in METHODS_WITH_DRAFT else None,
-            stop=stop,
-        )
+        key = json.dumps([method, prompt_ids, stop, knobs], sort_keys=True, default=repr)
+        if key not in decoded:
+            config = SamplingConfig(**{"eos_token_ids": stop_ids, **knobs})  # knobs may set it
+            decoded[key] = generate(
+                method,
+                TransformerScorer(target.model),
+                prompt_ids,
+                config,
+                draft=TransformerScorer(draft.model) if method in METHODS_WITH_DRAFT else None,
+                stop=stop,
+            )
+        return decoded[key]
 
     return decode
 

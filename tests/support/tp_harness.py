@@ -10,6 +10,7 @@ after one near-tie.
 from __future__ import annotations
 
 import copy
+import multiprocessing
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -187,7 +188,10 @@ def run_on_ranks(
     and run its group with `timeout_s`. `accelerator` is what torch reports in the ranks
     (`torch._C._get_accelerator`): "cuda" plays a CUDA build of torch, as on a GPU host."""
     out = tmp / f"tp{world}"
-    mp.spawn(
+    # Forked from a server process that has imported this module (torch, transformers, the
+    # engine) once per test process: a spawned rank paid those imports each time.
+    multiprocessing.set_forkserver_preload([__name__])
+    mp.start_processes(
         _rank_main,
         args=(
             world,
@@ -201,6 +205,7 @@ def run_on_ranks(
         ),
         nprocs=world,
         join=True,
+        start_method="forkserver",
     )
     reports = [torch.load(f"{out}.rank{r}", weights_only=False) for r in range(world)]
     for report in reports:
