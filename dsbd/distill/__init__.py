@@ -37,23 +37,53 @@ The trained draft is written as a standard transformers directory (`export`).
 
 from __future__ import annotations
 
-from dsbd.distill.cache import build_cache, load_heldout
-from dsbd.distill.config import TrainConfig
-from dsbd.distill.data import TeacherData
-from dsbd.distill.draft import DraftSpec, make_draft, trainable_state
-from dsbd.distill.export import export_checkpoint, save_draft
-from dsbd.distill.identity import (
-    CACHE_FORMAT,
-    CacheConfig,
-    CachePlan,
-    cache_differences,
-    cache_meta,
-    default_work_dir,
-    target_identity,
-)
-from dsbd.distill.loss import kd_loss
-from dsbd.distill.text import default_text_sources
-from dsbd.distill.training import train
+from typing import TYPE_CHECKING
+
+from dsbd_core.algorithm.lazy_names import lazy_names
+
+if TYPE_CHECKING:
+    from dsbd.distill.cache import build_cache, load_heldout
+    from dsbd.distill.config import DraftSpec, TrainConfig
+    from dsbd.distill.data import TeacherData
+    from dsbd.distill.draft import make_draft, trainable_state
+    from dsbd.distill.export import export_checkpoint, save_draft
+    from dsbd.distill.identity import (
+        CACHE_FORMAT,
+        CacheConfig,
+        CachePlan,
+        cache_differences,
+        cache_meta,
+        default_work_dir,
+        target_identity,
+    )
+    from dsbd.distill.loss import kd_loss
+    from dsbd.distill.text import default_text_sources
+    from dsbd.distill.training import train
+
+# name -> the module of this package that defines it, imported on first use
+_EXPORTS = {
+    "build_cache": "cache",
+    "load_heldout": "cache",
+    "TrainConfig": "config",
+    "DraftSpec": "config",
+    "TeacherData": "data",
+    "make_draft": "draft",
+    "trainable_state": "draft",
+    "export_checkpoint": "export",
+    "save_draft": "export",
+    "CACHE_FORMAT": "identity",
+    "CacheConfig": "identity",
+    "CachePlan": "identity",
+    "cache_differences": "identity",
+    "cache_meta": "identity",
+    "default_work_dir": "identity",
+    "target_identity": "identity",
+    "kd_loss": "loss",
+    "default_text_sources": "text",
+    "train": "training",
+}
+
+__getattr__, __dir__ = lazy_names(__name__, _EXPORTS, globals())
 
 __all__ = [
     "CACHE_FORMAT",

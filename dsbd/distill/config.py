@@ -1,9 +1,27 @@
-"""Optimisation settings of a distillation run, and which of them a resumed run may change."""
+"""The settings of a distillation run: the draft's architecture (`DraftSpec`), the optimisation
+(`TrainConfig`) and which of them a resumed run may change. Torch-free: `dsbd --help` reads
+the defaults."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+
+
+@dataclass
+class DraftSpec:
+    """The draft's architecture: `cut` or `small` (`dsbd.distill.draft` says what each is)."""
+
+    arch: str = "cut"  # "cut" | "small"
+    layers: int = 4
+    hidden: int = 256  # small only
+    intermediate: int | None = None  # small only; default ~2.7 x hidden
+
+    def __post_init__(self) -> None:
+        if self.arch not in ("cut", "small"):
+            raise ValueError(f"arch={self.arch!r}: allowed 'cut' or 'small'")
+        if self.layers < 1:
+            raise ValueError(f"layers={self.layers}: must be >= 1")
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""The draft's architecture (`DraftSpec`) and its construction from the target (`make_draft`).
+"""The draft's construction from the target (`make_draft`) for its architecture (`DraftSpec`,
+in `config`).
 
 - `cut`: the target's first `layers` decoder layers, final norm and (frozen, shared) embedding /
   head, then trained. Starts from the target's own features and its exact output space.
@@ -8,27 +9,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from dsbd.acceptance import model_device
-
-
-@dataclass
-class DraftSpec:
-    """The draft's architecture (see the module docstring)."""
-
-    arch: str = "cut"  # "cut" | "small"
-    layers: int = 4
-    hidden: int = 256  # small only
-    intermediate: int | None = None  # small only; default ~2.7 x hidden
-
-    def __post_init__(self) -> None:
-        if self.arch not in ("cut", "small"):
-            raise ValueError(f"arch={self.arch!r}: allowed 'cut' or 'small'")
-        if self.layers < 1:
-            raise ValueError(f"layers={self.layers}: must be >= 1")
+from dsbd.distill.config import DraftSpec  # torch-free: the CLI's parser reads its defaults
 
 
 def make_draft(target_model, spec: DraftSpec, seed: int):

@@ -297,23 +297,35 @@ def test_the_algorithm_imports_nothing_heavy() -> None:
     assert out.stdout.strip() == ""
 
 
+# The CLI's whole parser (every command's flags and their defaults) and `dsbd ray-env`.
+_PARSE = """
+with contextlib.redirect_stdout(io.StringIO()):
+    dsbd.cli.build_parser().parse_args(["distill", "--out", "x"])
+    dsbd.cli.main(["ray-env"])
+"""
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("module", "absent"),
+    ("module", "then", "absent"),
     [
-        ("dsbd.cli", ("torch", "transformers", "ray")),
-        ("deployments.decode.session_registry", ("torch", "transformers")),
-        ("deployments.app", ("torch", "transformers")),
-        ("deployments.llm_serving", ("torch", "transformers")),
+        ("dsbd.cli", "", ("torch", "transformers", "ray")),
+        ("dsbd.cli", _PARSE, ("torch", "transformers", "ray")),
+        ("deployments.decode.session_registry", "", ("torch", "transformers")),
+        ("deployments.app", "", ("torch", "transformers")),
+        ("deployments.llm_serving", "", ("torch", "transformers")),
     ],
 )
-def test_entry_points_import_only_what_they_use(module: str, absent: tuple[str, ...]) -> None:
+def test_entry_points_import_only_what_they_use(
+    module: str, then: str, absent: tuple[str, ...]
+) -> None:
     """The CLI parses (`dsbd --help`, flag errors, `dsbd ray-env`) without torch, transformers
     or Ray, Serve's SessionRegistry replica starts without torch, and an application is built
     (`dsbd serve`'s config check, Serve's build task, `serve run`) without the replicas' code
     (deployments/definitions.py): what a process imports is most of the CPU it spends starting
     (a server starts a dozen replicas at once)."""
-    code = f"import sys, {module}; print(','.join(m for m in {absent!r} if m in sys.modules))"
+    found = f"print(','.join(m for m in {absent!r} if m in sys.modules))"
+    code = f"import contextlib, io, sys, {module}\n{then}\n{found}"
     out = subprocess.run(
         [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True
     )
