@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -66,11 +67,29 @@ def application(config: Path | None, name: str | None) -> tuple[AppArgs, str]:
     return AppArgs.model_validate(chosen[0].get("args") or {}), prefix
 
 
+# Ports the kernel never hands out by itself (below its ephemeral range) and Ray never takes:
+# its workers listen on 10002-19999, its other processes on ephemeral ports or fixed ones below.
+_CHOSEN_PORTS = (20000, 32767)
+
+
 def free_port() -> int:
-    """A loopback port nothing listens on now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A loopback port nothing listens on now, below the kernel's ephemeral range: a port that
+    `bind(0)` picked could be handed to another process (a Ray process of a server starting
+    beside, an outgoing connection) before the server that was given it binds it (a Serve
+    proxy once failed so, "Failed to bind to address")."""
+    low, high = _CHOSEN_PORTS
+    with contextlib.suppress(OSError, ValueError):
+        ephemeral = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        high = min(high, int(ephemeral[0]) - 1)
+    for _ in range(200):
+        port = random.randint(low, high) if high > low else 0
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return sock.getsockname()[1]
+    raise OSError(f"no free loopback port in {low}-{high}")
 
 
 def start(
