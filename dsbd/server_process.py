@@ -75,8 +75,8 @@ _CHOSEN_PORTS = (20000, 32767)
 def free_port() -> int:
     """A loopback port nothing listens on now, below the kernel's ephemeral range: a port that
     `bind(0)` picked could be handed to another process (a Ray process of a server starting
-    beside, an outgoing connection) before the server that was given it binds it (a Serve
-    proxy once failed so, "Failed to bind to address")."""
+    beside, an outgoing connection) before the server that was given it binds it (its Serve
+    proxy then fails: "Failed to bind to address")."""
     low, high = _CHOSEN_PORTS
     with contextlib.suppress(OSError, ValueError):
         ephemeral = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
