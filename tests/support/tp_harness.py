@@ -188,8 +188,8 @@ def run_on_ranks(
     and run its group with `timeout_s`. `accelerator` is what torch reports in the ranks
     (`torch._C._get_accelerator`): "cuda" plays a CUDA build of torch, as on a GPU host."""
     out = tmp / f"tp{world}"
-    # Forked from a server process that has imported this module (torch, transformers, the
-    # engine) once per test process: a spawned rank paid those imports each time.
+    # Each rank forks from a forkserver that imported this module (torch, transformers, the
+    # engine) once per test process; a spawned rank would import them all again.
     multiprocessing.set_forkserver_preload([__name__])
     mp.start_processes(
         _rank_main,
