@@ -50,6 +50,14 @@ def one_round(commit: str, folder: Path) -> dict[str, object]:
     return {"commit": commit, "setup": setup, "mypy_cold": mypy}
 
 
+def _cpu_name() -> str:
+    """The CPU's model name as the kernel reports it (platform.processor() says only x86_64)."""
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.machine()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--commits", nargs=2, required=True, metavar=("BASE", "NEW"))
@@ -64,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     env_folders = os.environ.get("PIP_FIND_LINKS", "")
     result: dict[str, object] = {
-        "machine": platform.processor() or platform.machine(),
+        "machine": _cpu_name(),
         "cpus": os.cpu_count(),
         "pip_find_links": env_folders,
         "load_before": os.getloadavg()[0],
