@@ -11,11 +11,11 @@ if [ ! -x .venv/bin/python ]; then
     "$PYTHON" -m venv .venv
 fi
 # The installs go through uv (pinned in constraints.txt, itself installed by pip): it resolves,
-# unpacks and byte-compiles in parallel, ~55 s against pip's ~185 s for the same 181 packages at
-# the same versions on the 2-core AMD EPYC (docs/ARCHITECTURE.md, "Tests"). Byte-compiling at
-# install matters: where PYTHONDONTWRITEBYTECODE is set, nothing is compiled later and every
-# process would compile torch and Ray again. uv does not read pip's configuration, so the
-# local wheel folders pip is pointed at (PIP_FIND_LINKS) are passed on.
+# unpacks and byte-compiles in parallel: 57-65 s against pip's 145-186 s for the same 181
+# packages at the same versions on the 2-core AMD EPYC (docs/ARCHITECTURE.md, "Tests").
+# Byte-compiling at install matters: where PYTHONDONTWRITEBYTECODE is set, nothing is compiled
+# later and every process would compile torch and Ray again. uv does not read pip's
+# configuration, so the local wheel folders pip is pointed at (PIP_FIND_LINKS) are passed on.
 .venv/bin/pip install --quiet -c constraints.txt uv
 FIND_LINKS=()
 for folder in ${PIP_FIND_LINKS:-}; do
