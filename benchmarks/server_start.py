@@ -12,6 +12,8 @@ and `import deployments.app`'s CPU seconds. `--idle-s S`: after the decode, the 
 processes (the server's session) use in S seconds with no request, per minute and process
 kind (`ray::ServeReplica:...`, `ray::IDLE`, `raylet`, ...), and how many of each run.
 `--shared`: the test suite's shared server (serving_harness.write_config) instead.
+`--envs 'A=1 B=2' ''`: each tree under each of these settings (added to the environment), the
+runs of a round in turn and every other round reversed.
 `--readme`: `dsbd serve` with no options (the README's command) and
 test_the_readme_main_command's request twice, on a fresh calibration folder (the first
 adaptive request waits for the pair's served calibration). Prints JSON lines;
@@ -137,13 +139,21 @@ def main() -> int:
     parser.add_argument(
         "--shared", action="store_true", help="the test suite's shared server instead"
     )
+    parser.add_argument(
+        "--envs",
+        nargs="+",
+        default=[""],
+        help="settings to compare on each tree, each 'NAME=VALUE ...' ('' for none), interleaved",
+    )
     args = parser.parse_args()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    env["TOKENIZERS_PARALLELISM"] = "false"
+    base = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    base["TOKENIZERS_PARALLELISM"] = "false"
     print(json.dumps({"load_before": os.getloadavg()[0]}), flush=True)
+    runs = [(tree, settings) for tree in args.trees for settings in args.envs]
     for round_ in range(args.rounds):
-        for tree in args.trees:
-            record = {"round": round_ + 1, "tree": str(tree)}
+        for tree, settings in runs if round_ % 2 == 0 else runs[::-1]:
+            record = {"round": round_ + 1, "tree": str(tree), "envs": settings}
+            env = {**base, **dict(item.split("=", 1) for item in settings.split())}
             if args.readme:
                 env["DSBD_CALIBRATION_DIR"] = tempfile.mkdtemp()
                 record.update(json.loads(_run(tree, README, env)))
