@@ -62,6 +62,14 @@ _connections: list[Any] = []
 # Serve's health checks every second: a lost replica (or TP rank) is replaced in seconds.
 QUICK_HEALTH_CHECKS = {"health_check_period_s": 1, "health_check_timeout_s": 20}
 
+# The shared server's metrics recorded as calls happen instead of flushed every 0.1 s by a loop
+# in every replica and handle (Serve's `RAY_SERVE_METRICS_EXPORT_INTERVAL_MS`, 0: no loop). Its
+# 30 replicas idle through most of its tests; a one-application server's five idled on 2.6-3.3
+# CPU-s a minute against 3.3-4.0 (2 interleaved rounds on the 2-core AMD EPYC;
+# benchmarks/results/suite_time_epyc.json, "metrics_export_idle"). No test of this server reads
+# Serve's own metrics; `dsbd serve` itself keeps Serve's default.
+SHARED_SERVER_ENV = {"RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "0"}
+
 
 def _audit(event: str, args: tuple) -> None:
     if event == "socket.connect":
@@ -250,7 +258,8 @@ def running_server(root: Path) -> Iterator[dict[str, Any]]:
         }
         return
     target, draft = build_pair(root / "models")
-    with serving(root, write_config(root, target, draft, build_wide(root / "wide"))) as info:
+    config = write_config(root, target, draft, build_wide(root / "wide"))
+    with serving(root, config, env=SHARED_SERVER_ENV) as info:
         yield {**info, "target": target, "draft": draft}
 
 
