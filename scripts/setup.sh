@@ -23,7 +23,7 @@ for folder in ${PIP_FIND_LINKS:-}; do
 done
 uv_install() {
     .venv/bin/uv pip install --quiet --python .venv/bin/python --compile-bytecode \
-        "${FIND_LINKS[@]}" "$@"
+        ${FIND_LINKS[@]+"${FIND_LINKS[@]}"} "$@"
 }
 # torch FIRST and with exactly this spec: it resolves to the CPU wheel here, while any other
 # spec (or letting a dependency pull it) downloads gigabytes of CUDA packages.
