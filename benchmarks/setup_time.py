@@ -13,13 +13,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
 import shutil
 import subprocess
 import tempfile
 import time
 from pathlib import Path
+
+from dsbd_core.models.calibrate import machine
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -50,14 +51,6 @@ def one_round(commit: str, folder: Path) -> dict[str, object]:
     return {"commit": commit, "setup": setup, "mypy_cold": mypy}
 
 
-def _cpu_name() -> str:
-    """The CPU's model name as the kernel reports it (platform.processor() says only x86_64)."""
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.machine()
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--commits", nargs=2, required=True, metavar=("BASE", "NEW"))
@@ -70,11 +63,10 @@ def main(argv: list[str] | None = None) -> int:
         ).stdout.strip()
         for c in args.commits
     ]
-    env_folders = os.environ.get("PIP_FIND_LINKS", "")
     result: dict[str, object] = {
-        "machine": _cpu_name(),
+        "machine": machine()["cpu"],
         "cpus": os.cpu_count(),
-        "pip_find_links": env_folders,
+        "pip_find_links": os.environ.get("PIP_FIND_LINKS", ""),
         "load_before": os.getloadavg()[0],
     }
     rounds: list[dict[str, object]] = []
