@@ -25,6 +25,7 @@ from dsbd_core.models import (
     loading,
     stop_token_ids,
 )
+from dsbd_core.models.conversion import gguf_entry
 from tests.support.tiny_models import save_tiny_model, tiny_tokens
 
 torch.set_num_threads(1)
@@ -174,3 +175,19 @@ def test_gguf_file_loads_directly() -> None:
     loaded = load_causal_lm(str(models.smollm2_gguf_path()))
     assert loaded.vocab_size == 49152
     assert loaded.path is not None and loaded.path.parent == models.cache_root()
+
+
+def test_a_gguf_files_cache_entry_follows_its_content_not_its_place(tmp_path: Path) -> None:
+    """The embedded file copied elsewhere (as a new virtual environment installs it) names the
+    same converted entry; a changed byte names another."""
+    embedded = models.smollm2_gguf_path()
+    copy = tmp_path / "elsewhere" / embedded.name
+    copy.parent.mkdir()
+    copy.write_bytes(embedded.read_bytes())
+    assert gguf_entry(copy) == gguf_entry(embedded)
+    with copy.open("r+b") as file:
+        file.seek(-1, 2)
+        last = file.read(1)
+        file.seek(-1, 2)
+        file.write(bytes([last[0] ^ 1]))
+    assert gguf_entry(copy) != gguf_entry(embedded)

@@ -297,11 +297,13 @@ def test_the_algorithm_imports_nothing_heavy() -> None:
     assert out.stdout.strip() == ""
 
 
-# The CLI's whole parser (every command's flags and their defaults) and `dsbd ray-env`.
+# The CLI's whole parser (every command's flags and their defaults) and `dsbd ray-env`, whose
+# printed HOME (kept for `serve run`) is removed.
 _PARSE = """
-with contextlib.redirect_stdout(io.StringIO()):
+with contextlib.redirect_stdout(io.StringIO()) as printed:
     dsbd.cli.build_parser().parse_args(["distill", "--out", "x"])
     dsbd.cli.main(["ray-env"])
+shutil.rmtree(dict(x.split("=", 1) for x in printed.getvalue().split())["HOME"])
 """
 
 
@@ -325,7 +327,7 @@ def test_entry_points_import_only_what_they_use(
     (deployments/definitions.py): what a process imports is most of the CPU it spends starting
     (a server starts a dozen replicas at once)."""
     found = f"print(','.join(m for m in {absent!r} if m in sys.modules))"
-    code = f"import contextlib, io, sys, {module}\n{then}\n{found}"
+    code = f"import contextlib, io, shutil, sys, {module}\n{then}\n{found}"
     out = subprocess.run(
         [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True
     )
