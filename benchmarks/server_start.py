@@ -10,7 +10,9 @@ stopped; the wall seconds to ready and the machine's busy CPU seconds over the s
 the wall seconds of the stop (SIGINT until no process of the server is left),
 and `import deployments.app`'s CPU seconds. `--idle-s S`: after the decode, the CPU its
 processes (the server's session) use in S seconds with no request, per minute and process
-kind (`ray::ServeReplica:...`, `ray::IDLE`, `raylet`, ...), and how many of each run.
+kind (`ray::ServeReplica:...`, `ray::IDLE`, `raylet`, ...), and how many of each run; and the
+20 busiest threads (main threads by process kind, the others by name, summed over processes):
+CPU seconds a minute and context switches (wake-ups) a second.
 `--shared`: the test suite's shared server (serving_harness.write_config) instead.
 `--envs 'A=1 B=2' ''`: each tree under each of these settings (added to the environment), the
 runs of a round in turn and every other round reversed.
@@ -41,21 +43,36 @@ IDLE_S, SHARED = float(sys.argv[1]), sys.argv[2] == "shared"
 def busy():
     v = [int(x) for x in open("/proc/stat").readline().split()[1:8]]
     return (v[0] + v[1] + v[2] + v[5] + v[6]) / 100
-def by_kind(session):  # CPU seconds and count of the server's processes, by process title
-    cpu, count = collections.Counter(), collections.Counter()
+def processes(session):  # (pid, kind, its /proc stat fields) of the server's processes
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             stat = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
             title = open(f"/proc/{pid}/cmdline").read().split("\\0")[0]
         except OSError:
             continue
-        if int(stat[3]) != session:
-            continue
-        # a Ray worker's title names its task too (ray::ServeController.listen_for_change)
-        kind = title.split(".")[0] if title.startswith("ray::") else Path(title).name
+        if int(stat[3]) == session:
+            # a Ray worker's title names its task too (ray::ServeController.listen_for_change)
+            yield pid, title.split(".")[0] if title.startswith("ray::") else Path(title).name, stat
+def by_kind(session):  # CPU seconds and count of the server's processes, by process title
+    cpu, count = collections.Counter(), collections.Counter()
+    for _, kind, stat in processes(session):
         cpu[kind] += (int(stat[11]) + int(stat[12])) / os.sysconf("SC_CLK_TCK")
         count[kind] += 1
     return cpu, count
+def by_thread(session):  # CPU seconds and context switches of its threads: main ones by kind
+    cpu, switches = collections.Counter(), collections.Counter()
+    for pid, kind, _ in processes(session):
+        for tid in os.listdir(f"/proc/{pid}/task") if os.path.isdir(f"/proc/{pid}/task") else ():
+            try:
+                name = open(f"/proc/{pid}/task/{tid}/comm").read().strip()
+                stat = open(f"/proc/{pid}/task/{tid}/stat").read().rsplit(")", 1)[1].split()
+                status = open(f"/proc/{pid}/task/{tid}/status").read().splitlines()
+            except OSError:
+                continue
+            key = f"{kind} (main thread)" if tid == pid else name
+            cpu[key] += (int(stat[11]) + int(stat[12])) / os.sysconf("SC_CLK_TCK")
+            switches[key] += sum(int(x.split()[1]) for x in status if "ctxt_switches" in x)
+    return cpu, switches
 root = Path(tempfile.mkdtemp())
 target, draft = build_pair(root / "models")
 config = root / "serve.yaml"
@@ -75,11 +92,18 @@ record = {"ready_s": round(ready, 1), "machine_cpu_s": round(cpu, 1),
 if IDLE_S:  # the server's processes' CPU over IDLE_S seconds with no request, by kind
     session = os.getsid(server.process.pid)
     start, count = by_kind(session)
+    threads_start = by_thread(session)
     time.sleep(IDLE_S)
     end, _ = by_kind(session)
+    threads_end = by_thread(session)
     record["processes"] = dict(count)
     record["idle_cpu_s_per_min"] = {
         kind: round((end[kind] - start[kind]) * 60 / IDLE_S, 2) for kind in sorted(end)
+    }
+    cpu = {k: (v - threads_start[0][k]) * 60 / IDLE_S for k, v in threads_end[0].items()}
+    record["idle_threads"] = {  # the 20 busiest: CPU-s a minute, context switches a second
+        k: [round(c, 2), round((threads_end[1][k] - threads_start[1][k]) / IDLE_S, 1)]
+        for k, c in sorted(cpu.items(), key=lambda kc: -kc[1])[:20]
     }
 t2 = time.time()
 record["left"] = server_process.stop(server)
