@@ -8,6 +8,7 @@ behind.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import shutil
 import tempfile
@@ -26,14 +27,28 @@ def converted_gguf(path: Path) -> Path:
 
 
 def gguf_entry(path: Path) -> str:
-    """The cache entry's name of a GGUF file: its name and what it holds (sha256), not where it
-    lies: the `smollm2` preset is its embedded file's entry, loading that file by its path
-    finds it, and so does the same file installed anywhere else (a new virtual environment, a
-    fresh clone's): a conversion costs ~25 s of one core and writes ~0.5 GB. Hashing reads the
-    file: ~0.08 s for SmolLM2's 98 MB on the AMD EPYC."""
+    """The cache entry's name of a GGUF file: its name and what it holds (`content_digest`),
+    not where it lies: the `smollm2` preset is its embedded file's entry, loading that file by
+    its path finds it, and so does the same file installed anywhere else (a new virtual
+    environment, a fresh clone's): a conversion costs ~25 s of one core and writes ~0.5 GB."""
+    return f"gguf-{path.stem}-{content_digest(path)}"
+
+
+def content_digest(path: Path) -> str:
+    """The first 12 hex digits of the sha256 of what `path` holds: a cache key that follows a
+    file's content, not its place. Hashing reads the file (~0.08 s for SmolLM2's 98 MB on the
+    AMD EPYC), so it is done once per process for a file left as it was (same size and mtime):
+    a process that loads the embedded pair resolves SmolLM2's file for the target and again for
+    the distilled draft's base."""
+    stat = path.stat()
+    return _sha256(path.resolve(), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.cache
+def _sha256(path: Path, size: int, mtime_ns: int) -> str:
+    """`content_digest` of `path` as it was at `size` and `mtime_ns` (the cache's key)."""
     with path.open("rb") as file:
-        digest = hashlib.file_digest(file, "sha256").hexdigest()[:12]
-    return f"gguf-{path.stem}-{digest}"
+        return hashlib.file_digest(file, "sha256").hexdigest()[:12]
 
 
 def cached_conversion(name: str, build: Callable[[Path], None]) -> Path:

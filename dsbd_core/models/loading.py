@@ -21,7 +21,6 @@ crash or a concurrent run never leaves a half-written cache behind.
 
 from __future__ import annotations
 
-import hashlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +31,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
-from dsbd_core.models.conversion import cached_conversion, converted_gguf
+from dsbd_core.models.conversion import cached_conversion, content_digest, converted_gguf
 from dsbd_core.models.deltas import build_from_delta
 from dsbd_core.models.draft_variants import output_size
 from dsbd_core.models.errors import ModelSourceError, VocabularyMismatchError
@@ -114,7 +113,7 @@ def prepare_preset(name: str) -> Path:
         if not (delta / "delta.json").is_file():
             raise ModelSourceError(f"preset {name!r}: {delta} is missing from this checkout")
         target_dir = prepare_preset(TARGET_PRESET)
-        key = hashlib.sha256((delta / "delta.safetensors").read_bytes()).hexdigest()[:12]
+        key = content_digest(delta / "delta.safetensors")
         return cached_conversion(
             f"{name}-{key}", lambda out: build_from_delta(delta, target_dir, out)
         )
